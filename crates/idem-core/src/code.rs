@@ -1,0 +1,183 @@
+//! gRPC status-code names and a small set type.
+
+use std::fmt;
+
+pub use tonic::Code;
+
+/// Every status code, in numeric order (`OK` = 0 … `UNAUTHENTICATED` = 16).
+pub const ALL_CODES: [Code; 17] = [
+    Code::Ok,
+    Code::Cancelled,
+    Code::Unknown,
+    Code::InvalidArgument,
+    Code::DeadlineExceeded,
+    Code::NotFound,
+    Code::AlreadyExists,
+    Code::PermissionDenied,
+    Code::ResourceExhausted,
+    Code::FailedPrecondition,
+    Code::Aborted,
+    Code::OutOfRange,
+    Code::Unimplemented,
+    Code::Internal,
+    Code::Unavailable,
+    Code::DataLoss,
+    Code::Unauthenticated,
+];
+
+/// The canonical upper-case name of a code, as service configs spell it (`"UNAVAILABLE"`).
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Parses a code name, case-insensitively (`"unavailable"`, `"UNAVAILABLE"`).
+pub fn parse_code_name(name: &str) -> Option<Code> {
+    ALL_CODES
+        .iter()
+        .copied()
+        .find(|c| code_name(*c).eq_ignore_ascii_case(name))
+}
+
+/// Maps an integer 0..=16 to its code; `None` outside that range.
+pub fn code_from_i64(value: i64) -> Option<Code> {
+    usize::try_from(value)
+        .ok()
+        .and_then(|i| ALL_CODES.get(i).copied())
+}
+
+/// A set of status codes, stored as a bitmap (cheap to copy and to test).
+///
+/// ```
+/// use idem_core::code::{Code, CodeSet};
+/// let set: CodeSet = [Code::Unavailable, Code::Aborted].into_iter().collect();
+/// assert!(set.contains(Code::Unavailable));
+/// assert!(!set.contains(Code::Internal));
+/// ```
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct CodeSet(u32);
+
+impl CodeSet {
+    /// The empty set.
+    pub const EMPTY: CodeSet = CodeSet(0);
+    /// All seventeen codes.
+    pub const ALL: CodeSet = CodeSet((1 << 17) - 1);
+
+    /// A set holding one code.
+    pub const fn of(code: Code) -> Self {
+        CodeSet(1 << (code as i32 as u32))
+    }
+    /// This set with `code` added.
+    pub const fn with(self, code: Code) -> Self {
+        CodeSet(self.0 | Self::of(code).0)
+    }
+    /// Adds a code.
+    pub fn insert(&mut self, code: Code) {
+        *self = self.with(code);
+    }
+    /// Whether the set holds `code`.
+    pub const fn contains(self, code: Code) -> bool {
+        self.0 & Self::of(code).0 != 0
+    }
+    /// Whether the set is empty.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    /// Number of codes in the set.
+    pub const fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+    /// The codes not in this set.
+    pub const fn complement(self) -> Self {
+        CodeSet(!self.0 & Self::ALL.0)
+    }
+    /// The codes in both sets.
+    pub const fn intersection(self, other: CodeSet) -> Self {
+        CodeSet(self.0 & other.0)
+    }
+    /// The codes in either set.
+    pub const fn union(self, other: CodeSet) -> Self {
+        CodeSet(self.0 | other.0)
+    }
+    /// The codes, in numeric order.
+    pub fn iter(self) -> impl Iterator<Item = Code> {
+        ALL_CODES.into_iter().filter(move |c| self.contains(*c))
+    }
+}
+
+impl FromIterator<Code> for CodeSet {
+    fn from_iter<I: IntoIterator<Item = Code>>(iter: I) -> Self {
+        let mut set = CodeSet::EMPTY;
+        for c in iter {
+            set.insert(c);
+        }
+        set
+    }
+}
+
+impl fmt::Debug for CodeSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.iter().map(code_name)).finish()
+    }
+}
+
+impl fmt::Display for CodeSet {
+    /// `UNAVAILABLE, ABORTED` (numeric order), or `-` when empty.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_empty() {
+            return f.write_str("-");
+        }
+        for (i, c) in self.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(code_name(c))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_ignore_case() {
+        for (i, c) in ALL_CODES.iter().enumerate() {
+            assert_eq!(*c as i32, i as i32);
+            assert_eq!(parse_code_name(code_name(*c)), Some(*c));
+            assert_eq!(parse_code_name(&code_name(*c).to_lowercase()), Some(*c));
+            assert_eq!(code_from_i64(i as i64), Some(*c));
+        }
+        assert_eq!(parse_code_name("UNAVAILABLEX"), None);
+        assert_eq!(code_from_i64(17), None);
+        assert_eq!(code_from_i64(-1), None);
+    }
+
+    #[test]
+    fn set_ops() {
+        let s = CodeSet::of(Code::Unavailable).with(Code::Ok);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.complement().len(), 15);
+        assert!(!s.complement().contains(Code::Ok));
+        assert_eq!(s.to_string(), "OK, UNAVAILABLE");
+        assert_eq!(CodeSet::ALL.len(), 17);
+    }
+}

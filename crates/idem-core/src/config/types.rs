@@ -1,0 +1,564 @@
+//! Validated domain types. The parser produces them; the layers consume them.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use crate::code::{Code, CodeSet};
+
+/// One finding about a config document: where (a JSON path such as
+/// `methodConfig[0].retryPolicy.maxAttempts`) and what rule it breaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// JSON path of the offending value (`$` for the document itself).
+    pub path: String,
+    /// The rule, in lower case: `must be an integer > 1`.
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Why a config document was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The text is not JSON (or not a JSON object at the top).
+    #[error("invalid JSON at line {line}, column {column}: {message}")]
+    Json {
+        /// 1-based line of the parser's error.
+        line: usize,
+        /// 1-based column of the parser's error.
+        column: usize,
+        /// The parser's message.
+        message: String,
+    },
+    /// The JSON breaks one or more rules; every error is listed.
+    #[error("{} error(s) in service config: {}", .errors.len(), join(.errors))]
+    Invalid {
+        /// Every error found, in document order.
+        errors: Vec<Diagnostic>,
+        /// Warnings found along the way.
+        warnings: Vec<Diagnostic>,
+    },
+}
+
+fn join(d: &[Diagnostic]) -> String {
+    d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("; ")
+}
+
+/// A valid config and the warnings its validation raised.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    /// The validated config.
+    pub config: ServiceConfig,
+    /// Clamps, risky settings and unknown fields, each with its JSON path.
+    pub warnings: Vec<Diagnostic>,
+}
+
+/// `{service, method}` of a `methodConfig[].name[]` entry. `""`, `null` and absent are
+/// the same and are stored as `None`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MethodName {
+    /// Fully-qualified service name (`shop.v1.Orders`), or `None` for the default entry.
+    pub service: Option<String>,
+    /// Method name (`CreateOrder`), or `None` for every method of the service.
+    pub method: Option<String>,
+}
+
+impl fmt::Display for MethodName {
+    /// `shop.v1.Orders/CreateOrder`, `shop.v1.Orders/*`, or `*` for the default.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.service, &self.method) {
+            (None, _) => f.write_str("*"),
+            (Some(s), None) => write!(f, "{s}/*"),
+            (Some(s), Some(m)) => write!(f, "{s}/{m}"),
+        }
+    }
+}
+
+/// A validated `retryPolicy` (gRFC A6).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    pub(crate) max_attempts: u32,
+    pub(crate) initial_backoff: Duration,
+    pub(crate) max_backoff: Duration,
+    pub(crate) backoff_multiplier: f64,
+    pub(crate) retryable_status_codes: CodeSet,
+    pub(crate) per_attempt_recv_timeout: Option<Duration>,
+}
+
+/// Why [`RetryPolicy::new`] refused its arguments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid retry policy: {0}")]
+pub struct InvalidRetryPolicy(pub(crate) String);
+
+/// Most attempts A6 allows; larger values are clamped to it.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
+
+impl RetryPolicy {
+    /// Builds a policy, checking the A6 rules: `max_attempts >= 2` (clamped to 5),
+    /// backoffs > 0, multiplier > 0 and finite, codes non-empty.
+    pub fn new(
+        max_attempts: u32,
+        initial_backoff: Duration,
+        max_backoff: Duration,
+        backoff_multiplier: f64,
+        retryable_status_codes: CodeSet,
+    ) -> Result<Self, InvalidRetryPolicy> {
+        if max_attempts < 2 {
+            return Err(InvalidRetryPolicy("maxAttempts must be > 1".into()));
+        }
+        if initial_backoff.is_zero() || max_backoff.is_zero() {
+            return Err(InvalidRetryPolicy("backoffs must be > 0".into()));
+        }
+        if !(backoff_multiplier.is_finite() && backoff_multiplier > 0.0) {
+            return Err(InvalidRetryPolicy("backoffMultiplier must be > 0".into()));
+        }
+        if retryable_status_codes.is_empty() {
+            return Err(InvalidRetryPolicy("retryableStatusCodes must not be empty".into()));
+        }
+        Ok(RetryPolicy {
+            max_attempts: max_attempts.min(MAX_ATTEMPTS_LIMIT),
+            initial_backoff,
+            max_backoff,
+            backoff_multiplier,
+            retryable_status_codes,
+            per_attempt_recv_timeout: None,
+        })
+    }
+
+    /// This policy with a `perAttemptRecvTimeout`.
+    pub fn with_per_attempt_recv_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.per_attempt_recv_timeout = timeout;
+        self
+    }
+    /// Attempts including the first, already clamped to 2..=5.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+    /// Backoff before the first retry (before jitter).
+    pub fn initial_backoff(&self) -> Duration {
+        self.initial_backoff
+    }
+    /// Cap on the backoff (before jitter).
+    pub fn max_backoff(&self) -> Duration {
+        self.max_backoff
+    }
+    /// Growth of the backoff per retry.
+    pub fn backoff_multiplier(&self) -> f64 {
+        self.backoff_multiplier
+    }
+    /// Codes that are retried.
+    pub fn retryable_status_codes(&self) -> CodeSet {
+        self.retryable_status_codes
+    }
+    /// Optional per-attempt receive timeout.
+    pub fn per_attempt_recv_timeout(&self) -> Option<Duration> {
+        self.per_attempt_recv_timeout
+    }
+}
+
+/// A validated `hedgingPolicy` (gRFC A6). Parsed and validated; no layer uses it yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HedgingPolicy {
+    /// Attempts including the first, clamped to 2..=5.
+    pub max_attempts: u32,
+    /// Delay between hedges (`hedgingDelay`, default 0).
+    pub hedging_delay: Duration,
+    /// Codes that do not stop the other hedges.
+    pub non_fatal_status_codes: CodeSet,
+}
+
+/// A validated `retryThrottling` (gRFC A6), kept in milli-tokens as C-core and
+/// grpc-java do so a ratio keeps exactly 3 decimals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryThrottling {
+    /// `maxTokens × 1000`; `maxTokens` is in (0, 1000].
+    pub max_milli_tokens: u32,
+    /// `tokenRatio × 1000`, truncated to 3 decimals; > 0.
+    pub token_ratio_milli: u32,
+}
+
+/// What a duplicate does when it finds the key's first call still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InFlightPolicy {
+    /// Wait for the outcome (up to the caller's deadline), then replay it. The default.
+    #[default]
+    Wait,
+    /// Answer ABORTED at once, with a retry delay.
+    Abort,
+}
+
+/// idem's per-method `idempotency` object. Its presence marks the method as protected.
+///
+/// # Defaults
+/// | field (JSON) | default |
+/// |---|---|
+/// | `keyRequired` | `true` |
+/// | `recordTtl` | `"86400s"` (24 h) |
+/// | `leaseTtl` | `"10s"` |
+/// | `inFlight` | `"WAIT"` (`"ABORT"` is the other choice) |
+/// | `abortRetryDelay` | `"1s"` |
+/// | `cacheableStatusCodes` | OK, UNKNOWN, DEADLINE_EXCEEDED, INTERNAL, DATA_LOSS |
+/// | `releaseStatusCodes` | the other twelve codes |
+/// | `maxRequestBytes` | 4194304 (4 MiB, tonic's default message limit) |
+/// | `maxResponseBytes` | 1048576 (1 MiB) |
+/// | `failOpen` | `false` |
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyPolicy {
+    /// A call without a key is refused (INVALID_ARGUMENT) when true; passed through
+    /// unprotected when false.
+    pub key_required: bool,
+    /// How long a completed record is kept.
+    pub record_ttl: Duration,
+    /// Lease of an in-flight record; renewed while the handler runs.
+    pub lease_ttl: Duration,
+    /// What an in-flight duplicate does.
+    pub in_flight: InFlightPolicy,
+    /// Retry delay sent with ABORTED under [`InFlightPolicy::Abort`].
+    pub abort_retry_delay: Duration,
+    /// Outcomes stored and replayed to duplicates.
+    pub cacheable_status_codes: CodeSet,
+    /// Outcomes that release the record so a retry runs again. Always the complement of
+    /// `cacheable_status_codes`.
+    pub release_status_codes: CodeSet,
+    /// Buffering limit for a protected request's body.
+    pub max_request_bytes: usize,
+    /// Responses larger than this are recorded as "completed, response not retained".
+    pub max_response_bytes: usize,
+    /// When the store cannot answer, run the handler without a record (true) or answer
+    /// UNAVAILABLE (false).
+    pub fail_open: bool,
+}
+
+impl IdempotencyPolicy {
+    /// Codes cached by default: OK and the errors that may follow side effects.
+    pub const DEFAULT_CACHEABLE: CodeSet = CodeSet::of(Code::Ok)
+        .with(Code::Unknown)
+        .with(Code::DeadlineExceeded)
+        .with(Code::Internal)
+        .with(Code::DataLoss);
+}
+
+impl Default for IdempotencyPolicy {
+    fn default() -> Self {
+        IdempotencyPolicy {
+            key_required: true,
+            record_ttl: Duration::from_secs(24 * 3600),
+            lease_ttl: Duration::from_secs(10),
+            in_flight: InFlightPolicy::Wait,
+            abort_retry_delay: Duration::from_secs(1),
+            cacheable_status_codes: Self::DEFAULT_CACHEABLE,
+            release_status_codes: Self::DEFAULT_CACHEABLE.complement(),
+            max_request_bytes: 4 * 1024 * 1024,
+            max_response_bytes: 1024 * 1024,
+            fail_open: false,
+        }
+    }
+}
+
+/// One validated `methodConfig[]` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MethodConfig {
+    pub(crate) names: Vec<MethodName>,
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) wait_for_ready: Option<bool>,
+    pub(crate) max_request_message_bytes: Option<u64>,
+    pub(crate) max_response_message_bytes: Option<u64>,
+    pub(crate) retry_policy: Option<RetryPolicy>,
+    pub(crate) hedging_policy: Option<HedgingPolicy>,
+    pub(crate) idempotency: Option<IdempotencyPolicy>,
+}
+
+impl MethodConfig {
+    /// An entry with no names and no policies (what applies when nothing matches).
+    pub fn empty() -> Self {
+        MethodConfig {
+            names: Vec::new(),
+            timeout: None,
+            wait_for_ready: None,
+            max_request_message_bytes: None,
+            max_response_message_bytes: None,
+            retry_policy: None,
+            hedging_policy: None,
+            idempotency: None,
+        }
+    }
+    /// This entry with a retry policy (replacing any hedging policy).
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry_policy = Some(policy);
+        self.hedging_policy = None;
+        self
+    }
+    /// This entry with an idempotency policy (marks the method protected).
+    pub fn with_idempotency(mut self, policy: IdempotencyPolicy) -> Self {
+        self.idempotency = Some(policy);
+        self
+    }
+    /// This entry with a per-call timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+    /// The names this entry applies to.
+    pub fn names(&self) -> &[MethodName] {
+        &self.names
+    }
+    /// `timeout`: the per-call deadline when the caller sets none.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+    /// `waitForReady` (parsed, informational).
+    pub fn wait_for_ready(&self) -> Option<bool> {
+        self.wait_for_ready
+    }
+    /// `maxRequestMessageBytes` (parsed, informational).
+    pub fn max_request_message_bytes(&self) -> Option<u64> {
+        self.max_request_message_bytes
+    }
+    /// `maxResponseMessageBytes` (parsed, informational).
+    pub fn max_response_message_bytes(&self) -> Option<u64> {
+        self.max_response_message_bytes
+    }
+    /// The retry policy, if any.
+    pub fn retry_policy(&self) -> Option<&RetryPolicy> {
+        self.retry_policy.as_ref()
+    }
+    /// The hedging policy, if any (never both).
+    pub fn hedging_policy(&self) -> Option<&HedgingPolicy> {
+        self.hedging_policy.as_ref()
+    }
+    /// idem's `idempotency` object; `Some` marks the method protected.
+    pub fn idempotency(&self) -> Option<&IdempotencyPolicy> {
+        self.idempotency.as_ref()
+    }
+}
+
+/// Where the server layer takes the tenant from, when the config says (the builder can
+/// also set a resolver in code, which wins).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TenantSource {
+    /// Not set in the config: the server builder must choose (extension, single, …).
+    #[default]
+    Unset,
+    /// Every call belongs to this one tenant (`{"single": "acme"}`).
+    Single(String),
+    /// Trust a client-sent header (`{"header": "x-tenant-id"}`): an explicit opt-in, only
+    /// safe behind a proxy that sets it.
+    Header(http::HeaderName),
+}
+
+/// Bounds of the in-memory store.
+///
+/// # Defaults
+/// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `sweepInterval` `"1s"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryStoreSettings {
+    /// Most records kept.
+    pub max_entries: usize,
+    /// Most bytes of stored responses (plus per-record overhead) kept.
+    pub max_bytes: usize,
+    /// How often expired records are swept.
+    pub sweep_interval: Duration,
+}
+
+impl Default for MemoryStoreSettings {
+    fn default() -> Self {
+        MemoryStoreSettings {
+            max_entries: 100_000,
+            max_bytes: 256 * 1024 * 1024,
+            sweep_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Redis store settings (`idem.redis`).
+///
+/// # Defaults
+/// `keyPrefix` `"idem:"`, `commandTimeout` `"0.5s"`, `connectTimeout` `"2s"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    /// `redis://host:port/db` (required when the object is present).
+    pub url: String,
+    /// Prefix of every key idem writes.
+    pub key_prefix: String,
+    /// Timeout of every command; past it the call gets UNAVAILABLE.
+    pub command_timeout: Duration,
+    /// Timeout of a (re)connection.
+    pub connect_timeout: Duration,
+}
+
+/// Client-side settings (`idem.client`).
+///
+/// # Defaults
+/// `keyAllMethods` false, `maxReplayBytesPerCall` 262144 (256 KiB),
+/// `maxReplayBytesTotal` 16777216 (16 MiB), `minAttemptTime` `"0s"`,
+/// `retryExhaustedPushback` true.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientSettings {
+    /// Add `x-idempotency-key` to every method, not just protected ones.
+    pub key_all_methods: bool,
+    /// A call whose request body is larger is sent once, without retries.
+    pub max_replay_bytes_per_call: usize,
+    /// Bodies buffered for replay across all calls of one channel, at most.
+    pub max_replay_bytes_total: usize,
+    /// A retry is not started when less than this would be left before the deadline.
+    pub min_attempt_time: Duration,
+    /// Mark failures from an exhausted downstream call with `grpc-retry-pushback-ms: -1`
+    /// (retry at one layer only, DESIGN.md section 4).
+    pub retry_exhausted_pushback: bool,
+}
+
+impl Default for ClientSettings {
+    fn default() -> Self {
+        ClientSettings {
+            key_all_methods: false,
+            max_replay_bytes_per_call: 256 * 1024,
+            max_replay_bytes_total: 16 * 1024 * 1024,
+            min_attempt_time: Duration::ZERO,
+            retry_exhausted_pushback: true,
+        }
+    }
+}
+
+/// idem's top-level `idem` object: process-wide settings.
+///
+/// # Defaults
+/// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `memoryStore` see
+/// [`MemoryStoreSettings`], `redis` absent, `client` see [`ClientSettings`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemSettings {
+    /// Header carrying the key.
+    pub key_header: http::HeaderName,
+    /// Where the tenant comes from.
+    pub tenant: TenantSource,
+    /// Bounds of the in-memory store.
+    pub memory_store: MemoryStoreSettings,
+    /// Redis store settings, when configured.
+    pub redis: Option<RedisSettings>,
+    /// Client-side settings.
+    pub client: ClientSettings,
+}
+
+impl Default for IdemSettings {
+    fn default() -> Self {
+        IdemSettings {
+            key_header: http::HeaderName::from_static(crate::headers::IDEMPOTENCY_KEY),
+            tenant: TenantSource::Unset,
+            memory_store: MemoryStoreSettings::default(),
+            redis: None,
+            client: ClientSettings::default(),
+        }
+    }
+}
+
+/// A validated service config: method configs with their name index, throttling, and
+/// idem's settings. Cheap to share behind an `Arc`.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceConfig {
+    pub(crate) method_configs: Vec<MethodConfig>,
+    /// Keyed by `service/method`.
+    pub(crate) by_method: HashMap<String, usize>,
+    pub(crate) by_service: HashMap<String, usize>,
+    pub(crate) default_entry: Option<usize>,
+    pub(crate) retry_throttling: Option<RetryThrottling>,
+    pub(crate) settings: IdemSettings,
+}
+
+impl ServiceConfig {
+    /// The config entry for `service`/`method`: exact `service/method`, else `service`,
+    /// else the default entry (`{}`). The most specific entry wins whole.
+    pub fn lookup(&self, service: &str, method: &str) -> Option<&MethodConfig> {
+        self.lookup_split(&format!("{service}/{method}"), service)
+    }
+
+    /// [`lookup`](Self::lookup) by HTTP/2 path (`/shop.v1.Orders/CreateOrder`); does not
+    /// allocate. `None` also when the path is not of that form.
+    pub fn lookup_path(&self, path: &str) -> Option<&MethodConfig> {
+        let (service, _) = split_path(path)?;
+        self.lookup_split(&path[1..], service)
+    }
+
+    fn lookup_split(&self, service_method: &str, service: &str) -> Option<&MethodConfig> {
+        self.by_method
+            .get(service_method)
+            .or_else(|| self.by_service.get(service))
+            .copied()
+            .or(self.default_entry)
+            .map(|i| &self.method_configs[i])
+    }
+
+    /// Every entry, in document order.
+    pub fn method_configs(&self) -> &[MethodConfig] {
+        &self.method_configs
+    }
+    /// `retryThrottling`, if configured.
+    pub fn retry_throttling(&self) -> Option<RetryThrottling> {
+        self.retry_throttling
+    }
+    /// idem's top-level settings.
+    pub fn settings(&self) -> &IdemSettings {
+        &self.settings
+    }
+
+    /// Builds a config in code: entries are indexed by their names as the parser would.
+    /// Fails when a name appears twice.
+    pub fn from_parts(
+        method_configs: Vec<MethodConfig>,
+        retry_throttling: Option<RetryThrottling>,
+        settings: IdemSettings,
+    ) -> Result<Self, ConfigError> {
+        let mut cfg = ServiceConfig {
+            method_configs: Vec::new(),
+            by_method: HashMap::new(),
+            by_service: HashMap::new(),
+            default_entry: None,
+            retry_throttling,
+            settings,
+        };
+        let mut errors = Vec::new();
+        for (i, mc) in method_configs.into_iter().enumerate() {
+            for (j, name) in mc.names.iter().enumerate() {
+                let dup = match (&name.service, &name.method) {
+                    (None, _) => cfg.default_entry.replace(i).is_some(),
+                    (Some(s), None) => cfg.by_service.insert(s.clone(), i).is_some(),
+                    (Some(s), Some(m)) => cfg.by_method.insert(format!("{s}/{m}"), i).is_some(),
+                };
+                if dup {
+                    errors.push(Diagnostic {
+                        path: format!("methodConfig[{i}].name[{j}]"),
+                        message: format!("duplicate name {name}"),
+                    });
+                }
+            }
+            cfg.method_configs.push(mc);
+        }
+        if errors.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(ConfigError::Invalid { errors, warnings: Vec::new() })
+        }
+    }
+
+    /// Parses and validates a service-config JSON document.
+    ///
+    /// # Errors
+    /// [`ConfigError::Json`] with the parser's line and column when the text is not JSON;
+    /// [`ConfigError::Invalid`] listing every broken rule, each as `json.path: rule`.
+    pub fn from_json(text: &str) -> Result<Parsed, ConfigError> {
+        super::parse::parse(text)
+    }
+}
+
+/// Splits `/package.Service/Method` into `("package.Service", "Method")`.
+pub fn split_path(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix('/')?;
+    let (service, method) = rest.split_once('/')?;
+    if service.is_empty() || method.is_empty() || method.contains('/') {
+        return None;
+    }
+    Some((service, method))
+}

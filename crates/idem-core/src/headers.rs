@@ -1,0 +1,43 @@
+//! Metadata names idem reads and writes, and the `google.rpc.ErrorInfo` vocabulary of the
+//! errors its layers make (so clients can tell them from handler errors).
+
+/// The idempotency key header (the default; configurable in the `idem` object).
+pub const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
+/// Set to `true` on a response the server layer replayed from its store.
+pub const IDEMPOTENCY_REPLAYED: &str = "x-idempotency-replayed";
+/// gRFC A6 server pushback, in milliseconds; `-1` (any negative) means "do not retry".
+pub const RETRY_PUSHBACK_MS: &str = "grpc-retry-pushback-ms";
+/// gRFC A6: how many attempts preceded this one.
+pub const PREVIOUS_RPC_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
+/// The gRPC deadline header.
+pub const GRPC_TIMEOUT: &str = "grpc-timeout";
+/// Binary `google.rpc.Status` with details (RetryInfo, ErrorInfo).
+pub const GRPC_STATUS_DETAILS: &str = "grpc-status-details-bin";
+
+/// The `ErrorInfo.domain` of every error an idem layer makes.
+pub const ERROR_DOMAIN: &str = "idem";
+
+/// `ErrorInfo.reason` values of the errors idem's layers make. Stable: clients match on them.
+pub mod reason {
+    /// A protected method was called without a key (INVALID_ARGUMENT).
+    pub const KEY_MISSING: &str = "KEY_MISSING";
+    /// The key breaks the format rule (INVALID_ARGUMENT).
+    pub const KEY_INVALID: &str = "KEY_INVALID";
+    /// The key was used before with a different request (FAILED_PRECONDITION).
+    pub const KEY_REUSED: &str = "KEY_REUSED";
+    /// A call with this key is running and the method's policy is ABORT (ABORTED).
+    pub const IN_PROGRESS: &str = "IN_PROGRESS";
+    /// The store could not answer (UNAVAILABLE).
+    pub const STORE_UNAVAILABLE: &str = "STORE_UNAVAILABLE";
+    /// No tenant could be resolved for a protected call (UNAUTHENTICATED).
+    pub const TENANT_MISSING: &str = "TENANT_MISSING";
+    /// The request body is over the method's buffering limit (RESOURCE_EXHAUSTED).
+    pub const REQUEST_TOO_LARGE: &str = "REQUEST_TOO_LARGE";
+    /// The call completed but its response was over the size limit and was not kept
+    /// (FAILED_PRECONDITION); it will not run again.
+    pub const RESPONSE_NOT_RETAINED: &str = "RESPONSE_NOT_RETAINED";
+    /// The request uses a `grpc-encoding` the layer cannot decode (UNIMPLEMENTED).
+    pub const ENCODING_UNSUPPORTED: &str = "ENCODING_UNSUPPORTED";
+    /// Retries were exhausted downstream (set with `grpc-retry-pushback-ms: -1`).
+    pub const RETRIES_EXHAUSTED: &str = "RETRIES_EXHAUSTED";
+}

@@ -1,0 +1,21 @@
+//! The parts of idem that the client and server layers share.
+//!
+//! - [`config`]: the gRPC service-config document (gRFC A2 / A6 and
+//!   `grpc/service_config/service_config.proto`) parsed and validated into domain types,
+//!   with idem's own `idempotency` (per method) and `idem` (process-wide) objects.
+//! - [`code`]: status-code names and [`CodeSet`](code::CodeSet).
+//! - [`key`]: the `x-idempotency-key` value: validation and generation.
+//! - [`deadline`]: `grpc-timeout` parsing and encoding, and the inbound deadline that a
+//!   server records so outgoing calls inherit what is left of it.
+//! - [`headers`]: the metadata names idem reads and writes, and the `ErrorInfo` reasons
+//!   its layers put on the errors they make.
+
+pub mod code;
+pub mod config;
+pub mod deadline;
+pub mod headers;
+pub mod key;
+
+pub use code::CodeSet;
+pub use config::{ConfigError, MethodConfig, ServiceConfig};
+pub use key::IdempotencyKey;

@@ -1,0 +1,253 @@
+//! Where the server layer keeps its records: the [`Store`] trait and its record types.
+//!
+//! A record lives per [`Scope`] (digest of tenant + method + key). Its life:
+//!
+//! ```text
+//!   (none) --claim--> InFlight{fence, lease} --complete--> Completed{response} --ttl--> (none)
+//!                        |  ^        |                                   
+//!                 renew--+  |        +--release--> Released{fence} (tombstone; any claim
+//!                           |                                      takes it, fence + 1)
+//!                 lease expired: the next claim takes over with fence + 1
+//! ```
+//!
+//! # Contract every store keeps
+//! - Each method is atomic with respect to every other call on the same scope, across
+//!   every process that shares the store.
+//! - Fences only grow for a scope, including across release and takeover, for as long
+//!   as the record or its tombstone lives (the record TTL). `renew`, `complete` and
+//!   `release` succeed only for the current fence of an in-flight record; otherwise they
+//!   return [`StoreError::Fenced`] and change nothing.
+//! - A claim sent again by the same claimant (same [`ClaimantId`], e.g. after a lost
+//!   reply) while it still holds the lease gets the same fence back.
+//! - A completed record answers claims with the same fingerprint with
+//!   [`Claim::Completed`], and with a different fingerprint with [`Claim::Mismatch`]; so
+//!   does an in-flight one ([`Claim::InFlight`] / [`Claim::Mismatch`]).
+//! - [`StoreError::Unavailable`] means "the store could not answer": the layer fails
+//!   closed (UNAVAILABLE) unless the method opts in to fail-open. It never means "no
+//!   record".
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+pub mod memory;
+
+pub use memory::MemoryStore;
+
+/// A generation number of a record; grows on every claim of a scope.
+pub type Fence = u64;
+
+/// The 32-byte digest naming a record: SHA-256 of the length-prefixed
+/// (tenant, method path, key). Raw client input never reaches a store.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(pub [u8; 32]);
+
+impl Scope {
+    /// Lower-case hex, for logs and key names.
+    pub fn to_hex(&self) -> String {
+        hex32(&self.0)
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Scope({})", &self.to_hex()[..16])
+    }
+}
+
+/// The 32-byte digest of a request's message bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", &hex32(&self.0)[..16])
+    }
+}
+
+fn hex32(b: &[u8; 32]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(64);
+    for x in b {
+        let _ = write!(s, "{x:02x}");
+    }
+    s
+}
+
+/// Identifies one claimant (one protected call being served), so a claim that is sent
+/// again after a lost reply is recognised. Random per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClaimantId(pub u128);
+
+impl ClaimantId {
+    /// A fresh random id.
+    pub fn random() -> Self {
+        ClaimantId(rand_u128())
+    }
+}
+
+fn rand_u128() -> u128 {
+    rand::random()
+}
+
+/// What [`Store::claim`] asks.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// The record.
+    pub scope: &'a Scope,
+    /// The request's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// Who asks.
+    pub claimant: ClaimantId,
+    /// Lease to take on success.
+    pub lease: Duration,
+}
+
+/// What [`Store::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller now holds the record's lease with this fence and must run the handler,
+    /// then `complete` or `release`. `takeover` is true when it replaced an expired lease.
+    Acquired {
+        /// The fence to present on renew/complete/release.
+        fence: Fence,
+        /// Whether an expired in-flight record was taken over.
+        takeover: bool,
+    },
+    /// Completed with the same fingerprint: replay this.
+    Completed(StoredOutcome),
+    /// Another claimant holds a live lease (same fingerprint).
+    InFlight {
+        /// Time left on that lease.
+        lease_remaining: Duration,
+    },
+    /// The record (in flight or completed) has a different fingerprint.
+    Mismatch,
+}
+
+/// The outcome stored by [`Store::complete`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoredOutcome {
+    /// The encoded response (opaque to the store; the layer encodes and decodes it).
+    Response(Bytes),
+    /// The call completed but its response was over the size limit and was not kept.
+    NotRetained,
+}
+
+impl StoredOutcome {
+    /// Bytes this outcome holds.
+    pub fn len(&self) -> usize {
+        match self {
+            StoredOutcome::Response(b) => b.len(),
+            StoredOutcome::NotRetained => 0,
+        }
+    }
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A record as [`Store::get`] reports it (for tests, tools and observability).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordState {
+    /// A claimant holds the lease.
+    InFlight {
+        /// Current fence.
+        fence: Fence,
+        /// Fingerprint of the request being run.
+        fingerprint: Fingerprint,
+        /// When the lease ends (in this process's clock).
+        lease_until: Instant,
+    },
+    /// Completed, kept until its TTL ends.
+    Completed {
+        /// Fence of the claimant that completed it.
+        fence: Fence,
+        /// Fingerprint of the request that ran.
+        fingerprint: Fingerprint,
+        /// What is replayed.
+        outcome: StoredOutcome,
+    },
+    /// Released: nothing was done; any claim takes it with a higher fence.
+    Released {
+        /// Last fence.
+        fence: Fence,
+    },
+}
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not answer (connection, timeout, overload). Fail closed.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The fence presented is not the current fence of an in-flight record.
+    #[error("stale fence {presented} (current: {current:?})")]
+    Fenced {
+        /// The fence the caller presented.
+        presented: Fence,
+        /// The record's current fence, if there is a record.
+        current: Option<Fence>,
+    },
+    /// The store returned something it should not have (corrupt record, bad reply).
+    #[error("store returned a malformed reply: {0}")]
+    Corrupt(String),
+    /// The store is at its bound and cannot take a new record.
+    #[error("store full: {0}")]
+    Full(String),
+}
+
+/// A place to keep idempotency records. See the module docs for the contract.
+///
+/// Implementations are cheap to clone (an `Arc` inside) and shared by every clone of the
+/// layer.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Claims the record, or reports what holds it.
+    fn claim(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Extends the lease of an in-flight record held with `fence`.
+    fn renew(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Stores the outcome of the run held with `fence`; the record lives for `ttl`.
+    fn complete(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Gives the record up (nothing was done) so the next claim runs again.
+    fn release(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The record's current state, if any.
+    fn get(
+        &self,
+        scope: &Scope,
+    ) -> impl Future<Output = Result<Option<RecordState>, StoreError>> + Send;
+
+    /// Returns once the in-flight record at `scope` may have changed (completed,
+    /// released, lease expired, gone), or at `until`, whichever is first. The caller then
+    /// claims again. Returning early is allowed; returning late is not.
+    fn wait(
+        &self,
+        scope: &Scope,
+        until: Instant,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}

@@ -1,0 +1,26 @@
+//! Shared by the end-to-end tests: the generated `shop.v1` code and small helpers.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+pub mod shop {
+    tonic::include_proto!("shop.v1");
+}
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// Binds 127.0.0.1:0 and returns the listener's address and an incoming stream for
+/// `Server::serve_with_incoming`.
+pub async fn bind() -> (SocketAddr, TcpListenerStream) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0");
+    let addr = listener.local_addr().expect("local addr");
+    (addr, TcpListenerStream::new(listener))
+}
+
+/// A lazily-connecting channel to `addr`.
+pub fn channel(addr: SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect_lazy()
+}
