@@ -293,6 +293,17 @@ impl MethodConfig {
         self.hedging_policy = None;
         self
     }
+    /// This entry with one more name: `("shop.v1.Orders", "CreateOrder")` for one method,
+    /// `("shop.v1.Orders", "")` for every method of a service, `("", "")` for the
+    /// default entry (empty means absent, as in the JSON form).
+    pub fn with_name(mut self, service: impl Into<String>, method: impl Into<String>) -> Self {
+        let (service, method) = (service.into(), method.into());
+        self.names.push(MethodName {
+            service: (!service.is_empty()).then_some(service),
+            method: (!method.is_empty()).then_some(method),
+        });
+        self
+    }
     /// This entry with an idempotency policy (marks the method protected).
     pub fn with_idempotency(mut self, policy: IdempotencyPolicy) -> Self {
         self.idempotency = Some(policy);
