@@ -1,0 +1,461 @@
+//! [`RetryLayer`], its builder, and the reloadable state its services share.
+
+use std::fmt;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use http::HeaderName;
+use idem_core::ServiceConfig;
+use idem_core::code::{Code, CodeSet};
+use idem_core::config::{ClientSettings, IdemSettings, InvalidRetryPolicy, RetryPolicy, RetryThrottling};
+
+use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
+use super::body::ReplayBudget;
+use super::outcome::{CallReport, OutcomeHook, RetryStats};
+use super::service::Retry;
+use super::throttle::RetryThrottle;
+
+/// Where per-method policies come from.
+#[derive(Debug)]
+enum Source {
+    /// A service config: `lookup_path` per call.
+    Config(ServiceConfig),
+    /// One policy for every method (the builder without a config).
+    Fixed { retry: RetryPolicy, timeout: Option<Duration> },
+}
+
+/// What applies to one call.
+#[derive(Debug, Clone)]
+pub(crate) struct CallPolicy {
+    pub(crate) retry: Option<RetryPolicy>,
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) add_key: bool,
+}
+
+/// One generation of settings; replaced whole by [`RetryLayer::reload`].
+#[derive(Debug)]
+pub(crate) struct Effective {
+    source: Source,
+    pub(crate) key_header: HeaderName,
+    pub(crate) key_all_methods: bool,
+    pub(crate) max_replay_bytes_per_call: usize,
+    pub(crate) min_attempt_time: Duration,
+}
+
+impl Effective {
+    pub(crate) fn resolve(&self, path: &str) -> CallPolicy {
+        match &self.source {
+            Source::Config(cfg) => match cfg.lookup_path(path) {
+                Some(mc) => CallPolicy {
+                    retry: mc.retry_policy().cloned(),
+                    timeout: mc.timeout(),
+                    add_key: self.key_all_methods || mc.idempotency().is_some(),
+                },
+                None => CallPolicy { retry: None, timeout: None, add_key: self.key_all_methods },
+            },
+            Source::Fixed { retry, timeout } => CallPolicy {
+                retry: Some(retry.clone()),
+                timeout: *timeout,
+                add_key: self.key_all_methods,
+            },
+        }
+    }
+}
+
+/// Builder values that win over the config's `idem.client` settings, on every reload.
+#[derive(Debug, Clone, Default)]
+struct Overrides {
+    key_header: Option<HeaderName>,
+    key_all_methods: Option<bool>,
+    max_replay_bytes_per_call: Option<usize>,
+    max_replay_bytes_total: Option<usize>,
+    min_attempt_time: Option<Duration>,
+}
+
+impl Overrides {
+    fn client(&self, from_config: &ClientSettings) -> ClientSettings {
+        ClientSettings {
+            key_all_methods: self.key_all_methods.unwrap_or(from_config.key_all_methods),
+            max_replay_bytes_per_call: self
+                .max_replay_bytes_per_call
+                .unwrap_or(from_config.max_replay_bytes_per_call),
+            max_replay_bytes_total: self
+                .max_replay_bytes_total
+                .unwrap_or(from_config.max_replay_bytes_total),
+            min_attempt_time: self.min_attempt_time.unwrap_or(from_config.min_attempt_time),
+            retry_exhausted_pushback: from_config.retry_exhausted_pushback,
+        }
+    }
+}
+
+/// State shared by a layer, its clones and every service they made.
+pub(crate) struct Shared {
+    effective: RwLock<Arc<Effective>>,
+    throttle: RwLock<Option<RetryThrottle>>,
+    /// The throttle was given by the user: config reloads do not replace it.
+    throttle_pinned: bool,
+    overrides: Overrides,
+    pub(crate) budget: Arc<ReplayBudget>,
+    pub(crate) stats: RetryStats,
+    pub(crate) jitter: Arc<dyn Jitter>,
+    pub(crate) hook: Option<OutcomeHook>,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("effective", &self.effective())
+            .field("throttle", &self.throttle())
+            .field("budget", &self.budget)
+            .field("stats", &self.stats)
+            .field("jitter", &self.jitter)
+            .field("hook", &self.hook.as_ref().map(|_| "Fn"))
+            .finish()
+    }
+}
+
+impl Shared {
+    pub(crate) fn effective(&self) -> Arc<Effective> {
+        self.effective.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+    pub(crate) fn throttle(&self) -> Option<RetryThrottle> {
+        self.throttle.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+    pub(crate) fn report(&self, path: &str, report: &CallReport) {
+        self.stats.finished(report.outcome);
+        if let Some(hook) = &self.hook {
+            hook(path, report);
+        }
+    }
+}
+
+/// A tower [`Layer`](tower_layer::Layer) that retries gRPC calls as gRFC A6 says. See the
+/// [crate docs](crate) for the behaviour and an example.
+///
+/// Cheap to clone: clones share the settings, the throttle bucket, the replay budget and
+/// the counters.
+#[derive(Debug, Clone)]
+pub struct RetryLayer {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl<S> tower_layer::Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Retry<S> {
+        Retry::from_shared(inner, self.shared.clone())
+    }
+}
+
+impl RetryLayer {
+    /// A layer whose per-method policies, timeouts, throttling and client settings come
+    /// from `config` (the method's entry: exact `service/method`, else `service`, else
+    /// the default entry). Methods without a `retryPolicy` are passed through (one
+    /// attempt) but still get a key when protected.
+    pub fn from_config(config: &ServiceConfig) -> Self {
+        Self::builder().service_config(config.clone()).build_unchecked()
+    }
+
+    /// A builder with the defaults of DESIGN.md section 2 (see [`RetryLayerBuilder`]).
+    pub fn builder() -> RetryLayerBuilder {
+        RetryLayerBuilder::default()
+    }
+
+    /// Replaces the service config for every clone of this layer and every service made
+    /// from it; calls already running keep the policy they started with. The throttle
+    /// bucket, the replay budget's bytes in use and the counters are kept. Throttle
+    /// settings that change are applied to the existing bucket keeping its fill ratio; a
+    /// config without `retryThrottling` turns throttling off (unless a bucket was given
+    /// to the builder with [`RetryLayerBuilder::throttle`], which always stays).
+    pub fn reload(&self, config: &ServiceConfig) {
+        let shared = &self.shared;
+        let client = shared.overrides.client(&config.settings().client);
+        shared.budget.set_limit(client.max_replay_bytes_total);
+        if !shared.throttle_pinned {
+            let mut slot = shared.throttle.write().unwrap_or_else(PoisonError::into_inner);
+            *slot = match (slot.take(), config.retry_throttling()) {
+                (Some(bucket), Some(t)) => {
+                    bucket.reconfigure(t);
+                    Some(bucket)
+                }
+                (None, Some(t)) => Some(RetryThrottle::new(t)),
+                (_, None) => None,
+            };
+        }
+        let eff = Effective {
+            source: Source::Config(config.clone()),
+            key_header: shared
+                .overrides
+                .key_header
+                .clone()
+                .unwrap_or_else(|| config.settings().key_header.clone()),
+            key_all_methods: client.key_all_methods,
+            max_replay_bytes_per_call: client.max_replay_bytes_per_call,
+            min_attempt_time: client.min_attempt_time,
+        };
+        *shared.effective.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(eff);
+    }
+
+    /// The throttle bucket in use, if any: give it to another layer's builder
+    /// ([`RetryLayerBuilder::throttle`]) to share it across channels to one target.
+    pub fn throttle(&self) -> Option<RetryThrottle> {
+        self.shared.throttle()
+    }
+
+    /// The counters of this layer and its clones.
+    pub fn stats(&self) -> RetryStats {
+        self.shared.stats.clone()
+    }
+
+    /// Request bytes currently held for replay by calls of this layer.
+    pub fn replay_bytes_held(&self) -> usize {
+        self.shared.budget.held()
+    }
+}
+
+/// Why [`RetryLayerBuilder::build`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BuildError {
+    /// The builder's retry policy breaks an A6 rule.
+    #[error(transparent)]
+    Policy(#[from] InvalidRetryPolicy),
+}
+
+/// Builds a [`RetryLayer`].
+///
+/// # Defaults
+/// Retry policy, used for every method when no service config is given (DESIGN.md
+/// section 2):
+///
+/// | option | default |
+/// |---|---|
+/// | [`max_attempts`](Self::max_attempts) | 3 (A6 clamps to 2..=5) |
+/// | [`initial_backoff`](Self::initial_backoff) | 20 ms |
+/// | [`backoff_multiplier`](Self::backoff_multiplier) | 2.0 |
+/// | [`max_backoff`](Self::max_backoff) | 1 s |
+/// | jitter | ×U(0.8, 1.2) (A6), from [`jitter`](Self::jitter) / [`seed`](Self::seed); thread RNG by default |
+/// | [`retryable_status_codes`](Self::retryable_status_codes) | `[UNAVAILABLE]` |
+/// | [`per_attempt_recv_timeout`](Self::per_attempt_recv_timeout) | none |
+/// | [`timeout`](Self::timeout) | none (the caller's `grpc-timeout` or inbound deadline only) |
+///
+/// Settings that apply with or without a config (with a config, an explicit call here
+/// wins over the config's `idem.client` object):
+///
+/// | option | default |
+/// |---|---|
+/// | [`max_replay_bytes_per_call`](Self::max_replay_bytes_per_call) | 262144 (256 KiB) |
+/// | [`max_replay_bytes_total`](Self::max_replay_bytes_total) | 16777216 (16 MiB) per layer |
+/// | [`min_attempt_time`](Self::min_attempt_time) | 0 |
+/// | [`key_all_methods`](Self::key_all_methods) | false (with a config: only methods with an `idempotency` object get a key; without one: no method) |
+/// | [`key_header`](Self::key_header) | `x-idempotency-key` (with a config: `idem.keyHeader`) |
+/// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
+/// | [`on_outcome`](Self::on_outcome) | none |
+pub struct RetryLayerBuilder {
+    config: Option<ServiceConfig>,
+    max_attempts: u32,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+    backoff_multiplier: f64,
+    codes: CodeSet,
+    per_attempt_recv_timeout: Option<Duration>,
+    timeout: Option<Duration>,
+    overrides: Overrides,
+    throttle: Option<RetryThrottle>,
+    throttling: Option<RetryThrottling>,
+    jitter: Arc<dyn Jitter>,
+    hook: Option<OutcomeHook>,
+}
+
+impl fmt::Debug for RetryLayerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLayerBuilder")
+            .field("config", &self.config.is_some())
+            .field("max_attempts", &self.max_attempts)
+            .field("initial_backoff", &self.initial_backoff)
+            .field("max_backoff", &self.max_backoff)
+            .field("backoff_multiplier", &self.backoff_multiplier)
+            .field("codes", &self.codes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RetryLayerBuilder {
+    fn default() -> Self {
+        RetryLayerBuilder {
+            config: None,
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_secs(1),
+            backoff_multiplier: 2.0,
+            codes: CodeSet::of(Code::Unavailable),
+            per_attempt_recv_timeout: None,
+            timeout: None,
+            overrides: Overrides::default(),
+            throttle: None,
+            throttling: None,
+            jitter: Arc::new(ThreadRngJitter),
+            hook: None,
+        }
+    }
+}
+
+impl RetryLayerBuilder {
+    /// Take per-method policies, timeouts, throttling and client settings from a service
+    /// config. The builder's own retry-policy options are then ignored.
+    pub fn service_config(mut self, config: ServiceConfig) -> Self {
+        self.config = Some(config);
+        self
+    }
+    /// Attempts including the first (default 3; clamped to 5; must be ≥ 2).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+    /// Backoff before the first retry (default 20 ms).
+    pub fn initial_backoff(mut self, d: Duration) -> Self {
+        self.initial_backoff = d;
+        self
+    }
+    /// Cap on the backoff before jitter (default 1 s).
+    pub fn max_backoff(mut self, d: Duration) -> Self {
+        self.max_backoff = d;
+        self
+    }
+    /// Growth of the backoff per retry (default 2.0).
+    pub fn backoff_multiplier(mut self, m: f64) -> Self {
+        self.backoff_multiplier = m;
+        self
+    }
+    /// Codes that are retried (default `[UNAVAILABLE]`).
+    pub fn retryable_status_codes(mut self, codes: CodeSet) -> Self {
+        self.codes = codes;
+        self
+    }
+    /// Cancel an attempt that has no response headers after this long and retry it
+    /// (default none). With a config, its `perAttemptRecvTimeout` is used instead.
+    pub fn per_attempt_recv_timeout(mut self, d: Duration) -> Self {
+        self.per_attempt_recv_timeout = Some(d);
+        self
+    }
+    /// Per-call deadline when the caller sets none (default none; with a config, the
+    /// method's `timeout`).
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = Some(d);
+        self
+    }
+    /// Largest request body buffered for replay; larger ones are sent once (default 256 KiB).
+    pub fn max_replay_bytes_per_call(mut self, n: usize) -> Self {
+        self.overrides.max_replay_bytes_per_call = Some(n);
+        self
+    }
+    /// Bytes buffered for replay by all calls of this layer together (default 16 MiB).
+    pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
+        self.overrides.max_replay_bytes_total = Some(n);
+        self
+    }
+    /// Do not start a retry that would have less than this before the deadline (default 0).
+    pub fn min_attempt_time(mut self, d: Duration) -> Self {
+        self.overrides.min_attempt_time = Some(d);
+        self
+    }
+    /// Add a key to every method, not only protected ones (default false).
+    pub fn key_all_methods(mut self, yes: bool) -> Self {
+        self.overrides.key_all_methods = Some(yes);
+        self
+    }
+    /// Header carrying the key (default `x-idempotency-key`, or the config's
+    /// `idem.keyHeader`).
+    pub fn key_header(mut self, name: HeaderName) -> Self {
+        self.overrides.key_header = Some(name);
+        self
+    }
+    /// Use this throttle bucket (shared with other layers, e.g. other channels to the same
+    /// target). It stays across reloads and wins over the config's `retryThrottling`.
+    pub fn throttle(mut self, bucket: RetryThrottle) -> Self {
+        self.throttle = Some(bucket);
+        self
+    }
+    /// Throttle with a new bucket of these settings (when no config gives one).
+    pub fn retry_throttling(mut self, t: RetryThrottling) -> Self {
+        self.throttling = Some(t);
+        self
+    }
+    /// Random source for the backoff jitter (default: thread RNG).
+    pub fn jitter(mut self, jitter: impl Jitter) -> Self {
+        self.jitter = Arc::new(jitter);
+        self
+    }
+    /// Seeded jitter: the same seed gives the same backoff waits.
+    pub fn seed(self, seed: u64) -> Self {
+        self.jitter(SeededJitter::new(seed))
+    }
+    /// Called with `(method path, report)` when each call ends.
+    pub fn on_outcome(mut self, hook: impl Fn(&str, &CallReport) + Send + Sync + 'static) -> Self {
+        self.hook = Some(Arc::new(hook));
+        self
+    }
+
+    /// Builds the layer.
+    ///
+    /// # Errors
+    /// [`BuildError::Policy`] when no config is given and the retry options break an A6
+    /// rule (`max_attempts < 2`, zero backoffs, multiplier ≤ 0 or not finite, no codes).
+    pub fn build(self) -> Result<RetryLayer, BuildError> {
+        let retry = RetryPolicy::new(
+            self.max_attempts,
+            self.initial_backoff,
+            self.max_backoff,
+            self.backoff_multiplier,
+            self.codes,
+        )?;
+        let retry = retry.with_per_attempt_recv_timeout(self.per_attempt_recv_timeout);
+        Ok(self.finish(Some(retry)))
+    }
+
+    fn build_unchecked(self) -> RetryLayer {
+        self.finish(None)
+    }
+
+    fn finish(self, retry: Option<RetryPolicy>) -> RetryLayer {
+        let settings = self
+            .config
+            .as_ref()
+            .map(|c| c.settings().clone())
+            .unwrap_or_else(IdemSettings::default);
+        let client = self.overrides.client(&settings.client);
+        let throttle_pinned = self.throttle.is_some();
+        let throttle = self.throttle.or_else(|| {
+            self.config
+                .as_ref()
+                .and_then(ServiceConfig::retry_throttling)
+                .or(self.throttling)
+                .map(RetryThrottle::new)
+        });
+        let key_header = self.overrides.key_header.clone().unwrap_or(settings.key_header);
+        let source = match (self.config, retry) {
+            (Some(cfg), _) => Source::Config(cfg),
+            (None, Some(retry)) => Source::Fixed { retry, timeout: self.timeout },
+            (None, None) => Source::Config(ServiceConfig::default()),
+        };
+        let eff = Effective {
+            source,
+            key_header,
+            key_all_methods: client.key_all_methods,
+            max_replay_bytes_per_call: client.max_replay_bytes_per_call,
+            min_attempt_time: client.min_attempt_time,
+        };
+        RetryLayer {
+            shared: Arc::new(Shared {
+                effective: RwLock::new(Arc::new(eff)),
+                throttle: RwLock::new(throttle),
+                throttle_pinned,
+                overrides: self.overrides,
+                budget: Arc::new(ReplayBudget::new(client.max_replay_bytes_total)),
+                stats: RetryStats::default(),
+                jitter: self.jitter,
+                hook: self.hook,
+            }),
+        }
+    }
+}
+

@@ -1,0 +1,159 @@
+//! [`Retry`]: the service the [`RetryLayer`] wraps around a channel.
+
+use std::mem;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+use idem_core::IdempotencyKey;
+use idem_core::ServiceConfig;
+use idem_core::deadline::{earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout};
+use idem_core::headers::GRPC_TIMEOUT;
+use tokio::time::Instant;
+use tower_service::Service;
+use tracing::field::Empty;
+
+use super::future::{self, Call, ResponseFuture};
+use super::layer::{RetryLayer, Shared};
+use super::outcome::{CallOutcome, CallReport};
+use crate::BoxError;
+
+/// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
+/// by [`RetryLayer`].
+///
+/// It accepts requests with any body of `Bytes` (tonic clients send
+/// [`tonic::body::Body`]) and drives the inner service with [`tonic::body::Body`], so it
+/// fits between a generated client and a `Channel`. Responses and errors are the inner
+/// service's, untouched except for the [`CallReport`] extension (and, on Trailers-Only
+/// errors, the local [`OUTCOME_HEADER`](super::outcome::OUTCOME_HEADER) /
+/// [`ATTEMPTS_HEADER`](super::outcome::ATTEMPTS_HEADER) headers), or a DEADLINE_EXCEEDED /
+/// CANCELLED Trailers-Only response the layer makes up when the deadline or
+/// `perAttemptRecvTimeout` cuts an attempt short.
+#[derive(Debug, Clone)]
+pub struct Retry<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> Retry<S> {
+    /// Wraps `inner` with the settings (and shared throttle, budget, counters) of `layer`.
+    pub fn new(inner: S, layer: &RetryLayer) -> Self {
+        Self::from_shared(inner, layer.shared.clone())
+    }
+
+    pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
+        Retry { inner, shared }
+    }
+
+    /// A layer configured from `config` ([`RetryLayer::from_config`]).
+    pub fn layer(config: &ServiceConfig) -> RetryLayer {
+        RetryLayer::from_config(config)
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, B, RB> Service<http::Request<B>> for Retry<S>
+where
+    S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Default + Send + 'static,
+{
+    type Response = http::Response<RB>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, RB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let eff = self.shared.effective();
+        let path = req.uri().path().to_owned();
+        let policy = eff.resolve(&path);
+        self.shared.stats.call();
+
+        if policy.add_key && !req.headers().contains_key(&eff.key_header) {
+            add_key(req.headers_mut(), &eff.key_header);
+        }
+
+        let now = Instant::now();
+        let from_header = req
+            .headers()
+            .get(GRPC_TIMEOUT)
+            .and_then(|v| parse_grpc_timeout(v.as_bytes()))
+            .and_then(|t| now.checked_add(t));
+        let from_config = policy.timeout.and_then(|t| now.checked_add(t));
+        let deadline = earliest([from_header, inbound_deadline(), from_config]);
+
+        let span = tracing::debug_span!(
+            "idem_retry",
+            method = %path,
+            attempts = Empty,
+            outcome = Empty,
+        );
+
+        match policy.retry {
+            None => {
+                if let Some(d) = deadline {
+                    if d <= now {
+                        let report = CallReport {
+                            outcome: CallOutcome::Deadline,
+                            attempts: 0,
+                            last_code: Some(tonic::Code::DeadlineExceeded),
+                        };
+                        self.shared.report(&path, &report);
+                        return ResponseFuture::ready(future::made_up(report, "deadline exceeded before the call started"));
+                    }
+                    req.headers_mut()
+                        .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));
+                }
+                self.shared.stats.attempt(true);
+                let fut = self.inner.call(req.map(tonic::body::Body::new));
+                ResponseFuture::passthrough(fut, self.shared.clone(), path, span)
+            }
+            Some(retry) => {
+                // The ready service goes into the future; a clone stays for the next call.
+                let clone = self.inner.clone();
+                let svc = mem::replace(&mut self.inner, clone);
+                let (parts, body) = req.into_parts();
+                let call = Call {
+                    shared: self.shared.clone(),
+                    eff,
+                    policy: retry,
+                    deadline,
+                    path,
+                };
+                ResponseFuture::retrying(svc, parts, body, call, span)
+            }
+        }
+    }
+}
+
+fn add_key(headers: &mut http::HeaderMap, name: &HeaderName) {
+    let key = IdempotencyKey::generate();
+    // Generated keys are hex: always a valid header value.
+    if let Ok(v) = HeaderValue::from_str(key.as_str()) {
+        headers.insert(name.clone(), v);
+    }
+}
