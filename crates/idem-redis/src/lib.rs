@@ -1,1 +1,114 @@
-//! placeholder
+//! A Redis-backed idempotency [`Store`](idem_server::store::Store) for `idem-server`,
+//! so several instances of a service act as one.
+//!
+//! # When to use it
+//! The in-memory store (`idem_server::store::MemoryStore`) is right when one process
+//! serves a method: it costs no network hop. As soon as a service runs as two or more
+//! instances behind a load balancer, a retry can land on another instance than the
+//! first attempt; with per-process memory it would run a second time. Point every
+//! instance at one Redis (or one Redis Cluster) with [`RedisStore`] and they share the
+//! records: a key runs once across all of them, and a duplicate on any instance waits
+//! for or replays the outcome.
+//!
+//! # Setup
+//! ```no_run
+//! # async fn f() -> Result<(), idem_redis::ConnectError> {
+//! use idem_redis::RedisStore;
+//! // Defaults: keyPrefix "idem:", command timeout 500 ms, connect timeout 2 s.
+//! let store = RedisStore::connect("redis://127.0.0.1:6379/0").await?;
+//! // Or from the service config's `idem.redis` object:
+//! // let store = RedisStore::from_settings(config.settings().redis.as_ref().unwrap()).await?;
+//! // Then hand `store` to the server layer in place of the memory store.
+//! # let _ = store; Ok(()) }
+//! ```
+//! In the service config:
+//! ```json
+//! { "idem": { "redis": { "url": "redis://redis:6379/0", "keyPrefix": "idem:",
+//!                        "commandTimeout": "0.5s", "connectTimeout": "2s" } } }
+//! ```
+//!
+//! # Redis settings a deployment needs
+//! - `maxmemory-policy noeviction`. Every record has a TTL, so `volatile-*` policies
+//!   evict them as readily as `allkeys-*`; an evicted record lets a duplicate run again.
+//!   With `noeviction` a full Redis refuses writes instead, which the store reports as
+//!   unavailable (the call fails closed with UNAVAILABLE and the client retries).
+//!   Size `maxmemory` for (calls per second × record TTL × response size).
+//! - Persistence: `appendonly yes` with `appendfsync everysec` (at most about a second
+//!   of records lost on a crash); RDB snapshots alone lose minutes.
+//! - Replication: a failover to a replica that had not received the latest writes
+//!   loses those records. `WAIT` is not used; accept the window or use a Redis with
+//!   synchronous replication.
+//! - Redis 6.2 or newer (tested with 7.0). Scripts need `EVALSHA`/`SCRIPT LOAD`, and
+//!   `CONFIG GET` is used at start only (refusing it only skips the checks).
+//!
+//! At connect, [`RedisStore::check_server`] warns through `tracing` when the eviction
+//! policy could drop records or persistence is off.
+//!
+//! # Key layout
+//! One Redis hash per record, named `<prefix>{<scope hex>}`: the scope is the SHA-256
+//! of the length-prefixed (tenant, method, key), so raw client input never appears in
+//! a key name, and the braces are a Redis Cluster hash tag that keeps a record in one
+//! slot. There is no other key: no global counter, no index. The fence lives inside
+//! the record. Fields: `s` state (`i` in flight, `c` completed, `r` released), `f`
+//! fence, `fp` fingerprint (32 raw bytes), `c` claimant id, `l` lease deadline (ms on
+//! the Redis server's clock), `k` outcome kind, `o` outcome bytes (binary-safe).
+//!
+//! # Scripts
+//! Each operation is one Lua script (`EVALSHA`; the script is loaded at connect and
+//! again on `NOSCRIPT`, e.g. after a Redis restart), atomic on its key, and sets the
+//! key's expiry (`PEXPIRE`) in the same script:
+//!
+//! - **claim**: no record → in flight, fence 1. Released tombstone → in flight with
+//!   fence + 1, whatever the fingerprint. Different fingerprint → `Mismatch` (in flight
+//!   or completed). Completed → the outcome, in the same reply (so a replay is one
+//!   round trip). In flight with a live lease: the same claimant (a claim re-sent after
+//!   a lost reply) gets its fence back and its lease extended; anyone else gets
+//!   `InFlight` with the lease time left. Expired lease → taken over with fence + 1.
+//! - **renew / complete / release**: succeed only when the record is in flight with
+//!   the presented fence; otherwise `Fenced` with the current fence. Complete stores
+//!   the outcome and sets the record TTL; release leaves a tombstone with the fence.
+//! - **read** (`get`, and `wait`'s polling): state, fence, lease time left.
+//!
+//! Lease expiry is judged with `redis.call('TIME')`, the Redis server's clock, so
+//! instances whose clocks disagree agree on who holds a lease.
+//!
+//! # Decisions beyond DESIGN.md
+//! - **Fence retention.** Fences must keep growing across takeover and release for as
+//!   long as the record lives, but `claim` and `release` carry no record TTL. So an
+//!   in-flight record and a release tombstone expire after the *fence retention*
+//!   ([`RedisStoreBuilder::fence_retention`], default 24 h, the default record TTL),
+//!   and a completed record after the TTL given to `complete`. A lease longer than the
+//!   retention stretches the key's expiry to the lease.
+//! - **Same-claimant re-claim** extends the lease to `now + lease` (never shortens it).
+//! - **Renew after the lease ran out** still succeeds while nobody has taken over: the
+//!   fence is still current.
+//! - **Durations** are sent in whole milliseconds, at least 1 ms and at most ten years.
+//! - **Waiting.** [`wait`](idem_server::store::Store::wait) polls the record with
+//!   exponential backoff (2 ms doubling to 50 ms by default, never past the lease end
+//!   or `until`) and returns as soon as the record is no longer the same live claim.
+//!   Polling was chosen over pub/sub: it needs no second connection per instance, no
+//!   subscription that can be missed while (re)subscribing (pub/sub would need polling
+//!   as a fallback anyway), and it also notices lease expiry, which publishes nothing.
+//!   The cost is at most one extra read per waiter per 50 ms, and a duplicate learns of
+//!   the outcome up to 50 ms late.
+//! - **Errors.** A command that times out (command timeout, default 500 ms) or fails
+//!   on the connection, and server conditions that pass (`LOADING`, `OOM`, `READONLY`,
+//!   cluster down…) are `StoreError::Unavailable`; a reply of the wrong shape, a key of
+//!   the wrong type or a record missing a field is `StoreError::Corrupt`. Nothing in a
+//!   reply can panic. The connection reconnects on its own (exponential backoff).
+//!
+//! # Round trips
+//! A fresh protected call: claim + complete = 2 `EVALSHA`. A replay: 1 (claim returns
+//! the outcome). Renewals add one each, only for handlers that run past a lease.
+
+mod builder;
+mod check;
+mod scripts;
+mod store;
+
+pub use builder::{
+    ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FENCE_RETENTION,
+    DEFAULT_KEY_PREFIX, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN, RedisStoreBuilder,
+};
+pub use check::ServerReport;
+pub use store::RedisStore;

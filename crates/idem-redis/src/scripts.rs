@@ -1,0 +1,179 @@
+//! The Lua scripts: one per store operation, each atomic on one key.
+//!
+//! Record layout (a Redis hash at `<prefix>{<scope hex>}`):
+//!
+//! | field | meaning |
+//! |-------|---------|
+//! | `s`   | state: `i` in flight, `c` completed, `r` released (tombstone) |
+//! | `f`   | fence, decimal |
+//! | `fp`  | request fingerprint, 32 raw bytes (absent on a tombstone) |
+//! | `c`   | claimant id, 32 hex digits (in flight only) |
+//! | `l`   | lease deadline, milliseconds on the Redis server's clock (in flight only) |
+//! | `k`   | outcome kind: `r` response bytes kept, `n` not retained (completed only) |
+//! | `o`   | outcome bytes, binary-safe (completed only) |
+//!
+//! Every script reads the clock with `redis.call('TIME')`, so lease expiry is judged on
+//! the server's clock and instances whose clocks disagree still agree on who holds a
+//! lease. Scripts that write set the key's expiry (`PEXPIRE`) in the same script.
+//! Errors the scripts raise themselves start with `IDEMCORRUPT` and become
+//! `StoreError::Corrupt`.
+
+use redis::Script;
+
+/// Shared helpers, prepended to every script.
+const PRELUDE: &str = r#"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function corrupt(what)
+  return redis.error_reply('IDEMCORRUPT ' .. what)
+end
+local function dec(n)
+  return string.format('%d', n)
+end
+"#;
+
+/// `KEYS[1]` record; `ARGV`: fingerprint, claimant, lease ms, fence retention ms.
+///
+/// Replies: `{'A', fence, takeover 0|1}`, `{'C', kind, bytes}`, `{'I', lease ms left}`,
+/// `{'M'}`.
+const CLAIM: &str = r#"
+local key = KEYS[1]
+local fp, claimant = ARGV[1], ARGV[2]
+local lease, retention = tonumber(ARGV[3]), tonumber(ARGV[4])
+local px = retention
+if lease > px then px = lease end
+local now = now_ms()
+local r = redis.call('HMGET', key, 's', 'f', 'fp', 'c', 'l', 'k', 'o')
+local s = r[1]
+local function take(fence, takeover)
+  redis.call('HSET', key, 's', 'i', 'f', dec(fence), 'fp', fp, 'c', claimant, 'l', dec(now + lease))
+  redis.call('HDEL', key, 'k', 'o')
+  redis.call('PEXPIRE', key, px)
+  return {'A', fence, takeover}
+end
+if not s then
+  return take(1, 0)
+end
+local f = tonumber(r[2])
+if not f then return corrupt('record without a fence') end
+if s == 'r' then
+  return take(f + 1, 0)
+end
+if s ~= 'c' and s ~= 'i' then return corrupt('unknown state') end
+if r[3] ~= fp then
+  return {'M'}
+end
+if s == 'c' then
+  return {'C', r[6] or '', r[7] or ''}
+end
+local l = tonumber(r[5])
+if not l then return corrupt('in-flight record without a lease') end
+if l > now then
+  if r[4] == claimant then
+    if now + lease > l then
+      redis.call('HSET', key, 'l', dec(now + lease))
+      if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+    end
+    return {'A', f, 0}
+  end
+  return {'I', l - now}
+end
+return take(f + 1, 1)
+"#;
+
+/// Checks that the record is in flight with fence `ARGV[1]`; on failure returns the
+/// `{'F', current fence or -1}` reply the caller maps to `StoreError::Fenced`.
+const FENCE_CHECK: &str = r#"
+local key = KEYS[1]
+local r = redis.call('HMGET', key, 's', 'f')
+if not r[1] then return {'F', -1} end
+local cur = tonumber(r[2])
+if not cur then return corrupt('record without a fence') end
+if r[1] ~= 'i' or r[2] ~= ARGV[1] then return {'F', cur} end
+"#;
+
+/// `ARGV`: fence, lease ms. Reply `{'OK'}` or `{'F', current}`.
+const RENEW: &str = r#"
+local lease = tonumber(ARGV[2])
+redis.call('HSET', key, 'l', dec(now_ms() + lease))
+if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+return {'OK'}
+"#;
+
+/// `ARGV`: fence, outcome kind, outcome bytes, record TTL ms. Reply `{'OK'}` or `{'F', current}`.
+const COMPLETE: &str = r#"
+redis.call('HSET', key, 's', 'c', 'k', ARGV[2], 'o', ARGV[3])
+redis.call('HDEL', key, 'c', 'l')
+redis.call('PEXPIRE', key, tonumber(ARGV[4]))
+return {'OK'}
+"#;
+
+/// `ARGV`: fence, tombstone TTL ms. Reply `{'OK'}` or `{'F', current}`.
+const RELEASE: &str = r#"
+redis.call('HSET', key, 's', 'r')
+redis.call('HDEL', key, 'fp', 'c', 'l', 'k', 'o')
+redis.call('PEXPIRE', key, tonumber(ARGV[2]))
+return {'OK'}
+"#;
+
+/// `ARGV[1]`: `1` to include the fingerprint and outcome. Reply `{}` (no record) or
+/// `{state, fence, lease ms left (0 when expired or not in flight), fp, kind, bytes}`.
+const READ: &str = r#"
+local key = KEYS[1]
+local full = ARGV[1] == '1'
+local r
+if full then
+  r = redis.call('HMGET', key, 's', 'f', 'l', 'fp', 'k', 'o')
+else
+  r = redis.call('HMGET', key, 's', 'f', 'l')
+end
+if not r[1] then return {} end
+local f = tonumber(r[2])
+if not f then return corrupt('record without a fence') end
+local left = 0
+if r[1] == 'i' then
+  local l = tonumber(r[3])
+  if not l then return corrupt('in-flight record without a lease') end
+  left = l - now_ms()
+  if left < 0 then left = 0 end
+end
+if full then
+  return {r[1], f, left, r[4] or '', r[5] or '', r[6] or ''}
+end
+return {r[1], f, left}
+"#;
+
+/// The loaded scripts (SHA-1 computed once; `EVALSHA`, loading on `NOSCRIPT`).
+#[derive(Debug)]
+pub(crate) struct Scripts {
+    pub(crate) claim: Script,
+    pub(crate) renew: Script,
+    pub(crate) complete: Script,
+    pub(crate) release: Script,
+    pub(crate) read: Script,
+}
+
+impl Scripts {
+    pub(crate) fn new() -> Self {
+        let fenced = |body: &str| Script::new(&format!("{PRELUDE}{FENCE_CHECK}{body}"));
+        Scripts {
+            claim: Script::new(&format!("{PRELUDE}{CLAIM}")),
+            renew: fenced(RENEW),
+            complete: fenced(COMPLETE),
+            release: fenced(RELEASE),
+            read: Script::new(&format!("{PRELUDE}{READ}")),
+        }
+    }
+
+    pub(crate) fn all(&self) -> [&Script; 5] {
+        [
+            &self.claim,
+            &self.renew,
+            &self.complete,
+            &self.release,
+            &self.read,
+        ]
+    }
+}

@@ -1,0 +1,497 @@
+//! [`RedisStore`]: the [`Store`] trait on Redis.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_server::store::{
+    Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError, StoredOutcome,
+};
+use redis::aio::ConnectionManager;
+use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use tokio::time::Instant;
+
+use crate::builder::RedisStoreBuilder;
+use crate::scripts::Scripts;
+
+/// An idempotency [`Store`] on Redis, shared by every server instance that points at the
+/// same Redis. Cheap to clone (one `Arc`); every clone shares one reconnecting
+/// connection.
+///
+/// Build it with [`RedisStore::connect`], [`RedisStore::builder`] or
+/// [`RedisStore::from_settings`]. See the [crate docs](crate) for the key layout, the
+/// scripts and the Redis settings a deployment needs.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) conn: ConnectionManager,
+    pub(crate) prefix: String,
+    pub(crate) command_timeout: Duration,
+    pub(crate) fence_retention: Duration,
+    pub(crate) poll_min: Duration,
+    pub(crate) poll_max: Duration,
+    pub(crate) scripts: Scripts,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("command_timeout", &self.inner.command_timeout)
+            .field("fence_retention", &self.inner.fence_retention)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the read script reports about a record.
+struct Peek {
+    state: u8,
+    fence: Fence,
+    lease_left: Duration,
+}
+
+impl RedisStore {
+    /// A builder for `url` (`redis://host:port/db`, `rediss://…`, `unix://…`) with the
+    /// documented defaults.
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(url)
+    }
+
+    /// Connects to `url` with the default settings (see [`RedisStoreBuilder`]).
+    ///
+    /// # Errors
+    /// See [`RedisStoreBuilder::connect`].
+    pub async fn connect(url: impl Into<String>) -> Result<Self, crate::ConnectError> {
+        Self::builder(url).connect().await
+    }
+
+    /// Connects with the settings of the `idem.redis` config object.
+    ///
+    /// # Errors
+    /// See [`RedisStoreBuilder::connect`].
+    pub async fn from_settings(
+        settings: &idem_core::config::RedisSettings,
+    ) -> Result<Self, crate::ConnectError> {
+        RedisStoreBuilder::from_settings(settings).connect().await
+    }
+
+    pub(crate) fn from_inner(inner: Inner) -> Self {
+        RedisStore {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The Redis key holding the record of `scope`: `<prefix>{<scope hex>}`. The braces
+    /// are a Redis Cluster hash tag, so a record always lives in one slot.
+    pub fn key_for(&self, scope: &Scope) -> String {
+        format!("{}{{{}}}", self.inner.prefix, scope.to_hex())
+    }
+
+    /// The key prefix in use.
+    pub fn key_prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    pub(crate) fn connection(&self) -> ConnectionManager {
+        self.inner.conn.clone()
+    }
+
+    pub(crate) fn command_timeout(&self) -> Duration {
+        self.inner.command_timeout
+    }
+
+    /// Runs one command future under the command timeout.
+    pub(crate) async fn bounded<T>(
+        &self,
+        limit: Duration,
+        fut: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(limit, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(map_error(&e)),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "redis command timed out after {limit:?}"
+            ))),
+        }
+    }
+
+    async fn eval(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[&[u8]],
+        limit: Duration,
+    ) -> Result<Value, StoreError> {
+        let mut inv = script.key(key);
+        for a in args {
+            inv.arg(*a);
+        }
+        let mut conn = self.connection();
+        self.bounded(
+            limit,
+            async move { inv.invoke_async::<Value>(&mut conn).await },
+        )
+        .await
+    }
+
+    /// Loads every script into the script cache, so the first calls are one `EVALSHA`
+    /// each. (After a Redis restart the cache is empty; a `NOSCRIPT` reply then loads the
+    /// script again transparently.)
+    pub(crate) async fn load_scripts(&self) -> Result<(), StoreError> {
+        for s in self.inner.scripts.all() {
+            let mut conn = self.connection();
+            self.bounded(self.inner.command_timeout, async move {
+                s.prepare_invoke().load_async(&mut conn).await
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn peek(&self, key: &str, limit: Duration) -> Result<Option<Peek>, StoreError> {
+        let v = self
+            .eval(&self.inner.scripts.read, key, &[b"0"], limit)
+            .await?;
+        let items = array(v)?;
+        if items.is_empty() {
+            return Ok(None);
+        }
+        if items.len() != 3 {
+            return Err(corrupt("read reply of unexpected length"));
+        }
+        let mut it = items.into_iter();
+        let state = state_byte(it.next())?;
+        let fence = fence(it.next())?;
+        let lease_left = millis(it.next())?;
+        Ok(Some(Peek {
+            state,
+            fence,
+            lease_left,
+        }))
+    }
+
+    async fn fenced(
+        &self,
+        script: &Script,
+        scope: &Scope,
+        fence_presented: Fence,
+        rest: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        let key = self.key_for(scope);
+        let fence_s = fence_presented.to_string();
+        let mut args: Vec<&[u8]> = Vec::with_capacity(rest.len() + 1);
+        args.push(fence_s.as_bytes());
+        args.extend_from_slice(rest);
+        let v = self
+            .eval(script, &key, &args, self.inner.command_timeout)
+            .await?;
+        let items = array(v)?;
+        let mut it = items.into_iter();
+        match tag(it.next())?.as_slice() {
+            b"OK" => Ok(()),
+            b"F" => {
+                let cur = int(it.next())?;
+                Err(StoreError::Fenced {
+                    presented: fence_presented,
+                    current: u64::try_from(cur).ok(),
+                })
+            }
+            _ => Err(corrupt("unexpected reply tag")),
+        }
+    }
+}
+
+impl Store for RedisStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let key = self.key_for(req.scope);
+        let claimant = format!("{:032x}", req.claimant.0);
+        let lease = ms(req.lease).to_string();
+        let retention = ms(self.inner.fence_retention).to_string();
+        let v = self
+            .eval(
+                &self.inner.scripts.claim,
+                &key,
+                &[
+                    &req.fingerprint.0,
+                    claimant.as_bytes(),
+                    lease.as_bytes(),
+                    retention.as_bytes(),
+                ],
+                self.inner.command_timeout,
+            )
+            .await?;
+        let mut it = array(v)?.into_iter();
+        match tag(it.next())?.as_slice() {
+            b"A" => {
+                let fence = fence(it.next())?;
+                let takeover = int(it.next())? != 0;
+                Ok(Claim::Acquired { fence, takeover })
+            }
+            b"C" => {
+                let kind = bytes(it.next())?;
+                let body = bytes(it.next())?;
+                Ok(Claim::Completed(outcome(&kind, body)?))
+            }
+            b"I" => Ok(Claim::InFlight {
+                lease_remaining: millis(it.next())?,
+            }),
+            b"M" => Ok(Claim::Mismatch),
+            _ => Err(corrupt("unexpected claim reply tag")),
+        }
+    }
+
+    async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
+        let lease = ms(lease).to_string();
+        self.fenced(&self.inner.scripts.renew, scope, fence, &[lease.as_bytes()])
+            .await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let ttl = ms(ttl).to_string();
+        let (kind, body): (&[u8], &[u8]) = match &outcome {
+            StoredOutcome::Response(b) => (b"r", b),
+            StoredOutcome::NotRetained => (b"n", b""),
+        };
+        self.fenced(
+            &self.inner.scripts.complete,
+            scope,
+            fence,
+            &[kind, body, ttl.as_bytes()],
+        )
+        .await
+    }
+
+    async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
+        let retention = ms(self.inner.fence_retention).to_string();
+        self.fenced(
+            &self.inner.scripts.release,
+            scope,
+            fence,
+            &[retention.as_bytes()],
+        )
+        .await
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {
+        let key = self.key_for(scope);
+        let v = self
+            .eval(
+                &self.inner.scripts.read,
+                &key,
+                &[b"1"],
+                self.inner.command_timeout,
+            )
+            .await?;
+        let items = array(v)?;
+        if items.is_empty() {
+            return Ok(None);
+        }
+        if items.len() != 6 {
+            return Err(corrupt("read reply of unexpected length"));
+        }
+        let mut it = items.into_iter();
+        let state = state_byte(it.next())?;
+        let fence = fence(it.next())?;
+        let left = millis(it.next())?;
+        let fp = bytes(it.next())?;
+        let kind = bytes(it.next())?;
+        let body = bytes(it.next())?;
+        Ok(Some(match state {
+            b'i' => RecordState::InFlight {
+                fence,
+                fingerprint: fingerprint(&fp)?,
+                lease_until: Instant::now() + left,
+            },
+            b'c' => RecordState::Completed {
+                fence,
+                fingerprint: fingerprint(&fp)?,
+                outcome: outcome(&kind, body)?,
+            },
+            _ => RecordState::Released { fence },
+        }))
+    }
+
+    /// Bounded polling with exponential backoff (see the crate docs, "Waiting"): reads
+    /// the record's state, fence and lease; sleeps `min(interval, lease left, until)`;
+    /// returns as soon as the record is no longer the same live in-flight claim.
+    async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
+        let key = self.key_for(scope);
+        let mut interval = self.inner.poll_min;
+        let mut watched: Option<Fence> = None;
+        loop {
+            let now = Instant::now();
+            if now >= until {
+                return Ok(());
+            }
+            let limit = self.inner.command_timeout.min(until - now);
+            let peek = match self.peek(&key, limit).await {
+                Ok(p) => p,
+                // The deadline came while the read was under way: not the store's fault.
+                Err(StoreError::Unavailable(_)) if Instant::now() >= until => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            let Some(p) = peek else { return Ok(()) };
+            if p.state != b'i' || p.lease_left.is_zero() {
+                return Ok(());
+            }
+            match watched {
+                Some(f) if f != p.fence => return Ok(()),
+                _ => watched = Some(p.fence),
+            }
+            let now = Instant::now();
+            // One millisecond past the lease so the next read sees it expired.
+            let wake = (now + interval)
+                .min(now + p.lease_left + Duration::from_millis(1))
+                .min(until);
+            tokio::time::sleep_until(wake).await;
+            interval = (interval * 2).min(self.inner.poll_max);
+        }
+    }
+}
+
+/// Longest lease or TTL sent to Redis: ten years, in milliseconds. Longer durations are
+/// cut to it, so the numbers stay exact in Lua (doubles) and `PEXPIRE` accepts them.
+const MAX_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
+
+/// Milliseconds for a script argument, in `1..=MAX_MS` (a `PEXPIRE 0` would delete the key).
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis())
+        .unwrap_or(MAX_MS)
+        .clamp(1, MAX_MS)
+}
+
+/// Maps a client error: connection trouble, timeouts and server conditions that pass
+/// (loading, OOM, read-only replica, cluster down…) are `Unavailable`; a reply of the
+/// wrong shape, a key of the wrong type or a script error on a record is `Corrupt`.
+pub(crate) fn map_error(e: &RedisError) -> StoreError {
+    let code = e.code().unwrap_or("");
+    let corrupt_reply = matches!(e.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType)
+        || code == "WRONGTYPE"
+        || code == "IDEMCORRUPT"
+        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+            && e.detail().is_some_and(|d| d.contains("user_script")));
+    if corrupt_reply {
+        StoreError::Corrupt(e.to_string())
+    } else {
+        StoreError::Unavailable(e.to_string())
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("redis: {what}"))
+}
+
+fn array(v: Value) -> Result<Vec<Value>, StoreError> {
+    match v {
+        Value::Array(items) | Value::Set(items) => Ok(items),
+        Value::Nil => Ok(Vec::new()),
+        _ => Err(corrupt("expected an array reply")),
+    }
+}
+
+fn bytes(v: Option<Value>) -> Result<Vec<u8>, StoreError> {
+    match v {
+        Some(Value::BulkString(b)) => Ok(b),
+        Some(Value::SimpleString(s)) => Ok(s.into_bytes()),
+        Some(Value::Okay) => Ok(b"OK".to_vec()),
+        _ => Err(corrupt("expected a string in the reply")),
+    }
+}
+
+fn tag(v: Option<Value>) -> Result<Vec<u8>, StoreError> {
+    bytes(v)
+}
+
+fn int(v: Option<Value>) -> Result<i64, StoreError> {
+    match v {
+        Some(Value::Int(i)) => Ok(i),
+        Some(Value::BulkString(b)) => std::str::from_utf8(&b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| corrupt("expected an integer in the reply")),
+        _ => Err(corrupt("expected an integer in the reply")),
+    }
+}
+
+fn fence(v: Option<Value>) -> Result<Fence, StoreError> {
+    let i = int(v)?;
+    Fence::try_from(i)
+        .ok()
+        .filter(|f| *f > 0)
+        .ok_or_else(|| corrupt("fence out of range"))
+}
+
+fn millis(v: Option<Value>) -> Result<Duration, StoreError> {
+    let i = int(v)?;
+    Ok(Duration::from_millis(u64::try_from(i).unwrap_or(0)))
+}
+
+fn state_byte(v: Option<Value>) -> Result<u8, StoreError> {
+    match bytes(v)?.as_slice() {
+        [s @ (b'i' | b'c' | b'r')] => Ok(*s),
+        _ => Err(corrupt("unknown record state")),
+    }
+}
+
+fn fingerprint(b: &[u8]) -> Result<Fingerprint, StoreError> {
+    <[u8; 32]>::try_from(b)
+        .map(Fingerprint)
+        .map_err(|_| corrupt("fingerprint is not 32 bytes"))
+}
+
+fn outcome(kind: &[u8], body: Vec<u8>) -> Result<StoredOutcome, StoreError> {
+    match kind {
+        b"r" => Ok(StoredOutcome::Response(Bytes::from(body))),
+        b"n" => Ok(StoredOutcome::NotRetained),
+        _ => Err(corrupt("unknown outcome kind")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_of_the_wrong_shape_are_corrupt_not_panics() {
+        assert!(matches!(array(Value::Int(3)), Err(StoreError::Corrupt(_))));
+        assert!(matches!(bytes(None), Err(StoreError::Corrupt(_))));
+        assert!(matches!(
+            fence(Some(Value::Int(0))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            fence(Some(Value::Int(-4))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            int(Some(Value::BulkString(b"x1".to_vec()))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            state_byte(Some(Value::BulkString(b"z".to_vec()))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(fingerprint(&[1, 2]), Err(StoreError::Corrupt(_))));
+        assert!(matches!(outcome(b"?", vec![]), Err(StoreError::Corrupt(_))));
+        assert_eq!(fence(Some(Value::Int(7))).ok(), Some(7));
+        assert_eq!(millis(Some(Value::Int(-5))).ok(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_become_at_least_one_millisecond() {
+        assert_eq!(ms(Duration::ZERO), 1);
+        assert_eq!(ms(Duration::from_micros(1500)), 1);
+        assert_eq!(ms(Duration::from_secs(2)), 2000);
+        assert_eq!(ms(Duration::MAX), MAX_MS);
+    }
+}
