@@ -69,18 +69,70 @@ tokio::task_local! {
 
 /// What a server records about the inbound call being served: its absolute deadline and
 /// whether it is itself a retry. Read by client calls made while serving it.
+///
+/// Build it with [`InboundScope::new`]; copy the current one into spawned tasks with
+/// [`current_scope`] and [`InboundScope::run`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InboundScope {
     /// The inbound call's deadline, when it carried `grpc-timeout`.
     pub deadline: Option<Instant>,
     /// The inbound call's `grpc-previous-rpc-attempts` (0 for a first attempt).
     pub previous_attempts: u32,
+    marker: Option<ExhaustedMarker>,
+}
+
+/// A per-inbound-call secret that the client layer puts on a failure it returns after
+/// exhausting its retries (header [`DOWNSTREAM_EXHAUSTED`](crate::headers::DOWNSTREAM_EXHAUSTED)),
+/// so the server side can tell "this error is an exhausted downstream call, passed up"
+/// from any other error, and mark only that one with `grpc-retry-pushback-ms: -1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExhaustedMarker(u64);
+
+impl ExhaustedMarker {
+    /// A fresh random marker.
+    pub fn random() -> Self {
+        ExhaustedMarker(rand::random())
+    }
+    /// The header value that carries it.
+    pub fn to_header_value(self) -> HeaderValue {
+        HeaderValue::from_str(&format!("{:016x}", self.0))
+            .unwrap_or_else(|_| HeaderValue::from_static("0"))
+    }
+    /// Whether `value` carries this marker.
+    pub fn matches(self, value: &HeaderValue) -> bool {
+        value.as_bytes() == self.to_header_value().as_bytes()
+    }
 }
 
 impl InboundScope {
+    /// The scope of an inbound call with this deadline and `grpc-previous-rpc-attempts`.
+    pub fn new(deadline: Option<Instant>, previous_attempts: u32) -> Self {
+        InboundScope {
+            deadline,
+            previous_attempts,
+            marker: None,
+        }
+    }
+
+    /// This scope with a marker for exhausted downstream failures.
+    pub fn with_marker(mut self, marker: ExhaustedMarker) -> Self {
+        self.marker = Some(marker);
+        self
+    }
+
+    /// The marker for exhausted downstream failures, if the server side set one.
+    pub fn marker(&self) -> Option<ExhaustedMarker> {
+        self.marker
+    }
+
     /// Runs `fut` with this scope as the inbound scope (for tasks a handler spawns).
     pub fn run<F: Future>(self, fut: F) -> impl Future<Output = F::Output> {
         INBOUND.scope(self, fut)
+    }
+
+    /// Runs `f` synchronously with this scope as the inbound scope.
+    pub fn sync_run<R>(self, f: impl FnOnce() -> R) -> R {
+        INBOUND.sync_scope(self, f)
     }
 }
 
@@ -148,7 +200,7 @@ mod tests {
         assert_eq!(inbound_deadline(), None);
         let d = Instant::now() + Duration::from_secs(1);
         let seen = scope_inbound_deadline(
-            InboundScope { deadline: Some(d), previous_attempts: 0 },
+            InboundScope::new(Some(d), 0),
             async { inbound_deadline() },
         )
         .await;

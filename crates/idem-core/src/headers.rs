@@ -14,6 +14,11 @@ pub const GRPC_TIMEOUT: &str = "grpc-timeout";
 /// Binary `google.rpc.Status` with details (RetryInfo, ErrorInfo).
 pub const GRPC_STATUS_DETAILS: &str = "grpc-status-details-bin";
 
+/// Internal: set by the client layer on a failure it returns after exhausting retries
+/// while serving an inbound call; the server side swaps it for
+/// `grpc-retry-pushback-ms: -1` and never lets it leave the process.
+pub const DOWNSTREAM_EXHAUSTED: &str = "x-idem-downstream-exhausted";
+
 /// The `ErrorInfo.domain` of every error an idem layer makes.
 pub const ERROR_DOMAIN: &str = "idem";
 
