@@ -309,6 +309,11 @@ impl MethodConfig {
         self.idempotency = Some(policy);
         self
     }
+    /// This entry without its idempotency policy (the method becomes unprotected).
+    pub fn without_idempotency(mut self) -> Self {
+        self.idempotency = None;
+        self
+    }
     /// This entry with a per-call timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
