@@ -1,0 +1,622 @@
+//! Interop with an independently written gRPC stack: Python's `grpcio` (gRPC C-core).
+//!
+//! The Python programs live in `tests/interop/` (`client.py`, `server.py`; stubs are
+//! generated from `proto/shop/v1/orders.proto` at run time into a temporary directory)
+//! and run from the venv that `scripts/setup-test-deps.sh` creates at `.venv`
+//! (`tests/interop/requirements.txt` pins grpcio). They print JSON lines that these
+//! tests parse.
+//!
+//! - grpcio client → tonic server with idem's `IdempotencyLayer` and `MemoryStore`:
+//!   the same key twice runs the handler once and the second reply is a replay; the same
+//!   key with another request is FAILED_PRECONDITION; grpcio's own service-config
+//!   retries (maxAttempts 4 on UNAVAILABLE, from the very file the server reads) against a
+//!   handler that fails twice with UNAVAILABLE run to exactly one order.
+//! - idem's `RetryLayer` over a tonic channel → grpcio server that fails twice with
+//!   UNAVAILABLE: three attempts, the same key on each, `grpc-previous-rpc-attempts`
+//!   absent / 1 / 2.
+//!
+//! Without the venv the tests print `skipped: …` and pass, except when `CI` is set: then
+//! they fail, so CI never skips them silently. Every process wait is bounded
+//! ([`PROCESS_TIMEOUT`]) and every child is killed when its handle drops. These tests use
+//! real time: they talk to other processes, and the bounds are only there so a hang
+//! fails instead of stalling the suite.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use common::shop::orders_client::OrdersClient;
+use common::shop::orders_server::{Orders, OrdersServer};
+use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use idem_client::{CallReport, RetryLayer};
+use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, TenantSource};
+use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, PREVIOUS_RPC_ATTEMPTS};
+use idem_core::{CodeSet, IdempotencyKey, ServiceConfig};
+use idem_server::{IdempotencyLayer, MemoryStore};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::oneshot;
+use tokio::time::timeout;
+use tonic::{Request, Response, Status};
+
+/// Bound on every wait for a child process (start, a line of output, exit).
+const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One service config for both sides: grpcio reads the standard parts (its retry
+/// policy), idem's server layer reads `idempotency` and `idem`; each ignores the rest.
+const SERVICE_CONFIG: &str = r#"{
+  "methodConfig": [{
+    "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+    "timeout": "10s",
+    "retryPolicy": {
+      "maxAttempts": 4,
+      "initialBackoff": "0.05s",
+      "maxBackoff": "0.2s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    },
+    "idempotency": {}
+  }],
+  "idem": {"tenant": {"single": "interop"}}
+}"#;
+
+/// [`SERVICE_CONFIG`] as idem reads it.
+fn service_config() -> ServiceConfig {
+    // TODO(interop): switch to ServiceConfig::from_json(SERVICE_CONFIG) when the parser lands.
+    let retry = RetryPolicy::new(
+        4,
+        Duration::from_millis(50),
+        Duration::from_millis(200),
+        2.0,
+        CodeSet::of(tonic::Code::Unavailable),
+    )
+    .expect("valid retry policy");
+    let method = MethodConfig::empty()
+        .with_name("shop.v1.Orders", "CreateOrder")
+        .with_timeout(Duration::from_secs(10))
+        .with_retry_policy(retry)
+        .with_idempotency(IdempotencyPolicy::default());
+    let settings = IdemSettings {
+        tenant: TenantSource::Single("interop".into()),
+        ..IdemSettings::default()
+    };
+    ServiceConfig::from_parts(vec![method], None, settings).expect("valid config")
+}
+
+// ---------------------------------------------------------------------------------------
+// Python side
+// ---------------------------------------------------------------------------------------
+
+/// The venv's interpreter and the directory of the Python programs.
+struct Python {
+    exe: PathBuf,
+    dir: PathBuf,
+}
+
+/// The venv's Python with grpcio, or `None` (after saying so) when it is missing outside
+/// CI. In CI (`CI` set) a missing venv fails the test.
+async fn python() -> Option<Python> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = root.join(".venv/bin/python");
+    let dir = root.join("tests/interop");
+    let usable = exe.is_file() && {
+        let check = Command::new(&exe)
+            .args(["-c", "import grpc, grpc_tools"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .status();
+        matches!(timeout(PROCESS_TIMEOUT, check).await, Ok(Ok(status)) if status.success())
+    };
+    if usable {
+        return Some(Python { exe, dir });
+    }
+    let why = format!(
+        "{} with grpcio and grpcio-tools is missing: run scripts/setup-test-deps.sh",
+        exe.display()
+    );
+    if std::env::var_os("CI").is_some() {
+        panic!("grpcio interop tests cannot run in CI: {why}");
+    }
+    eprintln!("skipped: {why}");
+    None
+}
+
+impl Python {
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg(self.dir.join(program))
+            .current_dir(&self.dir)
+            // Keep the source tree free of __pycache__.
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("PYTHONUNBUFFERED", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        cmd
+    }
+
+    /// Runs `client.py` with `args` to completion and returns one JSON value per call.
+    async fn client(&self, args: &[&str]) -> Vec<Value> {
+        let child = self
+            .command("client.py")
+            .args(args)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn client.py");
+        // On timeout the future, and with it the child, is dropped: kill_on_drop ends it.
+        let out = timeout(PROCESS_TIMEOUT, child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("client.py {args:?} still running after {PROCESS_TIMEOUT:?}")
+            })
+            .expect("wait for client.py");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "client.py {args:?} failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            out.status
+        );
+        stdout
+            .lines()
+            .map(|line| {
+                serde_json::from_str(line)
+                    .unwrap_or_else(|e| panic!("client.py printed non-JSON {line:?}: {e}"))
+            })
+            .collect()
+    }
+
+    /// Starts `server.py` and waits until it listens.
+    async fn server(&self, args: &[&str]) -> PyServer {
+        let mut child = self
+            .command("server.py")
+            .args(args)
+            // server.py exits when its stdin closes: a second guard besides kill_on_drop.
+            .stdin(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn server.py");
+        let stdin = child.stdin.take().expect("server.py stdin");
+        let stdout = child.stdout.take().expect("server.py stdout");
+        let mut server = PyServer {
+            _stdin: stdin,
+            lines: BufReader::new(stdout).lines(),
+            port: 0,
+            child,
+        };
+        let first = server.next_event().await;
+        assert_eq!(first["event"], "listening", "server.py: {first}");
+        server.port = first["port"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .unwrap_or_else(|| panic!("server.py announced no port: {first}"));
+        server
+    }
+}
+
+/// A running `server.py`; killed when dropped.
+struct PyServer {
+    _stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    port: u16,
+    child: Child,
+}
+
+impl PyServer {
+    fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// The next JSON line server.py printed.
+    async fn next_event(&mut self) -> Value {
+        let line = timeout(PROCESS_TIMEOUT, self.lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("server.py printed nothing for {PROCESS_TIMEOUT:?}"))
+            .expect("read server.py stdout");
+        let Some(line) = line else {
+            let status = self.child.try_wait();
+            panic!("server.py closed its stdout (exit: {status:?})");
+        };
+        serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("server.py printed non-JSON {line:?}: {e}"))
+    }
+}
+
+/// The values of `key` in one of client.py's metadata maps (`initial` or `trailing`).
+fn meta<'a>(call: &'a Value, which: &str, key: &str) -> Vec<&'a str> {
+    call[which][key]
+        .as_array()
+        .map(|values| values.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+/// Whether a reply says it was replayed, in its headers or (Trailers-Only) trailers.
+fn replayed(call: &Value) -> bool {
+    let mut values = meta(call, "initial", IDEMPOTENCY_REPLAYED);
+    values.extend(meta(call, "trailing", IDEMPOTENCY_REPLAYED));
+    values == ["true"]
+}
+
+// ---------------------------------------------------------------------------------------
+// Rust side: a shop whose handler records what it saw
+// ---------------------------------------------------------------------------------------
+
+/// What the handler saw of one execution.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    key: Option<String>,
+    previous_rpc_attempts: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct Journal {
+    executions: Vec<Seen>,
+    orders: Vec<Order>,
+}
+
+/// `shop.v1.Orders` that fails its first `fail_first` executions with UNAVAILABLE (as a
+/// handler that found a dependency down would) and then creates orders.
+#[derive(Debug, Clone, Default)]
+struct Shop {
+    fail_first: usize,
+    journal: Arc<Mutex<Journal>>,
+}
+
+impl Shop {
+    fn failing_first(fail_first: usize) -> Self {
+        Shop {
+            fail_first,
+            ..Shop::default()
+        }
+    }
+
+    fn journal(&self) -> MutexGuard<'_, Journal> {
+        self.journal.lock().expect("journal lock")
+    }
+}
+
+fn header(req: &Request<CreateOrderRequest>, name: &str) -> Option<String> {
+    req.metadata()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        req: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let seen = Seen {
+            key: header(&req, IDEMPOTENCY_KEY),
+            previous_rpc_attempts: header(&req, PREVIOUS_RPC_ATTEMPTS),
+        };
+        let mut journal = self.journal();
+        journal.executions.push(seen);
+        let n = journal.executions.len();
+        if n <= self.fail_first {
+            return Err(Status::unavailable(format!(
+                "injected failure {n} of {}",
+                self.fail_first
+            )));
+        }
+        let r = req.into_inner();
+        let order = Order {
+            order_id: format!("ord-{}", journal.orders.len() + 1),
+            customer_id: r.customer_id,
+            sku: r.sku,
+            quantity: r.quantity,
+            created_by: "tonic".into(),
+        };
+        journal.orders.push(order.clone());
+        Ok(Response::new(order))
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("not used by the interop tests"))
+    }
+
+    type ListOrdersStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("not used by the interop tests"))
+    }
+}
+
+/// A tonic server on 127.0.0.1:0 serving `shop` behind idem's server layer; stops when
+/// dropped.
+struct RustServer {
+    addr: std::net::SocketAddr,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn serve_idem(shop: Shop) -> RustServer {
+    let (addr, incoming) = common::bind().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let config = service_config();
+    let store = MemoryStore::new(config.settings().memory_store.clone());
+    let router = tonic::transport::Server::builder()
+        .layer(IdempotencyLayer::new(store, &config))
+        .add_service(OrdersServer::new(shop));
+    tokio::spawn(async move {
+        router
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("tonic server");
+    });
+    RustServer { addr, _stop: stop }
+}
+
+/// `SERVICE_CONFIG` written to a file for client.py; removed when dropped.
+struct ConfigFile(PathBuf);
+
+impl ConfigFile {
+    fn write(name: &str) -> Self {
+        let path =
+            std::env::temp_dir().join(format!("idem-interop-{}-{name}.json", std::process::id()));
+        std::fs::write(&path, SERVICE_CONFIG).expect("write service config");
+        ConfigFile(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_same_key_twice_runs_once_and_replays() {
+    let Some(py) = python().await else { return };
+    let shop = Shop::default();
+    let server = serve_idem(shop.clone()).await;
+    let addr = server.addr.to_string();
+    let key = "grpcio-twice-0001";
+
+    let calls = py
+        .client(&[
+            "--addr",
+            &addr,
+            "--mode",
+            "twice",
+            "--key",
+            key,
+            "--quantity",
+            "3",
+        ])
+        .await;
+
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(calls[0]["code"], "OK", "first call: {}", calls[0]);
+    assert_eq!(calls[1]["code"], "OK", "second call: {}", calls[1]);
+    assert!(
+        !replayed(&calls[0]),
+        "the first call ran, it is no replay: {}",
+        calls[0]
+    );
+    assert!(
+        replayed(&calls[1]),
+        "second reply lacks {IDEMPOTENCY_REPLAYED}: true: {}",
+        calls[1]
+    );
+    assert_eq!(
+        calls[0]["order"], calls[1]["order"],
+        "the replay is the first reply"
+    );
+    assert_eq!(calls[1]["order"]["quantity"], 3);
+    let journal = shop.journal();
+    assert_eq!(journal.orders.len(), 1, "one order for one key");
+    assert_eq!(
+        journal.executions,
+        [Seen {
+            key: Some(key.into()),
+            previous_rpc_attempts: None
+        }],
+        "the handler ran once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_same_key_other_request_is_failed_precondition() {
+    let Some(py) = python().await else { return };
+    let shop = Shop::default();
+    let server = serve_idem(shop.clone()).await;
+    let addr = server.addr.to_string();
+
+    let calls = py
+        .client(&[
+            "--addr",
+            &addr,
+            "--mode",
+            "different",
+            "--key",
+            "grpcio-reuse-0001",
+        ])
+        .await;
+
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(calls[0]["code"], "OK", "first call: {}", calls[0]);
+    assert_eq!(
+        calls[1]["code"], "FAILED_PRECONDITION",
+        "reused key: {}",
+        calls[1]
+    );
+    assert!(calls[1]["order"].is_null());
+    assert_eq!(
+        shop.journal().executions.len(),
+        1,
+        "the second request never ran"
+    );
+    assert_eq!(shop.journal().orders.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_service_config_retries_run_once() {
+    let Some(py) = python().await else { return };
+    // The handler answers UNAVAILABLE twice; idem releases the record on UNAVAILABLE, so
+    // grpcio's third attempt runs it again and succeeds.
+    let shop = Shop::failing_first(2);
+    let server = serve_idem(shop.clone()).await;
+    let addr = server.addr.to_string();
+    let config = ConfigFile::write("retries");
+    let key = "grpcio-retry-0001";
+
+    let calls = py
+        .client(&[
+            "--addr",
+            &addr,
+            "--mode",
+            "retry",
+            "--key",
+            key,
+            "--service-config",
+            config.path(),
+        ])
+        .await;
+
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(
+        calls[0]["code"], "OK",
+        "grpcio retried to success: {}",
+        calls[0]
+    );
+    assert!(!replayed(&calls[0]), "{}", calls[0]);
+    {
+        let journal = shop.journal();
+        let keys: Vec<_> = journal
+            .executions
+            .iter()
+            .map(|s| s.key.as_deref())
+            .collect();
+        assert_eq!(
+            keys,
+            [Some(key); 3],
+            "grpcio sent three attempts, each with the key"
+        );
+        let previous: Vec<_> = journal
+            .executions
+            .iter()
+            .map(|s| s.previous_rpc_attempts.as_deref())
+            .collect();
+        assert_eq!(
+            previous,
+            [None, Some("1"), Some("2")],
+            "grpcio's attempt numbering"
+        );
+        assert_eq!(journal.orders.len(), 1, "exactly one successful execution");
+    }
+
+    // The application retrying the whole intent later (same key) gets the stored reply.
+    let again = py
+        .client(&[
+            "--addr",
+            &addr,
+            "--mode",
+            "twice",
+            "--key",
+            key,
+            "--service-config",
+            config.path(),
+        ])
+        .await;
+    assert_eq!(again.len(), 2, "{again:?}");
+    for call in &again {
+        assert_eq!(call["code"], "OK", "{call}");
+        assert!(
+            replayed(call),
+            "a later call with the key is a replay: {call}"
+        );
+        assert_eq!(call["order"], calls[0]["order"]);
+    }
+    assert_eq!(shop.journal().executions.len(), 3, "replays run nothing");
+    assert_eq!(shop.journal().orders.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_client_retries_grpcio_server_with_one_key() {
+    let Some(py) = python().await else { return };
+    let mut server = py.server(&["--fail-first", "2"]).await;
+    let layer = RetryLayer::from_config(&service_config());
+    let channel = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(common::channel(server.addr()));
+    let mut client = OrdersClient::new(channel);
+
+    let request = CreateOrderRequest {
+        customer_id: "c-7".into(),
+        sku: "sku-7".into(),
+        quantity: 7,
+        note: String::new(),
+    };
+    let reply = timeout(PROCESS_TIMEOUT, client.create_order(request))
+        .await
+        .expect("the call ends within the bound")
+        .expect("OK once grpcio stops failing");
+
+    let order = reply.get_ref();
+    assert_eq!(
+        (order.created_by.as_str(), order.quantity),
+        ("grpcio", 7),
+        "{order:?}"
+    );
+    let report = CallReport::from_response(&reply).expect("the retry layer reports the call");
+    assert_eq!(report.attempts, 3, "{report:?}");
+    let stats = layer.stats().snapshot();
+    assert_eq!(
+        (stats.calls, stats.attempts, stats.retries),
+        (1, 3, 2),
+        "{stats:?}"
+    );
+
+    let mut attempts = Vec::new();
+    for _ in 0..3 {
+        let event = server.next_event().await;
+        assert_eq!(event["event"], "attempt", "{event}");
+        attempts.push(event);
+    }
+    let outcomes: Vec<_> = attempts.iter().map(|a| a["outcome"].as_str()).collect();
+    assert_eq!(
+        outcomes,
+        [Some("UNAVAILABLE"), Some("UNAVAILABLE"), Some("OK")]
+    );
+    let key = attempts[0]["key"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the first attempt carried one key: {}", attempts[0]));
+    IdempotencyKey::parse(key.as_bytes()).expect("the generated key follows the key rule");
+    for attempt in &attempts {
+        assert_eq!(
+            attempt["key"], key,
+            "every attempt carries the same key: {attempt}"
+        );
+    }
+    let previous: Vec<_> = attempts
+        .iter()
+        .map(|a| a["previous_rpc_attempts"].as_str())
+        .collect();
+    assert!(
+        previous == [None, Some("1"), Some("2")] || previous == [Some("0"), Some("1"), Some("2")],
+        "{PREVIOUS_RPC_ATTEMPTS} per attempt: {previous:?}"
+    );
+}
