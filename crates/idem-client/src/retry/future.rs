@@ -16,8 +16,8 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use idem_core::config::RetryPolicy;
-use idem_core::deadline::{earliest, encode_grpc_timeout};
-use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
+use idem_core::deadline::{ExhaustedMarker, earliest, encode_grpc_timeout};
+use idem_core::headers::{DOWNSTREAM_EXHAUSTED, GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tonic::Code;
@@ -121,7 +121,7 @@ where
                     Err(e) => (Err(e), None),
                 };
                 let report = CallReport { outcome: CallOutcome::NoRetryPolicy, attempts: 1, last_code: code };
-                Poll::Ready(conclude(shared, path, result, report))
+                Poll::Ready(conclude(shared, path, result, report, None))
             }
             KindProj::Retrying { fut } => fut.as_mut().poll(cx),
             KindProj::Ready { response } => match response.take() {
@@ -139,6 +139,8 @@ pub(crate) struct Call {
     pub(crate) policy: RetryPolicy,
     pub(crate) deadline: Option<Instant>,
     pub(crate) path: String,
+    /// The inbound call's marker, when this call is made while serving one.
+    pub(crate) marker: Option<ExhaustedMarker>,
 }
 
 /// The code of a Trailers-Only response (`grpc-status` among the headers); `None` when the
@@ -162,12 +164,15 @@ pub(crate) fn made_up<RB: Default>(report: CallReport, message: &'static str) ->
     resp
 }
 
-/// Records `report` (counters, hook, span) and attaches it to the response.
+/// Records `report` (counters, hook, span) and attaches it to the response. A give-up
+/// failure made while serving an inbound call also gets that call's marker, so the server
+/// layer answers upstream with `grpc-retry-pushback-ms: -1` (retry at one layer only).
 fn conclude<RB, E>(
     shared: &Shared,
     path: &str,
     result: Result<http::Response<RB>, E>,
     report: CallReport,
+    marker: Option<ExhaustedMarker>,
 ) -> Result<http::Response<RB>, E> {
     shared.report(path, &report);
     let span = tracing::Span::current();
@@ -176,6 +181,9 @@ fn conclude<RB, E>(
     result.map(|mut resp| {
         if matches!(report.last_code, Some(c) if c != Code::Ok) {
             report.write_headers(resp.headers_mut());
+            if let Some(m) = marker.filter(|_| report.outcome.retries_gave_up()) {
+                resp.headers_mut().insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
+            }
         }
         resp.extensions_mut().insert(report);
         resp
@@ -272,7 +280,8 @@ where
             Last::Error(e) => (Err(e), None),
             Last::MadeUp(code, message) => (Ok(tonic::Status::new(code, message).into_http()), Some(code)),
         };
-        conclude(&call.shared, &call.path, result, CallReport { outcome, attempts, last_code: code })
+        let report = CallReport { outcome, attempts, last_code: code };
+        conclude(&call.shared, &call.path, result, report, call.marker)
     };
 
     loop {

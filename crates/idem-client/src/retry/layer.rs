@@ -40,6 +40,8 @@ pub(crate) struct Effective {
     pub(crate) key_all_methods: bool,
     pub(crate) max_replay_bytes_per_call: usize,
     pub(crate) min_attempt_time: Duration,
+    /// Mark give-up failures for the server layer (`idem.client.retryExhaustedPushback`).
+    pub(crate) mark_exhausted: bool,
 }
 
 impl Effective {
@@ -192,6 +194,7 @@ impl RetryLayer {
             key_all_methods: client.key_all_methods,
             max_replay_bytes_per_call: client.max_replay_bytes_per_call,
             min_attempt_time: client.min_attempt_time,
+            mark_exhausted: client.retry_exhausted_pushback,
         };
         *shared.effective.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(eff);
     }
@@ -443,6 +446,7 @@ impl RetryLayerBuilder {
             key_all_methods: client.key_all_methods,
             max_replay_bytes_per_call: client.max_replay_bytes_per_call,
             min_attempt_time: client.min_attempt_time,
+            mark_exhausted: client.retry_exhausted_pushback,
         };
         RetryLayer {
             shared: Arc::new(Shared {

@@ -15,3 +15,6 @@ pub use layer::{BuildError, RetryLayer, RetryLayerBuilder};
 pub use outcome::{CallOutcome, CallReport, OutcomeHook, RetryStats, RetryStatsSnapshot};
 pub use service::Retry;
 pub use throttle::RetryThrottle;
+
+#[cfg(test)]
+mod tests;

@@ -8,7 +8,9 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use idem_core::IdempotencyKey;
 use idem_core::ServiceConfig;
-use idem_core::deadline::{earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout};
+use idem_core::deadline::{
+    current_scope, earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout,
+};
 use idem_core::headers::GRPC_TIMEOUT;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -137,12 +139,16 @@ where
                 let clone = self.inner.clone();
                 let svc = mem::replace(&mut self.inner, clone);
                 let (parts, body) = req.into_parts();
+                let marker = current_scope()
+                    .and_then(|s| s.marker())
+                    .filter(|_| eff.mark_exhausted);
                 let call = Call {
                     shared: self.shared.clone(),
                     eff,
                     policy: retry,
                     deadline,
                     path,
+                    marker,
                 };
                 ResponseFuture::retrying(svc, parts, body, call, span)
             }
