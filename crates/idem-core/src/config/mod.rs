@@ -27,7 +27,11 @@
 //! assert!(method.idempotency().is_some());
 //! ```
 
+mod duration;
 mod parse;
+#[cfg(test)]
+mod tests;
 mod types;
 
+pub use duration::{DurationError, MAX_DURATION_SECONDS, format_duration, parse_duration};
 pub use types::*;

@@ -1,13 +1,1183 @@
-//! JSON wire form → validated domain types. (Being written: see issue 2.)
+//! JSON wire form → validated domain types.
+//!
+//! The document is read as a [`serde_json::Value`] and walked by hand rather than
+//! deserialized with serde derive: derive stops at the first error, and a config check
+//! must report every error at once, each with its JSON path. Every reader below records
+//! its error and carries on with the next field; the result is built only when no error
+//! was recorded. See the [module docs](super) for the rules and the choices made where
+//! grpc-go, grpc-java and C-core disagree.
 
-use super::types::{ConfigError, IdemSettings, Parsed, ServiceConfig};
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{Map, Number, Value};
+
+use super::duration::{format_duration, parse_duration};
+use super::types::{
+    ClientSettings, ConfigError, Diagnostic, HedgingPolicy, IdemSettings, IdempotencyPolicy,
+    InFlightPolicy, MAX_ATTEMPTS_LIMIT, MemoryStoreSettings, MethodConfig, MethodName, Parsed,
+    RedisSettings, RetryPolicy, RetryThrottling, ServiceConfig, TenantSource,
+};
+use crate::code::{Code, CodeSet, code_from_i64, code_name, parse_code_name};
+
+/// Top-level fields idem reads. Every other top-level field (loadBalancingConfig,
+/// healthCheckConfig, …) belongs to another part of gRPC and is ignored.
+const TOP_FIELDS: &[&str] = &["methodConfig", "retryThrottling", "idem"];
+const METHOD_FIELDS: &[&str] = &[
+    "name",
+    "waitForReady",
+    "timeout",
+    "maxRequestMessageBytes",
+    "maxResponseMessageBytes",
+    "retryPolicy",
+    "hedgingPolicy",
+    "idempotency",
+];
+const NAME_FIELDS: &[&str] = &["service", "method"];
+const RETRY_FIELDS: &[&str] = &[
+    "maxAttempts",
+    "initialBackoff",
+    "maxBackoff",
+    "backoffMultiplier",
+    "retryableStatusCodes",
+    "perAttemptRecvTimeout",
+];
+const HEDGING_FIELDS: &[&str] = &["maxAttempts", "hedgingDelay", "nonFatalStatusCodes"];
+const THROTTLING_FIELDS: &[&str] = &["maxTokens", "tokenRatio"];
+const IDEMPOTENCY_FIELDS: &[&str] = &[
+    "keyRequired",
+    "recordTtl",
+    "leaseTtl",
+    "inFlight",
+    "abortRetryDelay",
+    "cacheableStatusCodes",
+    "releaseStatusCodes",
+    "maxRequestBytes",
+    "maxResponseBytes",
+    "failOpen",
+];
+const IDEM_FIELDS: &[&str] = &["keyHeader", "tenant", "memoryStore", "redis", "client"];
+const TENANT_FIELDS: &[&str] = &["single", "header"];
+const MEMORY_FIELDS: &[&str] = &["maxEntries", "maxBytes", "sweepInterval"];
+const REDIS_FIELDS: &[&str] = &["url", "keyPrefix", "commandTimeout", "connectTimeout"];
+const CLIENT_FIELDS: &[&str] = &[
+    "keyAllMethods",
+    "maxReplayBytesPerCall",
+    "maxReplayBytesTotal",
+    "minAttemptTime",
+    "retryExhaustedPushback",
+];
+
+/// Codes whose retry cannot help: the server will answer the same (or there was no error).
+pub(crate) const RISKY_RETRYABLE: CodeSet = CodeSet::of(Code::InvalidArgument)
+    .with(Code::NotFound)
+    .with(Code::PermissionDenied)
+    .with(Code::Unauthenticated)
+    .with(Code::FailedPrecondition)
+    .with(Code::Unimplemented)
+    .with(Code::DataLoss)
+    .with(Code::Ok);
+
+/// Largest `google.protobuf.UInt32Value`: `maxRequestMessageBytes`, `maxResponseMessageBytes`.
+const U32_MAX: u64 = u32::MAX as u64;
+/// grpc-go keeps durations as `time.Duration` (int64 nanoseconds) and refuses longer ones.
+const GO_MAX_DURATION_SECS: u64 = (i64::MAX as u64) / 1_000_000_000;
+/// `maxTokens` is at most 1000, so a ratio above 1000 tokens refills as much as 1000 does.
+const MAX_TOKEN_RATIO_MILLI: u32 = 1_000_000;
+/// A6 (2024): the jitter multiplies each backoff by up to 1.2.
+const MAX_JITTER: f64 = 1.2;
 
 pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
-    let _: serde_json::Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+    let doc: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
         line: e.line(),
         column: e.column(),
         message: e.to_string(),
     })?;
-    let config = ServiceConfig::from_parts(Vec::new(), None, IdemSettings::default())?;
-    Ok(Parsed { config, warnings: Vec::new() })
+    let Value::Object(top) = &doc else {
+        let (line, column) = first_token_position(text);
+        return Err(ConfigError::Json {
+            line,
+            column,
+            message: format!(
+                "the service config must be a JSON object, not {}",
+                kind(&doc)
+            ),
+        });
+    };
+    let mut v = Validator::default();
+    let config = v.document(top);
+    match config {
+        Some(config) if v.errors.is_empty() => Ok(Parsed {
+            config,
+            warnings: v.warnings,
+        }),
+        _ => Err(ConfigError::Invalid {
+            errors: v.errors,
+            warnings: v.warnings,
+        }),
+    }
+}
+
+/// 1-based line and column of the first non-blank character (where the value starts).
+fn first_token_position(text: &str) -> (usize, usize) {
+    let (mut line, mut column) = (1, 1);
+    for c in text.chars() {
+        match c {
+            '\n' => {
+                line += 1;
+                column = 1;
+            }
+            ' ' | '\t' | '\r' => column += 1,
+            _ => break,
+        }
+    }
+    (line, column)
+}
+
+/// "a string", "an array", … for messages.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// `parent.key`, or `parent["odd key"]` when the key is not a plain identifier.
+fn child(parent: &str, key: &str) -> String {
+    let plain = !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    let quoted;
+    let key = if plain {
+        key
+    } else {
+        quoted = serde_json::to_string(key).unwrap_or_else(|_| format!("{key:?}"));
+        quoted.as_str()
+    };
+    match (parent.is_empty(), plain) {
+        (true, true) => key.to_owned(),
+        (true, false) => format!("[{key}]"),
+        (false, true) => format!("{parent}.{key}"),
+        (false, false) => format!("{parent}[{key}]"),
+    }
+}
+
+/// A known field spelled with another case or with snake_case (`MaxAttempts`,
+/// `max_attempts`): grpc-go matches field names case-insensitively, C-core, grpc-java
+/// and idem do not, so such a field is read by some stacks only.
+fn near_miss<'k>(key: &str, known: &[&'k str]) -> Option<&'k str> {
+    let norm = |s: &str| -> String {
+        s.chars()
+            .filter(|c| *c != '_' && *c != '-')
+            .flat_map(char::to_lowercase)
+            .collect()
+    };
+    let k = norm(key);
+    known.iter().copied().find(|known| norm(known) == k)
+}
+
+/// An object being read, with its path.
+struct Obj<'a> {
+    map: &'a Map<String, Value>,
+    path: String,
+}
+
+impl<'a> Obj<'a> {
+    /// The field's value; JSON `null` is the same as absent (proto3 JSON).
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+    fn path(&self, key: &str) -> String {
+        child(&self.path, key)
+    }
+}
+
+/// Whether a duration may be zero.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Zero {
+    Allowed,
+    Refused,
+}
+
+#[derive(Default)]
+struct Validator {
+    errors: Vec<Diagnostic>,
+    warnings: Vec<Diagnostic>,
+}
+
+impl Validator {
+    fn error(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.errors.push(Diagnostic {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn warn(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.warnings.push(Diagnostic {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    // ---- the document -------------------------------------------------------------------
+
+    fn document(&mut self, top: &Map<String, Value>) -> Option<ServiceConfig> {
+        let o = Obj {
+            map: top,
+            path: String::new(),
+        };
+        for key in top.keys() {
+            // Other unknown top-level fields belong to other parts of gRPC
+            // (loadBalancingConfig, healthCheckConfig, …) and are ignored silently.
+            if !TOP_FIELDS.contains(&key.as_str())
+                && let Some(known) = near_miss(key, TOP_FIELDS)
+            {
+                self.warn(
+                    o.path(key),
+                    format!("not read: field names are case-sensitive; did you mean \"{known}\"?"),
+                );
+            }
+        }
+
+        let mut entries = Vec::new();
+        if let Some(list) = o.get("methodConfig") {
+            let path = o.path("methodConfig");
+            match list {
+                Value::Array(items) => {
+                    let mut seen = HashMap::new();
+                    for (i, item) in items.iter().enumerate() {
+                        let p = format!("{path}[{i}]");
+                        if let Some(mc) = self.method_config(item, p.clone(), &mut seen) {
+                            if mc.names.is_empty() {
+                                self.warn(
+                                    p,
+                                    "has no names, so it applies to no method: validated, then skipped",
+                                );
+                            } else {
+                                entries.push(mc);
+                            }
+                        }
+                    }
+                }
+                other => self.error(
+                    path,
+                    format!("must be an array of method configs, not {}", kind(other)),
+                ),
+            }
+        }
+
+        let throttling = o
+            .get("retryThrottling")
+            .and_then(|v| self.retry_throttling(v, o.path("retryThrottling")));
+        let settings = match o.get("idem") {
+            Some(v) => self.idem_settings(v, o.path("idem")),
+            None => Some(IdemSettings::default()),
+        };
+
+        let settings = settings?;
+        match ServiceConfig::from_parts(entries, throttling, settings) {
+            Ok(config) => Some(config),
+            Err(ConfigError::Invalid { errors, .. }) => {
+                // Unreachable in practice: duplicates are found above, with document paths.
+                self.errors.extend(errors);
+                None
+            }
+            Err(ConfigError::Json { message, .. }) => {
+                self.error("$", message);
+                None
+            }
+        }
+    }
+
+    // ---- generic readers ----------------------------------------------------------------
+
+    /// `value` as an object; warns about every field not in `known`.
+    fn object<'a>(&mut self, value: &'a Value, path: String, known: &[&str]) -> Option<Obj<'a>> {
+        let Value::Object(map) = value else {
+            self.error(path, format!("must be a JSON object, not {}", kind(value)));
+            return None;
+        };
+        let o = Obj { map, path };
+        for key in map.keys() {
+            if !known.contains(&key.as_str()) {
+                let message = match near_miss(key, known) {
+                    Some(k) => format!(
+                        "unknown field, ignored: field names are case-sensitive; did you mean \"{k}\"?"
+                    ),
+                    None => "unknown field, ignored".to_owned(),
+                };
+                self.warn(o.path(key), message);
+            }
+        }
+        Some(o)
+    }
+
+    /// The field's value, or an error `is required and {rule}` when absent or null.
+    fn required<'a>(&mut self, o: &Obj<'a>, key: &str, rule: &str) -> Option<&'a Value> {
+        let v = o.get(key);
+        if v.is_none() {
+            self.error(o.path(key), format!("is required and {rule}"));
+        }
+        v
+    }
+
+    fn boolean(&mut self, o: &Obj<'_>, key: &str) -> Option<bool> {
+        match o.get(key)? {
+            Value::Bool(b) => Some(*b),
+            other => {
+                self.error(
+                    o.path(key),
+                    format!("must be true or false, not {}", kind(other)),
+                );
+                None
+            }
+        }
+    }
+
+    /// A JSON integer in `min..=max`. `2.0`, `2e0` and `"2"` are refused (see module docs).
+    fn integer(&mut self, v: &Value, path: String, min: u64, max: u64, rule: &str) -> Option<u64> {
+        let n = match v {
+            Value::Number(n) => n,
+            Value::String(_) => {
+                self.error(path, format!("{rule} (a JSON number, not a string)"));
+                return None;
+            }
+            other => {
+                self.error(path, format!("{rule}, not {}", kind(other)));
+                return None;
+            }
+        };
+        if let Some(x) = n.as_u64() {
+            if (min..=max).contains(&x) {
+                return Some(x);
+            }
+            self.error(path, rule);
+            return None;
+        }
+        if n.is_i64() {
+            self.error(path, rule);
+            return None;
+        }
+        // A float literal. Integral ones (2.0, 1e3) get a hint: grpc-go and C-core refuse them.
+        match n.as_f64() {
+            Some(f) if f.fract() == 0.0 && f >= min as f64 && f <= max as f64 => self.error(
+                path,
+                format!("{rule}; write {} without a fraction or exponent", f as u64),
+            ),
+            _ => self.error(path, rule),
+        }
+        None
+    }
+
+    fn integer_field(
+        &mut self,
+        o: &Obj<'_>,
+        key: &str,
+        min: u64,
+        max: u64,
+        rule: &str,
+    ) -> Option<u64> {
+        let v = o.get(key)?;
+        self.integer(v, o.path(key), min, max, rule)
+    }
+
+    /// A positive size that fits `usize`.
+    fn size_field(&mut self, o: &Obj<'_>, key: &str) -> Option<usize> {
+        let max = u64::try_from(usize::MAX).unwrap_or(u64::MAX);
+        self.integer_field(o, key, 1, max, "must be an integer > 0")
+            .and_then(|x| usize::try_from(x).ok())
+    }
+
+    /// A JSON number > 0 (any form: `2`, `2.5`, `1e-3`).
+    fn positive_number<'a>(
+        &mut self,
+        v: &'a Value,
+        path: String,
+        rule: &str,
+    ) -> Option<&'a Number> {
+        match v {
+            Value::Number(n) if n.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => Some(n),
+            Value::Number(_) => {
+                self.error(path, rule);
+                None
+            }
+            Value::String(_) => {
+                self.error(path, format!("{rule} (a JSON number, not a string)"));
+                None
+            }
+            other => {
+                self.error(path, format!("{rule}, not {}", kind(other)));
+                None
+            }
+        }
+    }
+
+    fn duration(&mut self, v: &Value, path: String, zero: Zero) -> Option<Duration> {
+        let Value::String(s) = v else {
+            self.error(
+                path,
+                format!(
+                    "must be a duration string such as \"1.5s\", not {}",
+                    kind(v)
+                ),
+            );
+            return None;
+        };
+        match parse_duration(s) {
+            Ok(d) if d.is_zero() && zero == Zero::Refused => {
+                self.error(path, "must be a duration > 0");
+                None
+            }
+            Ok(d) => {
+                if d.as_secs() > GO_MAX_DURATION_SECS {
+                    self.warn(
+                        path,
+                        format!(
+                            "grpc-go refuses durations above {GO_MAX_DURATION_SECS}s (it keeps int64 nanoseconds)"
+                        ),
+                    );
+                }
+                Some(d)
+            }
+            Err(e) => {
+                self.error(
+                    path,
+                    format!("must be a proto3 JSON duration such as \"1.5s\": {e}"),
+                );
+                None
+            }
+        }
+    }
+
+    fn duration_field(&mut self, o: &Obj<'_>, key: &str, zero: Zero) -> Option<Duration> {
+        let v = o.get(key)?;
+        self.duration(v, o.path(key), zero)
+    }
+
+    fn string_field<'a>(&mut self, o: &Obj<'a>, key: &str) -> Option<&'a str> {
+        match o.get(key)? {
+            Value::String(s) => Some(s),
+            other => {
+                self.error(
+                    o.path(key),
+                    format!("must be a string, not {}", kind(other)),
+                );
+                None
+            }
+        }
+    }
+
+    /// One status code: a name (any case) or an integer 0..=16.
+    fn code(&mut self, v: &Value, path: String) -> Option<Code> {
+        const RULE: &str =
+            "must be a status code name such as \"UNAVAILABLE\" or an integer 0..=16";
+        match v {
+            Value::String(s) => match parse_code_name(s) {
+                Some(c) => {
+                    if s != code_name(c) {
+                        self.warn(
+                            path,
+                            format!(
+                                "\"{s}\" is read as {0}, but grpc-go, grpc-java and C-core accept only \"{0}\"",
+                                code_name(c)
+                            ),
+                        );
+                    }
+                    Some(c)
+                }
+                None => {
+                    self.error(path, RULE);
+                    None
+                }
+            },
+            Value::Number(n) => match n
+                .as_u64()
+                .and_then(|x| i64::try_from(x).ok())
+                .and_then(code_from_i64)
+            {
+                Some(c) => {
+                    self.warn(
+                        path,
+                        format!(
+                            "an integer code is read as {0}, but C-core accepts only names: write \"{0}\"",
+                            code_name(c)
+                        ),
+                    );
+                    Some(c)
+                }
+                None => {
+                    self.error(path, RULE);
+                    None
+                }
+            },
+            other => {
+                self.error(path, format!("{RULE}, not {}", kind(other)));
+                None
+            }
+        }
+    }
+
+    /// A list of status codes, with the path of each element (for warnings).
+    fn codes(&mut self, v: &Value, path: String, non_empty: bool) -> Option<Vec<(Code, String)>> {
+        let Value::Array(items) = v else {
+            self.error(
+                path,
+                format!("must be an array of status codes, not {}", kind(v)),
+            );
+            return None;
+        };
+        if non_empty && items.is_empty() {
+            self.error(path, "must be a non-empty array of status codes");
+            return None;
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut ok = true;
+        for (k, item) in items.iter().enumerate() {
+            let p = format!("{path}[{k}]");
+            match self.code(item, p.clone()) {
+                Some(c) => out.push((c, p)),
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    fn codes_field(
+        &mut self,
+        o: &Obj<'_>,
+        key: &str,
+        non_empty: bool,
+    ) -> Option<Vec<(Code, String)>> {
+        let v = o.get(key)?;
+        self.codes(v, o.path(key), non_empty)
+    }
+
+    /// `maxAttempts` of a retry or hedging policy: required, > 1, clamped to 5.
+    fn max_attempts(&mut self, o: &Obj<'_>) -> Option<u32> {
+        const RULE: &str = "must be an integer > 1";
+        let v = self.required(o, "maxAttempts", RULE)?;
+        let n = self.integer(v, o.path("maxAttempts"), 2, u64::MAX, RULE)?;
+        if n > u64::from(MAX_ATTEMPTS_LIMIT) {
+            self.warn(
+                o.path("maxAttempts"),
+                format!("{n} is clamped to {MAX_ATTEMPTS_LIMIT} (gRPC allows at most {MAX_ATTEMPTS_LIMIT} attempts)"),
+            );
+        }
+        Some(n.min(u64::from(MAX_ATTEMPTS_LIMIT)) as u32)
+    }
+
+    // ---- methodConfig[] -----------------------------------------------------------------
+
+    fn method_config(
+        &mut self,
+        v: &Value,
+        path: String,
+        seen: &mut HashMap<MethodName, String>,
+    ) -> Option<MethodConfig> {
+        let o = self.object(v, path, METHOD_FIELDS)?;
+        let names = self.names(&o, seen);
+        let timeout = self.duration_field(&o, "timeout", Zero::Allowed);
+        if timeout.is_some_and(|t| t.is_zero()) {
+            self.warn(
+                o.path("timeout"),
+                "is 0: every call without its own deadline fails at once",
+            );
+        }
+        let wait_for_ready = self.boolean(&o, "waitForReady");
+        const BYTES_RULE: &str = "must be an integer in 0..=4294967295";
+        let max_request_message_bytes =
+            self.integer_field(&o, "maxRequestMessageBytes", 0, U32_MAX, BYTES_RULE);
+        let max_response_message_bytes =
+            self.integer_field(&o, "maxResponseMessageBytes", 0, U32_MAX, BYTES_RULE);
+
+        let retry_policy = o
+            .get("retryPolicy")
+            .and_then(|v| self.retry_policy(v, o.path("retryPolicy")));
+        let hedging_policy = o
+            .get("hedgingPolicy")
+            .and_then(|v| self.hedging_policy(v, o.path("hedgingPolicy")));
+        if o.get("retryPolicy").is_some() && o.get("hedgingPolicy").is_some() {
+            self.error(
+                o.path.clone(),
+                "retryPolicy and hedgingPolicy must not both be set",
+            );
+        }
+        if let (Some(policy), Some(timeout)) = (&retry_policy, timeout) {
+            self.check_worst_case(policy, timeout, o.path("retryPolicy"));
+        }
+        let idempotency = o
+            .get("idempotency")
+            .and_then(|v| self.idempotency(v, o.path("idempotency")));
+
+        Some(MethodConfig {
+            names,
+            timeout,
+            wait_for_ready,
+            max_request_message_bytes,
+            max_response_message_bytes,
+            retry_policy,
+            hedging_policy,
+            idempotency,
+        })
+    }
+
+    /// `name[]`: `""`, `null` and absent are the same; each name once in the document.
+    fn names(&mut self, o: &Obj<'_>, seen: &mut HashMap<MethodName, String>) -> Vec<MethodName> {
+        let mut names = Vec::new();
+        let Some(v) = o.get("name") else { return names };
+        let path = o.path("name");
+        let Value::Array(items) = v else {
+            self.error(
+                path,
+                format!(
+                    "must be an array of {{service, method}} objects, not {}",
+                    kind(v)
+                ),
+            );
+            return names;
+        };
+        for (j, item) in items.iter().enumerate() {
+            let p = format!("{path}[{j}]");
+            let Some(n) = self.object(item, p.clone(), NAME_FIELDS) else {
+                continue;
+            };
+            let (Some(service), Some(method)) =
+                (self.name_part(&n, "service"), self.name_part(&n, "method"))
+            else {
+                continue;
+            };
+            if service.is_none() && method.is_some() {
+                self.error(p, "service must not be empty when method is set");
+                continue;
+            }
+            for (part, value) in [("service", &service), ("method", &method)] {
+                if value.as_deref().is_some_and(|s| s.contains('/')) {
+                    self.warn(
+                        n.path(part),
+                        "contains '/', so it never matches a request path",
+                    );
+                }
+            }
+            let name = MethodName { service, method };
+            if let Some(first) = seen.get(&name) {
+                self.error(p, format!("duplicate name {name}: first at {first}"));
+                continue;
+            }
+            seen.insert(name.clone(), p);
+            names.push(name);
+        }
+        names
+    }
+
+    /// `Some(None)` for `""`, `null` or absent; `None` after an error.
+    fn name_part(&mut self, n: &Obj<'_>, key: &str) -> Option<Option<String>> {
+        match n.get(key) {
+            None => Some(None),
+            Some(Value::String(s)) if s.is_empty() => Some(None),
+            Some(Value::String(s)) => Some(Some(s.clone())),
+            Some(other) => {
+                self.error(
+                    n.path(key),
+                    format!("must be a string, not {}", kind(other)),
+                );
+                None
+            }
+        }
+    }
+
+    fn retry_policy(&mut self, v: &Value, path: String) -> Option<RetryPolicy> {
+        let o = self.object(v, path, RETRY_FIELDS)?;
+        let max_attempts = self.max_attempts(&o);
+        const BACKOFF_RULE: &str = "must be a duration > 0";
+        let initial_backoff = self
+            .required(&o, "initialBackoff", BACKOFF_RULE)
+            .and_then(|v| self.duration(v, o.path("initialBackoff"), Zero::Refused));
+        let max_backoff = self
+            .required(&o, "maxBackoff", BACKOFF_RULE)
+            .and_then(|v| self.duration(v, o.path("maxBackoff"), Zero::Refused));
+        const MULTIPLIER_RULE: &str = "must be a number > 0";
+        let multiplier = self
+            .required(&o, "backoffMultiplier", MULTIPLIER_RULE)
+            .and_then(|v| self.positive_number(v, o.path("backoffMultiplier"), MULTIPLIER_RULE))
+            .and_then(Number::as_f64);
+        let codes = self
+            .required(
+                &o,
+                "retryableStatusCodes",
+                "must be a non-empty array of status codes",
+            )
+            .and_then(|v| self.codes(v, o.path("retryableStatusCodes"), true));
+        let per_attempt = self.duration_field(&o, "perAttemptRecvTimeout", Zero::Refused);
+
+        if let Some(codes) = &codes {
+            for (c, p) in codes {
+                if RISKY_RETRYABLE.contains(*c) {
+                    let why = if *c == Code::Ok {
+                        "OK is not a failure"
+                    } else {
+                        "it means the server will answer the same, so retrying cannot help"
+                    };
+                    self.warn(
+                        p.clone(),
+                        format!("retrying {} is risky: {why}", code_name(*c)),
+                    );
+                }
+            }
+        }
+        if let (Some(i), Some(m)) = (initial_backoff, max_backoff)
+            && m < i
+        {
+            self.warn(
+                o.path("maxBackoff"),
+                format!(
+                    "is less than initialBackoff {}: every backoff is {}",
+                    format_duration(i),
+                    format_duration(m)
+                ),
+            );
+        }
+
+        let codes: CodeSet = codes?.into_iter().map(|(c, _)| c).collect();
+        let policy = RetryPolicy::new(
+            max_attempts?,
+            initial_backoff?,
+            max_backoff?,
+            multiplier?,
+            codes,
+        );
+        match policy {
+            Ok(p) => Some(p.with_per_attempt_recv_timeout(per_attempt)),
+            Err(e) => {
+                self.error(o.path.clone(), e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Warns when the backoffs alone (each at its maximum jitter) outlast the timeout.
+    fn check_worst_case(&mut self, p: &RetryPolicy, timeout: Duration, path: String) {
+        if timeout.is_zero() {
+            return; // already warned about
+        }
+        let retries = p.max_attempts().saturating_sub(1);
+        let max = p.max_backoff().as_secs_f64();
+        let mut backoff = p.initial_backoff().as_secs_f64();
+        let mut total = 0.0;
+        for _ in 0..retries {
+            total += backoff.min(max) * MAX_JITTER;
+            backoff = (backoff * p.backoff_multiplier()).min(max);
+        }
+        if total > timeout.as_secs_f64() {
+            let shown = Duration::try_from_secs_f64(total)
+                .map(|d| format_duration(Duration::from_millis(d.as_millis() as u64)))
+                .unwrap_or_else(|_| format!("{total}s"));
+            self.warn(
+                path,
+                format!(
+                    "worst case backoff {shown} ({retries} retries, each at 1.2 × its maximum) exceeds timeout {}: the last retries cannot run",
+                    format_duration(timeout)
+                ),
+            );
+        }
+    }
+
+    fn hedging_policy(&mut self, v: &Value, path: String) -> Option<HedgingPolicy> {
+        let o = self.object(v, path, HEDGING_FIELDS)?;
+        let max_attempts = self.max_attempts(&o);
+        let delay = match o.get("hedgingDelay") {
+            Some(v) => self.duration(v, o.path("hedgingDelay"), Zero::Allowed),
+            None => Some(Duration::ZERO),
+        };
+        let codes = match o.get("nonFatalStatusCodes") {
+            Some(v) => self.codes(v, o.path("nonFatalStatusCodes"), false),
+            None => Some(Vec::new()),
+        };
+        Some(HedgingPolicy {
+            max_attempts: max_attempts?,
+            hedging_delay: delay?,
+            non_fatal_status_codes: codes?.into_iter().map(|(c, _)| c).collect(),
+        })
+    }
+
+    // ---- retryThrottling ----------------------------------------------------------------
+
+    fn retry_throttling(&mut self, v: &Value, path: String) -> Option<RetryThrottling> {
+        let o = self.object(v, path, THROTTLING_FIELDS)?;
+        const TOKENS_RULE: &str = "must be an integer in (0, 1000]";
+        let max_tokens = self
+            .required(&o, "maxTokens", TOKENS_RULE)
+            .and_then(|v| self.integer(v, o.path("maxTokens"), 1, 1000, TOKENS_RULE));
+        const RATIO_RULE: &str = "must be a number > 0";
+        let ratio = self
+            .required(&o, "tokenRatio", RATIO_RULE)
+            .and_then(|v| self.positive_number(v, o.path("tokenRatio"), RATIO_RULE));
+        let token_ratio_milli = match ratio {
+            Some(n) => {
+                let (milli, exact) = milli_truncated(n);
+                if milli == 0 {
+                    self.error(
+                        o.path("tokenRatio"),
+                        "must be at least 0.001 (3 decimals are kept)",
+                    );
+                    None
+                } else {
+                    if !exact {
+                        self.warn(
+                            o.path("tokenRatio"),
+                            format!(
+                                "{n} is truncated to {} (3 decimals are kept)",
+                                show_milli(milli)
+                            ),
+                        );
+                    }
+                    Some(milli)
+                }
+            }
+            None => None,
+        };
+        Some(RetryThrottling {
+            max_milli_tokens: u32::try_from(max_tokens? * 1000).ok()?,
+            token_ratio_milli: token_ratio_milli?,
+        })
+    }
+
+    // ---- idempotency (per method) -------------------------------------------------------
+
+    fn idempotency(&mut self, v: &Value, path: String) -> Option<IdempotencyPolicy> {
+        let o = self.object(v, path, IDEMPOTENCY_FIELDS)?;
+        let mut p = IdempotencyPolicy::default();
+        // Absent fields keep their defaults; a bad one records an error and keeps it too.
+        macro_rules! set {
+            ($field:expr, $value:expr) => {
+                if let Some(x) = $value {
+                    $field = x;
+                }
+            };
+        }
+        let errors_before = self.errors.len();
+        set!(p.key_required, self.boolean(&o, "keyRequired"));
+        set!(
+            p.record_ttl,
+            self.duration_field(&o, "recordTtl", Zero::Refused)
+        );
+        set!(
+            p.lease_ttl,
+            self.duration_field(&o, "leaseTtl", Zero::Refused)
+        );
+        set!(
+            p.abort_retry_delay,
+            self.duration_field(&o, "abortRetryDelay", Zero::Allowed)
+        );
+        match o.get("inFlight") {
+            None => {}
+            Some(Value::String(s)) if s == "WAIT" => p.in_flight = InFlightPolicy::Wait,
+            Some(Value::String(s)) if s == "ABORT" => p.in_flight = InFlightPolicy::Abort,
+            Some(_) => self.error(o.path("inFlight"), "must be \"WAIT\" or \"ABORT\""),
+        }
+        set!(p.max_request_bytes, self.size_field(&o, "maxRequestBytes"));
+        set!(
+            p.max_response_bytes,
+            self.size_field(&o, "maxResponseBytes")
+        );
+        set!(p.fail_open, self.boolean(&o, "failOpen"));
+
+        let cacheable = self.codes_field(&o, "cacheableStatusCodes", false);
+        let release = self.codes_field(&o, "releaseStatusCodes", false);
+        let set_of = |v: &Vec<(Code, String)>| v.iter().map(|(c, _)| *c).collect::<CodeSet>();
+        match (
+            o.get("cacheableStatusCodes").is_some(),
+            o.get("releaseStatusCodes").is_some(),
+        ) {
+            (false, false) => {}
+            (true, false) => {
+                if let Some(c) = &cacheable {
+                    p.cacheable_status_codes = set_of(c);
+                    p.release_status_codes = set_of(c).complement();
+                }
+            }
+            (false, true) => {
+                if let Some(r) = &release {
+                    p.release_status_codes = set_of(r);
+                    p.cacheable_status_codes = set_of(r).complement();
+                }
+            }
+            (true, true) => {
+                if let (Some(c), Some(r)) = (&cacheable, &release) {
+                    let cached = set_of(c);
+                    for (code, path) in r {
+                        if cached.contains(*code) {
+                            self.error(
+                                path.clone(),
+                                format!("{} is also in cacheableStatusCodes", code_name(*code)),
+                            );
+                        }
+                    }
+                    let neither = cached.union(set_of(r)).complement();
+                    if !neither.is_empty() {
+                        self.warn(
+                            o.path("releaseStatusCodes"),
+                            format!("{neither} in neither list, so cached"),
+                        );
+                    }
+                    p.release_status_codes = set_of(r);
+                    p.cacheable_status_codes = set_of(r).complement();
+                }
+            }
+        }
+        if p.release_status_codes.contains(Code::Ok) {
+            self.warn(
+                o.path.clone(),
+                "OK releases the record: a retry after a success runs the handler again",
+            );
+        }
+        (self.errors.len() == errors_before).then_some(p)
+    }
+
+    // ---- idem (process-wide) ------------------------------------------------------------
+
+    fn idem_settings(&mut self, v: &Value, path: String) -> Option<IdemSettings> {
+        let o = self.object(v, path, IDEM_FIELDS)?;
+        let errors_before = self.errors.len();
+        let mut s = IdemSettings::default();
+        if let Some(v) = o.get("keyHeader")
+            && let Some(x) = self.header_name(v, o.path("keyHeader"))
+        {
+            s.key_header = x;
+        }
+        if let Some(v) = o.get("tenant")
+            && let Some(x) = self.tenant(v, o.path("tenant"), &s.key_header)
+        {
+            s.tenant = x;
+        }
+        if let Some(v) = o.get("memoryStore")
+            && let Some(x) = self.memory_store(v, o.path("memoryStore"))
+        {
+            s.memory_store = x;
+        }
+        if let Some(v) = o.get("redis") {
+            s.redis = self.redis(v, o.path("redis"));
+        }
+        if let Some(v) = o.get("client")
+            && let Some(x) = self.client(v, o.path("client"))
+        {
+            s.client = x;
+        }
+        (self.errors.len() == errors_before).then_some(s)
+    }
+
+    /// A header name idem may read: lower-case, valid, not reserved by HTTP/2 or gRPC.
+    fn header_name(&mut self, v: &Value, path: String) -> Option<http::HeaderName> {
+        let Value::String(s) = v else {
+            self.error(
+                path,
+                format!("must be a header name string, not {}", kind(v)),
+            );
+            return None;
+        };
+        let Ok(name) = http::HeaderName::from_bytes(s.as_bytes()) else {
+            self.error(
+                path,
+                "must be a valid header name (letters, digits, '-', '_', '.')",
+            );
+            return None;
+        };
+        if name.as_str() != s {
+            self.error(
+                path,
+                format!("must be lower case: write \"{}\"", name.as_str()),
+            );
+            return None;
+        }
+        const RESERVED: &[&str] = &[
+            "content-type",
+            "te",
+            "host",
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "transfer-encoding",
+            "upgrade",
+            "user-agent",
+            "content-length",
+        ];
+        if s.starts_with("grpc-") {
+            self.error(path, "must not start with \"grpc-\" (reserved by gRPC)");
+            None
+        } else if s.ends_with("-bin") {
+            self.error(path, "must not end in \"-bin\" (binary metadata)");
+            None
+        } else if RESERVED.contains(&s.as_str()) {
+            self.error(path, "is reserved by HTTP/2 or gRPC");
+            None
+        } else {
+            Some(name)
+        }
+    }
+
+    fn tenant(
+        &mut self,
+        v: &Value,
+        path: String,
+        key_header: &http::HeaderName,
+    ) -> Option<TenantSource> {
+        let o = self.object(v, path, TENANT_FIELDS)?;
+        match (o.get("single"), o.get("header")) {
+            (Some(single), None) => match single {
+                Value::String(s) if !s.is_empty() => Some(TenantSource::Single(s.clone())),
+                other => {
+                    self.error(
+                        o.path("single"),
+                        format!("must be a non-empty string, not {}", kind(other)),
+                    );
+                    None
+                }
+            },
+            (None, Some(header)) => {
+                let h = self.header_name(header, o.path("header"))?;
+                if h == *key_header {
+                    self.error(o.path("header"), "must differ from keyHeader");
+                    return None;
+                }
+                self.warn(
+                    o.path("header"),
+                    "trusts a client-sent header: only safe behind a proxy that sets or strips it",
+                );
+                Some(TenantSource::Header(h))
+            }
+            _ => {
+                self.error(
+                    o.path.clone(),
+                    "must have exactly one of \"single\" or \"header\"",
+                );
+                None
+            }
+        }
+    }
+
+    fn memory_store(&mut self, v: &Value, path: String) -> Option<MemoryStoreSettings> {
+        let o = self.object(v, path, MEMORY_FIELDS)?;
+        let mut m = MemoryStoreSettings::default();
+        let errors_before = self.errors.len();
+        if let Some(x) = self.size_field(&o, "maxEntries") {
+            m.max_entries = x;
+        }
+        if let Some(x) = self.size_field(&o, "maxBytes") {
+            m.max_bytes = x;
+        }
+        if let Some(d) = self.duration_field(&o, "sweepInterval", Zero::Refused) {
+            m.sweep_interval = d;
+        }
+        (self.errors.len() == errors_before).then_some(m)
+    }
+
+    fn redis(&mut self, v: &Value, path: String) -> Option<RedisSettings> {
+        let o = self.object(v, path, REDIS_FIELDS)?;
+        let errors_before = self.errors.len();
+        const URL_RULE: &str = "must be a redis://, rediss://, redis+unix:// or unix:// URL";
+        let url = match self.required(&o, "url", URL_RULE) {
+            Some(Value::String(s))
+                if ["redis://", "rediss://", "redis+unix://", "unix://"]
+                    .iter()
+                    .any(|scheme| s.len() > scheme.len() && s.starts_with(scheme)) =>
+            {
+                Some(s.clone())
+            }
+            Some(_) => {
+                self.error(o.path("url"), URL_RULE);
+                None
+            }
+            None => None,
+        };
+        let key_prefix = self
+            .string_field(&o, "keyPrefix")
+            .unwrap_or("idem:")
+            .to_owned();
+        let command_timeout = self
+            .duration_field(&o, "commandTimeout", Zero::Refused)
+            .unwrap_or(Duration::from_millis(500));
+        let connect_timeout = self
+            .duration_field(&o, "connectTimeout", Zero::Refused)
+            .unwrap_or(Duration::from_secs(2));
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        Some(RedisSettings {
+            url: url?,
+            key_prefix,
+            command_timeout,
+            connect_timeout,
+        })
+    }
+
+    fn client(&mut self, v: &Value, path: String) -> Option<ClientSettings> {
+        let o = self.object(v, path, CLIENT_FIELDS)?;
+        let errors_before = self.errors.len();
+        let mut c = ClientSettings::default();
+        if let Some(b) = self.boolean(&o, "keyAllMethods") {
+            c.key_all_methods = b;
+        }
+        if let Some(x) = self.size_field(&o, "maxReplayBytesPerCall") {
+            c.max_replay_bytes_per_call = x;
+        }
+        if let Some(x) = self.size_field(&o, "maxReplayBytesTotal") {
+            c.max_replay_bytes_total = x;
+        }
+        if let Some(d) = self.duration_field(&o, "minAttemptTime", Zero::Allowed) {
+            c.min_attempt_time = d;
+        }
+        if let Some(b) = self.boolean(&o, "retryExhaustedPushback") {
+            c.retry_exhausted_pushback = b;
+        }
+        if c.max_replay_bytes_total < c.max_replay_bytes_per_call {
+            self.warn(
+                o.path("maxReplayBytesTotal"),
+                "is less than maxReplayBytesPerCall: calls between the two are never retried",
+            );
+        }
+        (self.errors.len() == errors_before).then_some(c)
+    }
+}
+
+/// `tokenRatio × 1000`, truncated toward zero on the number's decimal text (as C-core
+/// does), and whether nothing was cut off. Saturates at 1000 tokens.
+fn milli_truncated(n: &Number) -> (u32, bool) {
+    if let Some(whole) = n.as_u64() {
+        let milli = whole
+            .saturating_mul(1000)
+            .min(u64::from(MAX_TOKEN_RATIO_MILLI));
+        return (milli as u32, true);
+    }
+    let Some(f) = n.as_f64() else {
+        return (0, false);
+    };
+    // Rust prints the shortest decimal that reads back as the same f64, without an
+    // exponent: 0.251 → "0.251", 1e-7 → "0.0000001". That is the text the user wrote,
+    // up to 17 significant digits.
+    let text = format!("{f}");
+    let (whole, fraction) = text.split_once('.').unwrap_or((text.as_str(), ""));
+    let whole: u64 = whole.parse().unwrap_or(u64::MAX);
+    let mut milli = whole.saturating_mul(1000);
+    let mut digits = fraction.bytes();
+    for scale in [100, 10, 1] {
+        let d = digits
+            .next()
+            .map_or(0, |b| u64::from(b.wrapping_sub(b'0')).min(9));
+        milli = milli.saturating_add(d * scale);
+    }
+    let exact = fraction.len() <= 3;
+    (milli.min(u64::from(MAX_TOKEN_RATIO_MILLI)) as u32, exact)
+}
+
+/// `250` → `0.25`, `1000` → `1`.
+pub(crate) fn show_milli(milli: u32) -> String {
+    let whole = milli / 1000;
+    let frac = milli % 1000;
+    if frac == 0 {
+        whole.to_string()
+    } else {
+        format!("{whole}.{}", format!("{frac:03}").trim_end_matches('0'))
+    }
 }
