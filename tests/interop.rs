@@ -34,7 +34,10 @@ use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_client::{CallReport, RetryLayer};
 use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, TenantSource};
-use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, PREVIOUS_RPC_ATTEMPTS};
+use idem_core::headers::{
+    ERROR_DOMAIN, GRPC_STATUS_DETAILS, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED,
+    PREVIOUS_RPC_ATTEMPTS, reason,
+};
 use idem_core::{CodeSet, IdempotencyKey, ServiceConfig};
 use idem_server::{IdempotencyLayer, MemoryStore};
 use serde_json::Value;
@@ -43,6 +46,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
 use tokio::time::timeout;
 use tonic::{Request, Response, Status};
+use tonic_types::StatusExt;
 
 /// Bound on every wait for a child process (start, a line of output, exit).
 const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
@@ -235,6 +239,20 @@ fn meta<'a>(call: &'a Value, which: &str, key: &str) -> Vec<&'a str> {
         .as_array()
         .map(|values| values.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default()
+}
+
+/// The `google.rpc.ErrorInfo` (domain, reason) of a failed call, decoded from the
+/// `grpc-status-details-bin` trailer that grpcio handed client.py.
+fn error_info(call: &Value) -> Option<(String, String)> {
+    let hex = *meta(call, "trailing", GRPC_STATUS_DETAILS).first()?;
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    let code = tonic::Code::from(call["code_value"].as_i64()? as i32);
+    let status = Status::with_details(code, "", bytes.into());
+    let info = status.get_details_error_info()?;
+    Some((info.domain, info.reason))
 }
 
 /// Whether a reply says it was replayed, in its headers or (Trailers-Only) trailers.
@@ -465,6 +483,12 @@ async fn grpcio_same_key_other_request_is_failed_precondition() {
     );
     assert!(calls[1]["order"].is_null());
     assert_eq!(
+        error_info(&calls[1]),
+        Some((ERROR_DOMAIN.into(), reason::KEY_REUSED.into())),
+        "grpcio receives idem's ErrorInfo intact: {}",
+        calls[1]
+    );
+    assert_eq!(
         shop.journal().executions.len(),
         1,
         "the second request never ran"
@@ -618,5 +642,29 @@ async fn idem_client_retries_grpcio_server_with_one_key() {
     assert!(
         previous == [None, Some("1"), Some("2")] || previous == [Some("0"), Some("1"), Some("2")],
         "{PREVIOUS_RPC_ATTEMPTS} per attempt: {previous:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_without_key_is_invalid_argument() {
+    let Some(py) = python().await else { return };
+    let shop = Shop::default();
+    let server = serve_idem(shop.clone()).await;
+    let addr = server.addr.to_string();
+
+    let calls = py.client(&["--addr", &addr, "--mode", "twice"]).await;
+
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    for call in &calls {
+        assert_eq!(call["code"], "INVALID_ARGUMENT", "{call}");
+        assert_eq!(
+            error_info(call),
+            Some((ERROR_DOMAIN.into(), reason::KEY_MISSING.into())),
+            "{call}"
+        );
+    }
+    assert!(
+        shop.journal().executions.is_empty(),
+        "the handler never ran"
     );
 }

@@ -1,7 +1,7 @@
 """A grpcio client of shop.v1.Orders/CreateOrder, driven by tests/interop.rs.
 
 Prints one JSON line per call on stdout:
-    {"call": 1, "code": "OK", "details": "", "initial": {...}, "trailing": {...},
+    {"call": 1, "code": "OK", "code_value": 0, "details": "", "initial": {...}, "trailing": {...},
      "order": {"order_id": ..., ...} | null}
 where `initial` / `trailing` map each metadata key to its list of values (binary values
 as hex), so the caller can check `x-idempotency-replayed` wherever the server put it.
@@ -67,6 +67,7 @@ def call_create(stub, request, key, timeout, n):
         emit(
             call=n,
             code=call.code().name,
+            code_value=call.code().value[0],
             details=call.details() or "",
             initial=metadata_to_dict(call.initial_metadata()),
             trailing=metadata_to_dict(call.trailing_metadata()),
@@ -77,6 +78,7 @@ def call_create(stub, request, key, timeout, n):
         emit(
             call=n,
             code=err.code().name,
+            code_value=err.code().value[0],
             details=err.details() or "",
             initial=metadata_to_dict(err.initial_metadata()),
             trailing=metadata_to_dict(err.trailing_metadata()),
