@@ -33,12 +33,12 @@ use common::shop::orders_client::OrdersClient;
 use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_client::{CallReport, RetryLayer};
-use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, TenantSource};
+use idem_core::config::TenantSource;
 use idem_core::headers::{
     ERROR_DOMAIN, GRPC_STATUS_DETAILS, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED,
     PREVIOUS_RPC_ATTEMPTS, reason,
 };
-use idem_core::{CodeSet, IdempotencyKey, ServiceConfig};
+use idem_core::{IdempotencyKey, ServiceConfig};
 use idem_server::{IdempotencyLayer, MemoryStore};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
@@ -69,27 +69,21 @@ const SERVICE_CONFIG: &str = r#"{
   "idem": {"tenant": {"single": "interop"}}
 }"#;
 
-/// [`SERVICE_CONFIG`] as idem reads it.
+/// [`SERVICE_CONFIG`] as idem reads it: the same document grpcio gets.
 fn service_config() -> ServiceConfig {
-    // TODO(interop): switch to ServiceConfig::from_json(SERVICE_CONFIG) when the parser lands.
-    let retry = RetryPolicy::new(
-        4,
-        Duration::from_millis(50),
-        Duration::from_millis(200),
-        2.0,
-        CodeSet::of(tonic::Code::Unavailable),
-    )
-    .expect("valid retry policy");
-    let method = MethodConfig::empty()
-        .with_name("shop.v1.Orders", "CreateOrder")
-        .with_timeout(Duration::from_secs(10))
-        .with_retry_policy(retry)
-        .with_idempotency(IdempotencyPolicy::default());
-    let settings = IdemSettings {
-        tenant: TenantSource::Single("interop".into()),
-        ..IdemSettings::default()
-    };
-    ServiceConfig::from_parts(vec![method], None, settings).expect("valid config")
+    let parsed = ServiceConfig::from_json(SERVICE_CONFIG).expect("SERVICE_CONFIG is valid");
+    assert!(parsed.warnings.is_empty(), "{:?}", parsed.warnings);
+    let config = parsed.config;
+    let method = config
+        .lookup("shop.v1.Orders", "CreateOrder")
+        .expect("CreateOrder has an entry");
+    assert!(method.idempotency().is_some(), "CreateOrder is protected");
+    assert_eq!(method.retry_policy().map(|p| p.max_attempts()), Some(4));
+    assert_eq!(
+        config.settings().tenant,
+        TenantSource::Single("interop".into())
+    );
+    config
 }
 
 // ---------------------------------------------------------------------------------------
@@ -125,7 +119,8 @@ async fn python() -> Option<Python> {
         "{} with grpcio and grpcio-tools is missing: run scripts/setup-test-deps.sh",
         exe.display()
     );
-    if std::env::var_os("CI").is_some() {
+    let in_ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0");
+    if in_ci {
         panic!("grpcio interop tests cannot run in CI: {why}");
     }
     eprintln!("skipped: {why}");
