@@ -1,1 +1,355 @@
-fn main() {}
+//! The `idem` command: `idem check-config FILE` validates a service config and prints the
+//! effective policy of every configured name.
+//!
+//! Arguments are parsed by hand: there is one subcommand with one operand, so a
+//! command-line crate would add more build time than it saves.
+
+use std::io::{self, Read, Write};
+use std::process::ExitCode;
+
+use idem_core::code::code_name;
+use idem_core::config::{
+    ConfigError, Diagnostic, InFlightPolicy, MethodConfig, Parsed, ServiceConfig, TenantSource,
+    format_duration,
+};
+
+const USAGE: &str = "\
+idem: effectively-once gRPC writes for tonic
+
+Usage:
+  idem check-config FILE    validate a gRPC service config and print the effective
+                            policy of every configured name
+  idem check-config -       the same, reading the config from standard input
+  idem --help               print this help
+  idem --version            print the version
+
+check-config exits with 0 when the config is valid (warnings are printed to standard
+error), 1 when it is invalid (every error is printed, as `json.path: rule`), and 2 when
+the file cannot be read or the command line is wrong.
+";
+
+/// Exit status: the config is invalid.
+const INVALID: u8 = 1;
+/// Exit status: the file cannot be read, or bad usage.
+const UNREADABLE: u8 = 2;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["-h" | "--help" | "help"] | ["check-config", "-h" | "--help"] => {
+            out(USAGE);
+            ExitCode::SUCCESS
+        }
+        ["-V" | "--version"] => {
+            out(&format!("idem {}\n", env!("CARGO_PKG_VERSION")));
+            ExitCode::SUCCESS
+        }
+        ["check-config", file] => check_config(file),
+        ["check-config", ..] => {
+            usage_error("check-config takes exactly one FILE (or - for standard input)")
+        }
+        [] => usage_error("missing command"),
+        [other, ..] => usage_error(&format!("unknown command {other:?}")),
+    }
+}
+
+fn usage_error(message: &str) -> ExitCode {
+    err(&format!("idem: {message}\n\n{USAGE}"));
+    ExitCode::from(UNREADABLE)
+}
+
+/// Writes to stdout, ignoring a closed pipe (`idem check-config f | head` must not panic).
+fn out(text: &str) {
+    let _ = io::stdout().lock().write_all(text.as_bytes());
+}
+
+fn err(text: &str) {
+    let _ = io::stderr().lock().write_all(text.as_bytes());
+}
+
+fn check_config(file: &str) -> ExitCode {
+    let (name, bytes) = if file == "-" {
+        let mut buf = Vec::new();
+        match io::stdin().lock().read_to_end(&mut buf) {
+            Ok(_) => ("<stdin>", buf),
+            Err(e) => {
+                err(&format!("idem: cannot read standard input: {e}\n"));
+                return ExitCode::from(UNREADABLE);
+            }
+        }
+    } else {
+        match std::fs::read(file) {
+            Ok(buf) => (file, buf),
+            Err(e) => {
+                err(&format!("idem: cannot read {file}: {e}\n"));
+                return ExitCode::from(UNREADABLE);
+            }
+        }
+    };
+    let text = match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => {
+            err(&format!(
+                "{name}: invalid: not UTF-8 text (bad byte at offset {})\n",
+                e.utf8_error().valid_up_to()
+            ));
+            return ExitCode::from(INVALID);
+        }
+    };
+    match ServiceConfig::from_json(&text) {
+        Ok(parsed) => {
+            err(&warning_lines(&parsed.warnings));
+            out(&report(name, &parsed));
+            ExitCode::SUCCESS
+        }
+        Err(e @ ConfigError::Json { .. }) => {
+            err(&format!("{name}: invalid: {e}\n"));
+            ExitCode::from(INVALID)
+        }
+        Err(ConfigError::Invalid { errors, warnings }) => {
+            let mut text = format!("{name}: invalid: {} error(s)\n", errors.len());
+            for e in &errors {
+                text.push_str(&format!("error: {e}\n"));
+            }
+            text.push_str(&warning_lines(&warnings));
+            err(&text);
+            ExitCode::from(INVALID)
+        }
+    }
+}
+
+fn warning_lines(warnings: &[Diagnostic]) -> String {
+    warnings.iter().map(|w| format!("warning: {w}\n")).collect()
+}
+
+/// The summary line, the policy table, the idempotency table and the process-wide settings.
+fn report(name: &str, parsed: &Parsed) -> String {
+    let config = &parsed.config;
+    let entries = config.method_configs();
+    let names: usize = entries.iter().map(|m| m.names().len()).sum();
+    let mut text = format!(
+        "{name}: valid: {} method config(s), {names} name(s), {} warning(s)\n\n",
+        entries.len(),
+        parsed.warnings.len()
+    );
+
+    let throttling = config.retry_throttling().map(|t| {
+        format!(
+            "max {}, ratio {}",
+            milli(t.max_milli_tokens),
+            milli(t.token_ratio_milli)
+        )
+    });
+    let mut rows = Vec::new();
+    let mut protected = Vec::new();
+    for mc in entries {
+        for n in mc.names() {
+            rows.push(policy_row(&n.to_string(), mc, throttling.as_deref()));
+            if mc.idempotency().is_some() {
+                protected.push(idempotency_row(&n.to_string(), mc));
+            }
+        }
+    }
+    if rows.is_empty() {
+        text.push_str("no method configs: no call is retried or protected\n");
+    } else {
+        text.push_str(&table(
+            &[
+                "NAME",
+                "POLICY",
+                "ATTEMPTS",
+                "BACKOFF",
+                "CODES",
+                "TIMEOUT",
+                "THROTTLING",
+                "IDEMPOTENCY",
+            ],
+            &rows,
+        ));
+    }
+    if !protected.is_empty() {
+        text.push('\n');
+        text.push_str(&table(
+            &[
+                "PROTECTED",
+                "KEY",
+                "RECORD TTL",
+                "LEASE",
+                "IN-FLIGHT",
+                "CACHED",
+                "MAX REQUEST",
+                "MAX RESPONSE",
+                "STORE DOWN",
+            ],
+            &protected,
+        ));
+    }
+
+    text.push('\n');
+    match config.retry_throttling() {
+        Some(t) => text.push_str(&format!(
+            "retryThrottling: maxTokens {}, tokenRatio {} (per target; retries stop at or below {} tokens)\n",
+            milli(t.max_milli_tokens),
+            milli(t.token_ratio_milli),
+            milli(t.max_milli_tokens / 2)
+        )),
+        None => text.push_str("retryThrottling: none\n"),
+    }
+    let s = config.settings();
+    let tenant = match &s.tenant {
+        TenantSource::Unset => "set by the server builder".to_owned(),
+        TenantSource::Single(t) => format!("single {t:?}"),
+        TenantSource::Header(h) => format!("header {h} (trusted client header)"),
+    };
+    let redis = match &s.redis {
+        Some(r) => format!(
+            "{} (keyPrefix {:?}, commandTimeout {}, connectTimeout {})",
+            r.url,
+            r.key_prefix,
+            format_duration(r.command_timeout),
+            format_duration(r.connect_timeout)
+        ),
+        None => "not configured (in-memory store)".to_owned(),
+    };
+    let m = &s.memory_store;
+    let c = &s.client;
+    text.push_str(&format!(
+        "idem.keyHeader: {}\nidem.tenant: {tenant}\n\
+         idem.memoryStore: maxEntries {}, maxBytes {}, sweepInterval {}\nidem.redis: {redis}\n\
+         idem.client: keyAllMethods {}, maxReplayBytesPerCall {}, maxReplayBytesTotal {}, \
+         minAttemptTime {}, retryExhaustedPushback {}\n",
+        s.key_header,
+        m.max_entries,
+        m.max_bytes,
+        format_duration(m.sweep_interval),
+        c.key_all_methods,
+        c.max_replay_bytes_per_call,
+        c.max_replay_bytes_total,
+        format_duration(c.min_attempt_time),
+        c.retry_exhausted_pushback,
+    ));
+    text
+}
+
+fn policy_row(name: &str, mc: &MethodConfig, throttling: Option<&str>) -> Vec<String> {
+    let (policy, attempts, backoff, codes, throttled) = if let Some(r) = mc.retry_policy() {
+        (
+            "retry",
+            r.max_attempts().to_string(),
+            format!(
+                "{}..{} x{}",
+                format_duration(r.initial_backoff()),
+                format_duration(r.max_backoff()),
+                r.backoff_multiplier()
+            ),
+            r.retryable_status_codes().to_string(),
+            throttling,
+        )
+    } else if let Some(h) = mc.hedging_policy() {
+        (
+            "hedging",
+            h.max_attempts.to_string(),
+            format!("delay {}", format_duration(h.hedging_delay)),
+            h.non_fatal_status_codes.to_string(),
+            throttling,
+        )
+    } else {
+        ("none", "1".to_owned(), "-".to_owned(), "-".to_owned(), None)
+    };
+    vec![
+        name.to_owned(),
+        policy.to_owned(),
+        attempts,
+        backoff,
+        codes,
+        mc.timeout().map_or_else(|| "-".to_owned(), format_duration),
+        throttled.unwrap_or("-").to_owned(),
+        if mc.idempotency().is_some() {
+            "protected"
+        } else {
+            "-"
+        }
+        .to_owned(),
+    ]
+}
+
+fn idempotency_row(name: &str, mc: &MethodConfig) -> Vec<String> {
+    let Some(p) = mc.idempotency() else {
+        return Vec::new();
+    };
+    let in_flight = match p.in_flight {
+        InFlightPolicy::Wait => "WAIT".to_owned(),
+        InFlightPolicy::Abort => {
+            format!("ABORT, retry in {}", format_duration(p.abort_retry_delay))
+        }
+    };
+    let cached = p
+        .cacheable_status_codes
+        .iter()
+        .map(code_name)
+        .collect::<Vec<_>>()
+        .join(",");
+    vec![
+        name.to_owned(),
+        if p.key_required {
+            "required"
+        } else {
+            "optional"
+        }
+        .to_owned(),
+        format_duration(p.record_ttl),
+        format_duration(p.lease_ttl),
+        in_flight,
+        if cached.is_empty() {
+            "-".to_owned()
+        } else {
+            cached
+        },
+        p.max_request_bytes.to_string(),
+        p.max_response_bytes.to_string(),
+        if p.fail_open {
+            "fail open"
+        } else {
+            "fail closed"
+        }
+        .to_owned(),
+    ]
+}
+
+/// `10000` milli-tokens → `10`, `100` → `0.1`.
+fn milli(value: u32) -> String {
+    let (whole, frac) = (value / 1000, value % 1000);
+    if frac == 0 {
+        whole.to_string()
+    } else {
+        format!("{whole}.{}", format!("{frac:03}").trim_end_matches('0'))
+    }
+}
+
+/// Left-aligned columns separated by two spaces; the last column is not padded.
+fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut s = String::new();
+        for (i, cell) in cells.enumerate() {
+            if i + 1 == widths.len() {
+                s.push_str(cell);
+            } else {
+                s.push_str(&format!("{cell:<w$}  ", w = widths[i]));
+            }
+        }
+        s.push('\n');
+        s
+    };
+    let mut text = line(&mut headers.iter().copied());
+    for row in rows {
+        text.push_str(&line(&mut row.iter().map(String::as_str)));
+    }
+    text
+}

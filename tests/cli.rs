@@ -1,0 +1,284 @@
+//! `idem check-config`: exit codes and output, run as a real process.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+fn idem(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem");
+    {
+        let mut input = child.stdin.take().expect("stdin");
+        if let Some(text) = stdin {
+            input.write_all(text).expect("write stdin");
+        }
+    }
+    child.wait_with_output().expect("idem runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).expect("utf-8 stdout")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8(o.stderr.clone()).expect("utf-8 stderr")
+}
+
+fn fixture(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The row of `name` in a printed table, split into its columns (two or more spaces).
+fn row(out: &str, name: &str) -> Vec<String> {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no row for {name} in:\n{out}"));
+    line.split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn valid_example_prints_the_effective_table() {
+    let o = idem(&["check-config", "examples/service_config.json"], None);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
+    assert_eq!(stderr(&o), "", "the example raises no warning");
+    assert!(
+        out.starts_with(
+            "examples/service_config.json: valid: 3 method config(s), 3 name(s), 0 warning(s)\n"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("NAME  ") && out.contains("ATTEMPTS") && out.contains("IDEMPOTENCY"),
+        "{out}"
+    );
+    assert_eq!(
+        row(&out, "shop.v1.Orders/CreateOrder"),
+        [
+            "shop.v1.Orders/CreateOrder",
+            "retry",
+            "4",
+            "0.05s..1s x2",
+            "UNAVAILABLE",
+            "5s",
+            "max 10, ratio 0.1",
+            "protected"
+        ]
+    );
+    assert_eq!(
+        row(&out, "shop.v1.Orders/GetOrder"),
+        [
+            "shop.v1.Orders/GetOrder",
+            "retry",
+            "3",
+            "0.02s..0.5s x2",
+            "RESOURCE_EXHAUSTED, UNAVAILABLE",
+            "2s",
+            "max 10, ratio 0.1",
+            "-"
+        ]
+    );
+    assert_eq!(
+        row(&out, "shop.v1.Orders/ListOrders"),
+        [
+            "shop.v1.Orders/ListOrders",
+            "none",
+            "1",
+            "-",
+            "-",
+            "30s",
+            "-",
+            "-"
+        ]
+    );
+    // The idempotency table has the protected method only.
+    let protected: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("PROTECTED"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(protected.len(), 2, "{out}");
+    assert_eq!(
+        row(protected[1], "shop.v1.Orders/CreateOrder"),
+        [
+            "shop.v1.Orders/CreateOrder",
+            "required",
+            "86400s",
+            "10s",
+            "WAIT",
+            "OK,UNKNOWN,DEADLINE_EXCEEDED,INTERNAL,DATA_LOSS",
+            "1048576",
+            "262144",
+            "fail closed"
+        ]
+    );
+    assert!(
+        out.contains("retryThrottling: maxTokens 10, tokenRatio 0.1"),
+        "{out}"
+    );
+    assert!(out.contains("idem.tenant: single \"shop\""), "{out}");
+}
+
+#[test]
+fn three_errors_are_all_printed() {
+    let path = fixture("three_errors.json");
+    let o = idem(&["check-config", &path], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(stdout(&o), "");
+    let err = stderr(&o);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(
+        errors,
+        [
+            "error: methodConfig[0].retryPolicy.maxAttempts: must be an integer > 1",
+            "error: methodConfig[1].name[0]: service must not be empty when method is set",
+            "error: methodConfig[1].timeout: must be a proto3 JSON duration such as \"1.5s\": must end in \"s\" (seconds is the only unit)",
+        ],
+        "{err}"
+    );
+    assert!(
+        err.starts_with(&format!("{path}: invalid: 3 error(s)\n")),
+        "{err}"
+    );
+}
+
+#[test]
+fn warnings_go_to_stderr_and_the_config_is_still_valid() {
+    let o = idem(&["check-config", &fixture("warnings.json")], None);
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(
+        stderr(&o).lines().collect::<Vec<_>>(),
+        [
+            "warning: methodConfig[0].retryPolicy.jitter: unknown field, ignored",
+            "warning: methodConfig[0].retryPolicy.maxAttempts: 7 is clamped to 5 (gRPC allows at most 5 attempts)",
+            "warning: methodConfig[0].retryPolicy.retryableStatusCodes[1]: retrying NOT_FOUND is risky: it means the server will answer the same, so retrying cannot help",
+            "warning: methodConfig[0].retryPolicy: worst case backoff 6.6s (4 retries, each at 1.2 × its maximum) exceeds timeout 1s: the last retries cannot run",
+        ]
+    );
+    let out = stdout(&o);
+    assert!(out.contains("4 warning(s)"), "{out}");
+    assert_eq!(
+        row(&out, "shop.v1.Orders/*")[..5],
+        [
+            "shop.v1.Orders/*",
+            "retry",
+            "5",
+            "0.5s..2s x2",
+            "NOT_FOUND, UNAVAILABLE"
+        ]
+    );
+}
+
+#[test]
+fn missing_file_exits_2() {
+    let o = idem(
+        &["check-config", "tests/fixtures/does-not-exist.json"],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(stdout(&o), "");
+    assert!(
+        stderr(&o).starts_with("idem: cannot read tests/fixtures/does-not-exist.json: "),
+        "{}",
+        stderr(&o)
+    );
+    // A directory cannot be read as a file either.
+    let o = idem(&["check-config", "tests/fixtures"], None);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
+#[test]
+fn dash_reads_standard_input() {
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/service_config.json"),
+    )
+    .expect("example");
+    let o = idem(&["check-config", "-"], Some(text.as_bytes()));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.starts_with("<stdin>: valid: 3 method config(s)"),
+        "{out}"
+    );
+    assert_eq!(row(&out, "shop.v1.Orders/CreateOrder")[2], "4");
+
+    // Malformed JSON on stdin: invalid, with the parser's line and column.
+    let o = idem(
+        &["check-config", "-"],
+        Some(b"{\n  \"methodConfig\": [,]\n}"),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with("<stdin>: invalid: invalid JSON at line 2, column 20: "),
+        "{err}"
+    );
+
+    // Not an object.
+    let o = idem(&["check-config", "-"], Some(b"[]"));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("must be a JSON object"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Not UTF-8: invalid, with the offset of the bad byte.
+    let o = idem(&["check-config", "-"], Some(b"{\"a\": \"\xff\"}"));
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o),
+        "<stdin>: invalid: not UTF-8 text (bad byte at offset 7)\n"
+    );
+}
+
+#[test]
+fn help_and_usage_errors() {
+    for args in [
+        &["--help"][..],
+        &["-h"],
+        &["help"],
+        &["check-config", "--help"],
+    ] {
+        let o = idem(args, None);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        let out = stdout(&o);
+        assert!(out.contains("idem check-config FILE"), "{out}");
+        assert!(out.contains("idem check-config -"), "{out}");
+    }
+    let o = idem(&["--version"], None);
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(stdout(&o), format!("idem {}\n", env!("CARGO_PKG_VERSION")));
+    for (args, message) in [
+        (&[][..], "idem: missing command"),
+        (&["frobnicate"], "idem: unknown command \"frobnicate\""),
+        (
+            &["check-config"],
+            "idem: check-config takes exactly one FILE",
+        ),
+        (
+            &["check-config", "a", "b"],
+            "idem: check-config takes exactly one FILE",
+        ),
+    ] {
+        let o = idem(args, None);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&o).starts_with(message), "{}", stderr(&o));
+        assert!(stderr(&o).contains("Usage:"), "{}", stderr(&o));
+    }
+}
