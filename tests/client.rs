@@ -16,9 +16,13 @@ use std::time::Duration;
 use common::shop::orders_client::OrdersClient;
 use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
-use idem_client::{CallOutcome, CallReport, IdempotencyKeyInterceptor, Retry, RetryLayer, with_key};
+use idem_client::{
+    CallOutcome, CallReport, IdempotencyKeyInterceptor, Retry, RetryLayer, with_key,
+};
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, RetryThrottling};
+use idem_core::config::{
+    IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, RetryThrottling,
+};
 use idem_core::deadline::parse_grpc_timeout;
 use idem_core::{IdempotencyKey, ServiceConfig};
 use tokio::time::Instant;
@@ -50,10 +54,14 @@ struct Seen {
 
 impl Seen {
     fn header(&self, name: &str) -> Option<String> {
-        self.metadata.get(name).map(|v| v.to_str().unwrap_or("<non-ascii>").to_owned())
+        self.metadata
+            .get(name)
+            .map(|v| v.to_str().unwrap_or("<non-ascii>").to_owned())
     }
     fn timeout(&self) -> Option<Duration> {
-        self.metadata.get("grpc-timeout").and_then(|v| parse_grpc_timeout(v.as_bytes()))
+        self.metadata
+            .get("grpc-timeout")
+            .and_then(|v| parse_grpc_timeout(v.as_bytes()))
     }
 }
 
@@ -70,7 +78,12 @@ impl Shop {
         shop
     }
     fn next(&self, method: &'static str, metadata: &MetadataMap, note_len: usize) -> Fault {
-        self.seen.lock().unwrap().push(Seen { at: Instant::now(), method, metadata: metadata.clone(), note_len });
+        self.seen.lock().unwrap().push(Seen {
+            at: Instant::now(),
+            method,
+            metadata: metadata.clone(),
+            note_len,
+        });
         self.faults.lock().unwrap().pop_front().unwrap_or(Fault::Ok)
     }
     fn seen(&self) -> Vec<Seen> {
@@ -85,19 +98,33 @@ impl Shop {
 }
 
 fn order(id: &str) -> Order {
-    Order { order_id: id.into(), created_by: "test".into(), ..Default::default() }
+    Order {
+        order_id: id.into(),
+        created_by: "test".into(),
+        ..Default::default()
+    }
 }
 
 #[tonic::async_trait]
 impl Orders for Shop {
-    async fn create_order(&self, request: Request<CreateOrderRequest>) -> Result<Response<Order>, Status> {
-        match self.next("CreateOrder", request.metadata(), request.get_ref().note.len()) {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        match self.next(
+            "CreateOrder",
+            request.metadata(),
+            request.get_ref().note.len(),
+        ) {
             Fault::Ok => Ok(Response::new(order("o-1"))),
             Fault::Fail(s) => Err(s),
         }
     }
 
-    async fn get_order(&self, request: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+    async fn get_order(
+        &self,
+        request: Request<GetOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
         match self.next("GetOrder", request.metadata(), 0) {
             Fault::Ok => Ok(Response::new(order(&request.get_ref().order_id))),
             Fault::Fail(s) => Err(s),
@@ -108,7 +135,10 @@ impl Orders for Shop {
 
     /// Sends real headers first, then the scripted status as the stream's first item:
     /// "headers then an error", which commits the call.
-    async fn list_orders(&self, request: Request<ListOrdersRequest>) -> Result<Response<Self::ListOrdersStream>, Status> {
+    async fn list_orders(
+        &self,
+        request: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
         let item = match self.next("ListOrders", request.metadata(), 0) {
             Fault::Ok => Ok(order("o-1")),
             Fault::Fail(s) => Err(s),
@@ -120,7 +150,9 @@ impl Orders for Shop {
 
 /// A stream that first yields to the runtime (so tonic has sent the response headers)
 /// and then produces `item`.
-fn async_stream_once(item: Result<Order, Status>) -> impl Stream<Item = Result<Order, Status>> + Send {
+fn async_stream_once(
+    item: Result<Order, Status>,
+) -> impl Stream<Item = Result<Order, Status>> + Send {
     futures_util::stream::once(async move {
         tokio::task::yield_now().await;
         item
@@ -129,7 +161,11 @@ fn async_stream_once(item: Result<Order, Status>) -> impl Stream<Item = Result<O
 
 async fn serve(shop: Shop) -> std::net::SocketAddr {
     let (addr, incoming) = common::bind().await;
-    tokio::spawn(Server::builder().add_service(OrdersServer::new(shop)).serve_with_incoming(incoming));
+    tokio::spawn(
+        Server::builder()
+            .add_service(OrdersServer::new(shop))
+            .serve_with_incoming(incoming),
+    );
     addr
 }
 
@@ -138,12 +174,21 @@ async fn serve(shop: Shop) -> std::net::SocketAddr {
 type Client = OrdersClient<Retry<Channel>>;
 
 fn client(addr: std::net::SocketAddr, layer: RetryLayer) -> Client {
-    let svc = ServiceBuilder::new().layer(layer).service(common::channel(addr));
+    let svc = ServiceBuilder::new()
+        .layer(layer)
+        .service(common::channel(addr));
     OrdersClient::new(svc)
 }
 
 fn policy(max_attempts: u32, initial: Duration, max: Duration, multiplier: f64) -> RetryPolicy {
-    RetryPolicy::new(max_attempts, initial, max, multiplier, CodeSet::of(Code::Unavailable)).unwrap()
+    RetryPolicy::new(
+        max_attempts,
+        initial,
+        max,
+        multiplier,
+        CodeSet::of(Code::Unavailable),
+    )
+    .unwrap()
 }
 
 /// `shop.v1.Orders` retries with `policy`; `CreateOrder` is protected (has `idempotency`).
@@ -154,7 +199,9 @@ fn config(policy: RetryPolicy, throttling: Option<RetryThrottling>) -> ServiceCo
                 .with_name("shop.v1.Orders", "CreateOrder")
                 .with_retry_policy(policy.clone())
                 .with_idempotency(IdempotencyPolicy::default()),
-            MethodConfig::empty().with_name("shop.v1.Orders", "").with_retry_policy(policy),
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "")
+                .with_retry_policy(policy),
         ],
         throttling,
         IdemSettings::default(),
@@ -163,11 +210,18 @@ fn config(policy: RetryPolicy, throttling: Option<RetryThrottling>) -> ServiceCo
 }
 
 fn layer(cfg: &ServiceConfig) -> RetryLayer {
-    RetryLayer::builder().service_config(cfg.clone()).seed(3).build().unwrap()
+    RetryLayer::builder()
+        .service_config(cfg.clone())
+        .seed(3)
+        .build()
+        .unwrap()
 }
 
 fn default_config() -> ServiceConfig {
-    config(policy(3, Duration::from_millis(20), Duration::from_secs(1), 2.0), None)
+    config(
+        policy(3, Duration::from_millis(20), Duration::from_secs(1), 2.0),
+        None,
+    )
 }
 
 fn create(note_len: usize) -> Request<CreateOrderRequest> {
@@ -186,7 +240,8 @@ fn unavailable() -> Fault {
 fn pushback(values: &[&'static str]) -> Fault {
     let mut s = Status::unavailable("busy");
     for v in values {
-        s.metadata_mut().append("grpc-retry-pushback-ms", v.parse().unwrap());
+        s.metadata_mut()
+            .append("grpc-retry-pushback-ms", v.parse().unwrap());
     }
     Fault::Fail(s)
 }
@@ -204,15 +259,25 @@ async fn unavailable_twice_then_ok_takes_three_attempts() {
     let resp = c.create_order(create(10)).await.unwrap();
     assert_eq!(resp.get_ref().order_id, "o-1");
     let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.outcome, report.attempts), (CallOutcome::Committed, 3));
-    let previous: Vec<_> = shop.seen().iter().map(|s| s.header("grpc-previous-rpc-attempts")).collect();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, 3)
+    );
+    let previous: Vec<_> = shop
+        .seen()
+        .iter()
+        .map(|s| s.header("grpc-previous-rpc-attempts"))
+        .collect();
     assert_eq!(previous, [None, Some("1".into()), Some("2".into())]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn max_attempts_2_gives_up_after_2_attempts_with_unavailable() {
     let shop = Shop::with([unavailable(), unavailable(), unavailable()]);
-    let cfg = config(policy(2, Duration::from_millis(20), Duration::from_secs(1), 2.0), None);
+    let cfg = config(
+        policy(2, Duration::from_millis(20), Duration::from_secs(1), 2.0),
+        None,
+    );
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let err = c.create_order(create(10)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
@@ -234,7 +299,15 @@ async fn a_non_retryable_code_is_not_retried() {
 #[tokio::test(start_paused = true)]
 async fn max_attempts_10_makes_at_most_5() {
     let shop = Shop::with((0..10).map(|_| unavailable()));
-    let cfg = config(policy(10, Duration::from_millis(10), Duration::from_millis(10), 1.0), None);
+    let cfg = config(
+        policy(
+            10,
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+            1.0,
+        ),
+        None,
+    );
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let err = c.create_order(create(10)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
@@ -246,9 +319,17 @@ async fn max_attempts_10_makes_at_most_5() {
 async fn headers_then_an_error_is_not_retried() {
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&default_config()));
-    let resp = c.list_orders(ListOrdersRequest { customer_id: "c-1".into() }).await.unwrap();
+    let resp = c
+        .list_orders(ListOrdersRequest {
+            customer_id: "c-1".into(),
+        })
+        .await
+        .unwrap();
     let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.outcome, report.attempts), (CallOutcome::Committed, 1));
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, 1)
+    );
     let err = resp.into_inner().message().await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
     assert_eq!(shop.attempts(), 1);
@@ -259,21 +340,37 @@ async fn headers_then_an_error_is_not_retried() {
 #[tokio::test(start_paused = true)]
 async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
     let p = policy(5, Duration::from_millis(20), Duration::from_secs(1), 2.0);
-    let shop = Shop::with([unavailable(), unavailable(), unavailable(), unavailable(), Fault::Ok]);
+    let shop = Shop::with([
+        unavailable(),
+        unavailable(),
+        unavailable(),
+        unavailable(),
+        Fault::Ok,
+    ]);
     let mut c = client(serve(shop.clone()).await, layer(&config(p.clone(), None)));
     c.create_order(create(10)).await.unwrap();
     let gaps = shop.gaps();
     assert_eq!(gaps.len(), 4);
     for (i, gap) in gaps.into_iter().enumerate() {
         let (lo, hi) = idem_client::retry::backoff::backoff_bounds(&p, i as u32 + 1);
-        assert!(lo <= gap && gap <= hi, "retry {}: {gap:?} not in [{lo:?}, {hi:?}]", i + 1);
+        assert!(
+            lo <= gap && gap <= hi,
+            "retry {}: {gap:?} not in [{lo:?}, {hi:?}]",
+            i + 1
+        );
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn pushback_300ms_is_honoured_and_resets_the_exponent() {
     let p = policy(5, Duration::from_millis(20), Duration::from_secs(1), 2.0);
-    let shop = Shop::with([unavailable(), unavailable(), pushback(&["300"]), unavailable(), Fault::Ok]);
+    let shop = Shop::with([
+        unavailable(),
+        unavailable(),
+        pushback(&["300"]),
+        unavailable(),
+        Fault::Ok,
+    ]);
     let cfg = config(p, None);
     let l = RetryLayer::builder()
         .service_config(cfg)
@@ -283,7 +380,11 @@ async fn pushback_300ms_is_honoured_and_resets_the_exponent() {
     let mut c = client(serve(shop.clone()).await, l);
     c.create_order(create(10)).await.unwrap();
     let ms: Vec<u128> = shop.gaps().iter().map(Duration::as_millis).collect();
-    assert_eq!(ms, [20, 40, 300, 20], "backoff, backoff, pushback, backoff from the start");
+    assert_eq!(
+        ms,
+        [20, 40, 300, 20],
+        "backoff, backoff, pushback, backoff from the start"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -294,14 +395,21 @@ async fn negative_garbage_or_repeated_pushback_stops() {
         let err = c.create_order(create(10)).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::Unavailable, "{values:?}");
         assert_eq!(shop.attempts(), 1, "{values:?}");
-        assert_eq!(report_of(&err).outcome, CallOutcome::PushbackStop, "{values:?}");
+        assert_eq!(
+            report_of(&err).outcome,
+            CallOutcome::PushbackStop,
+            "{values:?}"
+        );
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn pushback_0_retries_at_once() {
     // A 1 s backoff would show: the retry must come with no wait at all.
-    let cfg = config(policy(3, Duration::from_secs(1), Duration::from_secs(1), 2.0), None);
+    let cfg = config(
+        policy(3, Duration::from_secs(1), Duration::from_secs(1), 2.0),
+        None,
+    );
     let shop = Shop::with([pushback(&["0"]), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     c.create_order(create(10)).await.unwrap();
@@ -322,9 +430,15 @@ async fn retry_info_delay_is_honoured_as_a_minimum() {
     let mut c = client(serve(shop.clone()).await, layer(&default_config()));
     c.create_order(create(10)).await.unwrap();
     let gaps = shop.gaps();
-    assert!(gaps[0] >= Duration::from_millis(500) && gaps[0] < Duration::from_millis(510), "{gaps:?}");
+    assert!(
+        gaps[0] >= Duration::from_millis(500) && gaps[0] < Duration::from_millis(510),
+        "{gaps:?}"
+    );
     // 1 ms RetryInfo is below the second backoff (32..48 ms): the backoff wins.
-    assert!(gaps[1] >= Duration::from_millis(32) && gaps[1] <= Duration::from_millis(48), "{gaps:?}");
+    assert!(
+        gaps[1] >= Duration::from_millis(32) && gaps[1] <= Duration::from_millis(48),
+        "{gaps:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -335,7 +449,11 @@ async fn a_pushback_longer_than_the_time_left_ends_the_call_without_waiting() {
     req.set_timeout(Duration::from_millis(200));
     let start = Instant::now();
     let err = c.create_order(req).await.unwrap_err();
-    assert!(start.elapsed() < Duration::from_millis(50), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_millis(50),
+        "{:?}",
+        start.elapsed()
+    );
     assert_eq!(err.code(), tonic::Code::Unavailable);
     assert_eq!(shop.attempts(), 1);
     assert_eq!(report_of(&err).outcome, CallOutcome::Deadline);
@@ -349,10 +467,19 @@ async fn a_pushback_longer_than_the_time_left_ends_the_call_without_waiting() {
 #[tokio::test(start_paused = true)]
 async fn grpc_go_retry_throttling_sequence() {
     let ok_at = [0, 3, 6, 10, 11, 12, 13, 14, 16, 18];
-    let shop = Shop::with((0..19).map(|i| if ok_at.contains(&i) { Fault::Ok } else { unavailable() }));
+    let shop = Shop::with((0..19).map(|i| {
+        if ok_at.contains(&i) {
+            Fault::Ok
+        } else {
+            unavailable()
+        }
+    }));
     let cfg = config(
         policy(4, Duration::from_millis(10), Duration::from_millis(10), 1.0),
-        Some(RetryThrottling { max_milli_tokens: 10_000, token_ratio_milli: 500 }),
+        Some(RetryThrottling {
+            max_milli_tokens: 10_000,
+            token_ratio_milli: 500,
+        }),
     );
     let l = layer(&cfg);
     let mut c = client(serve(shop.clone()).await, l.clone());
@@ -372,13 +499,26 @@ async fn grpc_go_retry_throttling_sequence() {
         (UNAV, 17, 5_000),
     ];
     for (n, (code, last_index, tokens)) in expected.into_iter().enumerate() {
-        let got = match c.get_order(GetOrderRequest { order_id: "x".into() }).await {
+        let got = match c
+            .get_order(GetOrderRequest {
+                order_id: "x".into(),
+            })
+            .await
+        {
             Ok(_) => OK,
             Err(s) => s.code(),
         };
         assert_eq!(got, code, "call {n}");
-        assert_eq!(shop.attempts() - 1, last_index, "call {n}: server attempt index");
-        assert_eq!(l.throttle().unwrap().milli_tokens(), tokens, "call {n}: tokens");
+        assert_eq!(
+            shop.attempts() - 1,
+            last_index,
+            "call {n}: server attempt index"
+        );
+        assert_eq!(
+            l.throttle().unwrap().milli_tokens(),
+            tokens,
+            "call {n}: tokens"
+        );
     }
 }
 
@@ -386,7 +526,10 @@ async fn grpc_go_retry_throttling_sequence() {
 
 #[tokio::test(start_paused = true)]
 async fn the_server_sees_grpc_timeout_shrink_on_each_attempt() {
-    let cfg = config(policy(3, Duration::from_millis(100), Duration::from_secs(1), 2.0), None);
+    let cfg = config(
+        policy(3, Duration::from_millis(100), Duration::from_secs(1), 2.0),
+        None,
+    );
     let l = RetryLayer::builder()
         .service_config(cfg)
         .jitter(idem_client::retry::backoff::FixedJitter(0.5))
@@ -398,12 +541,22 @@ async fn the_server_sees_grpc_timeout_shrink_on_each_attempt() {
     req.set_timeout(Duration::from_secs(1));
     c.create_order(req).await.unwrap();
     let timeouts: Vec<Duration> = shop.seen().iter().map(|s| s.timeout().unwrap()).collect();
-    assert_eq!(timeouts, [Duration::from_millis(1000), Duration::from_millis(900), Duration::from_millis(700)]);
+    assert_eq!(
+        timeouts,
+        [
+            Duration::from_millis(1000),
+            Duration::from_millis(900),
+            Duration::from_millis(700)
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_100ms_deadline_with_1s_backoff_makes_one_attempt_and_returns_well_under_1s() {
-    let cfg = config(policy(3, Duration::from_secs(1), Duration::from_secs(1), 2.0), None);
+    let cfg = config(
+        policy(3, Duration::from_secs(1), Duration::from_secs(1), 2.0),
+        None,
+    );
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let mut req = create(10);
@@ -412,7 +565,11 @@ async fn a_100ms_deadline_with_1s_backoff_makes_one_attempt_and_returns_well_und
     let err = c.create_order(req).await.unwrap_err();
     let elapsed = start.elapsed();
     assert!(elapsed < Duration::from_millis(100), "took {elapsed:?}");
-    assert_eq!(err.code(), tonic::Code::Unavailable, "the last attempt's status");
+    assert_eq!(
+        err.code(),
+        tonic::Code::Unavailable,
+        "the last attempt's status"
+    );
     assert_eq!(shop.attempts(), 1);
     assert_eq!(report_of(&err).outcome, CallOutcome::Deadline);
 }
@@ -424,12 +581,19 @@ async fn a_generated_key_is_identical_on_every_attempt() {
     let shop = Shop::with([unavailable(), unavailable(), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&default_config()));
     c.create_order(create(10)).await.unwrap();
-    let keys: Vec<_> = shop.seen().iter().map(|s| s.header("x-idempotency-key")).collect();
+    let keys: Vec<_> = shop
+        .seen()
+        .iter()
+        .map(|s| s.header("x-idempotency-key"))
+        .collect();
     assert_eq!(keys.len(), 3);
     let first = keys[0].clone().expect("a key on a protected method");
     assert!(IdempotencyKey::parse(first.as_bytes()).is_ok());
     assert_eq!(first.len(), 32, "128 random bits");
-    assert!(keys.iter().all(|k| k.as_deref() == Some(first.as_str())), "{keys:?}");
+    assert!(
+        keys.iter().all(|k| k.as_deref() == Some(first.as_str())),
+        "{keys:?}"
+    );
     // The next call gets a new key.
     c.create_order(create(10)).await.unwrap();
     assert_ne!(shop.seen()[3].header("x-idempotency-key").unwrap(), first);
@@ -442,8 +606,18 @@ async fn the_callers_key_is_kept() {
     let mut req = create(10);
     with_key(&mut req, &"order-2024-0001".parse().unwrap());
     c.create_order(req).await.unwrap();
-    let keys: Vec<_> = shop.seen().iter().map(|s| s.header("x-idempotency-key")).collect();
-    assert_eq!(keys, [Some("order-2024-0001".into()), Some("order-2024-0001".into())]);
+    let keys: Vec<_> = shop
+        .seen()
+        .iter()
+        .map(|s| s.header("x-idempotency-key"))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            Some("order-2024-0001".into()),
+            Some("order-2024-0001".into())
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -451,12 +625,28 @@ async fn unprotected_methods_get_no_key_unless_the_option_says_so() {
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let addr = serve(shop.clone()).await;
     let mut c = client(addr, layer(&default_config()));
-    c.get_order(GetOrderRequest { order_id: "o-9".into() }).await.unwrap();
+    c.get_order(GetOrderRequest {
+        order_id: "o-9".into(),
+    })
+    .await
+    .unwrap();
     assert_eq!(shop.attempts(), 2, "retried, but");
-    assert!(shop.seen().iter().all(|s| s.method == "GetOrder" && s.header("x-idempotency-key").is_none()));
-    let all = RetryLayer::builder().service_config(default_config()).key_all_methods(true).build().unwrap();
+    assert!(
+        shop.seen()
+            .iter()
+            .all(|s| s.method == "GetOrder" && s.header("x-idempotency-key").is_none())
+    );
+    let all = RetryLayer::builder()
+        .service_config(default_config())
+        .key_all_methods(true)
+        .build()
+        .unwrap();
     let mut c = client(addr, all);
-    c.get_order(GetOrderRequest { order_id: "o-9".into() }).await.unwrap();
+    c.get_order(GetOrderRequest {
+        order_id: "o-9".into(),
+    })
+    .await
+    .unwrap();
     assert!(shop.seen()[2].header("x-idempotency-key").is_some());
 }
 
@@ -466,19 +656,39 @@ async fn the_interceptor_key_is_stable_across_retries_below_it() {
     let addr = serve(shop.clone()).await;
     // No idempotency in this config: the key comes only from the interceptor.
     let cfg = ServiceConfig::from_parts(
-        vec![MethodConfig::empty()
-            .with_name("shop.v1.Orders", "")
-            .with_retry_policy(policy(3, Duration::from_millis(20), Duration::from_secs(1), 2.0))],
+        vec![
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "")
+                .with_retry_policy(policy(
+                    3,
+                    Duration::from_millis(20),
+                    Duration::from_secs(1),
+                    2.0,
+                )),
+        ],
         None,
         IdemSettings::default(),
     )
     .unwrap();
-    let svc = ServiceBuilder::new().layer(layer(&cfg)).service(common::channel(addr));
+    let svc = ServiceBuilder::new()
+        .layer(layer(&cfg))
+        .service(common::channel(addr));
     let mut c = OrdersClient::with_interceptor(svc, IdempotencyKeyInterceptor::all_methods());
-    c.get_order(GetOrderRequest { order_id: "o-1".into() }).await.unwrap();
-    let keys: Vec<_> = shop.seen().iter().map(|s| s.header("x-idempotency-key")).collect();
+    c.get_order(GetOrderRequest {
+        order_id: "o-1".into(),
+    })
+    .await
+    .unwrap();
+    let keys: Vec<_> = shop
+        .seen()
+        .iter()
+        .map(|s| s.header("x-idempotency-key"))
+        .collect();
     assert_eq!(keys.len(), 3);
-    assert!(keys[0].is_some() && keys.iter().all(|k| *k == keys[0]), "{keys:?}");
+    assert!(
+        keys[0].is_some() && keys.iter().all(|k| *k == keys[0]),
+        "{keys:?}"
+    );
 }
 
 // ---------------------------------------------------------------- body and transport
@@ -495,7 +705,11 @@ async fn a_body_over_the_cap_is_sent_once_and_whole() {
     let err = c.create_order(create(4096)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
     assert_eq!(shop.attempts(), 1);
-    assert_eq!(shop.seen()[0].note_len, 4096, "nothing read for buffering is lost");
+    assert_eq!(
+        shop.seen()[0].note_len,
+        4096,
+        "nothing read for buffering is lost"
+    );
     assert_eq!(report_of(&err).outcome, CallOutcome::BodyTooLarge);
     // A small body on the same layer is retried.
     c.create_order(create(100)).await.unwrap();
@@ -520,7 +734,15 @@ async fn a_refused_connection_is_retried() {
 
     // Retries reach a server that comes up on that port during the backoff.
     let l = RetryLayer::builder()
-        .service_config(config(policy(5, Duration::from_millis(200), Duration::from_millis(200), 1.0), None))
+        .service_config(config(
+            policy(
+                5,
+                Duration::from_millis(200),
+                Duration::from_millis(200),
+                1.0,
+            ),
+            None,
+        ))
         .build()
         .unwrap();
     let mut c = client(addr, l.clone());
@@ -529,14 +751,24 @@ async fn a_refused_connection_is_retried() {
         let shop = shop.clone();
         async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let listener = tokio::net::TcpListener::bind(addr).await.expect("rebind the port");
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .expect("rebind the port");
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            tokio::spawn(Server::builder().add_service(OrdersServer::new(shop)).serve_with_incoming(incoming));
+            tokio::spawn(
+                Server::builder()
+                    .add_service(OrdersServer::new(shop))
+                    .serve_with_incoming(incoming),
+            );
         }
     };
     let (resp, ()) = tokio::join!(c.create_order(create(10)), server);
     let resp = resp.unwrap();
     let report = CallReport::from_response(&resp).unwrap();
     assert!(report.attempts >= 2, "{report:?}");
-    assert_eq!(shop.attempts(), 1, "only the attempt that reached the server is seen");
+    assert_eq!(
+        shop.attempts(),
+        1,
+        "only the attempt that reached the server is seen"
+    );
 }

@@ -19,7 +19,11 @@ use tonic::{GrpcMethod, Request, Status};
 /// assert_eq!(req.metadata().get("x-idempotency-key").unwrap(), "order-2024-0001");
 /// ```
 pub fn with_key<T>(request: &mut Request<T>, key: &IdempotencyKey) {
-    insert_key(request, &AsciiMetadataKey::from_static(IDEMPOTENCY_KEY), key);
+    insert_key(
+        request,
+        &AsciiMetadataKey::from_static(IDEMPOTENCY_KEY),
+        key,
+    );
 }
 
 fn insert_key<T>(request: &mut Request<T>, name: &AsciiMetadataKey, key: &IdempotencyKey) {
@@ -69,7 +73,10 @@ pub struct IdempotencyKeyInterceptor {
 impl IdempotencyKeyInterceptor {
     /// Adds a key to every call.
     pub fn all_methods() -> Self {
-        IdempotencyKeyInterceptor { header: AsciiMetadataKey::from_static(IDEMPOTENCY_KEY), config: None }
+        IdempotencyKeyInterceptor {
+            header: AsciiMetadataKey::from_static(IDEMPOTENCY_KEY),
+            config: None,
+        }
     }
 
     /// Adds a key to the methods `config` protects (those with an `idempotency` object), or
@@ -78,7 +85,10 @@ impl IdempotencyKeyInterceptor {
     /// generated clients set; a call without it gets a key.
     pub fn for_config(config: &ServiceConfig) -> Self {
         let header = header_key(&config.settings().key_header);
-        IdempotencyKeyInterceptor { header, config: Some(config.clone()) }
+        IdempotencyKeyInterceptor {
+            header,
+            config: Some(config.clone()),
+        }
     }
 
     fn wants_key<T>(&self, request: &Request<T>) -> bool {
@@ -128,19 +138,35 @@ mod tests {
     fn interceptor_follows_the_config() {
         use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig};
         let cfg = ServiceConfig::from_parts(
-            vec![MethodConfig::empty()
-                .with_name("shop.v1.Orders", "CreateOrder")
-                .with_idempotency(IdempotencyPolicy::default())],
+            vec![
+                MethodConfig::empty()
+                    .with_name("shop.v1.Orders", "CreateOrder")
+                    .with_idempotency(IdempotencyPolicy::default()),
+            ],
             None,
             IdemSettings::default(),
         )
         .unwrap();
         let mut icpt = IdempotencyKeyInterceptor::for_config(&cfg);
         let mut create = Request::new(());
-        create.extensions_mut().insert(GrpcMethod::new("shop.v1.Orders", "CreateOrder"));
-        assert!(icpt.call(create).unwrap().metadata().contains_key(IDEMPOTENCY_KEY));
+        create
+            .extensions_mut()
+            .insert(GrpcMethod::new("shop.v1.Orders", "CreateOrder"));
+        assert!(
+            icpt.call(create)
+                .unwrap()
+                .metadata()
+                .contains_key(IDEMPOTENCY_KEY)
+        );
         let mut get = Request::new(());
-        get.extensions_mut().insert(GrpcMethod::new("shop.v1.Orders", "GetOrder"));
-        assert!(!icpt.call(get).unwrap().metadata().contains_key(IDEMPOTENCY_KEY));
+        get.extensions_mut()
+            .insert(GrpcMethod::new("shop.v1.Orders", "GetOrder"));
+        assert!(
+            !icpt
+                .call(get)
+                .unwrap()
+                .metadata()
+                .contains_key(IDEMPOTENCY_KEY)
+        );
     }
 }

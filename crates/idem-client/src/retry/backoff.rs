@@ -144,7 +144,10 @@ mod tests {
         assert_eq!(b(3), Duration::from_millis(80));
         assert_eq!(b(10), Duration::from_millis(1000));
         assert_eq!(b(u32::MAX), Duration::from_millis(1000));
-        assert_eq!(backoff_bounds(&p, 1), (Duration::from_millis(16), Duration::from_millis(24)));
+        assert_eq!(
+            backoff_bounds(&p, 1),
+            (Duration::from_millis(16), Duration::from_millis(24))
+        );
     }
 
     #[test]

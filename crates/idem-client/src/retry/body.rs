@@ -25,7 +25,10 @@ pub(crate) struct ReplayBudget {
 
 impl ReplayBudget {
     pub(crate) fn new(limit: usize) -> Self {
-        ReplayBudget { held: AtomicUsize::new(0), limit: AtomicUsize::new(limit) }
+        ReplayBudget {
+            held: AtomicUsize::new(0),
+            limit: AtomicUsize::new(limit),
+        }
     }
     pub(crate) fn set_limit(&self, limit: usize) {
         self.limit.store(limit, Ordering::Relaxed);
@@ -44,7 +47,9 @@ impl ReplayBudget {
     fn release(&self, n: usize) {
         let _ = self
             .held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| Some(h.saturating_sub(n)));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+                Some(h.saturating_sub(n))
+            });
     }
 }
 
@@ -88,7 +93,11 @@ pub(crate) struct Replay {
 
 impl Replay {
     pub(crate) fn body(&self) -> ReplayBody {
-        ReplayBody { chunks: self.chunks.clone(), next: 0, trailers: self.trailers.clone() }
+        ReplayBody {
+            chunks: self.chunks.clone(),
+            next: 0,
+            trailers: self.trailers.clone(),
+        }
     }
 }
 
@@ -229,12 +238,19 @@ where
             // Request trailers seen before the overflow are dropped: gRPC requests carry
             // none, and an attempt sent once streams the rest of the original body.
             return Buffered::Partial(
-                PartialBody { read: chunks.into(), error, rest: Some(body) },
+                PartialBody {
+                    read: chunks.into(),
+                    error,
+                    rest: Some(body),
+                },
                 why,
             );
         }
     }
-    Buffered::Complete(Replay { chunks: chunks.into(), trailers })
+    Buffered::Complete(Replay {
+        chunks: chunks.into(),
+        trailers,
+    })
 }
 
 #[cfg(test)]
@@ -266,7 +282,8 @@ mod tests {
     async fn replays_the_same_bytes_every_time() {
         let b = budget(1 << 20);
         let mut lease = Lease::new(b.clone());
-        let Buffered::Complete(replay) = buffer(chunked(&[b"ab", b"cd"]), 10, &mut lease).await else {
+        let Buffered::Complete(replay) = buffer(chunked(&[b"ab", b"cd"]), 10, &mut lease).await
+        else {
             panic!("should fit");
         };
         assert_eq!(b.held(), 4);
@@ -297,9 +314,14 @@ mod tests {
     async fn budget_is_shared() {
         let b = budget(5);
         let mut first = Lease::new(b.clone());
-        assert!(matches!(buffer(Full::new(Bytes::from_static(b"1234")), 10, &mut first).await, Buffered::Complete(_)));
+        assert!(matches!(
+            buffer(Full::new(Bytes::from_static(b"1234")), 10, &mut first).await,
+            Buffered::Complete(_)
+        ));
         let mut second = Lease::new(b.clone());
-        let Buffered::Partial(partial, why) = buffer(Full::new(Bytes::from_static(b"5678")), 10, &mut second).await else {
+        let Buffered::Partial(partial, why) =
+            buffer(Full::new(Bytes::from_static(b"5678")), 10, &mut second).await
+        else {
             panic!("budget should be full");
         };
         assert_eq!(why, Overflow::Budget);

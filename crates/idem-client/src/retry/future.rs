@@ -67,23 +67,51 @@ impl<F, RB, E> std::fmt::Debug for ResponseFuture<F, RB, E> {
             Kind::Retrying { .. } => "Retrying",
             Kind::Ready { .. } => "Ready",
         };
-        f.debug_struct("ResponseFuture").field("kind", &kind).finish()
+        f.debug_struct("ResponseFuture")
+            .field("kind", &kind)
+            .finish()
     }
 }
 
 impl<F, RB, E> ResponseFuture<F, RB, E> {
-    pub(crate) fn passthrough(fut: F, shared: Arc<Shared>, path: String, span: tracing::Span) -> Self {
-        ResponseFuture { kind: Kind::Passthrough { fut, shared, path, span } }
+    pub(crate) fn passthrough(
+        fut: F,
+        shared: Arc<Shared>,
+        path: String,
+        span: tracing::Span,
+    ) -> Self {
+        ResponseFuture {
+            kind: Kind::Passthrough {
+                fut,
+                shared,
+                path,
+                span,
+            },
+        }
     }
 
     pub(crate) fn ready(response: http::Response<RB>) -> Self {
-        ResponseFuture { kind: Kind::Ready { response: Some(response) } }
+        ResponseFuture {
+            kind: Kind::Ready {
+                response: Some(response),
+            },
+        }
     }
 
-    pub(crate) fn retrying<S, B>(svc: S, parts: Parts, body: B, call: Call, span: tracing::Span) -> Self
+    pub(crate) fn retrying<S, B>(
+        svc: S,
+        parts: Parts,
+        body: B,
+        call: Call,
+        span: tracing::Span,
+    ) -> Self
     where
-        S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>, Future = F, Error = E>
-            + Send
+        S: Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<RB>,
+                Future = F,
+                Error = E,
+            > + Send
             + 'static,
         F: Send + 'static,
         E: Send + 'static,
@@ -91,7 +119,11 @@ impl<F, RB, E> ResponseFuture<F, RB, E> {
         B::Error: Into<BoxError>,
         RB: Default + Send + 'static,
     {
-        ResponseFuture { kind: Kind::Retrying { fut: Box::pin(run(svc, parts, body, call).instrument(span)) } }
+        ResponseFuture {
+            kind: Kind::Retrying {
+                fut: Box::pin(run(svc, parts, body, call).instrument(span)),
+            },
+        }
     }
 }
 
@@ -104,23 +136,32 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Passthrough { fut, shared, path, span } => {
+            KindProj::Passthrough {
+                fut,
+                shared,
+                path,
+                span,
+            } => {
                 let _enter = span.enter();
                 let result = std::task::ready!(fut.poll(cx));
                 let throttle = shared.throttle();
                 let (result, code) = match result {
                     Ok(resp) => {
                         let code = trailers_only_code(resp.headers());
-                        if matches!(code, None | Some(Code::Ok)) {
-                            if let Some(t) = &throttle {
-                                t.record_success();
-                            }
+                        if matches!(code, None | Some(Code::Ok))
+                            && let Some(t) = &throttle
+                        {
+                            t.record_success();
                         }
                         (Ok(resp), code)
                     }
                     Err(e) => (Err(e), None),
                 };
-                let report = CallReport { outcome: CallOutcome::NoRetryPolicy, attempts: 1, last_code: code };
+                let report = CallReport {
+                    outcome: CallOutcome::NoRetryPolicy,
+                    attempts: 1,
+                    last_code: code,
+                };
                 Poll::Ready(conclude(shared, path, result, report, None))
             }
             KindProj::Retrying { fut } => fut.as_mut().poll(cx),
@@ -156,7 +197,10 @@ pub(crate) fn trailers_only_code(headers: &HeaderMap) -> Option<Code> {
 }
 
 /// A Trailers-Only response the layer makes up (deadline, receive timeout).
-pub(crate) fn made_up<RB: Default>(report: CallReport, message: &'static str) -> http::Response<RB> {
+pub(crate) fn made_up<RB: Default>(
+    report: CallReport,
+    message: &'static str,
+) -> http::Response<RB> {
     let code = report.last_code.unwrap_or(Code::Unknown);
     let mut resp: http::Response<RB> = tonic::Status::new(code, message).into_http();
     resp.extensions_mut().insert(report);
@@ -182,7 +226,8 @@ fn conclude<RB, E>(
         if matches!(report.last_code, Some(c) if c != Code::Ok) {
             report.write_headers(resp.headers_mut());
             if let Some(m) = marker.filter(|_| report.outcome.retries_gave_up()) {
-                resp.headers_mut().insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
+                resp.headers_mut()
+                    .insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
             }
         }
         resp.extensions_mut().insert(report);
@@ -200,7 +245,11 @@ enum Attempt<RB, E> {
     Deadline,
 }
 
-async fn attempt<F, RB, E>(fut: F, deadline: Option<Instant>, recv_timeout: Option<Instant>) -> Attempt<RB, E>
+async fn attempt<F, RB, E>(
+    fut: F,
+    deadline: Option<Instant>,
+    recv_timeout: Option<Instant>,
+) -> Attempt<RB, E>
 where
     F: Future<Output = Result<http::Response<RB>, E>>,
 {
@@ -218,7 +267,12 @@ where
     }
 }
 
-fn request(parts: &Parts, body: tonic::body::Body, attempts: u32, deadline: Option<Instant>) -> http::Request<tonic::body::Body> {
+fn request(
+    parts: &Parts,
+    body: tonic::body::Body,
+    attempts: u32,
+    deadline: Option<Instant>,
+) -> http::Request<tonic::body::Body> {
     let mut req = http::Request::from_parts(parts.clone(), body);
     let headers = req.headers_mut();
     let previous = HeaderName::from_static(PREVIOUS_RPC_ATTEMPTS);
@@ -249,7 +303,12 @@ enum Last<RB, E> {
     MadeUp(Code, &'static str),
 }
 
-async fn run<S, B, RB>(mut svc: S, parts: Parts, body: B, call: Call) -> Result<http::Response<RB>, S::Error>
+async fn run<S, B, RB>(
+    mut svc: S,
+    parts: Parts,
+    body: B,
+    call: Call,
+) -> Result<http::Response<RB>, S::Error>
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
     B: http_body::Body<Data = Bytes> + Send + 'static,
@@ -257,7 +316,8 @@ where
     RB: Default,
 {
     let mut lease = Lease::new(call.shared.budget.clone());
-    let mut source = match body::buffer(body, call.eff.max_replay_bytes_per_call, &mut lease).await {
+    let mut source = match body::buffer(body, call.eff.max_replay_bytes_per_call, &mut lease).await
+    {
         Buffered::Complete(replay) => Source::Replay(replay),
         Buffered::Partial(partial, why) => {
             let outcome = match why {
@@ -278,24 +338,34 @@ where
         let (result, code) = match last {
             Last::Response(r, code) => (Ok(r), code),
             Last::Error(e) => (Err(e), None),
-            Last::MadeUp(code, message) => (Ok(tonic::Status::new(code, message).into_http()), Some(code)),
+            Last::MadeUp(code, message) => (
+                Ok(tonic::Status::new(code, message).into_http()),
+                Some(code),
+            ),
         };
-        let report = CallReport { outcome, attempts, last_code: code };
+        let report = CallReport {
+            outcome,
+            attempts,
+            last_code: code,
+        };
         conclude(&call.shared, &call.path, result, report, call.marker)
     };
 
     loop {
         if call.deadline.is_some_and(|d| d <= Instant::now()) {
             return finish(
-                Last::MadeUp(Code::DeadlineExceeded, "deadline exceeded before the attempt started"),
+                Last::MadeUp(
+                    Code::DeadlineExceeded,
+                    "deadline exceeded before the attempt started",
+                ),
                 CallOutcome::Deadline,
                 attempts,
             );
         }
-        if attempts > 0 {
-            if let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await {
-                return finish(Last::Error(e), CallOutcome::ServiceError, attempts);
-            }
+        if attempts > 0
+            && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await
+        {
+            return finish(Last::Error(e), CallOutcome::ServiceError, attempts);
         }
         let body = match &mut source {
             Source::Replay(replay) => tonic::body::Body::new(replay.body()),
@@ -304,7 +374,9 @@ where
         attempts += 1;
         call.shared.stats.attempt(attempts == 1);
         let started = Instant::now();
-        let recv_timeout = policy.per_attempt_recv_timeout().and_then(|t| started.checked_add(t));
+        let recv_timeout = policy
+            .per_attempt_recv_timeout()
+            .and_then(|t| started.checked_add(t));
         let req = request(&parts, body, attempts, call.deadline);
         let result = attempt(svc.call(req), call.deadline, recv_timeout).await;
 
@@ -321,7 +393,11 @@ where
                     if let Some(t) = &throttle {
                         t.record_success();
                     }
-                    return finish(Last::Response(resp, Some(Code::Ok)), CallOutcome::Ok, attempts);
+                    return finish(
+                        Last::Response(resp, Some(Code::Ok)),
+                        CallOutcome::Ok,
+                        attempts,
+                    );
                 }
                 Some(code) => (Last::Response(resp, Some(code)), code, false),
             },
@@ -348,10 +424,10 @@ where
         if let Source::Once(_, outcome) = source {
             return finish(last, outcome, attempts);
         }
-        if let Some(t) = &throttle {
-            if !t.record_failure() {
-                return finish(last, CallOutcome::Throttled, attempts);
-            }
+        if let Some(t) = &throttle
+            && !t.record_failure()
+        {
+            return finish(last, CallOutcome::Throttled, attempts);
         }
         let (push, info) = match &last {
             Last::Response(resp, _) => (pushback(resp.headers()), retry_info_delay(resp.headers())),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::HeaderName;
 use idem_core::ServiceConfig;
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{ClientSettings, IdemSettings, InvalidRetryPolicy, RetryPolicy, RetryThrottling};
+use idem_core::config::{ClientSettings, InvalidRetryPolicy, RetryPolicy, RetryThrottling};
 
 use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
 use super::body::ReplayBudget;
@@ -19,9 +19,12 @@ use super::throttle::RetryThrottle;
 #[derive(Debug)]
 enum Source {
     /// A service config: `lookup_path` per call.
-    Config(ServiceConfig),
+    Config(Box<ServiceConfig>),
     /// One policy for every method (the builder without a config).
-    Fixed { retry: RetryPolicy, timeout: Option<Duration> },
+    Fixed {
+        retry: RetryPolicy,
+        timeout: Option<Duration>,
+    },
 }
 
 /// What applies to one call.
@@ -53,7 +56,11 @@ impl Effective {
                     timeout: mc.timeout(),
                     add_key: self.key_all_methods || mc.idempotency().is_some(),
                 },
-                None => CallPolicy { retry: None, timeout: None, add_key: self.key_all_methods },
+                None => CallPolicy {
+                    retry: None,
+                    timeout: None,
+                    add_key: self.key_all_methods,
+                },
             },
             Source::Fixed { retry, timeout } => CallPolicy {
                 retry: Some(retry.clone()),
@@ -84,7 +91,9 @@ impl Overrides {
             max_replay_bytes_total: self
                 .max_replay_bytes_total
                 .unwrap_or(from_config.max_replay_bytes_total),
-            min_attempt_time: self.min_attempt_time.unwrap_or(from_config.min_attempt_time),
+            min_attempt_time: self
+                .min_attempt_time
+                .unwrap_or(from_config.min_attempt_time),
             retry_exhausted_pushback: from_config.retry_exhausted_pushback,
         }
     }
@@ -118,10 +127,16 @@ impl fmt::Debug for Shared {
 
 impl Shared {
     pub(crate) fn effective(&self) -> Arc<Effective> {
-        self.effective.read().unwrap_or_else(PoisonError::into_inner).clone()
+        self.effective
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
     pub(crate) fn throttle(&self) -> Option<RetryThrottle> {
-        self.throttle.read().unwrap_or_else(PoisonError::into_inner).clone()
+        self.throttle
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
     pub(crate) fn report(&self, path: &str, report: &CallReport) {
         self.stats.finished(report.outcome);
@@ -155,7 +170,9 @@ impl RetryLayer {
     /// the default entry). Methods without a `retryPolicy` are passed through (one
     /// attempt) but still get a key when protected.
     pub fn from_config(config: &ServiceConfig) -> Self {
-        Self::builder().service_config(config.clone()).build_unchecked()
+        Self::builder()
+            .service_config(config.clone())
+            .build_unchecked()
     }
 
     /// A builder with the defaults of DESIGN.md section 2 (see [`RetryLayerBuilder`]).
@@ -174,7 +191,10 @@ impl RetryLayer {
         let client = shared.overrides.client(&config.settings().client);
         shared.budget.set_limit(client.max_replay_bytes_total);
         if !shared.throttle_pinned {
-            let mut slot = shared.throttle.write().unwrap_or_else(PoisonError::into_inner);
+            let mut slot = shared
+                .throttle
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
             *slot = match (slot.take(), config.retry_throttling()) {
                 (Some(bucket), Some(t)) => {
                     bucket.reconfigure(t);
@@ -185,7 +205,7 @@ impl RetryLayer {
             };
         }
         let eff = Effective {
-            source: Source::Config(config.clone()),
+            source: Source::Config(Box::new(config.clone())),
             key_header: shared
                 .overrides
                 .key_header
@@ -196,7 +216,10 @@ impl RetryLayer {
             min_attempt_time: client.min_attempt_time,
             mark_exhausted: client.retry_exhausted_pushback,
         };
-        *shared.effective.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(eff);
+        *shared
+            .effective
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(eff);
     }
 
     /// The throttle bucket in use, if any: give it to another layer's builder
@@ -424,7 +447,7 @@ impl RetryLayerBuilder {
             .config
             .as_ref()
             .map(|c| c.settings().clone())
-            .unwrap_or_else(IdemSettings::default);
+            .unwrap_or_default();
         let client = self.overrides.client(&settings.client);
         let throttle_pinned = self.throttle.is_some();
         let throttle = self.throttle.or_else(|| {
@@ -434,11 +457,18 @@ impl RetryLayerBuilder {
                 .or(self.throttling)
                 .map(RetryThrottle::new)
         });
-        let key_header = self.overrides.key_header.clone().unwrap_or(settings.key_header);
+        let key_header = self
+            .overrides
+            .key_header
+            .clone()
+            .unwrap_or(settings.key_header);
         let source = match (self.config, retry) {
-            (Some(cfg), _) => Source::Config(cfg),
-            (None, Some(retry)) => Source::Fixed { retry, timeout: self.timeout },
-            (None, None) => Source::Config(ServiceConfig::default()),
+            (Some(cfg), _) => Source::Config(Box::new(cfg)),
+            (None, Some(retry)) => Source::Fixed {
+                retry,
+                timeout: self.timeout,
+            },
+            (None, None) => Source::Config(Box::default()),
         };
         let eff = Effective {
             source,
@@ -462,4 +492,3 @@ impl RetryLayerBuilder {
         }
     }
 }
-

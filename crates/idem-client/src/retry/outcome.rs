@@ -140,11 +140,18 @@ impl CallReport {
         let md = status.metadata();
         let outcome = CallOutcome::parse(md.get(OUTCOME_HEADER)?.to_str().ok()?)?;
         let attempts = md.get(ATTEMPTS_HEADER)?.to_str().ok()?.parse().ok()?;
-        Some(CallReport { outcome, attempts, last_code: Some(status.code()) })
+        Some(CallReport {
+            outcome,
+            attempts,
+            last_code: Some(status.code()),
+        })
     }
 
     pub(crate) fn write_headers(&self, headers: &mut http::HeaderMap) {
-        headers.insert(OUTCOME_HEADER, HeaderValue::from_static(self.outcome.as_str()));
+        headers.insert(
+            OUTCOME_HEADER,
+            HeaderValue::from_static(self.outcome.as_str()),
+        );
         headers.insert(ATTEMPTS_HEADER, HeaderValue::from(self.attempts));
     }
 }
@@ -230,7 +237,11 @@ mod tests {
     #[test]
     fn report_survives_tonic_status_metadata() {
         let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
-        let report = CallReport { outcome: CallOutcome::AttemptsExhausted, attempts: 3, last_code: None };
+        let report = CallReport {
+            outcome: CallOutcome::AttemptsExhausted,
+            attempts: 3,
+            last_code: None,
+        };
         report.write_headers(resp.headers_mut());
         let status = tonic::Status::from_header_map(resp.headers()).unwrap();
         let back = CallReport::from_status(&status).unwrap();

@@ -72,7 +72,7 @@ pub(crate) fn base64_decode(input: &[u8]) -> Option<Vec<u8>> {
     }
     let trimmed = match input.iter().position(|c| *c == b'=') {
         Some(p) => {
-            if input[p..].iter().any(|c| *c != b'=') || input.len() % 4 != 0 {
+            if input[p..].iter().any(|c| *c != b'=') || !input.len().is_multiple_of(4) {
                 return None;
             }
             &input[..p]
@@ -110,9 +110,21 @@ mod tests {
     #[test]
     fn pushback_rules() {
         assert_eq!(pushback(&headers(&[])), Pushback::Absent);
-        assert_eq!(pushback(&headers(&["300"])), Pushback::Wait(Duration::from_millis(300)));
+        assert_eq!(
+            pushback(&headers(&["300"])),
+            Pushback::Wait(Duration::from_millis(300))
+        );
         assert_eq!(pushback(&headers(&["0"])), Pushback::Wait(Duration::ZERO));
-        for bad in [&["-1"][..], &["xxx"], &["100", "10"], &["100, 10"], &[""], &[" 5"], &["1.5"], &["99999999999999999999"]] {
+        for bad in [
+            &["-1"][..],
+            &["xxx"],
+            &["100", "10"],
+            &["100, 10"],
+            &[""],
+            &[" 5"],
+            &["1.5"],
+            &["99999999999999999999"],
+        ] {
             assert_eq!(pushback(&headers(bad)), Pushback::Stop, "{bad:?}");
         }
     }
@@ -137,9 +149,15 @@ mod tests {
             ErrorDetails::with_retry_info(Some(Duration::from_millis(1500))),
         );
         let resp = status.into_http::<tonic::body::Body>();
-        assert_eq!(retry_info_delay(resp.headers()), Some(Duration::from_millis(1500)));
+        assert_eq!(
+            retry_info_delay(resp.headers()),
+            Some(Duration::from_millis(1500))
+        );
         let mut garbage = HeaderMap::new();
-        garbage.insert(GRPC_STATUS_DETAILS, HeaderValue::from_static("!!!notbase64"));
+        garbage.insert(
+            GRPC_STATUS_DETAILS,
+            HeaderValue::from_static("!!!notbase64"),
+        );
         assert_eq!(retry_info_delay(&garbage), None);
         garbage.insert(GRPC_STATUS_DETAILS, HeaderValue::from_static("AAAA"));
         assert_eq!(retry_info_delay(&garbage), None);

@@ -125,7 +125,10 @@ where
                             last_code: Some(tonic::Code::DeadlineExceeded),
                         };
                         self.shared.report(&path, &report);
-                        return ResponseFuture::ready(future::made_up(report, "deadline exceeded before the call started"));
+                        return ResponseFuture::ready(future::made_up(
+                            report,
+                            "deadline exceeded before the call started",
+                        ));
                     }
                     req.headers_mut()
                         .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));

@@ -73,8 +73,16 @@ impl Script {
             async move {
                 let at = Instant::now();
                 let (parts, body) = req.into_parts();
-                let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-                script.seen.lock().unwrap().push(Seen { at, headers: parts.headers, body });
+                let body = body
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                script.seen.lock().unwrap().push(Seen {
+                    at,
+                    headers: parts.headers,
+                    body,
+                });
                 let step = script.steps.lock().unwrap().pop_front().unwrap_or(Step::Ok);
                 match step {
                     Step::Status(s) => Ok(s.into_http()),
@@ -93,14 +101,17 @@ fn unavailable() -> Step {
 
 fn with_pushback(value: &'static str) -> Step {
     let mut s = tonic::Status::unavailable("busy");
-    s.metadata_mut().insert("grpc-retry-pushback-ms", value.parse().unwrap());
+    s.metadata_mut()
+        .insert("grpc-retry-pushback-ms", value.parse().unwrap());
     Step::Status(s)
 }
 
 fn request(path: &str) -> http::Request<Body> {
     http::Request::builder()
         .uri(format!("http://test{path}"))
-        .body(Body::new(http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\x02hi"))))
+        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+            b"\0\0\0\0\x02hi",
+        ))))
         .unwrap()
 }
 
@@ -123,18 +134,46 @@ fn builder() -> RetryLayerBuilder {
 
 #[tokio::test(start_paused = true)]
 async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
-    let policy = RetryPolicy::new(5, Duration::from_millis(20), Duration::from_secs(1), 2.0, CodeSet::of(Code::Unavailable)).unwrap();
+    let policy = RetryPolicy::new(
+        5,
+        Duration::from_millis(20),
+        Duration::from_secs(1),
+        2.0,
+        CodeSet::of(Code::Unavailable),
+    )
+    .unwrap();
     for seed in 0..20u64 {
-        let script = Script::new([unavailable(), unavailable(), unavailable(), unavailable(), Step::Ok]);
-        let layer = RetryLayer::builder().max_attempts(5).seed(seed).build().unwrap();
+        let script = Script::new([
+            unavailable(),
+            unavailable(),
+            unavailable(),
+            unavailable(),
+            Step::Ok,
+        ]);
+        let layer = RetryLayer::builder()
+            .max_attempts(5)
+            .seed(seed)
+            .build()
+            .unwrap();
         let mut svc = layer.layer(script.service());
         let resp = send(&mut svc, request(PATH)).await.unwrap();
-        assert_eq!(report(&resp), CallReport { outcome: CallOutcome::Committed, attempts: 5, last_code: None });
+        assert_eq!(
+            report(&resp),
+            CallReport {
+                outcome: CallOutcome::Committed,
+                attempts: 5,
+                last_code: None
+            }
+        );
         let gaps = script.gaps();
         assert_eq!(gaps.len(), 4);
         for (i, gap) in gaps.iter().enumerate() {
             let (lo, hi) = backoff::backoff_bounds(&policy, i as u32 + 1);
-            assert!(lo <= *gap && *gap <= hi, "seed {seed} retry {}: {gap:?} not in [{lo:?}, {hi:?}]", i + 1);
+            assert!(
+                lo <= *gap && *gap <= hi,
+                "seed {seed} retry {}: {gap:?} not in [{lo:?}, {hi:?}]",
+                i + 1
+            );
         }
     }
     // The bounds themselves: 16..24, 32..48, 64..96, 128..192 ms.
@@ -142,12 +181,21 @@ async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
         let (lo, hi) = backoff::backoff_bounds(&policy, n);
         (lo.as_millis(), hi.as_millis())
     };
-    assert_eq!([ms(1), ms(2), ms(3), ms(4)], [(16, 24), (32, 48), (64, 96), (128, 192)]);
+    assert_eq!(
+        [ms(1), ms(2), ms(3), ms(4)],
+        [(16, 24), (32, 48), (64, 96), (128, 192)]
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn exponent_resets_after_a_pushback() {
-    let script = Script::new([unavailable(), unavailable(), with_pushback("300"), unavailable(), Step::Ok]);
+    let script = Script::new([
+        unavailable(),
+        unavailable(),
+        with_pushback("300"),
+        unavailable(),
+        Step::Ok,
+    ]);
     let layer = builder().max_attempts(5).build().unwrap();
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
@@ -168,10 +216,16 @@ async fn retry_info_is_a_minimum_and_reading_it_never_panics() {
         ))
     };
     let mut garbage = tonic::Status::unavailable("x");
-    garbage
-        .metadata_mut()
-        .insert_bin("grpc-status-details-bin", tonic::metadata::MetadataValue::from_bytes(b"\xff\x00junk"));
-    let script = Script::new([with_info(500), with_info(1), Step::Status(garbage), Step::Ok]);
+    garbage.metadata_mut().insert_bin(
+        "grpc-status-details-bin",
+        tonic::metadata::MetadataValue::from_bytes(b"\xff\x00junk"),
+    );
+    let script = Script::new([
+        with_info(500),
+        with_info(1),
+        Step::Status(garbage),
+        Step::Ok,
+    ]);
     let layer = builder().max_attempts(5).build().unwrap();
     let mut svc = layer.layer(script.service());
     send(&mut svc, request(PATH)).await.unwrap();
@@ -183,16 +237,28 @@ async fn retry_info_is_a_minimum_and_reading_it_never_panics() {
 #[tokio::test(start_paused = true)]
 async fn deadline_100ms_with_1s_backoff_makes_one_attempt_and_returns_at_once() {
     let script = Script::new([unavailable(), Step::Ok]);
-    let layer = builder().initial_backoff(Duration::from_secs(1)).max_backoff(Duration::from_secs(1)).build().unwrap();
+    let layer = builder()
+        .initial_backoff(Duration::from_secs(1))
+        .max_backoff(Duration::from_secs(1))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(script.service());
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "100m".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "100m".parse().unwrap());
     let start = Instant::now();
     let resp = send(&mut svc, req).await.unwrap();
-    assert_eq!(start.elapsed(), Duration::ZERO, "must not sleep into the deadline");
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "must not sleep into the deadline"
+    );
     assert_eq!(script.seen().len(), 1);
     let r = report(&resp);
-    assert_eq!((r.outcome, r.attempts, r.last_code), (CallOutcome::Deadline, 1, Some(Code::Unavailable)));
+    assert_eq!(
+        (r.outcome, r.attempts, r.last_code),
+        (CallOutcome::Deadline, 1, Some(Code::Unavailable))
+    );
     // The caller sees the last attempt's status, not DEADLINE_EXCEEDED.
     assert_eq!(resp.headers()["grpc-status"], "14");
 }
@@ -203,7 +269,8 @@ async fn pushback_longer_than_the_time_left_ends_the_call_without_waiting() {
     let layer = builder().build().unwrap();
     let mut svc = layer.layer(script.service());
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "200m".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "200m".parse().unwrap());
     let start = Instant::now();
     let resp = send(&mut svc, req).await.unwrap();
     assert_eq!(start.elapsed(), Duration::ZERO);
@@ -215,19 +282,27 @@ async fn pushback_longer_than_the_time_left_ends_the_call_without_waiting() {
 async fn min_attempt_time_stops_a_retry_that_would_start_too_late() {
     // 100 ms deadline, 20 ms backoff: 80 ms would be left, below the 90 ms minimum.
     let script = Script::new([unavailable(), Step::Ok]);
-    let layer = builder().min_attempt_time(Duration::from_millis(90)).build().unwrap();
+    let layer = builder()
+        .min_attempt_time(Duration::from_millis(90))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(script.service());
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "100m".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "100m".parse().unwrap());
     let resp = send(&mut svc, req).await.unwrap();
     assert_eq!(report(&resp).outcome, CallOutcome::Deadline);
     assert_eq!(script.seen().len(), 1);
     // With a 70 ms minimum the retry runs.
     let script = Script::new([unavailable(), Step::Ok]);
-    let layer = builder().min_attempt_time(Duration::from_millis(70)).build().unwrap();
+    let layer = builder()
+        .min_attempt_time(Duration::from_millis(70))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(script.service());
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "100m".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "100m".parse().unwrap());
     let resp = send(&mut svc, req).await.unwrap();
     assert_eq!(report(&resp).outcome, CallOutcome::Committed);
     assert_eq!(script.seen().len(), 2);
@@ -236,21 +311,36 @@ async fn min_attempt_time_stops_a_retry_that_would_start_too_late() {
 #[tokio::test(start_paused = true)]
 async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
     let script = Script::new([unavailable(), unavailable(), Step::Ok]);
-    let layer = builder().initial_backoff(Duration::from_millis(100)).build().unwrap();
+    let layer = builder()
+        .initial_backoff(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(script.service());
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "1S".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "1S".parse().unwrap());
     send(&mut svc, req).await.unwrap();
     let timeouts: Vec<Duration> = script
         .seen()
         .iter()
         .map(|s| parse_grpc_timeout(s.headers["grpc-timeout"].as_bytes()).unwrap())
         .collect();
-    assert_eq!(timeouts, [Duration::from_millis(1000), Duration::from_millis(900), Duration::from_millis(700)]);
+    assert_eq!(
+        timeouts,
+        [
+            Duration::from_millis(1000),
+            Duration::from_millis(900),
+            Duration::from_millis(700)
+        ]
+    );
     let previous: Vec<Option<String>> = script
         .seen()
         .iter()
-        .map(|s| s.headers.get("grpc-previous-rpc-attempts").map(|v| v.to_str().unwrap().to_owned()))
+        .map(|s| {
+            s.headers
+                .get("grpc-previous-rpc-attempts")
+                .map(|v| v.to_str().unwrap().to_owned())
+        })
         .collect();
     assert_eq!(previous, [None, Some("1".to_owned()), Some("2".to_owned())]);
 }
@@ -258,10 +348,21 @@ async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
 #[tokio::test(start_paused = true)]
 async fn config_timeout_and_inbound_deadline_take_the_earliest() {
     let cfg = ServiceConfig::from_parts(
-        vec![MethodConfig::empty()
-            .with_name("shop.v1.Orders", "")
-            .with_timeout(Duration::from_millis(500))
-            .with_retry_policy(RetryPolicy::new(3, Duration::from_millis(10), Duration::from_millis(10), 1.0, CodeSet::of(Code::Unavailable)).unwrap())],
+        vec![
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "")
+                .with_timeout(Duration::from_millis(500))
+                .with_retry_policy(
+                    RetryPolicy::new(
+                        3,
+                        Duration::from_millis(10),
+                        Duration::from_millis(10),
+                        1.0,
+                        CodeSet::of(Code::Unavailable),
+                    )
+                    .unwrap(),
+                ),
+        ],
         None,
         IdemSettings::default(),
     )
@@ -273,17 +374,27 @@ async fn config_timeout_and_inbound_deadline_take_the_earliest() {
     send(&mut svc, request(PATH)).await.unwrap();
     // The caller's shorter grpc-timeout.
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "200m".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "200m".parse().unwrap());
     send(&mut svc, req).await.unwrap();
     // An inbound deadline (the cross-hop hook) shorter still.
     let scope = InboundScope::new(Some(Instant::now() + Duration::from_millis(50)), 0);
-    scope_inbound_deadline(scope, send(&mut svc, request(PATH))).await.unwrap();
+    scope_inbound_deadline(scope, send(&mut svc, request(PATH)))
+        .await
+        .unwrap();
     let timeouts: Vec<Duration> = script
         .seen()
         .iter()
         .map(|s| parse_grpc_timeout(s.headers["grpc-timeout"].as_bytes()).unwrap())
         .collect();
-    assert_eq!(timeouts, [Duration::from_millis(500), Duration::from_millis(200), Duration::from_millis(50)]);
+    assert_eq!(
+        timeouts,
+        [
+            Duration::from_millis(500),
+            Duration::from_millis(200),
+            Duration::from_millis(50)
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -292,7 +403,8 @@ async fn a_hanging_attempt_is_cut_at_the_deadline() {
     let layer = builder().build().unwrap();
     let mut svc = layer.layer(script.service());
     let mut req = request(PATH);
-    req.headers_mut().insert("grpc-timeout", "100m".parse().unwrap());
+    req.headers_mut()
+        .insert("grpc-timeout", "100m".parse().unwrap());
     let start = Instant::now();
     let resp = send(&mut svc, req).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(100));
@@ -303,11 +415,21 @@ async fn a_hanging_attempt_is_cut_at_the_deadline() {
 #[tokio::test(start_paused = true)]
 async fn per_attempt_recv_timeout_cancels_and_retries() {
     let script = Script::new([Step::Hang, Step::Ok]);
-    let layer = builder().per_attempt_recv_timeout(Duration::from_millis(50)).build().unwrap();
+    let layer = builder()
+        .per_attempt_recv_timeout(Duration::from_millis(50))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(script.service());
     let start = Instant::now();
     let resp = send(&mut svc, request(PATH)).await.unwrap();
-    assert_eq!(report(&resp), CallReport { outcome: CallOutcome::Committed, attempts: 2, last_code: None });
+    assert_eq!(
+        report(&resp),
+        CallReport {
+            outcome: CallOutcome::Committed,
+            attempts: 2,
+            last_code: None
+        }
+    );
     assert_eq!(start.elapsed(), Duration::from_millis(50 + 20));
     // Every attempt hangs: CANCELLED after maxAttempts.
     let script = Script::new([Step::Hang, Step::Hang, Step::Hang]);
@@ -326,11 +448,20 @@ async fn transport_errors_are_retried_like_unavailable() {
     assert_eq!(report(&resp).attempts, 3);
     // Not retried when UNAVAILABLE is not retryable; the error comes back as is.
     let script = Script::new([Step::Refused, Step::Ok]);
-    let layer = builder().retryable_status_codes(CodeSet::of(Code::Aborted)).build().unwrap();
+    let layer = builder()
+        .retryable_status_codes(CodeSet::of(Code::Aborted))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(script.service());
     let err = send(&mut svc, request(PATH)).await.unwrap_err();
     assert_eq!(err.to_string(), "connection refused");
-    assert_eq!(layer.stats().snapshot().outcome(CallOutcome::NonRetryableCode), 1);
+    assert_eq!(
+        layer
+            .stats()
+            .snapshot()
+            .outcome(CallOutcome::NonRetryableCode),
+        1
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -370,11 +501,27 @@ async fn no_policy_passes_through_once_and_unprotected_methods_get_no_key() {
 
 #[tokio::test(start_paused = true)]
 async fn reload_swaps_policies_and_keeps_the_throttle_bucket() {
-    let policy = |n| RetryPolicy::new(n, Duration::from_millis(10), Duration::from_millis(10), 1.0, CodeSet::of(Code::Unavailable)).unwrap();
-    let throttling = RetryThrottling { max_milli_tokens: 20_000, token_ratio_milli: 500 };
+    let policy = |n| {
+        RetryPolicy::new(
+            n,
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+            1.0,
+            CodeSet::of(Code::Unavailable),
+        )
+        .unwrap()
+    };
+    let throttling = RetryThrottling {
+        max_milli_tokens: 20_000,
+        token_ratio_milli: 500,
+    };
     let cfg = |n| {
         ServiceConfig::from_parts(
-            vec![MethodConfig::empty().with_name("shop.v1.Orders", "").with_retry_policy(policy(n))],
+            vec![
+                MethodConfig::empty()
+                    .with_name("shop.v1.Orders", "")
+                    .with_retry_policy(policy(n)),
+            ],
             Some(throttling),
             IdemSettings::default(),
         )
@@ -387,7 +534,11 @@ async fn reload_swaps_policies_and_keeps_the_throttle_bucket() {
     let bucket = layer.throttle().unwrap();
     assert_eq!(bucket.milli_tokens(), 18_000);
     layer.reload(&cfg(4));
-    assert_eq!(layer.throttle().unwrap().milli_tokens(), 18_000, "bucket survives the reload");
+    assert_eq!(
+        layer.throttle().unwrap().milli_tokens(),
+        18_000,
+        "bucket survives the reload"
+    );
     let script = Script::new([unavailable(), unavailable(), unavailable(), unavailable()]);
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
@@ -397,16 +548,30 @@ async fn reload_swaps_policies_and_keeps_the_throttle_bucket() {
 
 #[tokio::test(start_paused = true)]
 async fn a_throttle_handle_is_shared_across_layers() {
-    let bucket = RetryThrottle::new(RetryThrottling { max_milli_tokens: 3_000, token_ratio_milli: 1_000 });
+    let bucket = RetryThrottle::new(RetryThrottling {
+        max_milli_tokens: 3_000,
+        token_ratio_milli: 1_000,
+    });
     let a = builder().throttle(bucket.clone()).build().unwrap();
     let b = builder().throttle(bucket.clone()).build().unwrap();
     let script = Script::new([unavailable(), unavailable()]);
-    let resp = send(&mut a.layer(script.service()), request(PATH)).await.unwrap();
+    let resp = send(&mut a.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
     // 3 → 2 tokens (> 1.5): retried; second failure 2 → 1: throttled.
     assert_eq!(report(&resp).outcome, CallOutcome::Throttled);
     let script = Script::new([unavailable(), Step::Ok]);
-    let resp = send(&mut b.layer(script.service()), request(PATH)).await.unwrap();
-    assert_eq!(report(&resp), CallReport { outcome: CallOutcome::Throttled, attempts: 1, last_code: Some(Code::Unavailable) });
+    let resp = send(&mut b.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(
+        report(&resp),
+        CallReport {
+            outcome: CallOutcome::Throttled,
+            attempts: 1,
+            last_code: Some(Code::Unavailable)
+        }
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -414,10 +579,19 @@ async fn outcome_hook_and_stats_see_every_call() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink = seen.clone();
     let layer = builder()
-        .on_outcome(move |path, r| sink.lock().unwrap().push((path.to_owned(), r.outcome, r.attempts)))
+        .on_outcome(move |path, r| {
+            sink.lock()
+                .unwrap()
+                .push((path.to_owned(), r.outcome, r.attempts))
+        })
         .build()
         .unwrap();
-    let script = Script::new([unavailable(), unavailable(), unavailable(), Step::Status(tonic::Status::internal("x"))]);
+    let script = Script::new([
+        unavailable(),
+        unavailable(),
+        unavailable(),
+        Step::Status(tonic::Status::internal("x")),
+    ]);
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
     assert!(resp.headers().contains_key(outcome::OUTCOME_HEADER));
@@ -428,7 +602,10 @@ async fn outcome_hook_and_stats_see_every_call() {
     send(&mut svc, request(PATH)).await.unwrap();
     assert_eq!(
         *seen.lock().unwrap(),
-        [(PATH.to_owned(), CallOutcome::AttemptsExhausted, 3), (PATH.to_owned(), CallOutcome::NonRetryableCode, 1)]
+        [
+            (PATH.to_owned(), CallOutcome::AttemptsExhausted, 3),
+            (PATH.to_owned(), CallOutcome::NonRetryableCode, 1)
+        ]
     );
     let stats = layer.stats().snapshot();
     assert_eq!((stats.calls, stats.attempts, stats.retries), (2, 4, 2));

@@ -102,11 +102,11 @@ impl RetryThrottle {
         }
         let old_max = u64::from(b.settings.max_milli_tokens);
         let new_max = u64::from(settings.max_milli_tokens);
-        b.tokens = if old_max == 0 {
-            settings.max_milli_tokens
-        } else {
-            u32::try_from(u64::from(b.tokens) * new_max / old_max).unwrap_or(u32::MAX)
-        };
+        b.tokens = (u64::from(b.tokens) * new_max)
+            .checked_div(old_max)
+            .map_or(settings.max_milli_tokens, |t| {
+                u32::try_from(t).unwrap_or(u32::MAX)
+            });
         b.settings = settings;
     }
 }
@@ -117,7 +117,10 @@ mod tests {
 
     #[test]
     fn threshold_is_half_after_the_failure() {
-        let t = RetryThrottle::new(RetryThrottling { max_milli_tokens: 10_000, token_ratio_milli: 500 });
+        let t = RetryThrottle::new(RetryThrottling {
+            max_milli_tokens: 10_000,
+            token_ratio_milli: 500,
+        });
         for expected_left in [9_000, 8_000, 7_000, 6_000] {
             assert!(t.record_failure());
             assert_eq!(t.milli_tokens(), expected_left);
@@ -138,12 +141,18 @@ mod tests {
 
     #[test]
     fn reconfigure_keeps_the_fill_ratio_and_clones_share() {
-        let t = RetryThrottle::new(RetryThrottling { max_milli_tokens: 10_000, token_ratio_milli: 500 });
+        let t = RetryThrottle::new(RetryThrottling {
+            max_milli_tokens: 10_000,
+            token_ratio_milli: 500,
+        });
         let shared = t.clone();
         shared.record_failure();
         shared.record_failure();
         assert_eq!(t.milli_tokens(), 8_000);
-        t.reconfigure(RetryThrottling { max_milli_tokens: 20_000, token_ratio_milli: 100 });
+        t.reconfigure(RetryThrottling {
+            max_milli_tokens: 20_000,
+            token_ratio_milli: 100,
+        });
         assert_eq!(shared.milli_tokens(), 16_000);
         assert_eq!(shared.settings().token_ratio_milli, 100);
     }
