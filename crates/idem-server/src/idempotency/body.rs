@@ -1,0 +1,67 @@
+//! Response bodies the layer makes: the first run's body (fed by the task that runs the
+//! handler) and a replayed body.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use tokio::sync::mpsc;
+
+/// Frames forwarded from the task that runs the handler. That task keeps running (and
+/// records the outcome) when this body is dropped because the caller went away.
+#[derive(Debug)]
+pub(crate) struct ChannelBody {
+    pub(crate) rx: mpsc::Receiver<Result<Frame<Bytes>, tonic::Status>>,
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+/// A stored response's frames and trailers, replayed as they were.
+#[derive(Debug)]
+pub(crate) struct ReplayBody {
+    pub(crate) frames: VecDeque<Bytes>,
+    pub(crate) trailers: Option<HeaderMap>,
+}
+
+impl Body for ReplayBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if let Some(f) = self.frames.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(f))));
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let n: usize = self.frames.iter().map(Bytes::len).sum();
+        if self.trailers.is_none() {
+            SizeHint::with_exact(n as u64)
+        } else {
+            let mut h = SizeHint::new();
+            h.set_lower(n as u64);
+            h
+        }
+    }
+}

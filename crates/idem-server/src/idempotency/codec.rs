@@ -1,0 +1,225 @@
+//! The compact encoding of a stored response (opaque to stores).
+//!
+//! ```text
+//! "IDR1" status:u16 headers frames trailers
+//! headers  = count:u32 (name_len:u16 name value_len:u32 value)*
+//! frames   = count:u32 (len:u32 bytes)*          // raw HTTP/2 DATA payloads, gRPC framing included
+//! trailers = 0:u8 | 1:u8 headers
+//! ```
+//! Big-endian integers. Decoding checks every length and every header, and never
+//! panics: stored bytes come from a store, which may be shared, old, or corrupt.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+const MAGIC: &[u8; 4] = b"IDR1";
+
+/// A response as it is stored and replayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoredResponse {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) frames: Vec<Bytes>,
+    pub(crate) trailers: Option<HeaderMap>,
+}
+
+/// Why stored bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("corrupt stored response: {0}")]
+pub(crate) struct CorruptResponse(pub(crate) &'static str);
+
+/// Encoded size of a header map.
+pub(crate) fn headers_len(h: &HeaderMap) -> usize {
+    4 + h
+        .iter()
+        .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
+        .sum::<usize>()
+}
+
+fn put_headers(out: &mut BytesMut, h: &HeaderMap) {
+    out.put_u32(h.len() as u32);
+    for (n, v) in h {
+        out.put_u16(n.as_str().len() as u16);
+        out.put_slice(n.as_str().as_bytes());
+        out.put_u32(v.len() as u32);
+        out.put_slice(v.as_bytes());
+    }
+}
+
+impl StoredResponse {
+    /// Encoded size.
+    pub(crate) fn encoded_len(&self) -> usize {
+        4 + 2
+            + headers_len(&self.headers)
+            + 4
+            + self.frames.iter().map(|f| 4 + f.len()).sum::<usize>()
+            + 1
+            + self.trailers.as_ref().map_or(0, headers_len)
+    }
+
+    pub(crate) fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(self.encoded_len());
+        out.put_slice(MAGIC);
+        out.put_u16(self.status.as_u16());
+        put_headers(&mut out, &self.headers);
+        out.put_u32(self.frames.len() as u32);
+        for f in &self.frames {
+            out.put_u32(f.len() as u32);
+            out.put_slice(f);
+        }
+        match &self.trailers {
+            None => out.put_u8(0),
+            Some(t) => {
+                out.put_u8(1);
+                put_headers(&mut out, t);
+            }
+        }
+        out.freeze()
+    }
+
+    /// Decodes; frames share the input's allocation.
+    pub(crate) fn decode(mut b: Bytes) -> Result<Self, CorruptResponse> {
+        if b.len() < 6 || &b[..4] != MAGIC {
+            return Err(CorruptResponse("bad magic"));
+        }
+        b.advance(4);
+        let status =
+            StatusCode::from_u16(b.get_u16()).map_err(|_| CorruptResponse("bad status"))?;
+        let headers = get_headers(&mut b)?;
+        let n = get_u32(&mut b)? as usize;
+        // Each frame takes at least 4 bytes: bound the allocation by the input.
+        if n > b.remaining() / 4 {
+            return Err(CorruptResponse("frame count"));
+        }
+        let mut frames = Vec::with_capacity(n);
+        for _ in 0..n {
+            let len = get_u32(&mut b)? as usize;
+            if len > b.remaining() {
+                return Err(CorruptResponse("frame length"));
+            }
+            frames.push(b.split_to(len));
+        }
+        if !b.has_remaining() {
+            return Err(CorruptResponse("missing trailers flag"));
+        }
+        let trailers = match b.get_u8() {
+            0 => None,
+            1 => Some(get_headers(&mut b)?),
+            _ => return Err(CorruptResponse("bad trailers flag")),
+        };
+        if b.has_remaining() {
+            return Err(CorruptResponse("trailing bytes"));
+        }
+        Ok(StoredResponse {
+            status,
+            headers,
+            frames,
+            trailers,
+        })
+    }
+}
+
+fn get_u32(b: &mut Bytes) -> Result<u32, CorruptResponse> {
+    if b.remaining() < 4 {
+        return Err(CorruptResponse("truncated"));
+    }
+    Ok(b.get_u32())
+}
+
+fn get_headers(b: &mut Bytes) -> Result<HeaderMap, CorruptResponse> {
+    let n = get_u32(b)? as usize;
+    if n > b.remaining() / 6 {
+        return Err(CorruptResponse("header count"));
+    }
+    let mut h = HeaderMap::with_capacity(n);
+    for _ in 0..n {
+        if b.remaining() < 2 {
+            return Err(CorruptResponse("truncated"));
+        }
+        let nl = b.get_u16() as usize;
+        if nl > b.remaining() {
+            return Err(CorruptResponse("header name length"));
+        }
+        let name =
+            HeaderName::from_bytes(&b.split_to(nl)).map_err(|_| CorruptResponse("header name"))?;
+        let vl = get_u32(b)? as usize;
+        if vl > b.remaining() {
+            return Err(CorruptResponse("header value length"));
+        }
+        let value = HeaderValue::from_maybe_shared(b.split_to(vl))
+            .map_err(|_| CorruptResponse("header value"))?;
+        h.append(name, value);
+    }
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> StoredResponse {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/grpc"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        headers.insert("x-bin-bin", HeaderValue::from_static("AAEC"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            frames: vec![Bytes::from_static(b"\0\0\0\0\x02hi"), Bytes::new()],
+            trailers: Some(trailers),
+        }
+    }
+
+    #[test]
+    fn round_trip_keeps_everything_in_order() {
+        let r = sample();
+        let enc = r.encode();
+        assert_eq!(enc.len(), r.encoded_len());
+        let back = StoredResponse::decode(enc).unwrap();
+        assert_eq!(back, r);
+        let multi: Vec<_> = back.headers.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["a", "b"]);
+        let trailers_only = StoredResponse {
+            frames: vec![],
+            trailers: None,
+            ..sample()
+        };
+        assert_eq!(
+            StoredResponse::decode(trailers_only.encode()).unwrap(),
+            trailers_only
+        );
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        let enc = sample().encode();
+        for n in 0..enc.len() {
+            assert!(
+                StoredResponse::decode(enc.slice(..n)).is_err(),
+                "prefix {n}"
+            );
+        }
+        let mut extra = BytesMut::from(&enc[..]);
+        extra.put_u8(0);
+        assert!(StoredResponse::decode(extra.freeze()).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = StoredResponse::decode(Bytes::from(bytes));
+        }
+
+        #[test]
+        fn decode_of_mutated_never_panics(i in 0usize..200, v in any::<u8>()) {
+            let mut enc = sample().encode().to_vec();
+            let i = i % enc.len();
+            enc[i] = v;
+            let _ = StoredResponse::decode(Bytes::from(enc));
+        }
+    }
+}

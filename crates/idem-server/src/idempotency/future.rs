@@ -1,0 +1,91 @@
+//! [`ResponseFuture`] of [`Idempotency`](super::Idempotency).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http::Response;
+use pin_project_lite::pin_project;
+use tonic::body::Body;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The boxed future of a protected call (it awaits the store).
+pub(crate) type Protected<E> =
+    Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send + 'static>>;
+
+pin_project! {
+    /// Response future of [`Idempotency`](super::Idempotency): the inner future as is for
+    /// unprotected calls, a ready response for calls refused before the store, a boxed
+    /// future for protected calls.
+    pub struct ResponseFuture<F, E> {
+        #[pin]
+        kind: Kind<F, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, E> {
+        Passthrough { #[pin] future: F },
+        Ready { response: Option<Response<Body>> },
+        Protected { future: Protected<E> },
+    }
+}
+
+impl<F, E> ResponseFuture<F, E> {
+    pub(crate) fn passthrough(future: F) -> Self {
+        ResponseFuture {
+            kind: Kind::Passthrough { future },
+        }
+    }
+    pub(crate) fn ready(response: Response<Body>) -> Self {
+        ResponseFuture {
+            kind: Kind::Ready {
+                response: Some(response),
+            },
+        }
+    }
+    pub(crate) fn protected(future: Protected<E>) -> Self {
+        ResponseFuture {
+            kind: Kind::Protected { future },
+        }
+    }
+}
+
+impl<F, E> fmt::Debug for ResponseFuture<F, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            Kind::Passthrough { .. } => "Passthrough",
+            Kind::Ready { .. } => "Ready",
+            Kind::Protected { .. } => "Protected",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("kind", &kind)
+            .finish()
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Passthrough { future } => {
+                Poll::Ready(ready!(future.poll(cx)).map(|r| r.map(Body::new)))
+            }
+            KindProj::Ready { response } => match response.take() {
+                Some(r) => Poll::Ready(Ok(r)),
+                None => panic!("ResponseFuture polled after completion"),
+            },
+            KindProj::Protected { future } => future.as_mut().poll(cx),
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! The idempotency middleware: run each idempotency key once, replay the stored response
+//! to duplicates (DESIGN.md section 3).
+//!
+//! Stack it on a tonic server *after* authentication, so the tenant comes from an
+//! authenticated source:
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use idem_core::{ServiceConfig, MethodConfig};
+//! # use idem_core::config::{IdemSettings, IdempotencyPolicy};
+//! use idem_server::{IdempotencyLayer, MemoryStore, tenant::FromExtension};
+//!
+//! /// What the auth layer puts into the request extensions.
+//! #[derive(Clone)]
+//! struct Tenant(String);
+//! impl AsRef<str> for Tenant {
+//!     fn as_ref(&self) -> &str { &self.0 }
+//! }
+//!
+//! # fn demo(config: ServiceConfig) {
+//! let layer = IdempotencyLayer::new(MemoryStore::default(), &config)
+//!     .tenant(FromExtension::<Tenant>::new());
+//! let stats = layer.stats();
+//! // Server::builder()
+//! //     .layer(auth_layer)
+//! //     .layer(layer)
+//! //     .add_service(OrdersServer::new(orders))
+//! //     .serve(addr).await?;
+//! # let _ = (layer, stats);
+//! # }
+//! ```
+//!
+//! # Which calls are protected
+//! A call is protected when its method's entry in the service config
+//! ([`ServiceConfig::lookup_path`](idem_core::ServiceConfig::lookup_path)) has an
+//! `idempotency` object ([`IdempotencyPolicy`](idem_core::config::IdempotencyPolicy)).
+//! Every other call passes through untouched: no buffering, no allocation, whatever
+//! headers it carries. A protected call without a key passes through unprotected when
+//! the method sets `keyRequired: false`.
+//!
+//! **Bidirectional-streaming methods must not be protected**: their requests are not a
+//! finite message list to fingerprint and their responses depend on the interleaving.
+//! Unary, server-streaming (responses stored within the size limit) and
+//! client-streaming (requests buffered within the size limit) methods can be.
+//!
+//! # A protected call
+//! 1. **Key**: exactly one value of the key header (`idem.keyHeader`, default
+//!    `x-idempotency-key`) following [`KEY_RULE`](idem_core::key::KEY_RULE); missing,
+//!    malformed or repeated → INVALID_ARGUMENT (`KEY_MISSING` / `KEY_INVALID`).
+//! 2. **Tenant** from the [`TenantResolver`](tenant::TenantResolver); none →
+//!    UNAUTHENTICATED (`TENANT_MISSING`).
+//! 3. **Scope** = [`scope_for`]`(tenant, method path, key)`.
+//! 4. **Body** buffered up to `maxRequestBytes` (→ RESOURCE_EXHAUSTED,
+//!    `REQUEST_TOO_LARGE`); the handler gets a body rebuilt from the buffer.
+//! 5. **Fingerprint** = SHA-256 over the request messages after gRPC de-framing and
+//!    decompression (`gzip`, `deflate`; a compressed frame in another encoding →
+//!    UNIMPLEMENTED, `ENCODING_UNSUPPORTED`), or over the bytes a
+//!    [`fingerprint_with`](IdempotencyLayer::fingerprint_with) hook returns.
+//! 6. **Claim** the record:
+//!    - *acquired*: the handler runs in a spawned task (a caller that goes away does not
+//!      cancel it), inside the inbound deadline scope
+//!      ([`scope_inbound_deadline`](idem_core::deadline::scope_inbound_deadline)), with a
+//!      [`RecordFence`] request extension. The lease is renewed every `leaseTtl / 3`.
+//!      The response streams to the caller as it is produced and is collected (headers,
+//!      every DATA frame, trailers); the last frame (trailers, or the whole
+//!      Trailers-Only response) is held back until the outcome is recorded, so a caller
+//!      that saw the end of its response and retries finds the record completed. By
+//!      the `grpc-status` (or an [`IdemDecision`] / [`DECISION_HEADER`] override) the
+//!      outcome is completed (`cacheableStatusCodes`) or released
+//!      (`releaseStatusCodes`). A response over `maxResponseBytes` is completed as
+//!      "not retained".
+//!    - *completed*: replayed byte for byte (status, headers, DATA frames, trailers) plus
+//!      `x-idempotency-replayed: true`. Not retained → FAILED_PRECONDITION
+//!      (`RESPONSE_NOT_RETAINED`), never a second run.
+//!    - *mismatch* → FAILED_PRECONDITION "idempotency key reused with a different
+//!      request" (`KEY_REUSED`); the record is unchanged.
+//!    - *in flight*: `WAIT` waits on the store ([`Store::wait`](crate::store::Store::wait))
+//!      and claims again, until the caller's `grpc-timeout` deadline (then
+//!      DEADLINE_EXCEEDED, reason `IN_PROGRESS`); `ABORT` answers ABORTED with
+//!      `google.rpc.RetryInfo` (`abortRetryDelay`) and reason `IN_PROGRESS`.
+//! 7. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
+//!    `failOpen`: then the handler runs without a record (logged, counted). A full
+//!    [`MemoryStore`](crate::MemoryStore) is a store error too (UNAVAILABLE, so clients
+//!    retry it by default).
+//!
+//! Every error the layer makes carries `google.rpc.ErrorInfo` with domain `idem` and a
+//! reason from [`idem_core::headers::reason`].
+//!
+//! # Options and defaults
+//! Per method (`methodConfig[].idempotency`, see
+//! [`IdempotencyPolicy`](idem_core::config::IdempotencyPolicy)): `keyRequired` true,
+//! `recordTtl` 24 h, `leaseTtl` 10 s, `inFlight` WAIT, `abortRetryDelay` 1 s,
+//! `cacheableStatusCodes` OK, UNKNOWN, DEADLINE_EXCEEDED, INTERNAL, DATA_LOSS,
+//! `releaseStatusCodes` the others, `maxRequestBytes` 4 MiB, `maxResponseBytes` 1 MiB,
+//! `failOpen` false. Process-wide (`idem`): `keyHeader` `x-idempotency-key`, `tenant`
+//! unset (every protected call is refused until a resolver is set). In code:
+//! [`IdempotencyLayer::tenant`] (no default beyond the config's),
+//! [`IdempotencyLayer::fingerprint_with`] (none).
+//!
+//! # Decisions not in DESIGN.md
+//! - A response's code is its `grpc-status` (trailers, else Trailers-Only headers);
+//!   a response without one counts as UNKNOWN.
+//! - A handler that panics is answered INTERNAL and that outcome follows the code lists
+//!   (INTERNAL is cacheable by default: side effects may have happened).
+//! - An inner service error (not a gRPC status) or a response body that fails mid-way
+//!   releases the record: no complete response exists to replay.
+//! - A handler's lease that could not be renewed does not stop the handler; its
+//!   completion is refused if another claimant took over (counted as `stale_fence`).
+//! - Replayed responses keep the stored `grpc-encoding`: the response is replayed
+//!   exactly as first sent.
+//! - The key is validated before the tenant is resolved, so a bad key is reported even
+//!   for an unauthenticated caller.
+//!
+//! # Observability
+//! One `idempotency` span per protected call with the method, the first 16 hex digits of
+//! the scope (never the raw key), the fence and the outcome (`executed`, `replayed`,
+//! `waited`, `mismatch`, `aborted`, `not_retained`, `rejected`, `store_unavailable`,
+//! `fail_open`, `waited_deadline`); counters in [`IdempotencyStats`].
+
+mod body;
+mod codec;
+mod digest;
+mod future;
+mod layer;
+mod service;
+mod stats;
+pub mod tenant;
+
+pub use digest::scope_for;
+pub use future::ResponseFuture;
+pub use layer::{FingerprintHook, IdempotencyLayer};
+pub use service::{DECISION_HEADER, IdemDecision, Idempotency, RecordFence};
+pub use stats::{IdempotencyStats, StatsSnapshot};
