@@ -1,0 +1,735 @@
+//! Several tonic server instances sharing one Redis through `idem_redis::RedisStore`.
+//!
+//! Each test starts its own `redis-server` (see `tests/redis_support/mod.rs`: without the
+//! binary the tests print "SKIPPED" and pass, except when `CI` is set, where they fail)
+//! and three `Orders` servers on three 127.0.0.1 ports, each with its own
+//! `IdempotencyLayer` and its own `RedisStore` connection, like three processes.
+//!
+//! - one key, 500 concurrent calls spread over the instances → one execution, 500
+//!   identical responses;
+//! - Redis killed mid-run → protected calls get UNAVAILABLE (`STORE_UNAVAILABLE`) and no
+//!   handler runs; restarted on the same port → calls succeed again;
+//! - a claimant that crashes (claims, never completes) → after its lease another
+//!   instance takes over with a higher fence; the stale fence's completion is refused;
+//! - round trips per fresh call and per replay, from `INFO commandstats`;
+//! - store-level details: key layout, corrupt records, start-up warnings, `SCRIPT FLUSH`;
+//! - a throughput report (printed, not asserted).
+//!
+//! These tests use real time (they talk to another process); every wait is bounded.
+
+mod common;
+#[path = "redis_support/mod.rs"]
+mod redis_support;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::shop::orders_client::OrdersClient;
+use common::shop::orders_server::{Orders, OrdersServer};
+use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use idem_core::ServiceConfig;
+use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, reason};
+use idem_redis::RedisStore;
+use idem_server::scope_for;
+use idem_server::store::{
+    Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome,
+};
+use idem_server::{IdempotencyLayer, IdempotencyStats};
+use redis_support::RedisServer;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+use tonic_types::StatusExt;
+
+const TENANT: &str = "redis-e2e";
+const CREATE: &str = "/shop.v1.Orders/CreateOrder";
+/// Bound on every "eventually" loop and on each call's deadline.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// The service config every instance reads, with the Redis URL in `idem.redis`.
+fn config_json(redis_url: &str) -> String {
+    format!(
+        r#"{{
+  "methodConfig": [{{
+    "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+    "idempotency": {{}}
+  }}],
+  "idem": {{
+    "tenant": {{"single": "{TENANT}"}},
+    "redis": {{"url": "{redis_url}", "keyPrefix": "e2e:", "commandTimeout": "0.5s", "connectTimeout": "1s"}}
+  }}
+}}"#
+    )
+}
+
+/// The `Orders` service: counts its executions, optionally takes its time.
+#[derive(Clone)]
+struct Shop {
+    name: String,
+    runs: Arc<AtomicUsize>,
+    delay: Duration,
+}
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        req: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        let r = req.into_inner();
+        Ok(Response::new(Order {
+            order_id: format!("order-{n}-{}", rand::random::<u64>()),
+            customer_id: r.customer_id,
+            sku: r.sku,
+            quantity: r.quantity,
+            created_by: self.name.clone(),
+        }))
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("not in these tests"))
+    }
+
+    type ListOrdersStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("not in these tests"))
+    }
+}
+
+/// One server instance: its own store connection, layer and port.
+struct Instance {
+    addr: SocketAddr,
+    store: RedisStore,
+    stats: IdempotencyStats,
+    _stop: oneshot::Sender<()>,
+}
+
+/// Three instances sharing one Redis, and the handler-run counter they share.
+struct Cluster {
+    instances: Vec<Instance>,
+    runs: Arc<AtomicUsize>,
+    config: ServiceConfig,
+}
+
+async fn cluster(redis: &RedisServer, n: usize, delay: Duration) -> Cluster {
+    let parsed = ServiceConfig::from_json(&config_json(&redis.url())).expect("valid config");
+    let config = parsed.config;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut instances = Vec::new();
+    for i in 0..n {
+        let settings = config.settings().redis.as_ref().expect("idem.redis");
+        let store = RedisStore::from_settings(settings)
+            .await
+            .expect("connect to the test redis");
+        let layer = IdempotencyLayer::new(store.clone(), &config);
+        let stats = layer.stats();
+        let shop = Shop {
+            name: format!("instance-{i}"),
+            runs: runs.clone(),
+            delay,
+        };
+        let (addr, incoming) = common::bind().await;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let router = tonic::transport::Server::builder()
+            .layer(layer)
+            .add_service(OrdersServer::new(shop));
+        tokio::spawn(async move {
+            router
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        instances.push(Instance {
+            addr,
+            store,
+            stats,
+            _stop: stop,
+        });
+    }
+    Cluster {
+        instances,
+        runs,
+        config,
+    }
+}
+
+impl Cluster {
+    fn clients(&self) -> Vec<OrdersClient<Channel>> {
+        self.instances
+            .iter()
+            .map(|i| OrdersClient::new(common::channel(i.addr)))
+            .collect()
+    }
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+fn order_request(key: &str, note: &str) -> Request<CreateOrderRequest> {
+    let mut req = Request::new(CreateOrderRequest {
+        customer_id: "c-1".into(),
+        sku: "sku-42".into(),
+        quantity: 3,
+        note: note.into(),
+    });
+    req.metadata_mut()
+        .insert(IDEMPOTENCY_KEY, key.parse().expect("ascii key"));
+    req.set_timeout(PATIENCE);
+    req
+}
+
+fn new_key() -> String {
+    format!("k{:032x}", rand::random::<u128>())
+}
+
+fn is_replay<T>(r: &Response<T>) -> bool {
+    r.metadata()
+        .get(IDEMPOTENCY_REPLAYED)
+        .is_some_and(|v| v == "true")
+}
+
+fn idem_reason(s: &Status) -> Option<String> {
+    s.get_details_error_info().map(|i| i.reason)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_key_500_concurrent_calls_over_three_instances_run_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    // The handler takes a while, so most duplicates arrive while it is in flight.
+    let c = cluster(&redis, 3, Duration::from_millis(300)).await;
+    let clients = c.clients();
+    let key = new_key();
+    let mut calls = Vec::new();
+    for i in 0..500 {
+        let mut client = clients[i % clients.len()].clone();
+        let req = order_request(&key, "same request");
+        calls.push(tokio::spawn(async move { client.create_order(req).await }));
+    }
+    let mut orders = Vec::new();
+    let mut replays = 0;
+    for call in calls {
+        let resp = call.await.expect("task").expect("every call succeeds");
+        replays += usize::from(is_replay(&resp));
+        orders.push(resp.into_inner());
+    }
+    assert_eq!(c.runs(), 1, "exactly one handler execution");
+    assert_eq!(orders.len(), 500);
+    assert!(
+        orders.iter().all(|o| *o == orders[0]),
+        "500 identical responses"
+    );
+    assert_eq!(replays, 499, "all but the executing call are replays");
+    // Every instance served some of them, and the others waited across instances.
+    for inst in &c.instances {
+        let s = inst.stats.snapshot();
+        println!("{:?}: {s:?}", inst.addr);
+    }
+    // The record is completed, with fence 1: nobody took over.
+    let scope = scope_for(TENANT, CREATE, &key);
+    match c.instances[0].store.get(&scope).await.expect("get") {
+        Some(RecordState::Completed { fence, .. }) => assert_eq!(fence, 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_down_fails_closed_and_recovers_after_restart() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let c = cluster(&redis, 3, Duration::from_millis(5)).await;
+    let clients = c.clients();
+
+    // Load running while Redis is killed: every call ends OK or UNAVAILABLE.
+    let stop_load = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = Vec::new();
+    for (i, client) in clients.iter().enumerate() {
+        let mut client = client.clone();
+        let stop = stop_load.clone();
+        load.push(tokio::spawn(async move {
+            let (mut ok, mut unavailable) = (0usize, 0usize);
+            while !stop.load(Ordering::SeqCst) {
+                match client
+                    .create_order(order_request(&new_key(), &format!("load {i}")))
+                    .await
+                {
+                    Ok(_) => ok += 1,
+                    Err(s) if s.code() == Code::Unavailable => unavailable += 1,
+                    Err(s) => panic!("unexpected status during the outage: {s:?}"),
+                }
+            }
+            (ok, unavailable)
+        }));
+    }
+    // Let the load get going, then kill Redis under it.
+    let start = Instant::now();
+    while c.runs() < 30 {
+        assert!(start.elapsed() < PATIENCE, "load did not start");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    redis.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop_load.store(true, Ordering::SeqCst);
+    let (mut ok, mut unavailable) = (0, 0);
+    for l in load {
+        let (o, u) = l.await.expect("load task");
+        ok += o;
+        unavailable += u;
+    }
+    println!(
+        "mid-run: {ok} ok, {unavailable} unavailable, {} handler runs",
+        c.runs()
+    );
+    assert!(
+        ok > 0 && unavailable > 0,
+        "{ok} ok, {unavailable} unavailable"
+    );
+    // No handler ran without a claim: at most one run per successful claim, and every OK
+    // answer came from a run (fresh keys, so no replays).
+    assert!(c.runs() >= ok, "{} runs < {ok} ok", c.runs());
+
+    // Redis is down: protected calls fail closed and no handler runs.
+    let runs_before = c.runs();
+    for (i, client) in clients.iter().enumerate() {
+        for _ in 0..5 {
+            let err = client
+                .clone()
+                .create_order(order_request(&new_key(), &format!("down {i}")))
+                .await
+                .expect_err("redis is down");
+            assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+            assert_eq!(
+                idem_reason(&err).as_deref(),
+                Some(reason::STORE_UNAVAILABLE),
+                "{err:?}"
+            );
+        }
+    }
+    assert_eq!(c.runs(), runs_before, "no handler ran while redis was down");
+
+    // Same port again: every instance reconnects on its own (the first calls may still
+    // fail closed while a connection is re-established).
+    redis.restart();
+    for (i, client) in clients.iter().enumerate() {
+        let start = Instant::now();
+        loop {
+            match client
+                .clone()
+                .create_order(order_request(&new_key(), &format!("after {i}")))
+                .await
+            {
+                Ok(_) => break,
+                Err(s) if s.code() == Code::Unavailable && start.elapsed() < PATIENCE => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(s) => panic!("instance {i} did not recover: {s:?}"),
+            }
+        }
+    }
+    // And idempotency works across instances again.
+    let key = new_key();
+    let first = clients[0]
+        .clone()
+        .create_order(order_request(&key, "after restart"))
+        .await
+        .expect("fresh call after restart")
+        .into_inner();
+    let runs = c.runs();
+    for other in &clients {
+        let again = other
+            .clone()
+            .create_order(order_request(&key, "after restart"))
+            .await
+            .expect("replay after restart");
+        assert!(is_replay(&again));
+        assert_eq!(again.into_inner(), first);
+    }
+    assert_eq!(c.runs(), runs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let c = cluster(&redis, 3, Duration::ZERO).await;
+    let clients = c.clients();
+    let store = &c.instances[0].store;
+
+    // Learn the request's fingerprint from a completed record of another key.
+    let probe = new_key();
+    clients[0]
+        .clone()
+        .create_order(order_request(&probe, "crash"))
+        .await
+        .expect("probe call");
+    let fingerprint = match store.get(&scope_for(TENANT, CREATE, &probe)).await.unwrap() {
+        Some(RecordState::Completed { fingerprint, .. }) => fingerprint,
+        other => panic!("{other:?}"),
+    };
+
+    // "Instance 0" claims the key and dies: no renew, no complete, no release.
+    let key = new_key();
+    let scope = scope_for(TENANT, CREATE, &key);
+    let lease = Duration::from_millis(400);
+    let crashed = match store
+        .claim(ClaimRequest {
+            scope: &scope,
+            fingerprint: &fingerprint,
+            claimant: ClaimantId::random(),
+            lease,
+        })
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { fence, .. } => fence,
+        other => panic!("{other:?}"),
+    };
+    let runs = c.runs();
+    let claimed_at = Instant::now();
+
+    // The retry lands on instance 1: it waits out the lease, then takes over.
+    let resp = clients[1]
+        .clone()
+        .create_order(order_request(&key, "crash"))
+        .await
+        .expect("taken over and run");
+    assert!(
+        claimed_at.elapsed() >= lease - Duration::from_millis(50),
+        "ran before the lease ended"
+    );
+    assert!(!is_replay(&resp));
+    assert_eq!(c.runs(), runs + 1);
+    let order = resp.into_inner();
+    assert_eq!(order.created_by, "instance-1");
+    let current = match store.get(&scope).await.unwrap() {
+        Some(RecordState::Completed { fence, .. }) => fence,
+        other => panic!("{other:?}"),
+    };
+    assert!(current > crashed, "{current} > {crashed}");
+
+    // The crashed claimant wakes up and tries to finish: refused.
+    let late = store
+        .complete(
+            &scope,
+            crashed,
+            StoredOutcome::Response(bytes::Bytes::from_static(b"stale")),
+            Duration::from_secs(60),
+        )
+        .await;
+    assert!(
+        matches!(late, Err(StoreError::Fenced { presented, current: Some(cur) }) if presented == crashed && cur == current),
+        "{late:?}"
+    );
+    // Duplicates everywhere replay the taken-over run.
+    for client in &clients {
+        let again = client
+            .clone()
+            .create_order(order_request(&key, "crash"))
+            .await
+            .expect("replay");
+        assert!(is_replay(&again));
+        assert_eq!(again.into_inner(), order);
+    }
+    assert_eq!(c.runs(), runs + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn round_trips_per_fresh_call_and_per_replay() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let c = cluster(&redis, 3, Duration::ZERO).await;
+    let clients = c.clients();
+    const N: usize = 60;
+    let keys: Vec<String> = (0..N).map(|_| new_key()).collect();
+
+    redis.reset_stats();
+    for (i, key) in keys.iter().enumerate() {
+        clients[i % 3]
+            .clone()
+            .create_order(order_request(key, "rt"))
+            .await
+            .expect("fresh call");
+    }
+    let fresh = redis.command_calls();
+    let fresh_total = redis.round_trips();
+    assert_eq!(c.runs(), N);
+
+    redis.reset_stats();
+    for (i, key) in keys.iter().enumerate() {
+        let r = clients[(i + 1) % 3]
+            .clone()
+            .create_order(order_request(key, "rt"))
+            .await
+            .expect("replay");
+        assert!(is_replay(&r));
+    }
+    let replay = redis.command_calls();
+    let replay_total = redis.round_trips();
+    assert_eq!(c.runs(), N);
+
+    let per = |x: u64| x as f64 / N as f64;
+    println!(
+        "round trips: fresh call {:.2} commands ({:?}), replay {:.2} ({:?})",
+        per(fresh_total),
+        fresh,
+        per(replay_total),
+        replay
+    );
+    assert_eq!(
+        fresh.get("evalsha").copied(),
+        Some(2 * N as u64),
+        "{fresh:?}"
+    );
+    assert_eq!(
+        fresh_total,
+        2 * N as u64,
+        "fresh: claim + complete only: {fresh:?}"
+    );
+    assert_eq!(replay.get("evalsha").copied(), Some(N as u64), "{replay:?}");
+    assert_eq!(replay_total, N as u64, "replay: one claim: {replay:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn throughput_of_fresh_and_replayed_calls() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let c = cluster(&redis, 3, Duration::ZERO).await;
+    let clients = c.clients();
+    const CALLS: usize = 3000;
+    const CONCURRENCY: usize = 64;
+    let keys: Arc<Vec<String>> = Arc::new((0..CALLS).map(|_| new_key()).collect());
+
+    async fn run(
+        clients: &[OrdersClient<Channel>],
+        keys: Arc<Vec<String>>,
+        shift: usize,
+    ) -> (Duration, usize) {
+        let next = Arc::new(AtomicUsize::new(0));
+        let replays = Arc::new(AtomicUsize::new(0));
+        let start = Instant::now();
+        let mut workers = Vec::new();
+        for w in 0..CONCURRENCY {
+            let mut client = clients[(w + shift) % clients.len()].clone();
+            let (next, keys, replays) = (next.clone(), keys.clone(), replays.clone());
+            workers.push(tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(key) = keys.get(i) else { break };
+                    let r = client
+                        .create_order(order_request(key, "tp"))
+                        .await
+                        .expect("call");
+                    replays.fetch_add(usize::from(is_replay(&r)), Ordering::Relaxed);
+                }
+            }));
+        }
+        for w in workers {
+            w.await.expect("worker");
+        }
+        (start.elapsed(), replays.load(Ordering::Relaxed))
+    }
+
+    let (fresh, fresh_replays) = run(&clients, keys.clone(), 0).await;
+    let (replay, replays) = run(&clients, keys, 1).await;
+    assert_eq!(fresh_replays, 0);
+    assert_eq!(replays, CALLS);
+    assert_eq!(c.runs(), CALLS);
+    let rate = |d: Duration| CALLS as f64 / d.as_secs_f64();
+    println!(
+        "throughput ({CALLS} calls, {CONCURRENCY} concurrent, 3 instances, one redis, {} build): \
+         fresh {:.0} calls/s, replay {:.0} calls/s",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        rate(fresh),
+        rate(replay)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_one_hash_per_record_named_by_the_scope_digest() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let c = cluster(&redis, 1, Duration::ZERO).await;
+    let key = "raw-client-key-123";
+    c.clients()[0]
+        .clone()
+        .create_order(order_request(key, "layout"))
+        .await
+        .expect("call");
+    let keys = redis.cmd(&["KEYS", "*"]).expect("KEYS").text();
+    let scope = scope_for(TENANT, CREATE, key);
+    assert_eq!(
+        keys,
+        format!("e2e:{{{}}}", scope.to_hex()),
+        "one key per record"
+    );
+    assert!(!keys.contains(key), "raw client input never in a key name");
+    assert_eq!(c.instances[0].store.key_for(&scope), keys);
+    assert_eq!(redis.cmd(&["TYPE", &keys]).unwrap().text(), "hash");
+    let ttl: i64 = redis.cmd(&["PTTL", &keys]).unwrap().text().parse().unwrap();
+    let record_ttl = c
+        .config
+        .lookup("shop.v1.Orders", "CreateOrder")
+        .and_then(|m| m.idempotency())
+        .map(|p| p.record_ttl)
+        .unwrap();
+    assert!(ttl > 0 && ttl as u128 <= record_ttl.as_millis(), "{ttl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_records_are_corrupt_not_panics() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::connect(redis.url()).await.expect("connect");
+    let fp = idem_server::store::Fingerprint([7; 32]);
+    let claim = |scope| ClaimRequest {
+        scope,
+        fingerprint: &fp,
+        claimant: ClaimantId::random(),
+        lease: Duration::from_secs(5),
+    };
+    let plant = |scope: &idem_server::store::Scope, fields: &[&[u8]]| {
+        let key = store.key_for(scope);
+        let mut args: Vec<&[u8]> = vec![b"HSET", key.as_bytes()];
+        args.extend_from_slice(fields);
+        redis.cmd_bytes(&args).expect("HSET");
+    };
+    // Not a hash at all.
+    let s1 = idem_server::store::Scope([1; 32]);
+    redis
+        .cmd(&["SET", &store.key_for(&s1), "garbage"])
+        .expect("SET");
+    // A hash with an unknown state, one without a fence, one with a bad outcome kind,
+    // one in flight without a lease.
+    let s2 = idem_server::store::Scope([2; 32]);
+    plant(&s2, &[b"s", b"x", b"f", b"1"]);
+    let s3 = idem_server::store::Scope([3; 32]);
+    plant(&s3, &[b"s", b"c"]);
+    let s4 = idem_server::store::Scope([4; 32]);
+    plant(
+        &s4,
+        &[
+            b"s", b"c", b"f", b"2", b"fp", &[7; 32], b"k", b"?", b"o", b"",
+        ],
+    );
+    let s5 = idem_server::store::Scope([5; 32]);
+    plant(&s5, &[b"s", b"i", b"f", b"2", b"fp", &[7; 32], b"c", b"00"]);
+    for s in [&s1, &s2, &s3, &s4, &s5] {
+        let r = store.claim(claim(s)).await;
+        assert!(matches!(r, Err(StoreError::Corrupt(_))), "{s:?}: {r:?}");
+    }
+    for s in [&s1, &s3] {
+        let r = store.get(s).await;
+        assert!(matches!(r, Err(StoreError::Corrupt(_))), "{s:?}: {r:?}");
+        let r = store.renew(s, 1, Duration::from_secs(1)).await;
+        assert!(matches!(r, Err(StoreError::Corrupt(_))), "{s:?}: {r:?}");
+    }
+    // A fingerprint of the wrong length in a completed record.
+    let s6 = idem_server::store::Scope([6; 32]);
+    plant(
+        &s6,
+        &[
+            b"s", b"c", b"f", b"2", b"fp", b"short", b"k", b"r", b"o", b"",
+        ],
+    );
+    assert!(matches!(store.get(&s6).await, Err(StoreError::Corrupt(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_reloaded_after_a_script_flush() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::connect(redis.url()).await.expect("connect");
+    let fp = idem_server::store::Fingerprint([9; 32]);
+    let scope = idem_server::store::Scope(rand::random());
+    redis.cmd(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
+    let r = store
+        .claim(ClaimRequest {
+            scope: &scope,
+            fingerprint: &fp,
+            claimant: ClaimantId::random(),
+            lease: Duration::from_secs(5),
+        })
+        .await;
+    assert!(matches!(r, Ok(Claim::Acquired { .. })), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_check_reports_risky_settings() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    // The harness runs Redis without persistence; make it evict, too.
+    redis
+        .cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"])
+        .expect("CONFIG SET");
+    let store = RedisStore::connect(redis.url()).await.expect("connect");
+    let report = store.check_server().await.expect("check");
+    assert_eq!(report.maxmemory_policy.as_deref(), Some("allkeys-lru"));
+    assert!(report.may_evict_records());
+    assert!(report.persistence_off());
+    assert_eq!(report.warnings.len(), 2, "{:?}", report.warnings);
+
+    redis
+        .cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
+        .expect("CONFIG SET");
+    redis
+        .cmd(&["CONFIG", "SET", "appendonly", "yes"])
+        .expect("CONFIG SET");
+    let report = store.check_server().await.expect("check");
+    assert!(!report.may_evict_records());
+    assert!(!report.persistence_off());
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_time_out_as_unavailable() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(redis.url())
+        .command_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("connect");
+    // Make the server busy: a client pause blocks every command for 2 s.
+    redis
+        .cmd(&["CLIENT", "PAUSE", "2000", "ALL"])
+        .expect("CLIENT PAUSE");
+    let scope = idem_server::store::Scope(rand::random());
+    let r = store.get(&scope).await;
+    assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+    redis.cmd(&["CLIENT", "UNPAUSE"]).expect("CLIENT UNPAUSE");
+    let start = Instant::now();
+    loop {
+        match store.get(&scope).await {
+            Ok(None) => break,
+            r if start.elapsed() > PATIENCE => panic!("{r:?}"),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
