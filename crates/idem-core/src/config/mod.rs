@@ -28,6 +28,7 @@
 //! ```
 
 mod duration;
+mod json;
 mod parse;
 #[cfg(test)]
 mod tests;

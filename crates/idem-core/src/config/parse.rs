@@ -88,11 +88,12 @@ const MAX_TOKEN_RATIO_MILLI: u32 = 1_000_000;
 const MAX_JITTER: f64 = 1.2;
 
 pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
-    let doc: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+    let read = super::json::read(text).map_err(|e| ConfigError::Json {
         line: e.line(),
         column: e.column(),
         message: e.to_string(),
     })?;
+    let doc = read.value;
     let Value::Object(top) = &doc else {
         let (line, column) = first_token_position(text);
         return Err(ConfigError::Json {
@@ -105,6 +106,12 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
         });
     };
     let mut v = Validator::default();
+    for path in read.repeated {
+        v.error(
+            path,
+            "duplicate key: C-core refuses the document (grpc-go and grpc-java keep the last value)",
+        );
+    }
     let config = v.document(top);
     match config {
         Some(config) if v.errors.is_empty() => Ok(Parsed {
@@ -147,7 +154,7 @@ fn kind(v: &Value) -> &'static str {
 }
 
 /// `parent.key`, or `parent["odd key"]` when the key is not a plain identifier.
-fn child(parent: &str, key: &str) -> String {
+pub(crate) fn child(parent: &str, key: &str) -> String {
     let plain = !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
     let quoted;
     let key = if plain {

@@ -1810,3 +1810,21 @@ fn check_outcome(text: &str) {
         Err(ConfigError::Json { line, .. }) => assert!(line >= 1),
     }
 }
+
+#[test]
+fn repeated_json_keys_are_errors() {
+    // C-core refuses a document with a repeated key; grpc-go and grpc-java keep the last.
+    let text = r#"{"methodConfig": [{"name": [{"service": "s"}],
+        "retryPolicy": {"maxAttempts": 2, "maxAttempts": 3, "initialBackoff": "1s",
+          "maxBackoff": "1s", "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}],
+        "idem": {}, "idem": {}}"#;
+    assert_eq!(
+        errors(text),
+        vec![
+            "methodConfig[0].retryPolicy.maxAttempts: duplicate key: C-core refuses the document (grpc-go and grpc-java keep the last value)",
+            "idem: duplicate key: C-core refuses the document (grpc-go and grpc-java keep the last value)",
+        ]
+    );
+    // Equal keys in different objects are fine.
+    ok(r#"{"methodConfig": [{"name": [{"service": "a"}]}, {"name": [{"service": "b"}]}]}"#);
+}
