@@ -1,21 +1,4 @@
 //! proto3 JSON durations (`google.protobuf.Duration` in its JSON form): `"1s"`, `"0.100s"`.
-//!
-//! The grammar idem accepts is the intersection of what grpc-go, grpc-java and C-core
-//! accept, so a string idem takes is taken by all three:
-//!
-//! ```text
-//! duration = digits [ "." 1*9digit ] "s"      ; digits = 1*DIGIT
-//! ```
-//!
-//! - No sign: `"-1s"` is refused (no field idem reads may be negative) and so is `"+1s"`.
-//! - No other unit (`"1ms"`), no whitespace (`" 1s"`), no exponent (`"1e3s"`).
-//! - At least one digit before the point: `".5s"` is refused (C-core and grpc-java refuse
-//!   it; grpc-go accepts it).
-//! - At least one digit after a point: `"1.s"` is refused (C-core refuses it; grpc-go and
-//!   grpc-java read it as `"1s"`).
-//! - At most 9 fractional digits (nanoseconds); a 10th is refused, not rounded.
-//! - At most 315576000000 seconds, the `google.protobuf.Duration` range (10000 years);
-//!   a fraction on top of the maximum is allowed, as the proto allows `nanos` with it.
 
 use std::fmt;
 use std::time::Duration;
@@ -58,7 +41,25 @@ impl fmt::Display for DurationError {
 
 impl std::error::Error for DurationError {}
 
-/// Parses a proto3 JSON duration (`"0.1s"`) with the grammar in the [module docs](self).
+/// Parses a proto3 JSON duration (`"0.1s"`).
+///
+/// The grammar is the canonical proto3 JSON form, a subset of what grpc-go, grpc-java
+/// and C-core each accept, so a string idem takes is taken by all three:
+///
+/// ```text
+/// duration = digits [ "." 1*9digit ] "s"      ; digits = 1*DIGIT
+/// ```
+///
+/// - No sign: `"-1s"` is refused (no field idem reads may be negative; C-core refuses it
+///   too) and so is `"+1s"` (not proto3 JSON, although the three stacks read it).
+/// - No other unit (`"1ms"`), no whitespace (`" 1s"`: grpc-go refuses it), no exponent.
+/// - At least one digit before the point: `".5s"` is refused (C-core and grpc-java refuse
+///   it; grpc-go accepts it).
+/// - At least one digit after a point: `"1.s"` is refused (C-core refuses it; grpc-go and
+///   grpc-java read it as `"1s"`).
+/// - At most 9 fractional digits (nanoseconds); a 10th is refused, not rounded.
+/// - At most 315576000000 seconds, the `google.protobuf.Duration` range (10000 years);
+///   a fraction on top of the maximum is allowed, as the proto allows `nanos` with it.
 ///
 /// ```
 /// use std::time::Duration;
