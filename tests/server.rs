@@ -1,0 +1,1260 @@
+//! End-to-end tests of the server idempotency layer (`idem-server`, issue 4): a real
+//! tonic `Orders` server on 127.0.0.1 behind an auth layer (tenant from a test header
+//! into a request extension) and `IdempotencyLayer`, driven by the generated client.
+//!
+//! Tests that move time (leases, deadlines) drive the layer in-process around the real
+//! generated `OrdersServer` (hand-built gRPC requests) on tokio's paused clock.
+
+mod common;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use common::shop::orders_client::OrdersClient;
+use common::shop::orders_server::{Orders, OrdersServer};
+use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use http_body_util::{BodyExt, Full};
+use idem_core::ServiceConfig;
+use idem_core::config::{IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig};
+use idem_core::headers::reason;
+use idem_server::store::{
+    Claim, ClaimRequest, Fence, MemoryStore, RecordState, Scope, Store, StoreError, StoredOutcome,
+};
+use idem_server::tenant::FromExtension;
+use idem_server::{IdemDecision, IdempotencyLayer, RecordFence, StatsSnapshot, scope_for};
+use prost::Message;
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+use tokio_stream::Stream;
+use tonic::body::Body;
+use tonic::codec::CompressionEncoding;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Request, Response, Status};
+use tonic_types::StatusExt;
+use tower::{Service, ServiceExt};
+
+const CREATE: &str = "/shop.v1.Orders/CreateOrder";
+const LIST: &str = "/shop.v1.Orders/ListOrders";
+const KEY: &str = "order-key-0001";
+
+// ---------------------------------------------------------------- the server
+
+/// Set by the test auth layer from the `x-test-tenant` header.
+#[derive(Clone)]
+struct Tenant(String);
+
+impl AsRef<str> for Tenant {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+struct ShopState {
+    runs: AtomicUsize,
+    finished: AtomicUsize,
+    started: Notify,
+    gate: Semaphore,
+    fences: Mutex<Vec<Fence>>,
+    saw_deadline: Mutex<Vec<bool>>,
+}
+
+/// The handler: its behaviour is chosen by the request's `sku`.
+#[derive(Clone)]
+struct Shop(Arc<ShopState>);
+
+impl Shop {
+    fn new() -> Self {
+        Shop(Arc::new(ShopState {
+            runs: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+            started: Notify::new(),
+            gate: Semaphore::new(0),
+            fences: Mutex::new(Vec::new()),
+            saw_deadline: Mutex::new(Vec::new()),
+        }))
+    }
+    fn runs(&self) -> usize {
+        self.0.runs.load(Ordering::SeqCst)
+    }
+    fn finished(&self) -> usize {
+        self.0.finished.load(Ordering::SeqCst)
+    }
+    fn open_gate(&self, n: usize) {
+        self.0.gate.add_permits(n);
+    }
+    fn record<T>(&self, req: &Request<T>) -> usize {
+        if let Some(f) = req.extensions().get::<RecordFence>() {
+            self.0.fences.lock().unwrap().push(f.0);
+        }
+        self.0
+            .saw_deadline
+            .lock()
+            .unwrap()
+            .push(idem_core::deadline::inbound_deadline().is_some());
+        self.0.runs.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+fn with_decision(code: Code, decision: &'static str) -> Status {
+    let mut md = MetadataMap::new();
+    md.insert(
+        "x-idempotency-decision",
+        MetadataValue::from_static(decision),
+    );
+    Status::with_metadata(code, "scripted", md)
+}
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let n = self.record(&request);
+        let req = request.into_inner();
+        let result = match req.sku.as_str() {
+            "gate" => {
+                self.0.started.notify_one();
+                let permit = self.0.gate.acquire().await.expect("gate open");
+                permit.forget();
+                Ok(())
+            }
+            "unavailable" => Err(Status::unavailable("scripted")),
+            "internal" => Err(Status::internal("scripted")),
+            "unavailable-store" => Err(with_decision(Code::Unavailable, "store")),
+            "internal-release" => Err(with_decision(Code::Internal, "release")),
+            _ => Ok(()),
+        };
+        self.0.finished.fetch_add(1, Ordering::SeqCst);
+        result?;
+        let mut resp = Response::new(Order {
+            order_id: format!("order-{n}"),
+            customer_id: req.customer_id,
+            sku: req.sku.clone(),
+            quantity: req.quantity,
+            created_by: "server-a".into(),
+        });
+        resp.metadata_mut()
+            .insert("x-run", n.to_string().parse().unwrap());
+        if req.sku == "ok-release" {
+            resp.extensions_mut().insert(IdemDecision::Release);
+        }
+        Ok(resp)
+    }
+
+    async fn get_order(
+        &self,
+        request: Request<GetOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let n = self.record(&request);
+        self.0.finished.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(Order {
+            order_id: format!("{}-{n}", request.into_inner().order_id),
+            ..Order::default()
+        }))
+    }
+
+    type ListOrdersStream = Pin<Box<dyn Stream<Item = Result<Order, Status>> + Send>>;
+
+    async fn list_orders(
+        &self,
+        request: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        let n = self.record(&request);
+        let customer = request.into_inner().customer_id;
+        let items: Vec<Result<Order, Status>> = (0..3)
+            .map(|i| {
+                Ok(Order {
+                    order_id: format!("order-{n}-{i}"),
+                    customer_id: customer.clone(),
+                    ..Order::default()
+                })
+            })
+            .collect();
+        self.0.finished.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(Box::pin(tokio_stream::iter(items))))
+    }
+}
+
+fn policy() -> IdempotencyPolicy {
+    IdempotencyPolicy::default()
+}
+
+/// CreateOrder and ListOrders with `create`, GetOrder with `get` (unprotected if `None`).
+fn config(create: IdempotencyPolicy, get: Option<IdempotencyPolicy>) -> ServiceConfig {
+    let mut entries = vec![
+        MethodConfig::empty()
+            .with_name("shop.v1.Orders", "CreateOrder")
+            .with_name("shop.v1.Orders", "ListOrders")
+            .with_idempotency(create),
+    ];
+    if let Some(get) = get {
+        entries.push(
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "GetOrder")
+                .with_idempotency(get),
+        );
+    }
+    ServiceConfig::from_parts(entries, None, IdemSettings::default()).expect("valid config")
+}
+
+fn auth(mut req: http::Request<Body>) -> http::Request<Body> {
+    let tenant = req
+        .headers()
+        .get("x-test-tenant")
+        .and_then(|v| v.to_str().ok())
+        .map(|t| Tenant(t.to_owned()));
+    if let Some(t) = tenant {
+        req.extensions_mut().insert(t);
+    }
+    req
+}
+
+struct Running {
+    addr: SocketAddr,
+    shop: Shop,
+}
+
+impl Running {
+    fn client(&self) -> OrdersClient<Channel> {
+        OrdersClient::new(common::channel(self.addr))
+    }
+}
+
+async fn serve<St: Store>(layer: IdempotencyLayer<St>) -> Running {
+    serve_probed(layer, Arc::new(Notify::new())).await
+}
+
+/// Serves `Orders` behind a drop probe (outermost), the auth layer, and `layer`, the
+/// way the docs say: `Server::builder().layer(auth).layer(idempotency)`.
+async fn serve_probed<St: Store>(layer: IdempotencyLayer<St>, dropped: Arc<Notify>) -> Running {
+    let shop = Shop::new();
+    let (addr, incoming) = common::bind().await;
+    let auth_fn: fn(http::Request<Body>) -> http::Request<Body> = auth;
+    let router = Server::builder()
+        .max_concurrent_streams(Some(4096))
+        .layer(DropProbe(dropped))
+        .layer(tower::util::MapRequestLayer::new(auth_fn))
+        .layer(layer)
+        .add_service(OrdersServer::new(shop.clone()).accept_compressed(CompressionEncoding::Gzip));
+    tokio::spawn(async move { router.serve_with_incoming(incoming).await.expect("server") });
+    Running { addr, shop }
+}
+
+fn layer(store: MemoryStore, cfg: &ServiceConfig) -> IdempotencyLayer<MemoryStore> {
+    IdempotencyLayer::new(store, cfg).tenant(FromExtension::<Tenant>::new())
+}
+
+fn keyed<T>(msg: T, key: &str, tenant: &str) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.metadata_mut()
+        .insert("x-idempotency-key", key.parse().unwrap());
+    r.metadata_mut()
+        .insert("x-test-tenant", tenant.parse().unwrap());
+    r
+}
+
+fn create(sku: &str) -> CreateOrderRequest {
+    CreateOrderRequest {
+        customer_id: "c-1".into(),
+        sku: sku.into(),
+        quantity: 2,
+        note: String::new(),
+    }
+}
+
+fn error_reason(s: &Status) -> Option<(String, String)> {
+    s.get_details_error_info().map(|i| (i.domain, i.reason))
+}
+
+fn assert_idem_error(s: &Status, code: Code, why: &str) {
+    assert_eq!(s.code(), code, "{s:?}");
+    assert_eq!(
+        error_reason(s),
+        Some(("idem".to_owned(), why.to_owned())),
+        "{s:?}"
+    );
+}
+
+/// Metadata without what hyper adds per response (`date`) and the replay marker.
+fn comparable(md: &MetadataMap) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = md
+        .clone()
+        .into_headers()
+        .iter()
+        .filter(|(n, _)| *n != "date" && *n != "x-idempotency-replayed")
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn replayed(md: &MetadataMap) -> bool {
+    md.get("x-idempotency-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+/// Bounded "eventually": checks `cond` until it holds (never a condition of success by
+/// itself: the assertion after it is).
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+// ---------------------------------------------------------------- replay
+
+#[tokio::test]
+async fn same_key_twice_runs_once_and_replays_headers_body_and_trailers() {
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let stats = l.stats();
+    let srv = serve(l).await;
+    let mut client = srv.client();
+
+    let first = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap();
+    let second = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap();
+    assert_eq!(srv.shop.runs(), 1, "handler ran once");
+    assert_eq!(first.get_ref(), second.get_ref());
+    assert_eq!(first.get_ref().order_id, "order-1");
+    assert_eq!(comparable(first.metadata()), comparable(second.metadata()));
+    assert!(!replayed(first.metadata()));
+    assert!(replayed(second.metadata()));
+    assert_eq!(second.metadata().get("x-run").unwrap(), "1");
+
+    // Server streaming: every message and the trailers come back.
+    let collect = |mut s: tonic::Streaming<Order>| async move {
+        let mut items = Vec::new();
+        while let Some(o) = s.message().await.unwrap() {
+            items.push(o);
+        }
+        let trailers = s.trailers().await.unwrap().unwrap_or_default();
+        (items, trailers)
+    };
+    let a = client
+        .list_orders(keyed(
+            ListOrdersRequest {
+                customer_id: "c-1".into(),
+            },
+            KEY,
+            "t1",
+        ))
+        .await
+        .unwrap();
+    let (a_md, a) = (a.metadata().clone(), collect(a.into_inner()).await);
+    let b = client
+        .list_orders(keyed(
+            ListOrdersRequest {
+                customer_id: "c-1".into(),
+            },
+            KEY,
+            "t1",
+        ))
+        .await
+        .unwrap();
+    let (b_md, b) = (b.metadata().clone(), collect(b.into_inner()).await);
+    assert_eq!(srv.shop.runs(), 2, "one run per method");
+    assert_eq!(a.0.len(), 3);
+    assert_eq!(a.0, b.0, "every message replayed");
+    assert_eq!(comparable(&a.1), comparable(&b.1), "trailers replayed");
+    assert_eq!(comparable(&a_md), comparable(&b_md));
+    assert!(replayed(&b_md));
+
+    let s = stats.snapshot();
+    assert_eq!((s.executed, s.replayed, s.stored), (2, 2, 2), "{s:?}");
+}
+
+#[tokio::test]
+async fn compressed_and_plain_copies_of_a_request_match() {
+    let l = layer(MemoryStore::default(), &config(policy(), None));
+    let srv = serve(l).await;
+    let mut gz = srv.client().send_compressed(CompressionEncoding::Gzip);
+    let mut plain = srv.client();
+    let mut req = create("ok");
+    req.note = "n".repeat(2000);
+    let a = gz
+        .create_order(keyed(req.clone(), KEY, "t1"))
+        .await
+        .unwrap();
+    let b = plain.create_order(keyed(req, KEY, "t1")).await.unwrap();
+    assert_eq!(a.get_ref(), b.get_ref());
+    assert!(replayed(b.metadata()));
+    assert_eq!(srv.shop.runs(), 1);
+}
+
+// ---------------------------------------------------------------- mismatch
+
+#[tokio::test]
+async fn same_key_different_request_is_refused_and_the_record_is_unchanged() {
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap();
+    let scope = scope_for("t1", CREATE, KEY);
+    let before = store.get(&scope).await.unwrap();
+    assert!(matches!(before, Some(RecordState::Completed { .. })));
+
+    let err = client
+        .create_order(keyed(create("other"), KEY, "t1"))
+        .await
+        .unwrap_err();
+    assert_idem_error(&err, Code::FailedPrecondition, reason::KEY_REUSED);
+    assert!(
+        err.message()
+            .contains("key reused with a different request"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(store.get(&scope).await.unwrap(), before, "record unchanged");
+    assert_eq!(srv.shop.runs(), 1);
+    // The original request still replays.
+    let again = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap();
+    assert!(replayed(again.metadata()));
+}
+
+// ---------------------------------------------------------------- concurrency
+
+async fn thousand(
+    in_flight: InFlightPolicy,
+) -> (Running, Vec<Result<Response<Order>, Status>>, StatsSnapshot) {
+    let p = IdempotencyPolicy {
+        in_flight,
+        ..policy()
+    };
+    let l = layer(MemoryStore::default(), &config(p, None));
+    let stats = l.stats();
+    let srv = serve(l).await;
+    let client = srv.client();
+    let mut calls = Vec::new();
+    for _ in 0..1000 {
+        let mut c = client.clone();
+        calls.push(tokio::spawn(async move {
+            c.create_order(keyed(create("gate"), KEY, "t1")).await
+        }));
+    }
+    // Hold the one execution until the 999 others have found it in flight.
+    let s2 = stats.clone();
+    match in_flight {
+        InFlightPolicy::Wait => eventually("999 waiters", || s2.snapshot().waited >= 999).await,
+        InFlightPolicy::Abort => eventually("999 aborts", || s2.snapshot().aborted >= 999).await,
+    }
+    srv.shop.open_gate(1);
+    let mut out = Vec::new();
+    for c in calls {
+        out.push(c.await.unwrap());
+    }
+    (srv, out, stats.snapshot())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_calls_with_one_key_run_once() {
+    let (srv, results, s) = thousand(InFlightPolicy::Wait).await;
+    assert_eq!(srv.shop.runs(), 1, "exactly one execution");
+    let oks: Vec<_> = results
+        .into_iter()
+        .map(|r| r.expect("every call succeeds"))
+        .collect();
+    assert_eq!(oks.len(), 1000);
+    let first = oks[0].get_ref().clone();
+    assert!(
+        oks.iter().all(|r| *r.get_ref() == first),
+        "identical responses"
+    );
+    let canon = comparable(oks[0].metadata());
+    assert!(oks.iter().all(|r| comparable(r.metadata()) == canon));
+    assert_eq!(oks.iter().filter(|r| replayed(r.metadata())).count(), 999);
+    assert_eq!((s.executed, s.replayed, s.waited), (1, 999, 999), "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_abort_policy_the_others_are_aborted_with_a_retry_delay() {
+    let (srv, results, s) = thousand(InFlightPolicy::Abort).await;
+    assert_eq!(srv.shop.runs(), 1);
+    let (oks, errs): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+    assert_eq!(oks.len(), 1);
+    assert_eq!(errs.len(), 999);
+    for e in errs {
+        let e = e.unwrap_err();
+        assert_idem_error(&e, Code::Aborted, reason::IN_PROGRESS);
+        let retry = e.get_details_retry_info().expect("RetryInfo");
+        assert_eq!(retry.retry_delay, Some(Duration::from_secs(1)));
+    }
+    assert_eq!((s.executed, s.aborted), (1, 999), "{s:?}");
+}
+
+// ---------------------------------------------------------------- isolation
+
+#[tokio::test]
+async fn tenants_and_methods_isolate_keys() {
+    let l = layer(MemoryStore::default(), &config(policy(), Some(policy())));
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    let a = client
+        .create_order(keyed(create("ok"), KEY, "tenant-a"))
+        .await
+        .unwrap();
+    let b = client
+        .create_order(keyed(create("ok"), KEY, "tenant-b"))
+        .await
+        .unwrap();
+    assert_eq!(srv.shop.runs(), 2, "two tenants, two executions");
+    assert_ne!(a.get_ref().order_id, b.get_ref().order_id);
+    assert!(!replayed(b.metadata()));
+    let a2 = client
+        .create_order(keyed(create("ok"), KEY, "tenant-a"))
+        .await
+        .unwrap();
+    assert_eq!(a2.get_ref(), a.get_ref(), "tenant a sees its own response");
+    let b2 = client
+        .create_order(keyed(create("ok"), KEY, "tenant-b"))
+        .await
+        .unwrap();
+    assert_eq!(b2.get_ref(), b.get_ref());
+    // Same key on another method: another execution.
+    let g = client
+        .get_order(keyed(
+            GetOrderRequest {
+                order_id: "x".into(),
+            },
+            KEY,
+            "tenant-a",
+        ))
+        .await
+        .unwrap();
+    assert!(!replayed(g.metadata()));
+    assert_eq!(srv.shop.runs(), 3);
+    // No tenant on a protected call.
+    let mut r = Request::new(create("ok"));
+    r.metadata_mut()
+        .insert("x-idempotency-key", KEY.parse().unwrap());
+    let err = client.create_order(r).await.unwrap_err();
+    assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
+    assert_eq!(srv.shop.runs(), 3);
+}
+
+#[tokio::test]
+async fn unprotected_methods_pass_through_whatever_they_carry() {
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let stats = l.stats();
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    for key in ["", "bad key", KEY] {
+        let mut r = Request::new(GetOrderRequest {
+            order_id: "x".into(),
+        });
+        r.metadata_mut()
+            .insert("x-idempotency-key", key.parse().unwrap());
+        client.get_order(r).await.unwrap();
+    }
+    assert_eq!(srv.shop.runs(), 3);
+    assert!(store.is_empty());
+    assert_eq!(stats.snapshot(), StatsSnapshot::default());
+    // keyRequired: false → a keyless call passes through unprotected.
+    let p = IdempotencyPolicy {
+        key_required: false,
+        ..policy()
+    };
+    let l = layer(store.clone(), &config(p, None));
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    client
+        .create_order(Request::new(create("ok")))
+        .await
+        .unwrap();
+    client
+        .create_order(Request::new(create("ok")))
+        .await
+        .unwrap();
+    assert_eq!(srv.shop.runs(), 2);
+    assert!(store.is_empty());
+}
+
+// ---------------------------------------------------------------- cancellation
+
+/// Signals when a response future is dropped before it completed (the caller went away).
+#[derive(Clone)]
+struct DropProbe(Arc<Notify>);
+
+impl<S> tower::Layer<S> for DropProbe {
+    type Service = Probed<S>;
+    fn layer(&self, inner: S) -> Probed<S> {
+        Probed(inner, self.0.clone())
+    }
+}
+
+#[derive(Clone)]
+struct Probed<S>(S, Arc<Notify>);
+
+struct Armed(Option<Arc<Notify>>);
+
+impl Armed {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            n.notify_one();
+        }
+    }
+}
+
+impl<S> Service<http::Request<Body>> for Probed<S>
+where
+    S: Service<http::Request<Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let fut = self.0.call(req);
+        let mut armed = Armed(Some(self.1.clone()));
+        Box::pin(async move {
+            let r = fut.await;
+            armed.disarm();
+            r
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_caller_that_disconnects_does_not_cancel_the_handler() {
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let stats = l.stats();
+    let dropped = Arc::new(Notify::new());
+    let srv = serve_probed(l, dropped.clone()).await;
+    let mut client = srv.client();
+    let call =
+        tokio::spawn(async move { client.create_order(keyed(create("gate"), KEY, "t1")).await });
+    srv.shop.0.started.notified().await;
+    call.abort();
+    dropped.notified().await; // the server saw the caller go away
+    assert_eq!(srv.shop.finished(), 0, "handler still running");
+    srv.shop.open_gate(1);
+    let s2 = stats.clone();
+    eventually("the outcome to be stored", || s2.snapshot().stored == 1).await;
+    assert_eq!(srv.shop.finished(), 1, "the handler ran to completion");
+    assert!(matches!(
+        store.get(&scope_for("t1", CREATE, KEY)).await.unwrap(),
+        Some(RecordState::Completed { .. })
+    ));
+    let retry = srv
+        .client()
+        .create_order(keyed(create("gate"), KEY, "t1"))
+        .await
+        .unwrap();
+    assert!(replayed(retry.metadata()));
+    assert_eq!(retry.get_ref().order_id, "order-1");
+    assert_eq!(srv.shop.runs(), 1, "no second run");
+}
+
+// ---------------------------------------------------------------- code lists
+
+#[tokio::test]
+async fn cache_and_release_lists_and_handler_overrides() {
+    let l = layer(MemoryStore::default(), &config(policy(), None));
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    // (sku, key, code of both calls, runs after two calls)
+    let cases: [(&str, &str, Option<Code>, usize); 5] = [
+        ("unavailable", "key-unavailable", Some(Code::Unavailable), 2),
+        ("internal", "key-internal-1", Some(Code::Internal), 1),
+        (
+            "unavailable-store",
+            "key-unavail-store",
+            Some(Code::Unavailable),
+            1,
+        ),
+        (
+            "internal-release",
+            "key-internal-rel",
+            Some(Code::Internal),
+            2,
+        ),
+        ("ok-release", "key-ok-release-1", None, 2),
+    ];
+    for (sku, key, code, runs) in cases {
+        let before = srv.shop.runs();
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let r = client.create_order(keyed(create(sku), key, "t1")).await;
+            match (&r, code) {
+                (Err(s), Some(c)) => {
+                    assert_eq!(s.code(), c, "{sku}");
+                    assert_eq!(
+                        error_reason(s),
+                        None,
+                        "{sku}: a handler error, not the layer's"
+                    );
+                    assert!(
+                        s.metadata().get("x-idempotency-decision").is_none(),
+                        "stripped"
+                    );
+                    seen.push(replayed(s.metadata()));
+                }
+                (Ok(resp), None) => {
+                    assert!(resp.metadata().get("x-idempotency-decision").is_none());
+                    seen.push(replayed(resp.metadata()));
+                }
+                _ => panic!("{sku}: unexpected {r:?}"),
+            }
+        }
+        assert_eq!(srv.shop.runs() - before, runs, "{sku}");
+        assert_eq!(
+            seen,
+            [false, runs == 1],
+            "{sku}: second replayed iff stored"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- bad keys
+
+#[tokio::test]
+async fn bad_keys_are_refused_before_anything_runs_or_is_stored() {
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let stats = l.stats();
+    let srv = serve(l).await;
+    // Raw header values, injected below the generated client's metadata checks.
+    let table: Vec<(&str, Vec<&[u8]>, &str)> = vec![
+        ("missing", vec![], reason::KEY_MISSING),
+        ("empty", vec![b""], reason::KEY_INVALID),
+        ("7 chars", vec![b"abcdefg"], reason::KEY_INVALID),
+        ("65 chars", vec![&[b'a'; 65]], reason::KEY_INVALID),
+        ("a,b", vec![b"a,b"], reason::KEY_INVALID),
+        ("comma", vec![b"abcd,efgh"], reason::KEY_INVALID),
+        (
+            "two values",
+            vec![b"abcdefgh1", b"abcdefgh2"],
+            reason::KEY_INVALID,
+        ),
+        (
+            "two equal values",
+            vec![b"abcdefgh1", b"abcdefgh1"],
+            reason::KEY_INVALID,
+        ),
+        ("spaces", vec![b"abcd efgh"], reason::KEY_INVALID),
+        (
+            "non-ASCII",
+            vec!["abcdéfgh".as_bytes()],
+            reason::KEY_INVALID,
+        ),
+        (
+            "control byte (tab)",
+            vec![b"abcd\tefgh"],
+            reason::KEY_INVALID,
+        ),
+    ];
+    for (name, values, why) in table {
+        let values: Vec<http::HeaderValue> = values
+            .iter()
+            .map(|v| http::HeaderValue::from_bytes(v).unwrap())
+            .collect();
+        let channel = tower::ServiceBuilder::new()
+            .map_request(move |mut req: http::Request<Body>| {
+                for v in &values {
+                    req.headers_mut().append("x-idempotency-key", v.clone());
+                }
+                req.headers_mut()
+                    .insert("x-test-tenant", http::HeaderValue::from_static("t1"));
+                req
+            })
+            .service(common::channel(srv.addr));
+        let mut client = OrdersClient::new(channel);
+        let err = client.create_order(create("ok")).await.unwrap_err();
+        assert_idem_error(&err, Code::InvalidArgument, why);
+        assert!(
+            err.message()
+                .contains("8 to 64 characters from [A-Za-z0-9_-]"),
+            "{name}: {}",
+            err.message()
+        );
+    }
+    assert_eq!(srv.shop.runs(), 0, "handler not run");
+    assert!(store.is_empty(), "nothing stored");
+    assert_eq!(stats.snapshot().rejected, 11);
+}
+
+// ---------------------------------------------------------------- store failure
+
+/// A store that cannot answer.
+#[derive(Clone, Default)]
+struct FailingStore(Arc<AtomicUsize>);
+
+impl FailingStore {
+    fn fail<T>(&self) -> Result<T, StoreError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(StoreError::Unavailable(
+            "connection refused (test double)".into(),
+        ))
+    }
+}
+
+impl Store for FailingStore {
+    async fn claim(&self, _: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.fail()
+    }
+    async fn renew(&self, _: &Scope, _: Fence, _: Duration) -> Result<(), StoreError> {
+        self.fail()
+    }
+    async fn complete(
+        &self,
+        _: &Scope,
+        _: Fence,
+        _: StoredOutcome,
+        _: Duration,
+    ) -> Result<(), StoreError> {
+        self.fail()
+    }
+    async fn release(&self, _: &Scope, _: Fence) -> Result<(), StoreError> {
+        self.fail()
+    }
+    async fn get(&self, _: &Scope) -> Result<Option<RecordState>, StoreError> {
+        self.fail()
+    }
+    async fn wait(&self, _: &Scope, _: Instant) -> Result<(), StoreError> {
+        self.fail()
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
+    let store = FailingStore::default();
+    let cfg = config(
+        policy(),
+        Some(IdempotencyPolicy {
+            fail_open: true,
+            ..policy()
+        }),
+    );
+    let l = IdempotencyLayer::new(store.clone(), &cfg).tenant(FromExtension::<Tenant>::new());
+    let stats = l.stats();
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    let err = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap_err();
+    assert_idem_error(&err, Code::Unavailable, reason::STORE_UNAVAILABLE);
+    assert_eq!(srv.shop.runs(), 0);
+    for _ in 0..2 {
+        let r = client
+            .get_order(keyed(
+                GetOrderRequest {
+                    order_id: "x".into(),
+                },
+                KEY,
+                "t1",
+            ))
+            .await
+            .unwrap();
+        assert!(!replayed(r.metadata()));
+    }
+    assert_eq!(
+        srv.shop.runs(),
+        2,
+        "fail-open runs without a record, every time"
+    );
+    let s = stats.snapshot();
+    assert_eq!(
+        (s.store_errors, s.fail_open_runs, s.executed),
+        (3, 2, 0),
+        "{s:?}"
+    );
+    assert_eq!(
+        store.0.load(Ordering::SeqCst),
+        3,
+        "only claims were attempted"
+    );
+}
+
+// ---------------------------------------------------------------- limits
+
+#[tokio::test]
+async fn size_limits() {
+    let p = IdempotencyPolicy {
+        max_request_bytes: 1024,
+        max_response_bytes: 16,
+        ..policy()
+    };
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(p, None));
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    let mut big = create("ok");
+    big.note = "n".repeat(2000);
+    let err = client
+        .create_order(keyed(big, KEY, "t1"))
+        .await
+        .unwrap_err();
+    assert_idem_error(&err, Code::ResourceExhausted, reason::REQUEST_TOO_LARGE);
+    assert_eq!(srv.shop.runs(), 0);
+    assert!(store.is_empty());
+    // A response over 16 bytes: delivered, recorded as not retained, never run again.
+    let first = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap();
+    assert_eq!(first.get_ref().order_id, "order-1");
+    let err = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .unwrap_err();
+    assert_idem_error(
+        &err,
+        Code::FailedPrecondition,
+        reason::RESPONSE_NOT_RETAINED,
+    );
+    assert_eq!(srv.shop.runs(), 1);
+}
+
+// ---------------------------------------------------------------- in-process, paused clock
+
+fn grpc_frame(msg: &impl Message) -> Bytes {
+    let body = msg.encode_to_vec();
+    let mut b = BytesMut::new();
+    b.put_u8(0);
+    b.put_u32(body.len() as u32);
+    b.put_slice(&body);
+    b.freeze()
+}
+
+fn raw_request(
+    path: &str,
+    msg: &impl Message,
+    key: &str,
+    timeout: Option<&str>,
+) -> http::Request<Body> {
+    let mut b = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://localhost{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("x-idempotency-key", key);
+    if let Some(t) = timeout {
+        b = b.header("grpc-timeout", t);
+    }
+    b.extension(Tenant("t1".into()))
+        .body(Body::new(Full::new(grpc_frame(msg))))
+        .unwrap()
+}
+
+#[derive(Debug, PartialEq)]
+struct Raw {
+    status: http::StatusCode,
+    headers: http::HeaderMap,
+    frames: Vec<Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
+
+async fn collect(resp: http::Response<Body>) -> Raw {
+    let (head, mut body) = resp.into_parts();
+    let mut frames = Vec::new();
+    let mut trailers = None;
+    while let Some(f) = body.frame().await {
+        let f = f.unwrap();
+        match f.into_data() {
+            Ok(d) => frames.push(d),
+            Err(f) => trailers = f.into_trailers().ok(),
+        }
+    }
+    Raw {
+        status: head.status,
+        headers: head.headers,
+        frames,
+        trailers,
+    }
+}
+
+fn decode_orders(frames: &[Bytes]) -> Vec<Order> {
+    let mut all = BytesMut::new();
+    for f in frames {
+        all.extend_from_slice(f);
+    }
+    let mut b = all.freeze();
+    let mut out = Vec::new();
+    while b.has_remaining() {
+        b.advance(1);
+        let len = b.get_u32() as usize;
+        out.push(Order::decode(b.split_to(len)).unwrap());
+    }
+    out
+}
+
+type InProcess<St> = idem_server::Idempotency<OrdersServer<Shop>, St>;
+
+fn in_process<St: Store>(l: &IdempotencyLayer<St>, shop: &Shop) -> InProcess<St> {
+    tower::Layer::layer(l, OrdersServer::new(shop.clone()))
+}
+
+async fn call<St: Store>(svc: &InProcess<St>, req: http::Request<Body>) -> Raw {
+    collect(svc.clone().oneshot(req).await.unwrap()).await
+}
+
+#[tokio::test(start_paused = true)]
+async fn replay_is_byte_for_byte_including_trailers_only_errors() {
+    let shop = Shop::new();
+    let l = layer(MemoryStore::default(), &config(policy(), None));
+    let svc = in_process(&l, &shop);
+    // OK, unary.
+    let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    let mut b = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    assert_eq!(b.headers.remove("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(a, b);
+    assert!(a.trailers.is_some());
+    assert_eq!(decode_orders(&a.frames).len(), 1);
+    // Server streaming: three messages.
+    let list = ListOrdersRequest {
+        customer_id: "c".into(),
+    };
+    let a = call(&svc, raw_request(LIST, &list, KEY, None)).await;
+    let mut b = call(&svc, raw_request(LIST, &list, KEY, None)).await;
+    b.headers.remove("x-idempotency-replayed").unwrap();
+    assert_eq!(a, b);
+    assert_eq!(decode_orders(&a.frames).len(), 3);
+    // A Trailers-Only error (INTERNAL is stored).
+    let a = call(
+        &svc,
+        raw_request(CREATE, &create("internal"), "key-internal-2", None),
+    )
+    .await;
+    let mut b = call(
+        &svc,
+        raw_request(CREATE, &create("internal"), "key-internal-2", None),
+    )
+    .await;
+    b.headers.remove("x-idempotency-replayed").unwrap();
+    assert_eq!(a, b);
+    assert!(a.frames.is_empty() && a.trailers.is_none(), "Trailers-Only");
+    assert_eq!(a.headers.get("grpc-status").unwrap(), "13");
+    assert_eq!(shop.runs(), 3);
+}
+
+/// Forwards to a `MemoryStore` but cannot renew leases (as when the store is
+/// partitioned from this instance for a while).
+#[derive(Clone)]
+struct NoRenew(MemoryStore);
+
+impl Store for NoRenew {
+    async fn claim(&self, r: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.0.claim(r).await
+    }
+    async fn renew(&self, _: &Scope, _: Fence, _: Duration) -> Result<(), StoreError> {
+        Err(StoreError::Unavailable("partitioned (test double)".into()))
+    }
+    async fn complete(
+        &self,
+        s: &Scope,
+        f: Fence,
+        o: StoredOutcome,
+        t: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(s, f, o, t).await
+    }
+    async fn release(&self, s: &Scope, f: Fence) -> Result<(), StoreError> {
+        self.0.release(s, f).await
+    }
+    async fn get(&self, s: &Scope) -> Result<Option<RecordState>, StoreError> {
+        self.0.get(s).await
+    }
+    async fn wait(&self, s: &Scope, until: Instant) -> Result<(), StoreError> {
+        self.0.wait(s, until).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
+    let shop = Shop::new();
+    let memory = MemoryStore::default();
+    let l = IdempotencyLayer::new(NoRenew(memory.clone()), &config(policy(), None))
+        .tenant(FromExtension::<Tenant>::new());
+    let stats = l.stats();
+    let svc = in_process(&l, &shop);
+    let scope = scope_for("t1", CREATE, KEY);
+
+    let s1 = svc.clone();
+    let first =
+        tokio::spawn(
+            async move { call(&s1, raw_request(CREATE, &create("gate"), KEY, None)).await },
+        );
+    shop.0.started.notified().await;
+    // The lease (10 s) runs out while the first handler is stuck.
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let s2 = svc.clone();
+    let second =
+        tokio::spawn(
+            async move { call(&s2, raw_request(CREATE, &create("gate"), KEY, None)).await },
+        );
+    shop.0.started.notified().await;
+    let fences = shop.0.fences.lock().unwrap().clone();
+    assert_eq!(fences.len(), 2);
+    assert!(
+        fences[1] > fences[0],
+        "takeover with a higher fence: {fences:?}"
+    );
+    assert!(
+        matches!(memory.get(&scope).await.unwrap(), Some(RecordState::InFlight { fence, .. }) if fence == fences[1])
+    );
+
+    // The first handler finishes late: its completion is refused.
+    shop.open_gate(1);
+    let a = first.await.unwrap();
+    assert_eq!(
+        decode_orders(&a.frames)[0].order_id,
+        "order-1",
+        "its caller still gets its answer"
+    );
+    assert_eq!(stats.snapshot().stale_fence, 1);
+    assert!(matches!(
+        memory.get(&scope).await.unwrap(),
+        Some(RecordState::InFlight { .. })
+    ));
+    shop.open_gate(1);
+    let b = second.await.unwrap();
+    assert_eq!(decode_orders(&b.frames)[0].order_id, "order-2");
+    assert!(
+        matches!(memory.get(&scope).await.unwrap(), Some(RecordState::Completed { fence, .. }) if fence == fences[1])
+    );
+    // Duplicates now get the takeover's outcome.
+    let c = call(&svc, raw_request(CREATE, &create("gate"), KEY, None)).await;
+    assert_eq!(c.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(decode_orders(&c.frames)[0].order_id, "order-2");
+    let s = stats.snapshot();
+    assert_eq!((s.executed, s.stored, s.stale_fence), (2, 1, 1), "{s:?}");
+    assert!(s.renew_failures > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_is_bounded_by_the_callers_deadline_and_the_handler_sees_its_own() {
+    let shop = Shop::new();
+    let l = layer(MemoryStore::default(), &config(policy(), None));
+    let svc = in_process(&l, &shop);
+    let s1 = svc.clone();
+    let first = tokio::spawn(async move {
+        call(&s1, raw_request(CREATE, &create("gate"), KEY, Some("30S"))).await
+    });
+    shop.0.started.notified().await;
+    let t = Instant::now();
+    let dup = call(&svc, raw_request(CREATE, &create("gate"), KEY, Some("2S"))).await;
+    assert_eq!(
+        Instant::now() - t,
+        Duration::from_secs(2),
+        "waited until its deadline"
+    );
+    assert_eq!(
+        dup.headers.get("grpc-status").unwrap(),
+        "4",
+        "DEADLINE_EXCEEDED"
+    );
+    let st = Status::from_header_map(&dup.headers).unwrap();
+    assert_eq!(
+        error_reason(&st),
+        Some(("idem".into(), reason::IN_PROGRESS.into()))
+    );
+    // A duplicate without a deadline waits for the outcome (across lease renewals).
+    let s3 = svc.clone();
+    let waiting =
+        tokio::spawn(
+            async move { call(&s3, raw_request(CREATE, &create("gate"), KEY, None)).await },
+        );
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert!(!waiting.is_finished());
+    shop.open_gate(1);
+    let a = first.await.unwrap();
+    let w = waiting.await.unwrap();
+    assert_eq!(w.frames, a.frames);
+    assert_eq!(w.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(shop.runs(), 1);
+    assert_eq!(
+        *shop.0.saw_deadline.lock().unwrap(),
+        [true],
+        "inbound deadline recorded"
+    );
+    assert_eq!(l.stats().snapshot().deadline_exceeded, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fingerprint_hook_decides_what_a_different_request_is() {
+    let shop = Shop::new();
+    // Ignore the `note` field: decode, clear it, re-encode.
+    let l = layer(MemoryStore::default(), &config(policy(), None)).fingerprint_with(
+        CREATE,
+        |msgs: &[Bytes]| {
+            let mut out = Vec::new();
+            for m in msgs {
+                let mut r = CreateOrderRequest::decode(m.clone()).unwrap_or_default();
+                r.note.clear();
+                out.extend(r.encode_to_vec());
+            }
+            out
+        },
+    );
+    let svc = in_process(&l, &shop);
+    let mut a = create("ok");
+    a.note = "first".into();
+    let mut b = create("ok");
+    b.note = "second".into();
+    call(&svc, raw_request(CREATE, &a, KEY, None)).await;
+    let r = call(&svc, raw_request(CREATE, &b, KEY, None)).await;
+    assert_eq!(r.headers.get("x-idempotency-replayed").unwrap(), "true");
+    let c = call(&svc, raw_request(CREATE, &create("other"), KEY, None)).await;
+    assert_eq!(
+        c.headers.get("grpc-status").unwrap(),
+        "9",
+        "FAILED_PRECONDITION"
+    );
+    assert_eq!(shop.runs(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unsupported_request_encodings_are_refused_clearly() {
+    let shop = Shop::new();
+    let l = layer(MemoryStore::default(), &config(policy(), None));
+    let svc = in_process(&l, &shop);
+    let mut req = raw_request(CREATE, &create("ok"), KEY, None);
+    req.headers_mut()
+        .insert("grpc-encoding", http::HeaderValue::from_static("zstd"));
+    // A compressed frame (flag 1) the layer cannot decode.
+    let mut body = BytesMut::new();
+    body.put_u8(1);
+    body.put_u32(3);
+    body.put_slice(b"zzz");
+    *req.body_mut() = Body::new(Full::new(body.freeze()));
+    let r = call(&svc, req).await;
+    let st = Status::from_header_map(&r.headers).unwrap();
+    assert_idem_error(&st, Code::Unimplemented, reason::ENCODING_UNSUPPORTED);
+    assert_eq!(shop.runs(), 0);
+}
