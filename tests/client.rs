@@ -751,9 +751,11 @@ async fn a_refused_connection_is_retried() {
         let shop = shop.clone();
         async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .expect("rebind the port");
+            // SO_REUSEADDR: the port was closed a moment ago.
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            socket.set_reuseaddr(true).expect("reuseaddr");
+            socket.bind(addr).expect("rebind the port");
+            let listener = socket.listen(128).expect("listen");
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
             tokio::spawn(
                 Server::builder()

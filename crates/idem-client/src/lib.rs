@@ -122,7 +122,9 @@
 //!   C-core); grpc-go starts a new bucket.
 //! - **"Headers, then an error with no message"** is not retried (the opt-in rule of
 //!   DESIGN.md is not implemented): tonic servers answer errors Trailers-Only.
-//! - An unparseable `grpc-status` is UNKNOWN.
+//! - An unparseable `grpc-status` is UNKNOWN. A non-200 HTTP response without
+//!   `grpc-status` (a proxy's 503) has not committed the call either: it is classified by
+//!   gRPC's HTTP-to-status mapping (429, 502, 503, 504 → UNAVAILABLE), like grpc-go.
 
 mod key;
 pub mod retry;

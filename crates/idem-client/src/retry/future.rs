@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderName, HeaderValue};
 use idem_core::config::RetryPolicy;
 use idem_core::deadline::{ExhaustedMarker, earliest, encode_grpc_timeout};
 use idem_core::headers::{DOWNSTREAM_EXHAUSTED, GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
@@ -147,7 +147,7 @@ where
                 let throttle = shared.throttle();
                 let (result, code) = match result {
                     Ok(resp) => {
-                        let code = trailers_only_code(resp.headers());
+                        let code = early_code(&resp);
                         if matches!(code, None | Some(Code::Ok))
                             && let Some(t) = &throttle
                         {
@@ -184,16 +184,29 @@ pub(crate) struct Call {
     pub(crate) marker: Option<ExhaustedMarker>,
 }
 
-/// The code of a Trailers-Only response (`grpc-status` among the headers); `None` when the
-/// response has real headers (the call is committed). An unparseable value is UNKNOWN.
-pub(crate) fn trailers_only_code(headers: &HeaderMap) -> Option<Code> {
-    let v = headers.get("grpc-status")?;
-    let code = std::str::from_utf8(v.as_bytes())
-        .ok()
-        .and_then(|s| s.parse::<i32>().ok())
-        .map(Code::from_i32)
-        .unwrap_or(Code::Unknown);
-    Some(code)
+/// The status of an attempt that ended before the call committed: a Trailers-Only
+/// response (`grpc-status` among the headers; an unparseable value is UNKNOWN), or a
+/// non-200 HTTP response without `grpc-status` (a proxy's 503…), mapped as gRPC's
+/// `http-grpc-status-mapping.md` says. `None` for a 200 response with real headers: the
+/// call is committed.
+pub(crate) fn early_code<RB>(resp: &http::Response<RB>) -> Option<Code> {
+    if let Some(v) = resp.headers().get("grpc-status") {
+        let code = std::str::from_utf8(v.as_bytes())
+            .ok()
+            .and_then(|s| s.parse::<i32>().ok())
+            .map(Code::from_i32)
+            .unwrap_or(Code::Unknown);
+        return Some(code);
+    }
+    match resp.status().as_u16() {
+        200 => None,
+        400 => Some(Code::Internal),
+        401 => Some(Code::Unauthenticated),
+        403 => Some(Code::PermissionDenied),
+        404 => Some(Code::Unimplemented),
+        429 | 502 | 503 | 504 => Some(Code::Unavailable),
+        _ => Some(Code::Unknown),
+    }
 }
 
 /// A Trailers-Only response the layer makes up (deadline, receive timeout).
@@ -382,7 +395,7 @@ where
 
         // Classify: done, or a failure that may be retried (with its code).
         let (last, code, timed_out) = match result {
-            Attempt::Response(resp) => match trailers_only_code(resp.headers()) {
+            Attempt::Response(resp) => match early_code(&resp) {
                 None => {
                     if let Some(t) = &throttle {
                         t.record_success();

@@ -635,3 +635,54 @@ async fn give_up_failures_carry_the_inbound_marker() {
     let resp = send(&mut svc, request(PATH)).await.unwrap();
     assert!(!resp.headers().contains_key(DOWNSTREAM_EXHAUSTED));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_proxy_503_without_grpc_status_is_retried_like_unavailable() {
+    let calls = Arc::new(Mutex::new(0u32));
+    let counter = calls.clone();
+    let svc = tower::service_fn(move |_req: http::Request<Body>| {
+        let counter = counter.clone();
+        async move {
+            let mut n = counter.lock().unwrap();
+            *n += 1;
+            let status = if *n == 1 { 503 } else { 200 };
+            Ok::<_, BoxError>(
+                http::Response::builder()
+                    .status(status)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+        }
+    });
+    let layer = builder().build().unwrap();
+    let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+    assert_eq!(
+        report(&resp),
+        CallReport {
+            outcome: CallOutcome::Committed,
+            attempts: 2,
+            last_code: None
+        }
+    );
+    assert_eq!(*calls.lock().unwrap(), 2);
+}
+
+#[test]
+fn early_codes() {
+    use super::future::early_code;
+    let resp = |status: u16, grpc: Option<&str>| {
+        let mut b = http::Response::builder().status(status);
+        if let Some(g) = grpc {
+            b = b.header("grpc-status", g);
+        }
+        b.body(()).unwrap()
+    };
+    assert_eq!(early_code(&resp(200, None)), None);
+    assert_eq!(early_code(&resp(200, Some("14"))), Some(Code::Unavailable));
+    assert_eq!(early_code(&resp(200, Some("0"))), Some(Code::Ok));
+    assert_eq!(early_code(&resp(200, Some("nope"))), Some(Code::Unknown));
+    assert_eq!(early_code(&resp(200, Some("99"))), Some(Code::Unknown));
+    assert_eq!(early_code(&resp(503, None)), Some(Code::Unavailable));
+    assert_eq!(early_code(&resp(404, None)), Some(Code::Unimplemented));
+    assert_eq!(early_code(&resp(500, None)), Some(Code::Unknown));
+}
