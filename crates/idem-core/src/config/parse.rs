@@ -88,10 +88,16 @@ const MAX_TOKEN_RATIO_MILLI: u32 = 1_000_000;
 const MAX_JITTER: f64 = 1.2;
 
 pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
-    let read = super::json::read(text).map_err(|e| ConfigError::Json {
-        line: e.line(),
-        column: e.column(),
-        message: e.to_string(),
+    let read = super::json::read(text).map_err(|e| {
+        // serde_json's Display ends in " at line L column C"; the fields carry those.
+        let full = e.to_string();
+        let suffix = format!(" at line {} column {}", e.line(), e.column());
+        let message = full.strip_suffix(&suffix).unwrap_or(&full).to_owned();
+        ConfigError::Json {
+            line: e.line(),
+            column: e.column(),
+            message,
+        }
     })?;
     let doc = read.value;
     let Value::Object(top) = &doc else {
@@ -257,8 +263,14 @@ impl Validator {
                     let mut seen = HashMap::new();
                     for (i, item) in items.iter().enumerate() {
                         let p = format!("{path}[{i}]");
+                        // An entry whose names were all refused already has errors.
+                        let unnamed = match item.get("name") {
+                            None | Some(Value::Null) => true,
+                            Some(Value::Array(names)) => names.is_empty(),
+                            Some(_) => false,
+                        };
                         if let Some(mc) = self.method_config(item, p.clone(), &mut seen) {
-                            if mc.names.is_empty() {
+                            if mc.names.is_empty() && unnamed {
                                 self.warn(
                                     p,
                                     "has no names, so it applies to no method: validated, then skipped",

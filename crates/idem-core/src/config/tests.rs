@@ -149,7 +149,14 @@ fn base_is_valid_and_quiet() {
 #[test]
 fn malformed_json_reports_line_and_column() {
     match parse("{\n  \"methodConfig\": [\n    {\"name\": }\n  ]\n}") {
-        Err(ConfigError::Json { line, column, .. }) => assert_eq!((line, column), (3, 14)),
+        Err(ConfigError::Json {
+            line,
+            column,
+            message,
+        }) => {
+            assert_eq!((line, column), (3, 14));
+            assert_eq!(message, "expected value", "the position is not repeated");
+        }
         other => panic!("{other:?}"),
     }
     match parse("") {
@@ -1827,4 +1834,15 @@ fn repeated_json_keys_are_errors() {
     );
     // Equal keys in different objects are fine.
     ok(r#"{"methodConfig": [{"name": [{"service": "a"}]}, {"name": [{"service": "b"}]}]}"#);
+}
+
+#[test]
+fn an_entry_whose_names_are_all_refused_gets_errors_not_the_no_names_warning() {
+    match parse(r#"{"methodConfig":[{"name":[{"method":"m"}]}]}"#) {
+        Err(ConfigError::Invalid { errors, warnings }) => {
+            assert_eq!(errors.len(), 1);
+            assert!(warnings.is_empty(), "{warnings:?}");
+        }
+        other => panic!("{other:?}"),
+    }
 }
