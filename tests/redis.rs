@@ -13,7 +13,8 @@
 //!   instance takes over with a higher fence; the stale fence's completion is refused;
 //! - round trips per fresh call and per replay, from `INFO commandstats`;
 //! - store-level details: key layout, corrupt records, start-up warnings, `SCRIPT FLUSH`;
-//! - a throughput report (printed, not asserted).
+//! - a throughput report and a wait-latency comparison of the two wait strategies
+//!   (printed, not asserted).
 //!
 //! These tests use real time (they talk to another process); every wait is bounded.
 
@@ -32,7 +33,7 @@ use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_core::ServiceConfig;
 use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, reason};
-use idem_redis::RedisStore;
+use idem_redis::{RedisStore, WaitStrategy};
 use idem_server::scope_for;
 use idem_server::store::{
     Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome,
@@ -731,5 +732,91 @@ async fn commands_time_out_as_unavailable() {
             r if start.elapsed() > PATIENCE => panic!("{r:?}"),
             _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
+    }
+}
+
+/// How late a waiter on another instance learns of a completion, with each
+/// [`WaitStrategy`]: printed for the docs' choice, not asserted (wall-clock numbers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wait_latency_notify_versus_poll() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    const ROUNDS: usize = 40;
+    for strategy in [WaitStrategy::Poll, WaitStrategy::Notify] {
+        let connect = || {
+            RedisStore::builder(redis.url())
+                .wait_strategy(strategy)
+                .connect()
+        };
+        let (a, b) = (connect().await.expect("a"), connect().await.expect("b"));
+        let fp = idem_server::store::Fingerprint([3; 32]);
+        let mut late = Vec::new();
+        redis.reset_stats();
+        for _ in 0..ROUNDS {
+            let scope = idem_server::store::Scope(rand::random());
+            let fence = match a
+                .claim(ClaimRequest {
+                    scope: &scope,
+                    fingerprint: &fp,
+                    claimant: ClaimantId::random(),
+                    lease: Duration::from_secs(10),
+                })
+                .await
+                .unwrap()
+            {
+                Claim::Acquired { fence, .. } => fence,
+                other => panic!("{other:?}"),
+            };
+            let waiter = {
+                let b = b.clone();
+                tokio::spawn(async move {
+                    b.wait(&scope, tokio::time::Instant::now() + PATIENCE)
+                        .await
+                        .expect("wait");
+                    Instant::now()
+                })
+            };
+            // Complete after 0-300 ms, so the waiter is at a random point of its backoff.
+            let pause = Duration::from_millis(rand::random_range(0..300));
+            tokio::time::sleep(pause).await;
+            a.complete(
+                &scope,
+                fence,
+                StoredOutcome::Response(bytes::Bytes::from_static(b"done")),
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("complete");
+            let completed = Instant::now();
+            let returned = tokio::time::timeout(PATIENCE, waiter)
+                .await
+                .expect("wait returned")
+                .expect("waiter task");
+            late.push(returned.saturating_duration_since(completed));
+            // What the waiter's caller does next: claim again, and get the outcome.
+            let again = b
+                .claim(ClaimRequest {
+                    scope: &scope,
+                    fingerprint: &fp,
+                    claimant: ClaimantId::random(),
+                    lease: Duration::from_secs(10),
+                })
+                .await
+                .unwrap();
+            assert!(matches!(again, Claim::Completed(_)), "{again:?}");
+        }
+        let commands = redis.round_trips();
+        late.sort();
+        let mean = late.iter().sum::<Duration>() / ROUNDS as u32;
+        println!(
+            "wait {strategy:?}: completion seen {mean:?} late on average (p50 {:?}, p90 {:?}, \
+             max {:?}); {:.1} redis commands per waited call (claim + complete + re-claim + \
+             wait's reads/subscriptions)",
+            late[ROUNDS / 2],
+            late[ROUNDS * 9 / 10],
+            late[ROUNDS - 1],
+            commands as f64 / ROUNDS as f64
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! One conformance suite for every `Store`: the same generic functions run on the
 //! in-memory store (paused tokio clock) and on the Redis store (a real `redis-server`
-//! started by `redis_support`, real time with short leases and bounded polling).
+//! started by `redis_support`, real time with short leases and bounded polling), the
+//! latter with both wait strategies (pub/sub notification and polling only).
 //!
 //! Redis half: without a `redis-server` binary these tests print "SKIPPED" and pass,
 //! except when `CI` is set, where they panic (see `tests/redis_support/mod.rs`).
@@ -468,12 +469,13 @@ macro_rules! conformance {
             suite::$t(&store).await;
         }
     )*};
-    (@tests redis; $($t:ident,)*) => {$(
+    (@tests redis $strategy:ident; $($t:ident,)*) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $t() {
             let Some(server) = redis_support::RedisServer::start() else { return };
             let store = idem_redis::RedisStore::builder(server.url())
                 .key_prefix("conformance:")
+                .wait_strategy(idem_redis::WaitStrategy::$strategy)
                 .connect()
                 .await
                 .expect("connect to the test redis");
@@ -484,4 +486,5 @@ macro_rules! conformance {
 }
 
 conformance!(memory, flavor = memory);
-conformance!(redis, flavor = redis);
+conformance!(redis, flavor = redis Notify);
+conformance!(redis_polling, flavor = redis Poll);

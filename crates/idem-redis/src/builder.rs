@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+use crate::notify::Notifier;
 use crate::scripts::Scripts;
 use crate::store::{Inner, RedisStore, map_error};
 
@@ -20,6 +21,27 @@ pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(2);
 /// Default longest polling interval of [`wait`](idem_server::store::Store::wait).
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_millis(50);
+
+/// How [`wait`](idem_server::store::Store::wait) learns that an in-flight record changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WaitStrategy {
+    /// Subscribe to the record's `:done` channel (one subscriber connection per store,
+    /// opened on the first wait), woken by the complete/release scripts' `PUBLISH`;
+    /// polling continues as a fallback, every [`NOTIFY_POLL_MIN`] doubling to
+    /// [`NOTIFY_POLL_MAX`]. The
+    /// default: see the crate docs, "Waiting", for the measurement.
+    #[default]
+    Notify,
+    /// Poll the record only, with the [`wait_poll_interval`](RedisStoreBuilder::wait_poll_interval)
+    /// backoff. No extra connection, no `SUBSCRIBE`.
+    Poll,
+}
+
+/// First polling interval while a waiter is subscribed ([`WaitStrategy::Notify`]):
+/// the notification is the main path, polling only covers a lost connection.
+pub const NOTIFY_POLL_MIN: Duration = Duration::from_millis(50);
+/// Longest polling interval while a waiter is subscribed ([`WaitStrategy::Notify`]).
+pub const NOTIFY_POLL_MAX: Duration = Duration::from_millis(250);
 
 /// Why [`RedisStoreBuilder::connect`] failed.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +66,7 @@ pub enum ConnectError {
 /// | [`command_timeout`](Self::command_timeout) | 500 ms | `commandTimeout` |
 /// | [`connect_timeout`](Self::connect_timeout) | 2 s | `connectTimeout` |
 /// | [`fence_retention`](Self::fence_retention) | 24 h | — |
+/// | [`wait_strategy`](Self::wait_strategy) | [`WaitStrategy::Notify`] | — |
 /// | [`wait_poll_interval`](Self::wait_poll_interval) | 2 ms doubling to 50 ms | — |
 ///
 /// ```no_run
@@ -65,6 +88,7 @@ pub struct RedisStoreBuilder {
     fence_retention: Duration,
     poll_min: Duration,
     poll_max: Duration,
+    wait_strategy: WaitStrategy,
     check_server: bool,
 }
 
@@ -79,6 +103,7 @@ impl RedisStoreBuilder {
             fence_retention: DEFAULT_FENCE_RETENTION,
             poll_min: DEFAULT_POLL_MIN,
             poll_max: DEFAULT_POLL_MAX,
+            wait_strategy: WaitStrategy::default(),
             check_server: true,
         }
     }
@@ -129,6 +154,12 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// How waiters learn of completions (default [`WaitStrategy::Notify`]).
+    pub fn wait_strategy(mut self, strategy: WaitStrategy) -> Self {
+        self.wait_strategy = strategy;
+        self
+    }
+
     /// Skips [`RedisStore::check_server`] at connect (it is on by default).
     pub fn skip_server_check(mut self) -> Self {
         self.check_server = false;
@@ -175,6 +206,13 @@ impl RedisStoreBuilder {
             .set_number_of_retries(3)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_secs(1));
+        let notifier = (self.wait_strategy == WaitStrategy::Notify).then(|| {
+            std::sync::Arc::new(Notifier::new(
+                client.clone(),
+                self.connect_timeout,
+                self.command_timeout,
+            ))
+        });
         let conn = match tokio::time::timeout(
             self.connect_timeout,
             ConnectionManager::new_with_config(client, config),
@@ -197,6 +235,7 @@ impl RedisStoreBuilder {
             fence_retention: self.fence_retention,
             poll_min: self.poll_min,
             poll_max: self.poll_max,
+            notifier,
             scripts: Scripts::new(),
         });
         store

@@ -12,7 +12,8 @@ use redis::aio::ConnectionManager;
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::time::Instant;
 
-use crate::builder::RedisStoreBuilder;
+use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
+use crate::notify::Notifier;
 use crate::scripts::Scripts;
 
 /// An idempotency [`Store`] on Redis, shared by every server instance that points at the
@@ -34,6 +35,7 @@ pub(crate) struct Inner {
     pub(crate) fence_retention: Duration,
     pub(crate) poll_min: Duration,
     pub(crate) poll_max: Duration,
+    pub(crate) notifier: Option<Arc<Notifier>>,
     pub(crate) scripts: Scripts,
 }
 
@@ -172,6 +174,21 @@ impl RedisStore {
             fence,
             lease_left,
         }))
+    }
+
+    /// [`peek`](Self::peek) bounded by `until` as well: a read cut short by `until` is
+    /// "nothing changed yet", not a store failure.
+    async fn peek_until(&self, key: &str, until: Instant) -> Result<Option<Peek>, StoreError> {
+        let now = Instant::now();
+        if now >= until {
+            // Report it as changed-or-not-known: the caller claims again.
+            return Ok(None);
+        }
+        let limit = self.inner.command_timeout.min(until - now);
+        match self.peek(key, limit).await {
+            Err(StoreError::Unavailable(_)) if Instant::now() >= until => Ok(None),
+            r => r,
+        }
     }
 
     async fn fenced(
@@ -321,40 +338,76 @@ impl Store for RedisStore {
         }))
     }
 
-    /// Bounded polling with exponential backoff (see the crate docs, "Waiting"): reads
-    /// the record's state, fence and lease; sleeps `min(interval, lease left, until)`;
-    /// returns as soon as the record is no longer the same live in-flight claim.
+    /// Reads the record's state, fence and lease; while it is the same live claim,
+    /// sleeps until a notification ([`WaitStrategy::Notify`](crate::WaitStrategy)), the
+    /// next poll (exponential backoff), the lease end or `until`, whichever is first, and
+    /// reads again. See the crate docs, "Waiting".
     async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
         let key = self.key_for(scope);
-        let mut interval = self.inner.poll_min;
-        let mut watched: Option<Fence> = None;
+        let Some(first) = self.peek_until(&key, until).await? else {
+            return Ok(());
+        };
+        if first.state != b'i' || first.lease_left.is_zero() {
+            return Ok(());
+        }
+        let watched = first.fence;
+        // Subscribing (and, the first time, connecting) never runs past `until`.
+        let watch = match &self.inner.notifier {
+            Some(n) => tokio::time::timeout_at(until, n.watch(format!("{key}:done")))
+                .await
+                .ok()
+                .flatten(),
+            None => None,
+        };
+        let poll_max = if watch.is_some() {
+            NOTIFY_POLL_MAX.max(self.inner.poll_max)
+        } else {
+            self.inner.poll_max
+        };
+        // Subscribed, polling only covers a lost notification connection: start slower.
+        let mut interval = if watch.is_some() {
+            NOTIFY_POLL_MIN.max(self.inner.poll_min)
+        } else {
+            self.inner.poll_min
+        };
+        let mut lease_left = first.lease_left;
+        // Subscribed: read again now that the subscription is live. Not subscribed: the
+        // first read stands; sleep first.
+        let mut read_now = watch.is_some();
         loop {
+            // Armed before the read, so a completion published after it still wakes us.
+            let mut notified = std::pin::pin!(watch.as_ref().map(|w| w.notify().notified()));
+            if let Some(n) = notified.as_mut().as_pin_mut() {
+                n.enable();
+            }
+            if read_now {
+                let Some(p) = self.peek_until(&key, until).await? else {
+                    return Ok(());
+                };
+                if p.state != b'i' || p.lease_left.is_zero() || p.fence != watched {
+                    return Ok(());
+                }
+                lease_left = p.lease_left;
+            }
+            read_now = true;
             let now = Instant::now();
             if now >= until {
                 return Ok(());
             }
-            let limit = self.inner.command_timeout.min(until - now);
-            let peek = match self.peek(&key, limit).await {
-                Ok(p) => p,
-                // The deadline came while the read was under way: not the store's fault.
-                Err(StoreError::Unavailable(_)) if Instant::now() >= until => return Ok(()),
-                Err(e) => return Err(e),
-            };
-            let Some(p) = peek else { return Ok(()) };
-            if p.state != b'i' || p.lease_left.is_zero() {
-                return Ok(());
-            }
-            match watched {
-                Some(f) if f != p.fence => return Ok(()),
-                _ => watched = Some(p.fence),
-            }
-            let now = Instant::now();
             // One millisecond past the lease so the next read sees it expired.
             let wake = (now + interval)
-                .min(now + p.lease_left + Duration::from_millis(1))
+                .min(now + lease_left + Duration::from_millis(1))
                 .min(until);
-            tokio::time::sleep_until(wake).await;
-            interval = (interval * 2).min(self.inner.poll_max);
+            tokio::select! {
+                _ = async {
+                    match notified.as_mut().as_pin_mut() {
+                        Some(n) => n.await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+            interval = (interval * 2).min(poll_max);
         }
     }
 }

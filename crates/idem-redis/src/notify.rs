@@ -1,0 +1,181 @@
+//! Completion notifications for [`wait`](idem_server::store::Store::wait) over Redis
+//! pub/sub.
+//!
+//! The complete and release scripts `PUBLISH` the record's fence on
+//! `<prefix>{<scope hex>}:done`. A store that waits with
+//! [`WaitStrategy::Notify`](crate::WaitStrategy::Notify) keeps one subscriber
+//! connection (opened on the first wait), subscribes to a record's channel while
+//! somebody in this process waits on it (one `SUBSCRIBE` per waiter, one `UNSUBSCRIBE`
+//! when the last leaves), and wakes the waiters when a message arrives. Subscribing
+//! completes before the waiter reads the record, so a completion between the read and
+//! the wake-up is never missed while the connection lives; if the connection drops,
+//! every waiter is woken and falls back to polling.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::PubSubSink;
+use tokio::sync::Notify;
+
+/// Waiters of one channel in this process.
+#[derive(Debug)]
+struct Channel {
+    notify: Arc<Notify>,
+    watchers: usize,
+}
+
+/// The live subscriber connection.
+struct Conn {
+    sink: PubSubSink,
+    dead: Arc<AtomicBool>,
+}
+
+/// Shared by every clone of a store.
+pub(crate) struct Notifier {
+    client: redis::Client,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    /// Serialises SUBSCRIBE / UNSUBSCRIBE with the watcher counts, so an unsubscribe
+    /// can never overtake a later subscribe of the same channel.
+    conn: tokio::sync::Mutex<Option<Conn>>,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section is a single map update: a poisoned map is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A waiter's registration; dropping it unsubscribes when it was the last one.
+pub(crate) struct Watch {
+    notifier: Arc<Notifier>,
+    channel: String,
+    notify: Arc<Notify>,
+}
+
+impl Watch {
+    /// Woken by a message on the channel or a lost subscriber connection.
+    pub(crate) fn notify(&self) -> &Notify {
+        &self.notify
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let notifier = self.notifier.clone();
+        let channel = std::mem::take(&mut self.channel);
+        let notify = self.notify.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move { notifier.unwatch(channel, notify).await });
+        }
+    }
+}
+
+impl Notifier {
+    pub(crate) fn new(
+        client: redis::Client,
+        connect_timeout: Duration,
+        command_timeout: Duration,
+    ) -> Self {
+        Notifier {
+            client,
+            connect_timeout,
+            command_timeout,
+            conn: tokio::sync::Mutex::new(None),
+            channels: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Subscribes to `channel` for this waiter. `None` when Redis cannot be subscribed
+    /// to right now: the waiter then polls.
+    pub(crate) async fn watch(self: &Arc<Self>, channel: String) -> Option<Watch> {
+        let mut conn = self.conn.lock().await;
+        if conn.as_ref().is_none_or(|c| c.dead.load(Ordering::Acquire)) {
+            *conn = self.connect().await;
+        }
+        let c = conn.as_mut()?;
+        let notify = {
+            let mut map = lock(&self.channels);
+            let e = map.entry(channel.clone()).or_insert_with(|| Channel {
+                notify: Arc::new(Notify::new()),
+                watchers: 0,
+            });
+            e.watchers += 1;
+            e.notify.clone()
+        };
+        let watch = Watch {
+            notifier: self.clone(),
+            channel: channel.clone(),
+            notify,
+        };
+        match tokio::time::timeout(self.command_timeout, c.sink.subscribe(&channel)).await {
+            Ok(Ok(())) => Some(watch),
+            _ => {
+                // Dropping `watch` takes the count back down.
+                c.dead.store(true, Ordering::Release);
+                None
+            }
+        }
+    }
+
+    async fn unwatch(&self, channel: String, notify: Arc<Notify>) {
+        let mut conn = self.conn.lock().await;
+        let last = {
+            let mut map = lock(&self.channels);
+            match map.get_mut(&channel) {
+                // Only the registration we counted in (a lost connection clears the map).
+                Some(e) if Arc::ptr_eq(&e.notify, &notify) => {
+                    e.watchers -= 1;
+                    if e.watchers == 0 {
+                        map.remove(&channel);
+                        true
+                    } else {
+                        false
+                    }
+                }
+                _ => false,
+            }
+        };
+        if last
+            && let Some(c) = conn.as_mut()
+            && !matches!(
+                tokio::time::timeout(self.command_timeout, c.sink.unsubscribe(&channel)).await,
+                Ok(Ok(()))
+            )
+        {
+            c.dead.store(true, Ordering::Release);
+        }
+    }
+
+    /// Opens a subscriber connection and its dispatch task.
+    async fn connect(&self) -> Option<Conn> {
+        let pubsub = tokio::time::timeout(self.connect_timeout, self.client.get_async_pubsub())
+            .await
+            .ok()?
+            .map_err(
+                |e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub connect failed"),
+            )
+            .ok()?;
+        let (sink, mut stream) = pubsub.split();
+        let dead = Arc::new(AtomicBool::new(false));
+        let channels = self.channels.clone();
+        let task_dead = dead.clone();
+        tokio::spawn(async move {
+            while let Some(msg) = stream.next().await {
+                if let Some(c) = lock(&channels).get(msg.get_channel_name()) {
+                    c.notify.notify_waiters();
+                }
+            }
+            // Connection gone: its subscriptions are gone too. Wake everyone (they poll
+            // from now on) and forget the registrations made on it.
+            for (_, c) in lock(&channels).drain() {
+                c.notify.notify_waiters();
+            }
+            task_dead.store(true, Ordering::Release);
+        });
+        Some(Conn { sink, dead })
+    }
+}
