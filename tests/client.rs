@@ -335,6 +335,34 @@ async fn headers_then_an_error_is_not_retried() {
     assert_eq!(shop.attempts(), 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn with_the_opt_in_headers_then_an_error_is_retried() {
+    let shop = Shop::with([unavailable(), Fault::Ok]);
+    let l = RetryLayer::builder()
+        .service_config(default_config())
+        .retry_headers_then_error(true)
+        .build()
+        .unwrap();
+    let mut c = client(serve(shop.clone()).await, l);
+    let resp = c
+        .list_orders(ListOrdersRequest {
+            customer_id: "c-1".into(),
+        })
+        .await
+        .unwrap();
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, 2)
+    );
+    let mut stream = resp.into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().order_id, "o-1");
+    assert!(stream.message().await.unwrap().is_none());
+    assert_eq!(shop.attempts(), 2);
+    // Unary calls are unaffected: Trailers-Only errors retried, answers intact.
+    c.create_order(create(10)).await.unwrap();
+}
+
 // ---------------------------------------------------------------- backoff and pushback
 
 #[tokio::test(start_paused = true)]

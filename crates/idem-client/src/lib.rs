@@ -120,8 +120,14 @@
 //!   the last one ends as a made-up CANCELLED.
 //! - **A reload keeps the throttle bucket**, rescaling its tokens to new settings (as
 //!   C-core); grpc-go starts a new bucket.
-//! - **"Headers, then an error with no message"** is not retried (the opt-in rule of
-//!   DESIGN.md is not implemented): tonic servers answer errors Trailers-Only.
+//! - **"Headers, then an error with no message"** is retried only with the opt-in
+//!   [`RetryLayerBuilder::retry_headers_then_error`] (grpc-go never retries it): tonic
+//!   answers unary errors Trailers-Only, but a server-streaming handler that fails before
+//!   its first message sends headers first. With the opt-in the layer reads each
+//!   response's first body frame before handing the response on, and reshapes such a
+//!   response as Trailers-Only.
+//! - **Response bodies are [`tonic::body::Body`]**: the layer works on tonic's types (a
+//!   `Channel`'s body passes through without a new box; other bodies are boxed once).
 //! - An unparseable `grpc-status` is UNKNOWN. A non-200 HTTP response without
 //!   `grpc-status` (a proxy's 503) has not committed the call either: it is classified by
 //!   gRPC's HTTP-to-status mapping (429, 502, 503, 504 → UNAVAILABLE), like grpc-go.

@@ -174,6 +174,75 @@ where
     }
 }
 
+/// A response body whose first frame was read by the layer: that frame, then the rest.
+struct Peeked {
+    first: Option<Frame<Bytes>>,
+    error: Option<tonic::Status>,
+    rest: Option<tonic::body::Body>,
+}
+
+impl Body for Peeked {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if let Some(frame) = self.first.take() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        if let Some(e) = self.error.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        match self.rest.as_mut() {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none()
+            && self.error.is_none()
+            && self.rest.as_ref().is_none_or(Body::is_end_stream)
+    }
+}
+
+/// The opt-in "headers, then error trailers with no message" rule: reads the first frame
+/// of a response that has real headers. When it is trailers with a non-OK `grpc-status`,
+/// the response is reshaped as Trailers-Only (the trailers join the headers, the body is
+/// empty), so the retry decision (and tonic) treat it as one. Otherwise the response is
+/// rebuilt with the frame put back in front: nothing is lost.
+pub(crate) async fn peek_early_trailers(
+    resp: crate::retry::future::Resp,
+) -> crate::retry::future::Resp {
+    let (mut parts, mut body) = resp.into_parts();
+    let rebuilt = |parts, first, error, rest| {
+        let body = tonic::body::Body::new(Peeked { first, error, rest });
+        http::Response::from_parts(parts, body)
+    };
+    match body.frame().await {
+        None => http::Response::from_parts(parts, tonic::body::Body::empty()),
+        Some(Err(e)) => rebuilt(parts, None, Some(e), None),
+        Some(Ok(frame)) => match frame.into_trailers() {
+            Ok(trailers) => {
+                let failed = trailers
+                    .get("grpc-status")
+                    .is_some_and(|v| v.as_bytes() != b"0");
+                if failed {
+                    for (name, value) in &trailers {
+                        parts.headers.append(name.clone(), value.clone());
+                    }
+                    http::Response::from_parts(parts, tonic::body::Body::empty())
+                } else {
+                    rebuilt(parts, Some(Frame::trailers(trailers)), None, None)
+                }
+            }
+            Err(frame) => rebuilt(parts, Some(frame), None, Some(body)),
+        },
+    }
+}
+
 /// The result of reading a request body for replay.
 pub(crate) enum Buffered<B> {
     /// The whole body, within the per-call cap and the channel's budget.

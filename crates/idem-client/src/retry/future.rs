@@ -33,17 +33,21 @@ use crate::BoxError;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// What the layer answers: the inner service's response with its body as a
+/// [`tonic::body::Body`] (no extra box when it already is one, as with a `Channel`).
+pub(crate) type Resp = http::Response<tonic::body::Body>;
+
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
-    pub struct ResponseFuture<F, RB, E> {
+    pub struct ResponseFuture<F, E> {
         #[pin]
-        kind: Kind<F, RB, E>,
+        kind: Kind<F, E>,
     }
 }
 
 pin_project! {
     #[project = KindProj]
-    enum Kind<F, RB, E> {
+    enum Kind<F, E> {
         Passthrough {
             #[pin]
             fut: F,
@@ -52,15 +56,15 @@ pin_project! {
             span: tracing::Span,
         },
         Retrying {
-            fut: BoxFuture<Result<http::Response<RB>, E>>,
+            fut: BoxFuture<Result<Resp, E>>,
         },
         Ready {
-            response: Option<http::Response<RB>>,
+            response: Option<Resp>,
         },
     }
 }
 
-impl<F, RB, E> std::fmt::Debug for ResponseFuture<F, RB, E> {
+impl<F, E> std::fmt::Debug for ResponseFuture<F, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.kind {
             Kind::Passthrough { .. } => "Passthrough",
@@ -73,7 +77,7 @@ impl<F, RB, E> std::fmt::Debug for ResponseFuture<F, RB, E> {
     }
 }
 
-impl<F, RB, E> ResponseFuture<F, RB, E> {
+impl<F, E> ResponseFuture<F, E> {
     pub(crate) fn passthrough(
         fut: F,
         shared: Arc<Shared>,
@@ -90,7 +94,7 @@ impl<F, RB, E> ResponseFuture<F, RB, E> {
         }
     }
 
-    pub(crate) fn ready(response: http::Response<RB>) -> Self {
+    pub(crate) fn ready(response: Resp) -> Self {
         ResponseFuture {
             kind: Kind::Ready {
                 response: Some(response),
@@ -98,7 +102,7 @@ impl<F, RB, E> ResponseFuture<F, RB, E> {
         }
     }
 
-    pub(crate) fn retrying<S, B>(
+    pub(crate) fn retrying<S, B, RB>(
         svc: S,
         parts: Parts,
         body: B,
@@ -117,7 +121,8 @@ impl<F, RB, E> ResponseFuture<F, RB, E> {
         E: Send + 'static,
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
-        RB: Default + Send + 'static,
+        RB: http_body::Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
     {
         ResponseFuture {
             kind: Kind::Retrying {
@@ -127,12 +132,13 @@ impl<F, RB, E> ResponseFuture<F, RB, E> {
     }
 }
 
-impl<F, RB, E> Future for ResponseFuture<F, RB, E>
+impl<F, RB, E> Future for ResponseFuture<F, E>
 where
     F: Future<Output = Result<http::Response<RB>, E>>,
-    RB: Default,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
 {
-    type Output = Result<http::Response<RB>, E>;
+    type Output = Result<Resp, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
@@ -147,6 +153,7 @@ where
                 let throttle = shared.throttle();
                 let (result, code) = match result {
                     Ok(resp) => {
+                        let resp = resp.map(tonic::body::Body::new);
                         let code = early_code(&resp);
                         if matches!(code, None | Some(Code::Ok))
                             && let Some(t) = &throttle
@@ -210,12 +217,9 @@ pub(crate) fn early_code<RB>(resp: &http::Response<RB>) -> Option<Code> {
 }
 
 /// A Trailers-Only response the layer makes up (deadline, receive timeout).
-pub(crate) fn made_up<RB: Default>(
-    report: CallReport,
-    message: &'static str,
-) -> http::Response<RB> {
+pub(crate) fn made_up(report: CallReport, message: &'static str) -> Resp {
     let code = report.last_code.unwrap_or(Code::Unknown);
-    let mut resp: http::Response<RB> = tonic::Status::new(code, message).into_http();
+    let mut resp: Resp = tonic::Status::new(code, message).into_http();
     resp.extensions_mut().insert(report);
     report.write_headers(resp.headers_mut());
     resp
@@ -224,13 +228,13 @@ pub(crate) fn made_up<RB: Default>(
 /// Records `report` (counters, hook, span) and attaches it to the response. A give-up
 /// failure made while serving an inbound call also gets that call's marker, so the server
 /// layer answers upstream with `grpc-retry-pushback-ms: -1` (retry at one layer only).
-fn conclude<RB, E>(
+fn conclude<E>(
     shared: &Shared,
     path: &str,
-    result: Result<http::Response<RB>, E>,
+    result: Result<Resp, E>,
     report: CallReport,
     marker: Option<ExhaustedMarker>,
-) -> Result<http::Response<RB>, E> {
+) -> Result<Resp, E> {
     shared.report(path, &report);
     let span = tracing::Span::current();
     span.record("attempts", report.attempts);
@@ -249,8 +253,8 @@ fn conclude<RB, E>(
 }
 
 /// How one attempt ended.
-enum Attempt<RB, E> {
-    Response(http::Response<RB>),
+enum Attempt<E> {
+    Response(Resp),
     Error(E),
     /// `perAttemptRecvTimeout` passed before response headers.
     RecvTimeout,
@@ -258,17 +262,30 @@ enum Attempt<RB, E> {
     Deadline,
 }
 
+/// Awaits one attempt's response headers (and, with `peek`, its first body frame), cut
+/// short by the deadline or the receive timeout.
 async fn attempt<F, RB, E>(
     fut: F,
     deadline: Option<Instant>,
     recv_timeout: Option<Instant>,
-) -> Attempt<RB, E>
+    peek: bool,
+) -> Attempt<E>
 where
     F: Future<Output = Result<http::Response<RB>, E>>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
 {
+    let response = async {
+        let resp = fut.await?.map(tonic::body::Body::new);
+        if peek && early_code(&resp).is_none() {
+            Ok(body::peek_early_trailers(resp).await)
+        } else {
+            Ok(resp)
+        }
+    };
     let result = match earliest([deadline, recv_timeout]) {
-        None => fut.await,
-        Some(at) => match tokio::time::timeout_at(at, fut).await {
+        None => response.await,
+        Some(at) => match tokio::time::timeout_at(at, response).await {
             Ok(r) => r,
             Err(_) if deadline == Some(at) => return Attempt::Deadline,
             Err(_) => return Attempt::RecvTimeout,
@@ -310,23 +327,19 @@ enum Source {
 }
 
 /// What the last attempt left, for the caller.
-enum Last<RB, E> {
-    Response(http::Response<RB>, Option<Code>),
+enum Last<E> {
+    Response(Resp, Option<Code>),
     Error(E),
     MadeUp(Code, &'static str),
 }
 
-async fn run<S, B, RB>(
-    mut svc: S,
-    parts: Parts,
-    body: B,
-    call: Call,
-) -> Result<http::Response<RB>, S::Error>
+async fn run<S, B, RB>(mut svc: S, parts: Parts, body: B, call: Call) -> Result<Resp, S::Error>
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
-    RB: Default,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
 {
     let mut lease = Lease::new(call.shared.budget.clone());
     let mut source = match body::buffer(body, call.eff.max_replay_bytes_per_call, &mut lease).await
@@ -347,7 +360,7 @@ where
     // Retries since the start or the last valid pushback: the backoff exponent.
     let mut exponent = 0u32;
 
-    let finish = |last: Last<RB, S::Error>, outcome: CallOutcome, attempts: u32| {
+    let finish = |last: Last<S::Error>, outcome: CallOutcome, attempts: u32| {
         let (result, code) = match last {
             Last::Response(r, code) => (Ok(r), code),
             Last::Error(e) => (Err(e), None),
@@ -391,7 +404,8 @@ where
             .per_attempt_recv_timeout()
             .and_then(|t| started.checked_add(t));
         let req = request(&parts, body, attempts, call.deadline);
-        let result = attempt(svc.call(req), call.deadline, recv_timeout).await;
+        let peek = call.shared.peek_early_trailers && matches!(source, Source::Replay(_));
+        let result = attempt(svc.call(req), call.deadline, recv_timeout, peek).await;
 
         // Classify: done, or a failure that may be retried (with its code).
         let (last, code, timed_out) = match result {

@@ -110,6 +110,8 @@ pub(crate) struct Shared {
     pub(crate) stats: RetryStats,
     pub(crate) jitter: Arc<dyn Jitter>,
     pub(crate) hook: Option<OutcomeHook>,
+    /// Opt-in: retry "headers, then error trailers with no message".
+    pub(crate) peek_early_trailers: bool,
 }
 
 impl fmt::Debug for Shared {
@@ -121,6 +123,7 @@ impl fmt::Debug for Shared {
             .field("stats", &self.stats)
             .field("jitter", &self.jitter)
             .field("hook", &self.hook.as_ref().map(|_| "Fn"))
+            .field("peek_early_trailers", &self.peek_early_trailers)
             .finish()
     }
 }
@@ -276,6 +279,7 @@ pub enum BuildError {
 /// | [`key_header`](Self::key_header) | `x-idempotency-key` (with a config: `idem.keyHeader`) |
 /// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
 /// | [`on_outcome`](Self::on_outcome) | none |
+/// | [`retry_headers_then_error`](Self::retry_headers_then_error) | false |
 pub struct RetryLayerBuilder {
     config: Option<ServiceConfig>,
     max_attempts: u32,
@@ -290,6 +294,7 @@ pub struct RetryLayerBuilder {
     throttling: Option<RetryThrottling>,
     jitter: Arc<dyn Jitter>,
     hook: Option<OutcomeHook>,
+    peek_early_trailers: bool,
 }
 
 impl fmt::Debug for RetryLayerBuilder {
@@ -321,6 +326,7 @@ impl Default for RetryLayerBuilder {
             throttling: None,
             jitter: Arc::new(ThreadRngJitter),
             hook: None,
+            peek_early_trailers: false,
         }
     }
 }
@@ -415,6 +421,16 @@ impl RetryLayerBuilder {
     pub fn seed(self, seed: u64) -> Self {
         self.jitter(SeededJitter::new(seed))
     }
+    /// Opt-in (default false): also retry an attempt whose response has real headers and
+    /// then, before any message, error trailers, for servers that never answer
+    /// Trailers-Only. The layer then reads the first body frame of every response before
+    /// handing it on (under the deadline and `perAttemptRecvTimeout`): response headers
+    /// reach the caller with the first message instead of before it. A response whose
+    /// first frame is a message is committed as usual.
+    pub fn retry_headers_then_error(mut self, yes: bool) -> Self {
+        self.peek_early_trailers = yes;
+        self
+    }
     /// Called with `(method path, report)` when each call ends.
     pub fn on_outcome(mut self, hook: impl Fn(&str, &CallReport) + Send + Sync + 'static) -> Self {
         self.hook = Some(Arc::new(hook));
@@ -488,6 +504,7 @@ impl RetryLayerBuilder {
                 stats: RetryStats::default(),
                 jitter: self.jitter,
                 hook: self.hook,
+                peek_early_trailers: self.peek_early_trailers,
             }),
         }
     }

@@ -26,8 +26,9 @@ use crate::BoxError;
 ///
 /// It accepts requests with any body of `Bytes` (tonic clients send
 /// [`tonic::body::Body`]) and drives the inner service with [`tonic::body::Body`], so it
-/// fits between a generated client and a `Channel`. Responses and errors are the inner
-/// service's, untouched except for the [`CallReport`] extension (and, on Trailers-Only
+/// fits between a generated client and a `Channel`. Responses (their body as a
+/// [`tonic::body::Body`]) and errors are the inner service's, untouched except for the
+/// [`CallReport`] extension (and, on Trailers-Only
 /// errors, the local [`OUTCOME_HEADER`](super::outcome::OUTCOME_HEADER) /
 /// [`ATTEMPTS_HEADER`](super::outcome::ATTEMPTS_HEADER) headers), or a DEADLINE_EXCEEDED /
 /// CANCELLED Trailers-Only response the layer makes up when the deadline or
@@ -79,11 +80,12 @@ where
     S::Error: Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
-    RB: Default + Send + 'static,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
 {
-    type Response = http::Response<RB>;
+    type Response = http::Response<tonic::body::Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, RB, S::Error>;
+    type Future = ResponseFuture<S::Future, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)

@@ -686,3 +686,142 @@ fn early_codes() {
     assert_eq!(early_code(&resp(404, None)), Some(Code::Unimplemented));
     assert_eq!(early_code(&resp(500, None)), Some(Code::Unknown));
 }
+
+/// A 200 response with real headers whose body is `data` frames, then `trailers`.
+fn headers_then(
+    data: &[&'static [u8]],
+    trailers: &[(&'static str, &'static str)],
+) -> http::Response<Body> {
+    struct Frames(VecDeque<http_body::Frame<Bytes>>);
+    impl http_body::Body for Frames {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            std::task::Poll::Ready(self.0.pop_front().map(Ok))
+        }
+    }
+    let mut frames: VecDeque<_> = data
+        .iter()
+        .map(|d| http_body::Frame::data(Bytes::from_static(d)))
+        .collect();
+    let mut t = HeaderMap::new();
+    for (k, v) in trailers {
+        t.append(*k, v.parse().unwrap());
+    }
+    frames.push_back(http_body::Frame::trailers(t));
+    http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(Body::new(Frames(frames)))
+        .unwrap()
+}
+
+fn scripted_responses(
+    responses: Vec<http::Response<Body>>,
+) -> (
+    Arc<Mutex<u32>>,
+    impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl Send + 'static,
+    > + Clone
+    + Send
+    + 'static,
+) {
+    let queue = Arc::new(Mutex::new(VecDeque::from(responses)));
+    let calls = Arc::new(Mutex::new(0u32));
+    let counter = calls.clone();
+    let svc = tower::service_fn(move |_req: http::Request<Body>| {
+        let queue = queue.clone();
+        let counter = counter.clone();
+        async move {
+            *counter.lock().unwrap() += 1;
+            let next = queue.lock().unwrap().pop_front();
+            Ok::<_, BoxError>(next.unwrap_or_else(|| http::Response::new(Body::empty())))
+        }
+    });
+    (calls, svc)
+}
+
+#[tokio::test(start_paused = true)]
+async fn headers_then_error_is_retried_only_with_the_opt_in() {
+    let failing = || {
+        headers_then(
+            &[],
+            &[
+                ("grpc-status", "14"),
+                ("grpc-message", "down"),
+                ("grpc-retry-pushback-ms", "70"),
+            ],
+        )
+    };
+    // Default: committed, passed through with its trailers intact.
+    let (calls, svc) = scripted_responses(vec![failing()]);
+    let layer = builder().build().unwrap();
+    let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+    assert_eq!(report(&resp).outcome, CallOutcome::Committed);
+    assert_eq!(*calls.lock().unwrap(), 1);
+    let trailers = resp
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .trailers()
+        .cloned()
+        .unwrap();
+    assert_eq!(trailers["grpc-status"], "14");
+
+    // Opt-in: reshaped as Trailers-Only, retried (after the pushback it carried).
+    let (calls, svc) = scripted_responses(vec![
+        failing(),
+        headers_then(&[b"\0\0\0\0\0"], &[("grpc-status", "0")]),
+    ]);
+    let layer = builder().retry_headers_then_error(true).build().unwrap();
+    let start = Instant::now();
+    let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(70));
+    assert_eq!(
+        report(&resp),
+        CallReport {
+            outcome: CallOutcome::Committed,
+            attempts: 2,
+            last_code: None
+        }
+    );
+    assert_eq!(*calls.lock().unwrap(), 2);
+    // The peeked message is put back in front of the rest.
+    let collected = resp.into_body().collect().await.unwrap();
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
+
+    // Opt-in, every attempt fails that way: the caller gets a Trailers-Only error.
+    let (_, svc) = scripted_responses(vec![failing(), failing(), failing()]);
+    let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(
+        (status.code(), status.message()),
+        (tonic::Code::Unavailable, "down")
+    );
+    assert_eq!(
+        CallReport::from_status(&status).unwrap().outcome,
+        CallOutcome::AttemptsExhausted
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_message_then_an_error_is_never_retried() {
+    let (calls, svc) = scripted_responses(vec![headers_then(
+        &[b"\0\0\0\0\0"],
+        &[("grpc-status", "14")],
+    )]);
+    let layer = builder().retry_headers_then_error(true).build().unwrap();
+    let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+    assert_eq!(report(&resp).outcome, CallOutcome::Committed);
+    assert_eq!(*calls.lock().unwrap(), 1);
+    let collected = resp.into_body().collect().await.unwrap();
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "14");
+    assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
+}
