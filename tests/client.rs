@@ -719,6 +719,30 @@ async fn the_interceptor_key_is_stable_across_retries_below_it() {
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn the_interceptor_for_a_config_keys_only_protected_methods() {
+    let shop = Shop::default();
+    let addr = serve(shop.clone()).await;
+    let cfg = default_config();
+    // A layer that adds no keys itself, so every key seen comes from the interceptor.
+    let no_keys = ServiceConfig::from_parts(Vec::new(), None, IdemSettings::default()).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layer(&no_keys))
+        .service(common::channel(addr));
+    let mut c = OrdersClient::with_interceptor(svc, IdempotencyKeyInterceptor::for_config(&cfg));
+    c.create_order(create(10)).await.unwrap();
+    c.get_order(GetOrderRequest {
+        order_id: "o-1".into(),
+    })
+    .await
+    .unwrap();
+    let seen = shop.seen();
+    assert_eq!(seen[0].method, "CreateOrder");
+    assert!(seen[0].header("x-idempotency-key").is_some());
+    assert_eq!(seen[1].method, "GetOrder");
+    assert!(seen[1].header("x-idempotency-key").is_none());
+}
+
 // ---------------------------------------------------------------- body and transport
 
 #[tokio::test(start_paused = true)]
