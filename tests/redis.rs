@@ -820,3 +820,67 @@ async fn wait_latency_notify_versus_poll() {
         );
     }
 }
+
+/// The notification connection is lost while a waiter waits: it falls back to polling
+/// and still sees the completion; the next wait subscribes on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_survive_a_lost_notification_connection() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let a = RedisStore::connect(redis.url()).await.expect("a");
+    let b = RedisStore::connect(redis.url()).await.expect("b");
+    let fp = idem_server::store::Fingerprint([4; 32]);
+    for round in 0..2 {
+        let scope = idem_server::store::Scope(rand::random());
+        let claim = ClaimRequest {
+            scope: &scope,
+            fingerprint: &fp,
+            claimant: ClaimantId::random(),
+            lease: Duration::from_secs(30),
+        };
+        let Claim::Acquired { fence, .. } = a.claim(claim).await.unwrap() else {
+            panic!("not acquired")
+        };
+        let waiter = {
+            let b = b.clone();
+            tokio::spawn(async move {
+                b.wait(&scope, tokio::time::Instant::now() + PATIENCE)
+                    .await
+                    .expect("wait")
+            })
+        };
+        // Wait until the waiter is subscribed, then cut every pub/sub connection.
+        let start = Instant::now();
+        while redis
+            .cmd(&["PUBSUB", "NUMSUB", &format!("{}:done", b.key_for(&scope))])
+            .expect("PUBSUB NUMSUB")
+            .text()
+            .ends_with(" 0")
+        {
+            assert!(
+                start.elapsed() < PATIENCE,
+                "round {round}: never subscribed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if round == 0 {
+            let killed = redis
+                .cmd(&["CLIENT", "KILL", "TYPE", "pubsub"])
+                .expect("CLIENT KILL");
+            assert_eq!(killed, redis_support::Resp::Int(1));
+        }
+        a.complete(
+            &scope,
+            fence,
+            StoredOutcome::NotRetained,
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+        tokio::time::timeout(PATIENCE, waiter)
+            .await
+            .expect("the waiter saw the completion")
+            .expect("waiter task");
+    }
+}
