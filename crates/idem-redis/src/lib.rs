@@ -6,7 +6,7 @@
 //! serves a method: it costs no network hop. As soon as a service runs as two or more
 //! instances behind a load balancer, a retry can land on another instance than the
 //! first attempt; with per-process memory it would run a second time. Point every
-//! instance at one Redis (or one Redis Cluster) with [`RedisStore`] and they share the
+//! instance at one Redis with [`RedisStore`] and they share the
 //! records: a key runs once across all of them, and a duplicate on any instance waits
 //! for or replays the outcome.
 //!
@@ -38,6 +38,10 @@
 //! - Replication: a failover to a replica that had not received the latest writes
 //!   loses those records. `WAIT` is not used; accept the window or use a Redis with
 //!   synchronous replication.
+//! - **Redis Cluster**: the key layout is ready for it (everything about a record is in
+//!   one key, one slot; scripts touch only `KEYS[1]`), but this store connects to one
+//!   endpoint: a standalone Redis, a Sentinel- or operator-managed primary, or a
+//!   cluster-aware proxy. A native Cluster client is not implemented.
 //! - Redis 6.2 or newer (tested with 7.0). Scripts need `EVALSHA`/`SCRIPT LOAD`, and
 //!   `CONFIG GET` is used at start only (refusing it only skips the checks).
 //!
@@ -67,6 +71,7 @@
 //! - **renew / complete / release**: succeed only when the record is in flight with
 //!   the presented fence; otherwise `Fenced` with the current fence. Complete stores
 //!   the outcome and sets the record TTL; release leaves a tombstone with the fence.
+//!   Both `PUBLISH` the fence on `<key>:done` for waiters (see "Waiting" below).
 //! - **read** (`get`, and `wait`'s polling): state, fence, lease time left.
 //!
 //! Lease expiry is judged with `redis.call('TIME')`, the Redis server's clock, so
@@ -78,7 +83,9 @@
 //!   in-flight record and a release tombstone expire after the *fence retention*
 //!   ([`RedisStoreBuilder::fence_retention`], default 24 h, the default record TTL),
 //!   and a completed record after the TTL given to `complete`. A lease longer than the
-//!   retention stretches the key's expiry to the lease.
+//!   retention stretches the key's expiry to the lease. Once a record is gone (TTL
+//!   over), the next claim of its scope starts again at fence 1; no fence of the old
+//!   record can still be presented by then, as every lease is far shorter.
 //! - **Same-claimant re-claim** extends the lease to `now + lease` (never shortens it).
 //! - **Renew after the lease ran out** still succeeds while nobody has taken over: the
 //!   fence is still current.
@@ -109,7 +116,8 @@
 //!
 //! # Round trips
 //! A fresh protected call: claim + complete = 2 `EVALSHA`. A replay: 1 (claim returns
-//! the outcome). Renewals add one each, only for handlers that run past a lease.
+//! the outcome). The layer renews the lease every `leaseTtl / 3` while the handler
+//! runs; each renewal is one more `EVALSHA`, so only handlers that run that long pay it.
 
 mod builder;
 mod check;

@@ -541,6 +541,33 @@ mod tests {
     }
 
     #[test]
+    fn client_errors_map_to_unavailable_or_corrupt() {
+        let e = |kind, what: &'static str| map_error(&RedisError::from((kind, what)));
+        assert!(matches!(
+            e(ErrorKind::Io, "reset"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::Server(ServerErrorKind::BusyLoading), "loading"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::Server(ServerErrorKind::ReadOnly), "replica"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::AuthenticationFailed, "auth"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::UnexpectedReturnType, "type"),
+            StoreError::Corrupt(_)
+        ));
+        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(matches!(map_error(&io), StoreError::Unavailable(_)));
+    }
+
+    #[test]
     fn durations_become_at_least_one_millisecond() {
         assert_eq!(ms(Duration::ZERO), 1);
         assert_eq!(ms(Duration::from_micros(1500)), 1);
