@@ -379,8 +379,10 @@ mod suite {
             s.get(&sc).await.unwrap().is_none().then_some(())
         })
         .await;
-        // Gone means a new run (the key may be reused with another request, too).
-        acquire(s, &sc, &fp(10), LONG).await;
+        // Gone means a new run (the key may be reused with another request, too), and
+        // its fence is still above every fence the expired record handed out.
+        let next = acquire(s, &sc, &fp(10), LONG).await;
+        assert!(next > fence, "{next} > {fence}");
     }
 
     pub(crate) async fn wait_returns_when_the_record_changes<S: Store>(s: &S) {

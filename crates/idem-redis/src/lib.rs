@@ -62,7 +62,8 @@
 //! again on `NOSCRIPT`, e.g. after a Redis restart), atomic on its key, and sets the
 //! key's expiry (`PEXPIRE`) in the same script:
 //!
-//! - **claim**: no record → in flight, fence 1. Released tombstone → in flight with
+//! - **claim**: no record → in flight, first fence = the Redis server's clock in
+//!   microseconds (see "Fences" below). Released tombstone → in flight with
 //!   fence + 1, whatever the fingerprint. Different fingerprint → `Mismatch` (in flight
 //!   or completed). Completed → the outcome, in the same reply (so a replay is one
 //!   round trip). In flight with a live lease: the same claimant (a claim re-sent after
@@ -83,9 +84,16 @@
 //!   in-flight record and a release tombstone expire after the *fence retention*
 //!   ([`RedisStoreBuilder::fence_retention`], default 24 h, the default record TTL),
 //!   and a completed record after the TTL given to `complete`. A lease longer than the
-//!   retention stretches the key's expiry to the lease. Once a record is gone (TTL
-//!   over), the next claim of its scope starts again at fence 1; no fence of the old
-//!   record can still be presented by then, as every lease is far shorter.
+//!   retention stretches the key's expiry to the lease.
+//! - **Fences** start, for a new record, at the Redis server's `TIME` in microseconds
+//!   (about 1.7e15 today; exact in Lua numbers until the year 2255) and grow by one on
+//!   each takeover or claim after release. Each step takes a script run, which lasts
+//!   longer than a microsecond, so a fence handed out at time `t` is at most `t` in
+//!   microseconds, and a record created after an earlier one of the same scope expired
+//!   starts above every fence the earlier one handed out. A claimant paused past the
+//!   record TTL therefore cannot complete its successor's run with a stale fence, as
+//!   long as the Redis server's clock does not step back (keep it NTP-slewed). Starting
+//!   at 1 would make that possible once a record had expired.
 //! - **Same-claimant re-claim** extends the lease to `now + lease` (never shortens it).
 //! - **Renew after the lease ran out** still succeeds while nobody has taken over: the
 //!   fence is still current.

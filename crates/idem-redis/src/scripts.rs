@@ -24,9 +24,12 @@ use redis::Script;
 
 /// Shared helpers, prepended to every script.
 const PRELUDE: &str = r#"
-local function now_ms()
+local function now_us()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function now_ms()
+  return math.floor(now_us() / 1000)
 end
 local function corrupt(what)
   return redis.error_reply('IDEMCORRUPT ' .. what)
@@ -46,7 +49,8 @@ local fp, claimant = ARGV[1], ARGV[2]
 local lease, retention = tonumber(ARGV[3]), tonumber(ARGV[4])
 local px = retention
 if lease > px then px = lease end
-local now = now_ms()
+local us = now_us()
+local now = math.floor(us / 1000)
 local r = redis.call('HMGET', key, 's', 'f', 'fp', 'c', 'l', 'k', 'o')
 local s = r[1]
 local function take(fence, takeover)
@@ -56,7 +60,10 @@ local function take(fence, takeover)
   return {'A', fence, takeover}
 end
 if not s then
-  return take(1, 0)
+  -- A new record's first fence is the server clock in microseconds: larger than any
+  -- fence an earlier (expired) record of this scope handed out, since each fence step
+  -- takes a script run (over a microsecond).
+  return take(us, 0)
 end
 local f = tonumber(r[2])
 if not f then return corrupt('record without a fence') end
