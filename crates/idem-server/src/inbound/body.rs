@@ -64,10 +64,10 @@ impl<B: Body> Body for ResponseBody<B> {
         let inner = this.inner;
         // Streaming handlers run while the body is polled: keep the scope for them too.
         let mut frame = scope.sync_run(|| inner.poll_frame(cx));
-        if let Poll::Ready(Some(Ok(f))) = &mut frame {
-            if let Some(trailers) = f.trailers_mut() {
-                rewrite_marker(trailers, scope.marker(), *this.enabled);
-            }
+        if let Poll::Ready(Some(Ok(f))) = &mut frame
+            && let Some(trailers) = f.trailers_mut()
+        {
+            rewrite_marker(trailers, scope.marker(), *this.enabled);
         }
         frame
     }
@@ -95,9 +95,15 @@ mod tests {
         assert!(!h.contains_key(DOWNSTREAM_EXHAUSTED));
 
         let mut h = HeaderMap::new();
-        h.insert(DOWNSTREAM_EXHAUSTED, ExhaustedMarker::random().to_header_value());
+        h.insert(
+            DOWNSTREAM_EXHAUSTED,
+            ExhaustedMarker::random().to_header_value(),
+        );
         rewrite_marker(&mut h, Some(m), true);
-        assert!(!h.contains_key(RETRY_PUSHBACK_MS), "a foreign tag is dropped");
+        assert!(
+            !h.contains_key(RETRY_PUSHBACK_MS),
+            "a foreign tag is dropped"
+        );
         assert!(!h.contains_key(DOWNSTREAM_EXHAUSTED));
 
         let mut h = HeaderMap::new();

@@ -46,8 +46,6 @@ where
         let enabled = *this.pushback_on_exhausted;
         // Trailers-Only responses carry the status (and the tag) in the headers.
         rewrite_marker(res.headers_mut(), marker, enabled);
-        Poll::Ready(Ok(
-            res.map(|body| ResponseBody::new(body, scope, enabled))
-        ))
+        Poll::Ready(Ok(res.map(|body| ResponseBody::new(body, scope, enabled))))
     }
 }
