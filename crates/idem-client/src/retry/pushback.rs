@@ -162,4 +162,45 @@ mod tests {
         garbage.insert(GRPC_STATUS_DETAILS, HeaderValue::from_static("AAAA"));
         assert_eq!(retry_info_delay(&garbage), None);
     }
+
+    proptest::proptest! {
+        #[test]
+        fn untrusted_headers_never_panic(
+            pushbacks in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..24), 0..3),
+            details in proptest::collection::vec(proptest::num::u8::ANY, 0..200),
+            as_base64 in proptest::bool::ANY,
+        ) {
+            let mut h = HeaderMap::new();
+            for p in &pushbacks {
+                if let Ok(v) = HeaderValue::from_bytes(p) {
+                    h.append(RETRY_PUSHBACK_MS, v);
+                }
+            }
+            let raw = if as_base64 { encode(&details) } else { details.clone() };
+            if let Ok(v) = HeaderValue::from_bytes(&raw) {
+                h.insert(GRPC_STATUS_DETAILS, v);
+            }
+            let _ = pushback(&h);
+            let _ = retry_info_delay(&h);
+            if as_base64 {
+                proptest::prop_assert_eq!(base64_decode(&raw), Some(details));
+            }
+        }
+    }
+
+    /// Unpadded standard base64, for the round-trip property.
+    fn encode(bytes: &[u8]) -> Vec<u8> {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = Vec::new();
+        for chunk in bytes.chunks(3) {
+            let mut n = 0u32;
+            for (i, b) in chunk.iter().enumerate() {
+                n |= u32::from(*b) << (16 - 8 * i);
+            }
+            for i in 0..=chunk.len() {
+                out.push(A[((n >> (18 - 6 * i)) & 63) as usize]);
+            }
+        }
+        out
+    }
 }
