@@ -155,6 +155,11 @@ fn three_errors_are_all_printed() {
         err.starts_with(&format!("{path}: invalid: 3 error(s)\n")),
         "{err}"
     );
+    assert_eq!(
+        err.lines().count(),
+        4,
+        "a summary and three errors, nothing else: {err}"
+    );
 }
 
 #[test]
@@ -225,7 +230,7 @@ fn dash_reads_standard_input() {
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(
-        err.starts_with("<stdin>: invalid: invalid JSON at line 2, column 20: "),
+        err == "<stdin>: invalid: invalid JSON at line 2, column 20: expected value\n",
         "{err}"
     );
 
