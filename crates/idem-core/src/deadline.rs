@@ -172,9 +172,26 @@ mod tests {
         assert_eq!(parse_grpc_timeout(b"4m"), Some(Duration::from_millis(4)));
         assert_eq!(parse_grpc_timeout(b"5u"), Some(Duration::from_micros(5)));
         assert_eq!(parse_grpc_timeout(b"6n"), Some(Duration::from_nanos(6)));
-        assert_eq!(parse_grpc_timeout(b"99999999S"), Some(Duration::from_secs(99_999_999)));
-        for bad in [&b""[..], b"S", b"123456789S", b"-1S", b"1s", b"1.5S", b" 1S", b"1"] {
-            assert_eq!(parse_grpc_timeout(bad), None, "{:?}", std::str::from_utf8(bad));
+        assert_eq!(
+            parse_grpc_timeout(b"99999999S"),
+            Some(Duration::from_secs(99_999_999))
+        );
+        for bad in [
+            &b""[..],
+            b"S",
+            b"123456789S",
+            b"-1S",
+            b"1s",
+            b"1.5S",
+            b" 1S",
+            b"1",
+        ] {
+            assert_eq!(
+                parse_grpc_timeout(bad),
+                None,
+                "{:?}",
+                std::str::from_utf8(bad)
+            );
         }
     }
 
@@ -190,7 +207,10 @@ mod tests {
         ] {
             let v = encode_grpc_timeout(d);
             let back = parse_grpc_timeout(v.as_bytes()).unwrap();
-            assert!(back >= d.min(Duration::from_secs(99_999_999 * 3600)), "{d:?} -> {v:?}");
+            assert!(
+                back >= d.min(Duration::from_secs(99_999_999 * 3600)),
+                "{d:?} -> {v:?}"
+            );
         }
         assert_eq!(encode_grpc_timeout(Duration::from_millis(250)), "250000u");
     }
@@ -199,11 +219,9 @@ mod tests {
     async fn inbound_scope_is_visible_inside_only() {
         assert_eq!(inbound_deadline(), None);
         let d = Instant::now() + Duration::from_secs(1);
-        let seen = scope_inbound_deadline(
-            InboundScope::new(Some(d), 0),
-            async { inbound_deadline() },
-        )
-        .await;
+        let seen =
+            scope_inbound_deadline(InboundScope::new(Some(d), 0), async { inbound_deadline() })
+                .await;
         assert_eq!(seen, Some(d));
         assert_eq!(inbound_deadline(), None);
     }

@@ -49,10 +49,14 @@ impl IdempotencyKey {
     /// ```
     pub fn parse(bytes: &[u8]) -> Result<Self, InvalidKey> {
         if bytes.len() < MIN_LEN {
-            return Err(InvalidKey { reason: "is too short" });
+            return Err(InvalidKey {
+                reason: "is too short",
+            });
         }
         if bytes.len() > MAX_LEN {
-            return Err(InvalidKey { reason: "is too long" });
+            return Err(InvalidKey {
+                reason: "is too long",
+            });
         }
         if !bytes
             .iter()
@@ -103,10 +107,24 @@ mod tests {
 
     #[test]
     fn rule() {
-        for ok in ["abcdefgh", "550e8400-e29b-41d4-a716-446655440000", "A_b-9___", &"x".repeat(64)] {
+        for ok in [
+            "abcdefgh",
+            "550e8400-e29b-41d4-a716-446655440000",
+            "A_b-9___",
+            &"x".repeat(64),
+        ] {
             assert!(IdempotencyKey::parse(ok.as_bytes()).is_ok(), "{ok}");
         }
-        for bad in ["", "abcdefg", &"x".repeat(65), "abc,defgh", "abc defgh", "abcdéfgh", "abc\ndefgh", "abc\0defgh"] {
+        for bad in [
+            "",
+            "abcdefg",
+            &"x".repeat(65),
+            "abc,defgh",
+            "abc defgh",
+            "abcdéfgh",
+            "abc\ndefgh",
+            "abc\0defgh",
+        ] {
             let err = IdempotencyKey::parse(bad.as_bytes()).unwrap_err();
             assert!(err.to_string().contains("[A-Za-z0-9_-]"), "{bad:?}");
         }

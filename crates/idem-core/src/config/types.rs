@@ -46,7 +46,10 @@ pub enum ConfigError {
 }
 
 fn join(d: &[Diagnostic]) -> String {
-    d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("; ")
+    d.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A valid config and the warnings its validation raised.
@@ -118,7 +121,9 @@ impl RetryPolicy {
             return Err(InvalidRetryPolicy("backoffMultiplier must be > 0".into()));
         }
         if retryable_status_codes.is_empty() {
-            return Err(InvalidRetryPolicy("retryableStatusCodes must not be empty".into()));
+            return Err(InvalidRetryPolicy(
+                "retryableStatusCodes must not be empty".into(),
+            ));
         }
         Ok(RetryPolicy {
             max_attempts: max_attempts.min(MAX_ATTEMPTS_LIMIT),
@@ -555,7 +560,10 @@ impl ServiceConfig {
         if errors.is_empty() {
             Ok(cfg)
         } else {
-            Err(ConfigError::Invalid { errors, warnings: Vec::new() })
+            Err(ConfigError::Invalid {
+                errors,
+                warnings: Vec::new(),
+            })
         }
     }
 
