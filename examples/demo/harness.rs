@@ -1,0 +1,559 @@
+//! The demo's moving parts, shared with `tests/chaos.rs`: the `shop.v1.Orders` service
+//! with a ledger of orders per intent, a seeded fault injector, server instances, and
+//! one run of the workload.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use idem::client::{RetryLayer, with_key};
+use idem::core::{IdempotencyKey, ServiceConfig};
+use idem::server::idempotency::tenant::SingleTenant;
+use idem::server::{IdempotencyLayer, InboundLayer, store::MemoryStore};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic::{Request, Response, Status};
+use tower::{Layer, Service, ServiceBuilder};
+
+pub mod shop {
+    #![allow(missing_docs, unreachable_pub)]
+    tonic::include_proto!("shop.v1");
+}
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+
+pub const DEFAULT_CONFIG: &str = r#"{
+  "methodConfig": [
+    {
+      "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+      "timeout": "5s",
+      "retryPolicy": {
+        "maxAttempts": 5,
+        "initialBackoff": "0.005s",
+        "maxBackoff": "0.05s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"]
+      },
+      "idempotency": {"leaseTtl": "10s", "recordTtl": "3600s"}
+    }
+  ],
+  "idem": {"tenant": {"single": "demo"}}
+}"#;
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub intents: usize,
+    pub concurrency: usize,
+    pub unavailable: f64,
+    pub drop: f64,
+    pub latency: Duration,
+    pub seed: u64,
+    pub app_retries: u32,
+    pub instances: usize,
+    pub redis: Option<String>,
+    pub config: Option<String>,
+    /// Kill instance 0 and start it again once this many intents are done.
+    pub restart_after: Option<usize>,
+    /// Print progress to stderr.
+    pub progress: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            intents: 3000,
+            concurrency: 64,
+            unavailable: 0.10,
+            drop: 0.10,
+            latency: Duration::ZERO,
+            seed: 7,
+            app_retries: 5,
+            instances: 1,
+            redis: None,
+            config: None,
+            restart_after: None,
+            progress: true,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The service: a ledger of orders per intent (the intent id travels in `note`).
+
+#[derive(Default)]
+pub struct Ledger {
+    orders_by_intent: Mutex<HashMap<String, u32>>,
+    next_id: AtomicU64,
+}
+
+impl Ledger {
+    fn create(&self, intent: &str) -> u64 {
+        *self
+            .orders_by_intent
+            .lock()
+            .expect("ledger lock")
+            .entry(intent.to_owned())
+            .or_default() += 1;
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+pub struct OrdersImpl {
+    ledger: Arc<Ledger>,
+    instance: String,
+}
+
+#[tonic::async_trait]
+impl Orders for OrdersImpl {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let r = request.into_inner();
+        let id = self.ledger.create(&r.note);
+        Ok(Response::new(Order {
+            order_id: format!("ord-{id}"),
+            customer_id: r.customer_id,
+            sku: r.sku,
+            quantity: r.quantity,
+            created_by: self.instance.clone(),
+        }))
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("the demo only creates orders"))
+    }
+
+    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Ok(Response::new(tokio_stream::empty()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The fault injector: a tower layer in front of everything else on the server.
+
+#[derive(Clone)]
+pub struct Faults {
+    unavailable: f64,
+    drop: f64,
+    latency: Duration,
+    rng: Arc<Mutex<StdRng>>,
+    attempts: Arc<AtomicU64>,
+}
+
+impl<S> Layer<S> for Faults {
+    type Service = FaultService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        FaultService {
+            inner,
+            faults: self.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct FaultService<S> {
+    inner: S,
+    faults: Faults,
+}
+
+pub enum Fault {
+    None,
+    Before,
+    DropResponse,
+}
+
+type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+impl<S, B, RB> Service<http::Request<B>> for FaultService<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+    RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let f = &self.faults;
+        f.attempts.fetch_add(1, Ordering::Relaxed);
+        let fault = {
+            let mut rng = f.rng.lock().expect("rng lock");
+            let x: f64 = rng.random();
+            if x < f.unavailable {
+                Fault::Before
+            } else if x < f.unavailable + f.drop {
+                Fault::DropResponse
+            } else {
+                Fault::None
+            }
+        };
+        let latency = f.latency;
+        Box::pin(async move {
+            if let Fault::Before = fault {
+                return Ok(Status::unavailable("injected: before the handler").into_http());
+            }
+            if !latency.is_zero() {
+                tokio::time::sleep(latency).await;
+            }
+            let res = inner.call(req).await?;
+            if let Fault::DropResponse = fault {
+                // The handler ran (its response is complete: unary). Lose it on the way.
+                drop(res);
+                return Ok(Status::unavailable("injected: response lost").into_http());
+            }
+            Ok(res.map(tonic::body::Body::new))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// One run.
+
+#[derive(Debug, Default, Clone)]
+pub struct RunReport {
+    pub label: &'static str,
+    pub intents: usize,
+    pub attempts: u64,
+    pub app_calls: u64,
+    pub replays: u64,
+    pub orders: u64,
+    pub duplicates: u64,
+    /// Intents whose caller never got an OK (after every application retry).
+    pub failed: u64,
+    /// Intents whose caller got an OK but whose order does not exist.
+    pub ok_without_order: u64,
+    /// Whether instance 0 was killed and restarted during the run.
+    pub restarted: bool,
+    /// `failed + ok_without_order`.
+    pub lost: u64,
+    pub p50: Duration,
+    pub p99: Duration,
+    pub elapsed: Duration,
+}
+
+/// Where the server layer keeps its records.
+#[derive(Clone)]
+pub enum Store {
+    /// One in-memory store shared by the instances of this process.
+    Memory(MemoryStore),
+    /// Redis, shared by every instance.
+    Redis(idem::redis::RedisStore),
+}
+
+/// One server instance: its address and the task serving it.
+struct Instance {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// What every instance of one run shares.
+#[derive(Clone)]
+struct Fleet {
+    with_idem: bool,
+    config: ServiceConfig,
+    ledger: Arc<Ledger>,
+    faults: Faults,
+    store: Store,
+    stats: Arc<Mutex<Vec<idem::server::idempotency::IdempotencyStats>>>,
+}
+
+impl Fleet {
+    /// Serves instance `i` on `listener` until the task is aborted.
+    fn spawn(&self, i: usize, listener: tokio::net::TcpListener) -> Instance {
+        let addr = listener
+            .local_addr()
+            .expect("bound listener has an address");
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let svc = OrdersServer::new(OrdersImpl {
+            ledger: self.ledger.clone(),
+            instance: format!("instance-{i}"),
+        });
+        let faults = self.faults.clone();
+        let task = if !self.with_idem {
+            tokio::spawn(async move {
+                let _ = Server::builder()
+                    .layer(faults)
+                    .add_service(svc)
+                    .serve_with_incoming(incoming)
+                    .await;
+            })
+        } else {
+            match &self.store {
+                Store::Memory(store) => {
+                    let layer = IdempotencyLayer::new(store.clone(), &self.config)
+                        .tenant(SingleTenant::new("demo"));
+                    self.stats.lock().expect("stats lock").push(layer.stats());
+                    tokio::spawn(async move {
+                        let _ = Server::builder()
+                            .layer(faults)
+                            .layer(InboundLayer::new())
+                            .layer(layer)
+                            .add_service(svc)
+                            .serve_with_incoming(incoming)
+                            .await;
+                    })
+                }
+                Store::Redis(store) => {
+                    let layer = IdempotencyLayer::new(store.clone(), &self.config)
+                        .tenant(SingleTenant::new("demo"));
+                    self.stats.lock().expect("stats lock").push(layer.stats());
+                    tokio::spawn(async move {
+                        let _ = Server::builder()
+                            .layer(faults)
+                            .layer(InboundLayer::new())
+                            .layer(layer)
+                            .add_service(svc)
+                            .serve_with_incoming(incoming)
+                            .await;
+                    })
+                }
+            }
+        };
+        Instance { addr, task }
+    }
+}
+
+fn client_channel(addrs: &[SocketAddr]) -> Channel {
+    let endpoints = addrs.iter().map(|a| {
+        Endpoint::from_shared(format!("http://{a}"))
+            .expect("valid endpoint")
+            .connect_timeout(Duration::from_secs(2))
+    });
+    Channel::balance_list(endpoints)
+}
+
+/// Runs the workload once (with idem or without) and counts what happened.
+///
+/// With `o.restart_after = Some(n)`, instance 0 is killed (its serving task aborted, its
+/// connections dropped) once `n` intents are done, and started again on the same port.
+pub async fn run(
+    o: &Options,
+    with_idem: bool,
+    config: &ServiceConfig,
+    store: &Store,
+) -> Result<RunReport, Box<dyn std::error::Error + Send + Sync>> {
+    let label = if with_idem {
+        "with idem"
+    } else {
+        "without idem"
+    };
+    let fleet = Fleet {
+        with_idem,
+        config: config.clone(),
+        ledger: Arc::new(Ledger::default()),
+        faults: Faults {
+            unavailable: o.unavailable,
+            drop: o.drop,
+            latency: o.latency,
+            rng: Arc::new(Mutex::new(StdRng::seed_from_u64(o.seed))),
+            attempts: Arc::new(AtomicU64::new(0)),
+        },
+        store: store.clone(),
+        stats: Arc::new(Mutex::new(Vec::new())),
+    };
+    let mut instances = Vec::new();
+    for i in 0..o.instances {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        instances.push(fleet.spawn(i, listener));
+    }
+    let addrs: Vec<SocketAddr> = instances.iter().map(|i| i.addr).collect();
+
+    // Without idem: the same retry policy, but no method is protected, so no key.
+    let retry = if with_idem {
+        RetryLayer::from_config(config)
+    } else {
+        RetryLayer::from_config(&strip_idempotency(config))
+    };
+    let client = OrdersClient::new(
+        ServiceBuilder::new()
+            .layer(retry)
+            .service(client_channel(&addrs)),
+    );
+
+    let started = Instant::now();
+    let done = Arc::new(AtomicU64::new(0));
+    let app_calls = Arc::new(AtomicU64::new(0));
+    let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
+    let total = o.intents as u64;
+    let progress = {
+        let done = done.clone();
+        let show = o.progress;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                let d = done.load(Ordering::Relaxed);
+                if show {
+                    eprint!("\r  {label:<13} {d:>6}/{total} intents");
+                }
+                if d >= total {
+                    if show {
+                        eprintln!();
+                    }
+                    break;
+                }
+            }
+        })
+    };
+    let restarter = o.restart_after.map(|after| {
+        let done = done.clone();
+        let fleet = fleet.clone();
+        let first = instances.remove(0);
+        tokio::spawn(async move {
+            while done.load(Ordering::Relaxed) < after as u64 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            first.task.abort();
+            let _ = first.task.await;
+            // Same port, so the client's balancer reconnects to it.
+            let mut tries = 0;
+            let listener = loop {
+                match tokio::net::TcpListener::bind(first.addr).await {
+                    Ok(l) => break l,
+                    Err(e) if tries < 200 => {
+                        tries += 1;
+                        let _ = e;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err(e) => panic!("cannot rebind {}: {e}", first.addr),
+                }
+            };
+            fleet.spawn(0, listener)
+        })
+    });
+
+    let mut tasks = Vec::with_capacity(o.intents);
+    for n in 0..o.intents {
+        let permit = sem.clone().acquire_owned().await?;
+        let mut client = client.clone();
+        let done = done.clone();
+        let app_calls = app_calls.clone();
+        let app_retries = o.app_retries;
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            let intent = format!("intent-{n}");
+            // One business intent, one key: created here, reused by every retry.
+            let key = IdempotencyKey::generate();
+            let t0 = Instant::now();
+            let mut ok = false;
+            for _ in 0..=app_retries {
+                app_calls.fetch_add(1, Ordering::Relaxed);
+                let mut req = Request::new(CreateOrderRequest {
+                    customer_id: format!("customer-{}", n % 97),
+                    sku: "sku-42".into(),
+                    quantity: 1,
+                    note: intent.clone(),
+                });
+                if with_idem {
+                    with_key(&mut req, &key);
+                }
+                match client.create_order(req).await {
+                    Ok(_) => {
+                        ok = true;
+                        break;
+                    }
+                    Err(s) if s.code() == tonic::Code::Unavailable => continue,
+                    Err(_) => break,
+                }
+            }
+            done.fetch_add(1, Ordering::Relaxed);
+            (intent, ok, t0.elapsed())
+        }));
+    }
+    let mut latencies = Vec::with_capacity(o.intents);
+    let mut failed = Vec::new();
+    for t in tasks {
+        let (intent, ok, latency) = t.await?;
+        latencies.push(latency);
+        if !ok {
+            failed.push(intent);
+        }
+    }
+    let _ = progress.await;
+    let elapsed = started.elapsed();
+    let mut restarted = false;
+    if let Some(r) = restarter {
+        instances.push(r.await?);
+        restarted = true;
+    }
+    for i in &instances {
+        i.task.abort();
+    }
+
+    latencies.sort();
+    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
+    let by_intent = fleet
+        .ledger
+        .orders_by_intent
+        .lock()
+        .expect("ledger lock")
+        .clone();
+    let orders: u64 = by_intent.values().map(|&c| u64::from(c)).sum();
+    let duplicates: u64 = by_intent
+        .values()
+        .map(|&c| u64::from(c.saturating_sub(1)))
+        .sum();
+    let ok_without_order = (0..o.intents)
+        .map(|n| format!("intent-{n}"))
+        .filter(|i| !failed.contains(i) && !by_intent.contains_key(i))
+        .count() as u64;
+    let replays = fleet
+        .stats
+        .lock()
+        .expect("stats lock")
+        .iter()
+        .map(|s| s.snapshot().replayed)
+        .sum();
+    Ok(RunReport {
+        label,
+        intents: o.intents,
+        attempts: fleet.faults.attempts.load(Ordering::Relaxed),
+        app_calls: app_calls.load(Ordering::Relaxed),
+        replays,
+        orders,
+        duplicates,
+        failed: failed.len() as u64,
+        ok_without_order,
+        restarted,
+        lost: failed.len() as u64 + ok_without_order,
+        p50: pct(0.50),
+        p99: pct(0.99),
+        elapsed,
+    })
+}
+
+/// The same config with every `idempotency` object removed: no protected methods.
+pub fn strip_idempotency(config: &ServiceConfig) -> ServiceConfig {
+    let entries = config
+        .method_configs()
+        .iter()
+        .map(|m| m.clone().without_idempotency())
+        .collect();
+    ServiceConfig::from_parts(
+        entries,
+        config.retry_throttling(),
+        config.settings().clone(),
+    )
+    .expect("names were valid already")
+}
