@@ -14,6 +14,11 @@
 //! - idem's `RetryLayer` over a tonic channel → grpcio server that fails twice with
 //!   UNAVAILABLE: three attempts, the same key on each, `grpc-previous-rpc-attempts`
 //!   absent / 1 / 2.
+//! - Across hops: grpcio (4 attempts) → tonic server A with idem's `InboundLayer`, whose
+//!   handler calls B through a `RetryLayer` (3 attempts) → B, always UNAVAILABLE. With the
+//!   pushback marker on, A's exhausted failure reaches grpcio with
+//!   `grpc-retry-pushback-ms: -1` and grpcio does not retry: B sees 3 attempts. With it
+//!   off, grpcio retries: B sees 4 × 3 = 12.
 //!
 //! Without the venv the tests print `skipped: …` and pass, except when `CI` is set: then
 //! they fail, so CI never skips them silently. Every process wait is bounded
@@ -23,28 +28,32 @@
 
 mod common;
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use common::shop::orders_client::OrdersClient;
 use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
-use idem_client::{CallReport, RetryLayer};
+use idem_client::{CallReport, Retry, RetryLayer};
 use idem_core::config::TenantSource;
 use idem_core::headers::{
     ERROR_DOMAIN, GRPC_STATUS_DETAILS, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED,
-    PREVIOUS_RPC_ATTEMPTS, reason,
+    PREVIOUS_RPC_ATTEMPTS, RETRY_PUSHBACK_MS, reason,
 };
 use idem_core::{IdempotencyKey, ServiceConfig};
-use idem_server::{IdempotencyLayer, MemoryStore};
+use idem_server::{IdempotencyLayer, InboundLayer, MemoryStore};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
 use tokio::time::timeout;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tonic_types::StatusExt;
 
@@ -348,30 +357,44 @@ impl Orders for Shop {
     }
 }
 
-/// A tonic server on 127.0.0.1:0 serving `shop` behind idem's server layer; stops when
-/// dropped.
+/// A tonic server on 127.0.0.1:0; stops when dropped.
 struct RustServer {
     addr: std::net::SocketAddr,
     _stop: oneshot::Sender<()>,
 }
 
-async fn serve_idem(shop: Shop) -> RustServer {
+/// Resolves when the [`RustServer`] handle is dropped.
+type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Binds 127.0.0.1:0 and spawns the server that `serve` makes from the listener and the
+/// stop signal.
+async fn spawn_server<F>(serve: impl FnOnce(TcpListenerStream, Stop) -> F) -> RustServer
+where
+    F: Future<Output = Result<(), tonic::transport::Error>> + Send + 'static,
+{
     let (addr, incoming) = common::bind().await;
     let (stop, stopped) = oneshot::channel::<()>();
+    let server = serve(
+        incoming,
+        Box::pin(async {
+            let _ = stopped.await;
+        }),
+    );
+    tokio::spawn(async move { server.await.expect("tonic server") });
+    RustServer { addr, _stop: stop }
+}
+
+/// `shop` behind idem's server layer with a `MemoryStore`, configured by [`SERVICE_CONFIG`].
+async fn serve_idem(shop: Shop) -> RustServer {
     let config = service_config();
     let store = MemoryStore::new(config.settings().memory_store.clone());
-    let router = tonic::transport::Server::builder()
-        .layer(IdempotencyLayer::new(store, &config))
-        .add_service(OrdersServer::new(shop));
-    tokio::spawn(async move {
-        router
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("tonic server");
-    });
-    RustServer { addr, _stop: stop }
+    spawn_server(|incoming, stop| {
+        tonic::transport::Server::builder()
+            .layer(IdempotencyLayer::new(store, &config))
+            .add_service(OrdersServer::new(shop))
+            .serve_with_incoming_shutdown(incoming, stop)
+    })
+    .await
 }
 
 /// `SERVICE_CONFIG` written to a file for client.py; removed when dropped.
@@ -662,4 +685,123 @@ async fn grpcio_without_key_is_invalid_argument() {
         shop.journal().executions.is_empty(),
         "the handler never ran"
     );
+}
+
+/// `shop.v1.Orders` that passes every CreateOrder to a downstream `Orders` through idem's
+/// `RetryLayer`, and returns the downstream failure upstream with `?`.
+#[derive(Debug, Clone)]
+struct Relay {
+    downstream: OrdersClient<Retry<Channel>>,
+    executions: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl Orders for Relay {
+    async fn create_order(
+        &self,
+        req: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        self.executions.fetch_add(1, Ordering::SeqCst);
+        let mut downstream = self.downstream.clone();
+        let order = downstream.create_order(req.into_inner()).await?;
+        Ok(Response::new(order.into_inner()))
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("not used by the interop tests"))
+    }
+
+    type ListOrdersStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("not used by the interop tests"))
+    }
+}
+
+/// grpcio (retry policy: 4 attempts on UNAVAILABLE) → A (tonic with idem's
+/// `InboundLayer`; its handler calls B through a `RetryLayer` with 3 attempts) → B
+/// (always UNAVAILABLE). Returns grpcio's view of the call, A's handler executions and
+/// B's attempts.
+async fn grpcio_over_two_hops(py: &Python, pushback_on_exhausted: bool) -> (Value, usize, usize) {
+    let bottom = Shop::failing_first(usize::MAX);
+    let b = spawn_server(|incoming, stop| {
+        tonic::transport::Server::builder()
+            .add_service(OrdersServer::new(bottom.clone()))
+            .serve_with_incoming_shutdown(incoming, stop)
+    })
+    .await;
+    let downstream_retries = RetryLayer::builder()
+        .max_attempts(3)
+        .initial_backoff(Duration::from_millis(5))
+        .max_backoff(Duration::from_millis(20))
+        .build()
+        .expect("valid retry policy");
+    let relay = Relay {
+        downstream: OrdersClient::new(
+            tower::ServiceBuilder::new()
+                .layer(downstream_retries)
+                .service(common::channel(b.addr)),
+        ),
+        executions: Arc::default(),
+    };
+    let a = spawn_server(|incoming, stop| {
+        tonic::transport::Server::builder()
+            .layer(InboundLayer::new().pushback_on_exhausted(pushback_on_exhausted))
+            .add_service(OrdersServer::new(relay.clone()))
+            .serve_with_incoming_shutdown(incoming, stop)
+    })
+    .await;
+    let file = ConfigFile::write(if pushback_on_exhausted {
+        "hops-on"
+    } else {
+        "hops-off"
+    });
+    let addr = a.addr.to_string();
+    let calls = py
+        .client(&[
+            "--addr",
+            &addr,
+            "--mode",
+            "retry",
+            "--key",
+            "grpcio-hops-0001",
+            "--service-config",
+            file.path(),
+        ])
+        .await;
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let b_attempts = bottom.journal().executions.len();
+    (
+        calls[0].clone(),
+        relay.executions.load(Ordering::SeqCst),
+        b_attempts,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
+    let Some(py) = python().await else { return };
+
+    let (call, a_runs, b_attempts) = grpcio_over_two_hops(&py, true).await;
+    assert_eq!(call["code"], "UNAVAILABLE", "{call}");
+    assert_eq!(meta(&call, "trailing", RETRY_PUSHBACK_MS), ["-1"], "{call}");
+    assert_eq!(
+        a_runs, 1,
+        "grpcio honoured grpc-retry-pushback-ms: -1 and did not retry"
+    );
+    assert_eq!(b_attempts, 3, "retries happen at one layer only: {call}");
+
+    // The same chain with the marker switched off: grpcio retries what A already retried.
+    let (call, a_runs, b_attempts) = grpcio_over_two_hops(&py, false).await;
+    assert_eq!(call["code"], "UNAVAILABLE", "{call}");
+    assert!(
+        meta(&call, "trailing", RETRY_PUSHBACK_MS).is_empty(),
+        "{call}"
+    );
+    assert_eq!(a_runs, 4, "grpcio's four attempts each ran A's handler");
+    assert_eq!(b_attempts, 12, "4 × 3 attempts at the bottom");
 }
