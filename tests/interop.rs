@@ -61,8 +61,10 @@ use tonic_types::StatusExt;
 /// Bound on every wait for a child process (start, a line of output, exit).
 const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// One service config for both sides: grpcio reads the standard parts (its retry
-/// policy), idem's server layer reads `idempotency` and `idem`; each ignores the rest.
+/// One service config for every stack in these tests: grpcio's client reads the standard
+/// parts (its retry policy) and ignores idem's objects; idem's `RetryLayer` reads the
+/// retry policy and `idempotency` (which makes it add a key); idem's server layer reads
+/// `idempotency` and `idem`.
 const SERVICE_CONFIG: &str = r#"{
   "methodConfig": [{
     "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
