@@ -54,6 +54,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
 use tokio::time::timeout;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::codec::CompressionEncoding;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tonic_types::StatusExt;
@@ -280,6 +281,7 @@ fn replayed(call: &Value) -> bool {
 struct Seen {
     key: Option<String>,
     previous_rpc_attempts: Option<String>,
+    encoding: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -325,6 +327,7 @@ impl Orders for Shop {
         let seen = Seen {
             key: header(&req, IDEMPOTENCY_KEY),
             previous_rpc_attempts: header(&req, PREVIOUS_RPC_ATTEMPTS),
+            encoding: header(&req, "grpc-encoding"),
         };
         let mut journal = self.journal();
         journal.executions.push(seen);
@@ -396,7 +399,7 @@ async fn serve_idem(shop: Shop) -> RustServer {
     spawn_server(|incoming, stop| {
         tonic::transport::Server::builder()
             .layer(IdempotencyLayer::new(store, &config))
-            .add_service(OrdersServer::new(shop))
+            .add_service(OrdersServer::new(shop).accept_compressed(CompressionEncoding::Gzip))
             .serve_with_incoming_shutdown(incoming, stop)
     })
     .await
@@ -473,10 +476,58 @@ async fn grpcio_same_key_twice_runs_once_and_replays() {
         journal.executions,
         [Seen {
             key: Some(key.into()),
-            previous_rpc_attempts: None
+            previous_rpc_attempts: None,
+            encoding: None,
         }],
         "the handler ran once"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_gzip_then_plain_same_request_is_a_replay() {
+    let Some(py) = python().await else { return };
+    let shop = Shop::default();
+    let server = serve_idem(shop.clone()).await;
+    let addr = server.addr.to_string();
+    // Compressible, and large enough that grpcio really compresses it.
+    let note = "interop ".repeat(512);
+
+    let calls = py
+        .client(&[
+            "--addr",
+            &addr,
+            "--mode",
+            "twice",
+            "--key",
+            "grpcio-gzip-0001",
+            "--compression",
+            "first",
+            "--note",
+            &note,
+        ])
+        .await;
+
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(calls[0]["code"], "OK", "gzip call: {}", calls[0]);
+    assert_eq!(
+        calls[1]["code"], "OK",
+        "plain call with the same request: {}",
+        calls[1]
+    );
+    assert!(
+        replayed(&calls[1]),
+        "the fingerprint is taken after decompression, so the plain call is a replay: {}",
+        calls[1]
+    );
+    assert_eq!(calls[0]["order"], calls[1]["order"]);
+    let journal = shop.journal();
+    assert_eq!(journal.orders.len(), 1);
+    let encodings: Vec<_> = journal
+        .executions
+        .iter()
+        .map(|s| s.encoding.as_deref())
+        .collect();
+    assert_eq!(encodings, [Some("gzip")], "only the gzip call ran");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,9 @@ Modes:
 retries enabled: the very file idem's server reads, idem's own objects included, which
 grpcio must accept and ignore.
 
-Without --key no `x-idempotency-key` is sent.
+Without --key no `x-idempotency-key` is sent. --compression gzip compresses every
+request message, `first` only the first call's (to check that a server fingerprints
+requests after decompression).
 
 Exit status: 0 when every call got a status (whatever it was), 2 on a usage error.
 """
@@ -60,10 +62,13 @@ def order_to_dict(order):
     }
 
 
-def call_create(stub, request, key, timeout, n):
+def call_create(stub, request, key, timeout, n, gzip):
     metadata = [("x-idempotency-key", key)] if key is not None else []
+    compression = grpc.Compression.Gzip if gzip else grpc.Compression.NoCompression
     try:
-        order, call = stub.CreateOrder.with_call(request, metadata=metadata, timeout=timeout)
+        order, call = stub.CreateOrder.with_call(
+            request, metadata=metadata, timeout=timeout, compression=compression
+        )
         emit(
             call=n,
             code=call.code().name,
@@ -96,6 +101,7 @@ def main():
     parser.add_argument("--quantity", type=int, default=1)
     parser.add_argument("--note", default="")
     parser.add_argument("--max-attempts", type=int, default=4, help="retry mode: retryPolicy.maxAttempts")
+    parser.add_argument("--compression", default="none", choices=["none", "gzip", "first"])
     parser.add_argument("--service-config", help="service config JSON file for the channel")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-call deadline, seconds")
     parser.add_argument("--proto-root", help="directory holding shop/v1/orders.proto")
@@ -116,17 +122,22 @@ def main():
     )
     with grpc.insecure_channel(args.addr, options=options) as channel:
         stub = pb2_grpc.OrdersStub(channel)
+
+        def call(req, n):
+            gzip = args.compression == "gzip" or (args.compression == "first" and n == 1)
+            call_create(stub, req, args.key, args.timeout, n, gzip)
+
         if args.mode == "twice":
-            call_create(stub, request, args.key, args.timeout, 1)
-            call_create(stub, request, args.key, args.timeout, 2)
+            call(request, 1)
+            call(request, 2)
         elif args.mode == "different":
-            call_create(stub, request, args.key, args.timeout, 1)
+            call(request, 1)
             other = pb2.CreateOrderRequest()
             other.CopyFrom(request)
             other.quantity = request.quantity + 1
-            call_create(stub, other, args.key, args.timeout, 2)
+            call(other, 2)
         else:
-            call_create(stub, request, args.key, args.timeout, 1)
+            call(request, 1)
     return 0
 
 
