@@ -40,7 +40,7 @@ use std::time::Duration;
 use common::shop::orders_client::OrdersClient;
 use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
-use idem_client::{CallReport, Retry, RetryLayer};
+use idem_client::{CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::config::TenantSource;
 use idem_core::headers::{
     ERROR_DOMAIN, GRPC_STATUS_DETAILS, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED,
@@ -860,4 +860,40 @@ async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
     );
     assert_eq!(a_runs, 4, "grpcio's four attempts each ran A's handler");
     assert_eq!(b_attempts, 12, "4 × 3 attempts at the bottom");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_client_honours_grpcio_server_pushback_stop() {
+    let Some(py) = python().await else { return };
+    let mut server = py
+        .server(&["--fail-first", "2", "--pushback-ms", "-1"])
+        .await;
+    let layer = RetryLayer::from_config(&service_config());
+    let channel = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(common::channel(server.addr()));
+    let mut client = OrdersClient::new(channel);
+
+    let status = timeout(
+        PROCESS_TIMEOUT,
+        client.create_order(CreateOrderRequest::default()),
+    )
+    .await
+    .expect("the call ends within the bound")
+    .expect_err("UNAVAILABLE, not retried");
+
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    let report = CallReport::from_status(&status).expect("the retry layer reports the call");
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::PushbackStop, 1),
+        "grpc-retry-pushback-ms: -1 from grpcio stops the retries"
+    );
+    assert_eq!(layer.stats().snapshot().attempts, 1);
+    let event = server.next_event().await;
+    assert_eq!(
+        (event["event"].as_str(), event["n"].as_u64()),
+        (Some("attempt"), Some(1)),
+        "{event}"
+    );
 }

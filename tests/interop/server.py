@@ -8,6 +8,9 @@ Prints JSON lines on stdout:
 The attempt line is flushed before the reply is sent, so by the time a client sees a reply
 its line is already in the pipe.
 
+With --pushback-ms V each failure carries `grpc-retry-pushback-ms: V` (gRFC A6 server
+pushback; negative means "do not retry").
+
 It exits when its standard input reaches end of file (the parent went away) or after
 --max-lifetime seconds, so a crashed test never leaves it running.
 """
@@ -22,7 +25,7 @@ import grpc
 from shop_stubs import emit, load, metadata_to_dict
 
 
-def make_servicer(pb2, pb2_grpc, fail_first, fail_code):
+def make_servicer(pb2, pb2_grpc, fail_first, fail_code, pushback_ms):
     class Orders(pb2_grpc.OrdersServicer):
         def __init__(self):
             self._lock = threading.Lock()
@@ -51,6 +54,8 @@ def make_servicer(pb2, pb2_grpc, fail_first, fail_code):
                 metadata=metadata_to_dict(context.invocation_metadata()),
             )
             if fail:
+                if pushback_ms is not None:
+                    context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback_ms),))
                 # No message and no initial metadata sent: C-core answers Trailers-Only,
                 # which a gRFC A6 client may retry.
                 context.abort(fail_code, f"injected failure {n} of {fail_first}")
@@ -70,6 +75,7 @@ def main():
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--fail-first", type=int, default=2, help="CreateOrder attempts to fail")
     parser.add_argument("--fail-code", default="UNAVAILABLE", help="status code name of the failures")
+    parser.add_argument("--pushback-ms", help="grpc-retry-pushback-ms sent with each failure")
     parser.add_argument("--max-lifetime", type=float, default=120.0, help="seconds before it exits anyway")
     parser.add_argument("--proto-root", help="directory holding shop/v1/orders.proto")
     args = parser.parse_args()
@@ -81,7 +87,7 @@ def main():
 
     pb2, pb2_grpc = load(args.proto_root)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
-    pb2_grpc.add_OrdersServicer_to_server(make_servicer(pb2, pb2_grpc, args.fail_first, fail_code), server)
+    pb2_grpc.add_OrdersServicer_to_server(make_servicer(pb2, pb2_grpc, args.fail_first, fail_code, args.pushback_ms), server)
     port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     if port == 0:
         raise SystemExit(f"could not bind 127.0.0.1:{args.port}")
