@@ -10,10 +10,14 @@
 //!   the same key twice runs the handler once and the second reply is a replay; the same
 //!   key with another request is FAILED_PRECONDITION; grpcio's own service-config
 //!   retries (maxAttempts 4 on UNAVAILABLE, from the very file the server reads) against a
-//!   handler that fails twice with UNAVAILABLE run to exactly one order.
+//!   handler that fails twice with UNAVAILABLE run to exactly one order; a call without
+//!   a key is INVALID_ARGUMENT, and idem's `ErrorInfo` reasons (KEY_MISSING, KEY_REUSED)
+//!   reach grpcio intact; a gzip-compressed call and a plain call of the same request are
+//!   one execution (the fingerprint is taken after decompression).
 //! - idem's `RetryLayer` over a tonic channel → grpcio server that fails twice with
 //!   UNAVAILABLE: three attempts, the same key on each, `grpc-previous-rpc-attempts`
-//!   absent / 1 / 2.
+//!   absent / 1 / 2; and a grpcio server's `grpc-retry-pushback-ms: -1` stops the
+//!   retries after one attempt.
 //! - Across hops: grpcio (4 attempts) → tonic server A with idem's `InboundLayer`, whose
 //!   handler calls B through a `RetryLayer` (3 attempts) → B, always UNAVAILABLE. With the
 //!   pushback marker on, A's exhausted failure reaches grpcio with
