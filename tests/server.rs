@@ -1258,3 +1258,75 @@ async fn unsupported_request_encodings_are_refused_clearly() {
     assert_idem_error(&st, Code::Unimplemented, reason::ENCODING_UNSUPPORTED);
     assert_eq!(shop.runs(), 0);
 }
+
+#[tokio::test]
+async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
+    use idem_core::config::TenantSource;
+    let entries = || {
+        vec![
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "CreateOrder")
+                .with_idempotency(policy()),
+        ]
+    };
+    let with = |tenant| {
+        let settings = IdemSettings {
+            tenant,
+            ..IdemSettings::default()
+        };
+        ServiceConfig::from_parts(entries(), None, settings).unwrap()
+    };
+    let keyed_only = |key: &str| {
+        let mut r = Request::new(create("ok"));
+        r.metadata_mut()
+            .insert("x-idempotency-key", key.parse().unwrap());
+        r
+    };
+    // Unset: protected calls fail closed.
+    let store = MemoryStore::default();
+    let srv = serve(IdempotencyLayer::new(
+        store.clone(),
+        &with(TenantSource::Unset),
+    ))
+    .await;
+    let err = srv
+        .client()
+        .create_order(keyed_only(KEY))
+        .await
+        .unwrap_err();
+    assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
+    // Single tenant.
+    let srv = serve(IdempotencyLayer::new(
+        store.clone(),
+        &with(TenantSource::Single("acme".into())),
+    ))
+    .await;
+    srv.client().create_order(keyed_only(KEY)).await.unwrap();
+    assert!(
+        store
+            .get(&scope_for("acme", CREATE, KEY))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    // Header (explicit opt-in): the client's header is the tenant.
+    let header = TenantSource::Header(http::HeaderName::from_static("x-test-tenant"));
+    let srv = serve(IdempotencyLayer::new(store.clone(), &with(header))).await;
+    srv.client()
+        .create_order(keyed(create("ok"), KEY, "from-header"))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .get(&scope_for("from-header", CREATE, KEY))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let err = srv
+        .client()
+        .create_order(keyed_only(KEY))
+        .await
+        .unwrap_err();
+    assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
+}

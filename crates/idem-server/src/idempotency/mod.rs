@@ -108,6 +108,12 @@
 //!   completion is refused if another claimant took over (counted as `stale_fence`).
 //! - Replayed responses keep the stored `grpc-encoding`: the response is replayed
 //!   exactly as first sent.
+//! - A store error while *waiting* for an in-flight duplicate answers UNAVAILABLE even
+//!   on a fail-open method: another claimant is running the call, so running it again
+//!   would be a second execution.
+//! - The layer's own deadline check and tonic's server timeout (which also reads
+//!   `grpc-timeout`) fire at the same moment; whichever answers first wins (tonic's is
+//!   CANCELLED "Timeout expired").
 //! - The key is validated before the tenant is resolved, so a bad key is reported even
 //!   for an unauthenticated caller.
 //!
