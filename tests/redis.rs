@@ -134,25 +134,7 @@ async fn cluster(redis: &RedisServer, n: usize, delay: Duration) -> Cluster {
         let store = RedisStore::from_settings(settings)
             .await
             .expect("connect to the test redis");
-        let layer = IdempotencyLayer::new(store.clone(), &config);
-        let stats = layer.stats();
-        let shop = Shop {
-            name: format!("instance-{i}"),
-            runs: runs.clone(),
-            delay,
-        };
-        let (addr, incoming) = common::bind().await;
-        let (stop, stopped) = oneshot::channel::<()>();
-        let router = tonic::transport::Server::builder()
-            .layer(layer)
-            .add_service(OrdersServer::new(shop));
-        tokio::spawn(async move {
-            router
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let (addr, stats, stop) = serve(store.clone(), &config, i, runs.clone(), delay).await;
         instances.push(Instance {
             addr,
             store,
@@ -165,6 +147,36 @@ async fn cluster(redis: &RedisServer, n: usize, delay: Duration) -> Cluster {
         runs,
         config,
     }
+}
+
+/// Starts instance `i` with `store`: an `Orders` server behind an `IdempotencyLayer`.
+async fn serve<St: Store + std::fmt::Debug>(
+    store: St,
+    config: &ServiceConfig,
+    i: usize,
+    runs: Arc<AtomicUsize>,
+    delay: Duration,
+) -> (SocketAddr, IdempotencyStats, oneshot::Sender<()>) {
+    let layer = IdempotencyLayer::new(store, config);
+    let stats = layer.stats();
+    let shop = Shop {
+        name: format!("instance-{i}"),
+        runs,
+        delay,
+    };
+    let (addr, incoming) = common::bind().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let router = tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(OrdersServer::new(shop));
+    tokio::spawn(async move {
+        router
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    (addr, stats, stop)
 }
 
 impl Cluster {
@@ -514,16 +526,17 @@ async fn round_trips_per_fresh_call_and_per_replay() {
     assert_eq!(replay_total, N as u64, "replay: one claim: {replay:?}");
 }
 
+/// Throughput of fresh and replayed calls through three instances sharing one Redis,
+/// next to a baseline measured in the same run: the same three servers, each with its
+/// own `MemoryStore` (replays sent to the instance that ran the call). Printed, not
+/// asserted (wall-clock numbers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn throughput_of_fresh_and_replayed_calls() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let c = cluster(&redis, 3, Duration::ZERO).await;
-    let clients = c.clients();
     const CALLS: usize = 3000;
     const CONCURRENCY: usize = 64;
-    let keys: Arc<Vec<String>> = Arc::new((0..CALLS).map(|_| new_key()).collect());
 
     async fn run(
         clients: &[OrdersClient<Channel>],
@@ -534,14 +547,16 @@ async fn throughput_of_fresh_and_replayed_calls() {
         let replays = Arc::new(AtomicUsize::new(0));
         let start = Instant::now();
         let mut workers = Vec::new();
-        for w in 0..CONCURRENCY {
-            let mut client = clients[(w + shift) % clients.len()].clone();
+        for _ in 0..CONCURRENCY {
+            let clients = clients.to_vec();
             let (next, keys, replays) = (next.clone(), keys.clone(), replays.clone());
             workers.push(tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(key) = keys.get(i) else { break };
-                    let r = client
+                    // Key i goes to instance (i + shift) mod 3.
+                    let r = clients[(i + shift) % clients.len()]
+                        .clone()
                         .create_order(order_request(key, "tp"))
                         .await
                         .expect("call");
@@ -554,23 +569,53 @@ async fn throughput_of_fresh_and_replayed_calls() {
         }
         (start.elapsed(), replays.load(Ordering::Relaxed))
     }
+    let rate = |d: Duration| CALLS as f64 / d.as_secs_f64();
+    let new_keys = || -> Arc<Vec<String>> { Arc::new((0..CALLS).map(|_| new_key()).collect()) };
 
+    // Baseline: in-memory stores, one per instance.
+    let (memory_fresh, memory_replay) = {
+        let config = ServiceConfig::from_json(&config_json(&redis.url()))
+            .expect("valid config")
+            .config;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let mut clients = Vec::new();
+        let mut stops = Vec::new();
+        for i in 0..3 {
+            let store = idem_server::MemoryStore::new(Default::default());
+            let (addr, _, stop) = serve(store, &config, i, runs.clone(), Duration::ZERO).await;
+            clients.push(OrdersClient::new(common::channel(addr)));
+            stops.push(stop);
+        }
+        let keys = new_keys();
+        let (fresh, fresh_replays) = run(&clients, keys.clone(), 0).await;
+        let (replay, replays) = run(&clients, keys, 0).await;
+        assert_eq!((fresh_replays, replays), (0, CALLS));
+        assert_eq!(runs.load(Ordering::SeqCst), CALLS);
+        (rate(fresh), rate(replay))
+    };
+
+    let c = cluster(&redis, 3, Duration::ZERO).await;
+    let clients = c.clients();
+    let keys = new_keys();
     let (fresh, fresh_replays) = run(&clients, keys.clone(), 0).await;
+    // Replays on another instance than the one that ran the call.
     let (replay, replays) = run(&clients, keys, 1).await;
     assert_eq!(fresh_replays, 0);
     assert_eq!(replays, CALLS);
     assert_eq!(c.runs(), CALLS);
-    let rate = |d: Duration| CALLS as f64 / d.as_secs_f64();
+    let (fresh, replay) = (rate(fresh), rate(replay));
     println!(
-        "throughput ({CALLS} calls, {CONCURRENCY} concurrent, 3 instances, one redis, {} build): \
-         fresh {:.0} calls/s, replay {:.0} calls/s",
+        "throughput ({CALLS} calls, {CONCURRENCY} concurrent, 3 instances, {} build): \
+         redis fresh {fresh:.0} calls/s, replay {replay:.0} calls/s; \
+         memory baseline fresh {memory_fresh:.0}, replay {memory_replay:.0}; \
+         redis/memory fresh {:.2}, replay {:.2}",
         if cfg!(debug_assertions) {
             "debug"
         } else {
             "release"
         },
-        rate(fresh),
-        rate(replay)
+        fresh / memory_fresh,
+        replay / memory_replay,
     );
 }
 
