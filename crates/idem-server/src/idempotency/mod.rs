@@ -131,6 +131,8 @@ mod layer;
 mod service;
 mod stats;
 pub mod tenant;
+#[cfg(test)]
+mod tests;
 
 pub use digest::scope_for;
 pub use future::ResponseFuture;

@@ -1,0 +1,105 @@
+//! Layer tests against `service_fn` inner services (end-to-end tests with a real tonic
+//! server live in the workspace's `tests/server.rs`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use idem_core::ServiceConfig;
+use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, TenantSource};
+use tonic::body::Body;
+use tower::{ServiceExt, service_fn};
+use tower_layer::Layer;
+
+use super::IdempotencyLayer;
+use crate::MemoryStore;
+
+/// A body that never yields: buffering it would never finish.
+struct Pending;
+
+impl http_body::Body for Pending {
+    type Data = Bytes;
+    type Error = tonic::Status;
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
+        std::task::Poll::Pending
+    }
+}
+
+fn config() -> ServiceConfig {
+    let settings = IdemSettings {
+        tenant: TenantSource::Single("t".into()),
+        ..Default::default()
+    };
+    ServiceConfig::from_parts(
+        vec![
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "CreateOrder")
+                .with_idempotency(IdempotencyPolicy {
+                    key_required: false,
+                    ..Default::default()
+                }),
+        ],
+        None,
+        settings,
+    )
+    .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn unprotected_calls_reach_the_inner_service_untouched() {
+    let seen = Arc::new(AtomicUsize::new(0));
+    let s2 = seen.clone();
+    let inner = service_fn(move |req: Request<Body>| {
+        let s2 = s2.clone();
+        async move {
+            // The original request, with its extension; its body was never read.
+            assert_eq!(req.extensions().get::<&'static str>(), Some(&"marker"));
+            s2.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Infallible>(Response::new(Body::empty()))
+        }
+    });
+    let store = MemoryStore::default();
+    let svc = IdempotencyLayer::new(store.clone(), &config()).layer(inner);
+    // Not protected (with a malformed key); protected with an optional key, absent.
+    for (path, key) in [
+        ("/shop.v1.Orders/GetOrder", Some("bad key")),
+        ("/shop.v1.Orders/CreateOrder", None),
+    ] {
+        let mut req = Request::builder().uri(format!("http://x{path}"));
+        if let Some(k) = key {
+            req = req.header("x-idempotency-key", k);
+        }
+        let mut req = req.body(Body::new(Pending)).unwrap();
+        req.extensions_mut().insert("marker");
+        tokio::time::timeout(Duration::from_secs(1), svc.clone().oneshot(req))
+            .await
+            .expect("passed through without buffering the body")
+            .unwrap();
+    }
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert!(store.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_protected_call_buffers_its_body() {
+    let inner =
+        service_fn(|_: Request<Body>| async { Ok::<_, Infallible>(Response::new(Body::empty())) });
+    let svc = IdempotencyLayer::new(MemoryStore::default(), &config()).layer(inner);
+    let req = Request::builder()
+        .uri("http://x/shop.v1.Orders/CreateOrder")
+        .header("x-idempotency-key", "abcdefgh")
+        .body(Body::new(Pending))
+        .unwrap();
+    // The body never ends, so the protected call never reaches the handler.
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), svc.oneshot(req))
+            .await
+            .is_err()
+    );
+}
