@@ -5,10 +5,9 @@
 //! authenticated source:
 //!
 //! ```no_run
-//! # use std::sync::Arc;
-//! # use idem_core::{ServiceConfig, MethodConfig};
-//! # use idem_core::config::{IdemSettings, IdempotencyPolicy};
+//! use idem_core::ServiceConfig;
 //! use idem_server::{IdempotencyLayer, MemoryStore, tenant::FromExtension};
+//! use tonic::transport::Server;
 //!
 //! /// What the auth layer puts into the request extensions.
 //! #[derive(Clone)]
@@ -17,16 +16,21 @@
 //!     fn as_ref(&self) -> &str { &self.0 }
 //! }
 //!
-//! # fn demo(config: ServiceConfig) {
-//! let layer = IdempotencyLayer::new(MemoryStore::default(), &config)
+//! # async fn run(
+//! #     config: ServiceConfig,
+//! #     orders: tonic::service::Routes, // e.g. `OrdersServer::new(orders)`
+//! # ) -> Result<(), Box<dyn std::error::Error>> {
+//! let idempotency = IdempotencyLayer::new(MemoryStore::default(), &config)
 //!     .tenant(FromExtension::<Tenant>::new());
-//! let stats = layer.stats();
-//! // Server::builder()
-//! //     .layer(auth_layer)
-//! //     .layer(layer)
-//! //     .add_service(OrdersServer::new(orders))
-//! //     .serve(addr).await?;
-//! # let _ = (layer, stats);
+//! let stats = idempotency.stats(); // counters to export
+//! Server::builder()
+//!     // .layer(auth_layer)  // first: it sets the `Tenant` extension
+//!     .layer(idempotency)
+//!     .add_routes(orders)
+//!     .serve("127.0.0.1:50051".parse()?)
+//!     .await?;
+//! # let _ = stats;
+//! # Ok(())
 //! # }
 //! ```
 //!
