@@ -218,7 +218,7 @@ fn report(name: &str, parsed: &Parsed) -> String {
         "idem.keyHeader: {}\nidem.tenant: {tenant}\n\
          idem.memoryStore: maxEntries {}, maxBytes {}, sweepInterval {}\nidem.redis: {redis}\n\
          idem.client: keyAllMethods {}, maxReplayBytesPerCall {}, maxReplayBytesTotal {}, \
-         minAttemptTime {}, retryExhaustedPushback {}\n",
+         minAttemptTime {}, retryExhaustedPushback {}, noRetryUnderRetriedInbound {}\n",
         s.key_header,
         m.max_entries,
         m.max_bytes,
@@ -228,6 +228,7 @@ fn report(name: &str, parsed: &Parsed) -> String {
         c.max_replay_bytes_total,
         format_duration(c.min_attempt_time),
         c.retry_exhausted_pushback,
+        c.no_retry_under_retried_inbound,
     ));
     text
 }

@@ -13,7 +13,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 /// Binds 127.0.0.1:0 and returns the listener's address and an incoming stream for
 /// `Server::serve_with_incoming`.
 pub async fn bind() -> (SocketAddr, TcpListenerStream) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0");
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1:0");
     let addr = listener.local_addr().expect("local addr");
     (addr, TcpListenerStream::new(listener))
 }

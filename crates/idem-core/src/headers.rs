@@ -19,6 +19,13 @@ pub const GRPC_STATUS_DETAILS: &str = "grpc-status-details-bin";
 /// `grpc-retry-pushback-ms: -1` and never lets it leave the process.
 pub const DOWNSTREAM_EXHAUSTED: &str = "x-idem-downstream-exhausted";
 
+/// Local: the client layer's `CallOutcome` for a failed call, readable from the
+/// `Status` metadata by the caller in this process. Never sent upstream (the server side
+/// strips it).
+pub const RETRY_OUTCOME: &str = "x-idem-retry-outcome";
+/// Local: attempts the client layer made for a failed call (as [`RETRY_OUTCOME`]).
+pub const RETRY_ATTEMPTS: &str = "x-idem-retry-attempts";
+
 /// The `ErrorInfo.domain` of every error an idem layer makes.
 pub const ERROR_DOMAIN: &str = "idem";
 

@@ -45,6 +45,9 @@ pub(crate) struct Effective {
     pub(crate) min_attempt_time: Duration,
     /// Mark give-up failures for the server layer (`idem.client.retryExhaustedPushback`).
     pub(crate) mark_exhausted: bool,
+    /// No retries under an inbound call that is itself a retry
+    /// (`idem.client.noRetryUnderRetriedInbound`).
+    pub(crate) no_retry_under_retried_inbound: bool,
 }
 
 impl Effective {
@@ -79,6 +82,8 @@ struct Overrides {
     max_replay_bytes_per_call: Option<usize>,
     max_replay_bytes_total: Option<usize>,
     min_attempt_time: Option<Duration>,
+    retry_exhausted_pushback: Option<bool>,
+    no_retry_under_retried_inbound: Option<bool>,
 }
 
 impl Overrides {
@@ -94,7 +99,12 @@ impl Overrides {
             min_attempt_time: self
                 .min_attempt_time
                 .unwrap_or(from_config.min_attempt_time),
-            retry_exhausted_pushback: from_config.retry_exhausted_pushback,
+            retry_exhausted_pushback: self
+                .retry_exhausted_pushback
+                .unwrap_or(from_config.retry_exhausted_pushback),
+            no_retry_under_retried_inbound: self
+                .no_retry_under_retried_inbound
+                .unwrap_or(from_config.no_retry_under_retried_inbound),
         }
     }
 }
@@ -218,6 +228,7 @@ impl RetryLayer {
             max_replay_bytes_per_call: client.max_replay_bytes_per_call,
             min_attempt_time: client.min_attempt_time,
             mark_exhausted: client.retry_exhausted_pushback,
+            no_retry_under_retried_inbound: client.no_retry_under_retried_inbound,
         };
         *shared
             .effective
@@ -280,6 +291,8 @@ pub enum BuildError {
 /// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
 /// | [`on_outcome`](Self::on_outcome) | none |
 /// | [`retry_headers_then_error`](Self::retry_headers_then_error) | false |
+/// | [`retry_exhausted_pushback`](Self::retry_exhausted_pushback) | true (with a config: `idem.client.retryExhaustedPushback`) |
+/// | [`no_retry_under_retried_inbound`](Self::no_retry_under_retried_inbound) | false (with a config: `idem.client.noRetryUnderRetriedInbound`) |
 pub struct RetryLayerBuilder {
     config: Option<ServiceConfig>,
     max_attempts: u32,
@@ -395,6 +408,20 @@ impl RetryLayerBuilder {
         self.overrides.key_all_methods = Some(yes);
         self
     }
+    /// Tag a failure this layer gives up on (retries exhausted, throttled, pushback stop)
+    /// while serving an inbound call, so the server's `InboundLayer` sends it upstream with
+    /// `grpc-retry-pushback-ms: -1` (default true): retry at one layer only.
+    pub fn retry_exhausted_pushback(mut self, yes: bool) -> Self {
+        self.overrides.retry_exhausted_pushback = Some(yes);
+        self
+    }
+    /// Make no retries for calls made while serving an inbound call that is itself a retry
+    /// (`grpc-previous-rpc-attempts` > 0), since the caller upstream retries already
+    /// (default false).
+    pub fn no_retry_under_retried_inbound(mut self, yes: bool) -> Self {
+        self.overrides.no_retry_under_retried_inbound = Some(yes);
+        self
+    }
     /// Header carrying the key (default `x-idempotency-key`, or the config's
     /// `idem.keyHeader`).
     pub fn key_header(mut self, name: HeaderName) -> Self {
@@ -493,6 +520,7 @@ impl RetryLayerBuilder {
             max_replay_bytes_per_call: client.max_replay_bytes_per_call,
             min_attempt_time: client.min_attempt_time,
             mark_exhausted: client.retry_exhausted_pushback,
+            no_retry_under_retried_inbound: client.no_retry_under_retried_inbound,
         };
         RetryLayer {
             shared: Arc::new(Shared {

@@ -10,9 +10,9 @@ use tonic::Code;
 /// Response header (local only: the layer adds it to Trailers-Only error responses, where
 /// tonic exposes it as [`Status::metadata`](tonic::Status::metadata)) naming the
 /// [`CallOutcome`].
-pub const OUTCOME_HEADER: &str = "x-idem-retry-outcome";
+pub const OUTCOME_HEADER: &str = idem_core::headers::RETRY_OUTCOME;
 /// Response header (local only, see [`OUTCOME_HEADER`]) with the number of attempts.
-pub const ATTEMPTS_HEADER: &str = "x-idem-retry-attempts";
+pub const ATTEMPTS_HEADER: &str = idem_core::headers::RETRY_ATTEMPTS;
 
 /// Why the retry layer stopped a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

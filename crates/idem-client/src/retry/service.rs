@@ -94,7 +94,13 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let eff = self.shared.effective();
         let path = req.uri().path().to_owned();
-        let policy = eff.resolve(&path);
+        let mut policy = eff.resolve(&path);
+        if eff.no_retry_under_retried_inbound
+            && current_scope().is_some_and(|s| s.previous_attempts > 0)
+        {
+            // The caller upstream retries already: one attempt here.
+            policy.retry = None;
+        }
         self.shared.stats.call();
 
         if policy.add_key && !req.headers().contains_key(&eff.key_header) {

@@ -66,6 +66,7 @@ const CLIENT_FIELDS: &[&str] = &[
     "maxReplayBytesTotal",
     "minAttemptTime",
     "retryExhaustedPushback",
+    "noRetryUnderRetriedInbound",
 ];
 
 /// Codes whose retry cannot help: the server will answer the same (or there was no error).
@@ -1149,6 +1150,9 @@ impl Validator {
         }
         if let Some(b) = self.boolean(&o, "retryExhaustedPushback") {
             c.retry_exhausted_pushback = b;
+        }
+        if let Some(b) = self.boolean(&o, "noRetryUnderRetriedInbound") {
+            c.no_retry_under_retried_inbound = b;
         }
         if c.max_replay_bytes_total < c.max_replay_bytes_per_call {
             self.warn(

@@ -1599,7 +1599,7 @@ fn idem_redis() {
 
 #[test]
 fn idem_client() {
-    let (s, w) = settings(json!({"client": {"keyAllMethods": true, "maxReplayBytesPerCall": 1024, "maxReplayBytesTotal": 4096, "minAttemptTime": "0.01s", "retryExhaustedPushback": false}})).unwrap();
+    let (s, w) = settings(json!({"client": {"keyAllMethods": true, "maxReplayBytesPerCall": 1024, "maxReplayBytesTotal": 4096, "minAttemptTime": "0.01s", "retryExhaustedPushback": false, "noRetryUnderRetriedInbound": true}})).unwrap();
     assert!(w.is_empty());
     assert_eq!(
         s.client,
@@ -1609,6 +1609,7 @@ fn idem_client() {
             max_replay_bytes_total: 4096,
             min_attempt_time: Duration::from_millis(10),
             retry_exhausted_pushback: false,
+            no_retry_under_retried_inbound: true,
         }
     );
     let (_, w) = settings(json!({"client": {"maxReplayBytesTotal": 1024}})).unwrap();

@@ -417,7 +417,7 @@ pub struct RedisSettings {
 /// # Defaults
 /// `keyAllMethods` false, `maxReplayBytesPerCall` 262144 (256 KiB),
 /// `maxReplayBytesTotal` 16777216 (16 MiB), `minAttemptTime` `"0s"`,
-/// `retryExhaustedPushback` true.
+/// `retryExhaustedPushback` true, `noRetryUnderRetriedInbound` false.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientSettings {
     /// Add `x-idempotency-key` to every method, not just protected ones.
@@ -431,6 +431,10 @@ pub struct ClientSettings {
     /// Mark failures from an exhausted downstream call with `grpc-retry-pushback-ms: -1`
     /// (retry at one layer only, DESIGN.md section 4).
     pub retry_exhausted_pushback: bool,
+    /// Make no retries for outgoing calls made while serving an inbound call that is
+    /// itself a retry (`grpc-previous-rpc-attempts` > 0): the caller upstream already
+    /// retries, so retrying here too would multiply attempts.
+    pub no_retry_under_retried_inbound: bool,
 }
 
 impl Default for ClientSettings {
@@ -441,6 +445,7 @@ impl Default for ClientSettings {
             max_replay_bytes_total: 16 * 1024 * 1024,
             min_attempt_time: Duration::ZERO,
             retry_exhausted_pushback: true,
+            no_retry_under_retried_inbound: false,
         }
     }
 }

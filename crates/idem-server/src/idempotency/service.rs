@@ -324,7 +324,10 @@ where
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let inbound = InboundScope::new(deadline, previous_attempts);
+        // Under an `InboundLayer` the scope (with its exhausted-downstream marker) is
+        // already set: keep it, so clients in the handler can mark their give-ups.
+        let inbound = idem_core::deadline::current_scope()
+            .unwrap_or_else(|| InboundScope::new(deadline, previous_attempts));
 
         let claimant = ClaimantId::random();
         let mut waited = false;
