@@ -18,11 +18,12 @@
 //!   UNAVAILABLE: three attempts, the same key on each, `grpc-previous-rpc-attempts`
 //!   absent / 1 / 2; and a grpcio server's `grpc-retry-pushback-ms: -1` stops the
 //!   retries after one attempt.
-//! - Across hops: grpcio (4 attempts) → tonic server A with idem's `InboundLayer`, whose
-//!   handler calls B through a `RetryLayer` (3 attempts) → B, always UNAVAILABLE. With the
+//! - Across hops: grpcio (4 attempts) → tonic server A with idem's `InboundLayer` and
+//!   `IdempotencyLayer`, whose handler calls B through a `RetryLayer` (3 attempts) → B, always UNAVAILABLE. With the
 //!   pushback marker on, A's exhausted failure reaches grpcio with
 //!   `grpc-retry-pushback-ms: -1` and grpcio does not retry: B sees 3 attempts. With it
-//!   off, grpcio retries: B sees 4 × 3 = 12.
+//!   off, grpcio retries: B sees 4 × 3 = 12. idem's local outcome headers never reach
+//!   grpcio.
 //!
 //! Without the venv the tests print `skipped: …` and pass, except when `CI` is set: then
 //! they fail, so CI never skips them silently. Every process wait is bounded
@@ -44,6 +45,7 @@ use std::time::Duration;
 use common::shop::orders_client::OrdersClient;
 use common::shop::orders_server::{Orders, OrdersServer};
 use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use idem_client::retry::outcome::{ATTEMPTS_HEADER, OUTCOME_HEADER};
 use idem_client::{CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::config::TenantSource;
 use idem_core::headers::{
@@ -783,7 +785,7 @@ impl Orders for Relay {
 }
 
 /// grpcio (retry policy: 4 attempts on UNAVAILABLE) → A (tonic with idem's
-/// `InboundLayer`; its handler calls B through a `RetryLayer` with 3 attempts) → B
+/// `InboundLayer` and `IdempotencyLayer`; its handler calls B through a `RetryLayer` with 3 attempts) → B
 /// (always UNAVAILABLE). Returns grpcio's view of the call, A's handler executions and
 /// B's attempts.
 async fn grpcio_over_two_hops(py: &Python, pushback_on_exhausted: bool) -> (Value, usize, usize) {
@@ -808,9 +810,12 @@ async fn grpcio_over_two_hops(py: &Python, pushback_on_exhausted: bool) -> (Valu
         ),
         executions: Arc::default(),
     };
+    let config = service_config();
+    let store = MemoryStore::new(config.settings().memory_store.clone());
     let a = spawn_server(|incoming, stop| {
         tonic::transport::Server::builder()
             .layer(InboundLayer::new().pushback_on_exhausted(pushback_on_exhausted))
+            .layer(IdempotencyLayer::new(store, &config))
             .add_service(OrdersServer::new(relay.clone()))
             .serve_with_incoming_shutdown(incoming, stop)
     })
@@ -854,6 +859,12 @@ async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
         "grpcio honoured grpc-retry-pushback-ms: -1 and did not retry"
     );
     assert_eq!(b_attempts, 3, "retries happen at one layer only: {call}");
+    for local in [OUTCOME_HEADER, ATTEMPTS_HEADER] {
+        assert!(
+            meta(&call, "trailing", local).is_empty(),
+            "{local} leaked: {call}"
+        );
+    }
 
     // The same chain with the marker switched off: grpcio retries what A already retried.
     let (call, a_runs, b_attempts) = grpcio_over_two_hops(&py, false).await;
@@ -864,6 +875,12 @@ async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
     );
     assert_eq!(a_runs, 4, "grpcio's four attempts each ran A's handler");
     assert_eq!(b_attempts, 12, "4 × 3 attempts at the bottom");
+    for local in [OUTCOME_HEADER, ATTEMPTS_HEADER] {
+        assert!(
+            meta(&call, "trailing", local).is_empty(),
+            "{local} leaked: {call}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
