@@ -18,12 +18,13 @@
 //!   UNAVAILABLE: three attempts, the same key on each, `grpc-previous-rpc-attempts`
 //!   absent / 1 / 2; and a grpcio server's `grpc-retry-pushback-ms: -1` stops the
 //!   retries after one attempt.
-//! - Across hops: grpcio (4 attempts) → tonic server A with idem's `InboundLayer` and
-//!   `IdempotencyLayer`, whose handler calls B through a `RetryLayer` (3 attempts) → B, always UNAVAILABLE. With the
-//!   pushback marker on, A's exhausted failure reaches grpcio with
-//!   `grpc-retry-pushback-ms: -1` and grpcio does not retry: B sees 3 attempts. With it
-//!   off, grpcio retries: B sees 4 × 3 = 12. idem's local outcome headers never reach
-//!   grpcio.
+//! - Across hops (issue 7's chain with grpcio at the top): grpcio (4 attempts) → A → B →
+//!   C → D, where A, B and C are tonic servers with idem's `InboundLayer` and
+//!   `IdempotencyLayer` whose handler calls the next hop through a `RetryLayer` (3
+//!   attempts), and D always answers UNAVAILABLE. With the pushback marker on, the
+//!   exhausted failure reaches grpcio with `grpc-retry-pushback-ms: -1` and nobody above
+//!   C retries: D sees 3 attempts. With it off, D sees 4 × 3 × 3 × 3 = 108. idem's local
+//!   outcome headers never reach grpcio.
 //!
 //! Without the venv the tests print `skipped: …` and pass, except when `CI` is set: then
 //! they fail, so CI never skips them silently. Every process wait is bounded
@@ -784,46 +785,81 @@ impl Orders for Relay {
     }
 }
 
-/// grpcio (retry policy: 4 attempts on UNAVAILABLE) → A (tonic with idem's
-/// `InboundLayer` and `IdempotencyLayer`; its handler calls B through a `RetryLayer` with 3 attempts) → B
-/// (always UNAVAILABLE). Returns grpcio's view of the call, A's handler executions and
-/// B's attempts.
-async fn grpcio_over_two_hops(py: &Python, pushback_on_exhausted: bool) -> (Value, usize, usize) {
+/// The retry policy of the relays' `RetryLayer`s (3 attempts, millisecond backoffs) and
+/// the `idempotency` object that makes them send keys.
+const HOP_CONFIG: &str = r#"{
+  "methodConfig": [{
+    "name": [{"service": "shop.v1.Orders"}],
+    "retryPolicy": {
+      "maxAttempts": 3,
+      "initialBackoff": "0.001s",
+      "maxBackoff": "0.005s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    },
+    "idempotency": {}
+  }]
+}"#;
+
+/// What one run through the chain did.
+#[derive(Debug)]
+struct ChainRun {
+    /// grpcio's view of the call (client.py's JSON line).
+    call: Value,
+    /// Handler executions at A, B and C.
+    relay_runs: [usize; 3],
+    /// Attempts that reached D.
+    bottom_attempts: usize,
+}
+
+/// grpcio (retry policy: 4 attempts on UNAVAILABLE, from [`SERVICE_CONFIG`]) → A → B → C
+/// → D. A, B and C are tonic servers with idem's `InboundLayer` and `IdempotencyLayer`
+/// whose handler passes the call down through a `RetryLayer` (3 attempts); D always
+/// answers UNAVAILABLE.
+async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun {
     let bottom = Shop::failing_first(usize::MAX);
-    let b = spawn_server(|incoming, stop| {
+    let d = spawn_server(|incoming, stop| {
         tonic::transport::Server::builder()
             .add_service(OrdersServer::new(bottom.clone()))
             .serve_with_incoming_shutdown(incoming, stop)
     })
     .await;
-    let downstream_retries = RetryLayer::builder()
-        .max_attempts(3)
-        .initial_backoff(Duration::from_millis(5))
-        .max_backoff(Duration::from_millis(20))
-        .build()
-        .expect("valid retry policy");
-    let relay = Relay {
-        downstream: OrdersClient::new(
-            tower::ServiceBuilder::new()
-                .layer(downstream_retries)
-                .service(common::channel(b.addr)),
-        ),
-        executions: Arc::default(),
-    };
+    let hop_config = ServiceConfig::from_json(HOP_CONFIG)
+        .expect("HOP_CONFIG is valid")
+        .config;
     let config = service_config();
-    let store = MemoryStore::new(config.settings().memory_store.clone());
-    let a = spawn_server(|incoming, stop| {
-        tonic::transport::Server::builder()
-            .layer(InboundLayer::new().pushback_on_exhausted(pushback_on_exhausted))
-            .layer(IdempotencyLayer::new(store, &config))
-            .add_service(OrdersServer::new(relay.clone()))
-            .serve_with_incoming_shutdown(incoming, stop)
-    })
-    .await;
+
+    // Built from the bottom up: C, then B, then A.
+    let mut next = d;
+    let mut servers = Vec::new();
+    let mut relays = Vec::new();
+    for _ in 0..3 {
+        let relay = Relay {
+            downstream: OrdersClient::new(
+                tower::ServiceBuilder::new()
+                    .layer(RetryLayer::from_config(&hop_config))
+                    .service(common::channel(next.addr)),
+            ),
+            executions: Arc::default(),
+        };
+        let store = MemoryStore::new(config.settings().memory_store.clone());
+        let server = spawn_server(|incoming, stop| {
+            tonic::transport::Server::builder()
+                .layer(InboundLayer::new().pushback_on_exhausted(pushback_on_exhausted))
+                .layer(IdempotencyLayer::new(store, &config))
+                .add_service(OrdersServer::new(relay.clone()))
+                .serve_with_incoming_shutdown(incoming, stop)
+        })
+        .await;
+        servers.push(std::mem::replace(&mut next, server));
+        relays.push(relay);
+    }
+    let a = next;
+
     let file = ConfigFile::write(if pushback_on_exhausted {
-        "hops-on"
+        "chain-on"
     } else {
-        "hops-off"
+        "chain-off"
     });
     let addr = a.addr.to_string();
     let calls = py
@@ -833,51 +869,65 @@ async fn grpcio_over_two_hops(py: &Python, pushback_on_exhausted: bool) -> (Valu
             "--mode",
             "retry",
             "--key",
-            "grpcio-hops-0001",
+            "grpcio-chain-0001",
             "--service-config",
             file.path(),
         ])
         .await;
     assert_eq!(calls.len(), 1, "{calls:?}");
-    let b_attempts = bottom.journal().executions.len();
-    (
-        calls[0].clone(),
-        relay.executions.load(Ordering::SeqCst),
-        b_attempts,
-    )
+    let runs = |hop: &Relay| hop.executions.load(Ordering::SeqCst);
+    ChainRun {
+        call: calls[0].clone(),
+        relay_runs: [runs(&relays[2]), runs(&relays[1]), runs(&relays[0])],
+        bottom_attempts: bottom.journal().executions.len(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
     let Some(py) = python().await else { return };
 
-    let (call, a_runs, b_attempts) = grpcio_over_two_hops(&py, true).await;
+    let run = grpcio_over_chain(&py, true).await;
+    let call = &run.call;
     assert_eq!(call["code"], "UNAVAILABLE", "{call}");
-    assert_eq!(meta(&call, "trailing", RETRY_PUSHBACK_MS), ["-1"], "{call}");
+    assert_eq!(meta(call, "trailing", RETRY_PUSHBACK_MS), ["-1"], "{call}");
     assert_eq!(
-        a_runs, 1,
-        "grpcio honoured grpc-retry-pushback-ms: -1 and did not retry"
+        run.relay_runs,
+        [1, 1, 1],
+        "grpcio honoured grpc-retry-pushback-ms: -1 and did not retry, nor did A or B: {run:?}"
     );
-    assert_eq!(b_attempts, 3, "retries happen at one layer only: {call}");
+    assert_eq!(
+        run.bottom_attempts, 3,
+        "retries happen at one layer only: {run:?}"
+    );
     for local in [OUTCOME_HEADER, ATTEMPTS_HEADER] {
         assert!(
-            meta(&call, "trailing", local).is_empty(),
+            meta(call, "trailing", local).is_empty(),
             "{local} leaked: {call}"
         );
     }
 
-    // The same chain with the marker switched off: grpcio retries what A already retried.
-    let (call, a_runs, b_attempts) = grpcio_over_two_hops(&py, false).await;
+    // The same chain with the marker switched off: every layer retries what the one
+    // below already retried.
+    let run = grpcio_over_chain(&py, false).await;
+    let call = &run.call;
     assert_eq!(call["code"], "UNAVAILABLE", "{call}");
     assert!(
-        meta(&call, "trailing", RETRY_PUSHBACK_MS).is_empty(),
+        meta(call, "trailing", RETRY_PUSHBACK_MS).is_empty(),
         "{call}"
     );
-    assert_eq!(a_runs, 4, "grpcio's four attempts each ran A's handler");
-    assert_eq!(b_attempts, 12, "4 × 3 attempts at the bottom");
+    assert_eq!(
+        run.relay_runs,
+        [4, 12, 36],
+        "4, 4 × 3, 4 × 3 × 3 runs: {run:?}"
+    );
+    assert_eq!(
+        run.bottom_attempts, 108,
+        "4 × 3 × 3 × 3 attempts at the bottom: {run:?}"
+    );
     for local in [OUTCOME_HEADER, ATTEMPTS_HEADER] {
         assert!(
-            meta(&call, "trailing", local).is_empty(),
+            meta(call, "trailing", local).is_empty(),
             "{local} leaked: {call}"
         );
     }
