@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes};
 use http::HeaderMap;
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 
 use crate::BoxError;
@@ -84,10 +84,41 @@ impl Drop for Lease {
     }
 }
 
+/// The chunks of a buffered body. A unary call's body is one chunk: held without a
+/// `Vec` or an `Arc` slice (a `Bytes` clone is a refcount), so buffering it allocates
+/// nothing.
+#[derive(Debug, Clone)]
+enum Chunks {
+    One(Bytes),
+    Many(Arc<[Bytes]>),
+}
+
+impl Chunks {
+    fn new(first: Option<Bytes>, more: Vec<Bytes>) -> Self {
+        match first {
+            Some(one) if more.is_empty() => Chunks::One(one),
+            Some(one) => Chunks::Many(std::iter::once(one).chain(more).collect()),
+            None => Chunks::Many(Arc::from(more)),
+        }
+    }
+    fn get(&self, i: usize) -> Option<&Bytes> {
+        match self {
+            Chunks::One(b) => (i == 0).then_some(b),
+            Chunks::Many(all) => all.get(i),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Chunks::One(_) => 1,
+            Chunks::Many(all) => all.len(),
+        }
+    }
+}
+
 /// A fully read request body; [`Replay::body`] is one attempt's copy (refcount clones).
 #[derive(Debug, Clone)]
 pub(crate) struct Replay {
-    chunks: Arc<[Bytes]>,
+    chunks: Chunks,
     trailers: Option<HeaderMap>,
 }
 
@@ -104,7 +135,7 @@ impl Replay {
 /// One attempt's request body.
 #[derive(Debug)]
 pub(crate) struct ReplayBody {
-    chunks: Arc<[Bytes]>,
+    chunks: Chunks,
     next: usize,
     trailers: Option<HeaderMap>,
 }
@@ -128,10 +159,9 @@ impl Body for ReplayBody {
         self.next >= self.chunks.len() && self.trailers.is_none()
     }
 
-    fn size_hint(&self) -> SizeHint {
-        let left: usize = self.chunks.iter().skip(self.next).map(Bytes::len).sum();
-        SizeHint::with_exact(left as u64)
-    }
+    // No exact `size_hint`: hyper would turn it into a `content-length` header on every
+    // attempt (an allocation, HPACK work and a parse on the server), which gRPC requests
+    // do not carry; the default (unknown) keeps the request as the bare channel sends it.
 }
 
 /// The body of a call that is sent once: what was read while trying to buffer it, then
@@ -267,7 +297,9 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = Box::pin(body);
-    let mut chunks: Vec<Bytes> = Vec::new();
+    // The first chunk apart: a one-chunk body (every unary call) needs no `Vec`.
+    let mut first: Option<Bytes> = None;
+    let mut more: Vec<Bytes> = Vec::new();
     let mut total = 0usize;
     let mut trailers: Option<HeaderMap> = None;
     loop {
@@ -281,7 +313,11 @@ where
                 Ok(mut data) => {
                     let chunk = data.copy_to_bytes(data.remaining());
                     let len = chunk.len();
-                    chunks.push(chunk);
+                    if first.is_none() {
+                        first = Some(chunk);
+                    } else {
+                        more.push(chunk);
+                    }
                     if total.saturating_add(len) > cap {
                         Some((Overflow::PerCall, None))
                     } else if !lease.reserve(len) {
@@ -308,7 +344,7 @@ where
             // none, and an attempt sent once streams the rest of the original body.
             return Buffered::Partial(
                 PartialBody {
-                    read: chunks.into(),
+                    read: first.into_iter().chain(more).collect(),
                     error,
                     rest: Some(body),
                 },
@@ -317,7 +353,7 @@ where
         }
     }
     Buffered::Complete(Replay {
-        chunks: chunks.into(),
+        chunks: Chunks::new(first, more),
         trailers,
     })
 }

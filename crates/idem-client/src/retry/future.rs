@@ -52,7 +52,7 @@ pin_project! {
             #[pin]
             fut: F,
             shared: Arc<Shared>,
-            path: String,
+            path: CallPath,
             span: tracing::Span,
         },
         Retrying {
@@ -81,7 +81,7 @@ impl<F, E> ResponseFuture<F, E> {
     pub(crate) fn passthrough(
         fut: F,
         shared: Arc<Shared>,
-        path: String,
+        path: CallPath,
         span: tracing::Span,
     ) -> Self {
         ResponseFuture {
@@ -169,7 +169,7 @@ where
                     attempts: 1,
                     last_code: code,
                 };
-                Poll::Ready(conclude(shared, path, result, report, None))
+                Poll::Ready(conclude(shared, path.as_str(), result, report, None))
             }
             KindProj::Retrying { fut } => fut.as_mut().poll(cx),
             KindProj::Ready { response } => match response.take() {
@@ -180,13 +180,33 @@ where
     }
 }
 
+/// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
+/// (static for generated tonic clients), so cloning it out of the request is free.
+#[derive(Debug, Clone)]
+pub(crate) struct CallPath(Option<http::uri::PathAndQuery>);
+
+impl CallPath {
+    pub(crate) fn of(uri: &http::Uri) -> Self {
+        CallPath(uri.path_and_query().cloned())
+    }
+    pub(crate) fn as_str(&self) -> &str {
+        self.0.as_ref().map_or("", http::uri::PathAndQuery::path)
+    }
+}
+
+impl std::fmt::Display for CallPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What one retrying call needs.
 pub(crate) struct Call {
     pub(crate) shared: Arc<Shared>,
     pub(crate) eff: Arc<Effective>,
     pub(crate) policy: RetryPolicy,
     pub(crate) deadline: Option<Instant>,
-    pub(crate) path: String,
+    pub(crate) path: CallPath,
     /// The inbound call's marker, when this call is made while serving one.
     pub(crate) marker: Option<ExhaustedMarker>,
 }
@@ -236,9 +256,12 @@ fn conclude<E>(
     marker: Option<ExhaustedMarker>,
 ) -> Result<Resp, E> {
     shared.report(path, &report);
-    let span = tracing::Span::current();
-    span.record("attempts", report.attempts);
-    span.record("outcome", report.outcome.as_str());
+    // The `idem_retry` span is a `debug` span: skip the lookup when nothing listens.
+    if tracing::level_enabled!(tracing::Level::DEBUG) {
+        let span = tracing::Span::current();
+        span.record("attempts", report.attempts);
+        span.record("outcome", report.outcome.as_str());
+    }
     result.map(|mut resp| {
         if matches!(report.last_code, Some(c) if c != Code::Ok) {
             report.write_headers(resp.headers_mut());
@@ -305,7 +328,8 @@ fn request(
 ) -> http::Request<tonic::body::Body> {
     let mut req = http::Request::from_parts(parts.clone(), body);
     let headers = req.headers_mut();
-    let previous = HeaderName::from_static(PREVIOUS_RPC_ATTEMPTS);
+    const PREVIOUS: HeaderName = HeaderName::from_static(PREVIOUS_RPC_ATTEMPTS);
+    let previous = PREVIOUS;
     if attempts > 1 {
         headers.insert(previous, HeaderValue::from(attempts - 1));
     } else {
@@ -374,7 +398,13 @@ where
             attempts,
             last_code: code,
         };
-        conclude(&call.shared, &call.path, result, report, call.marker)
+        conclude(
+            &call.shared,
+            call.path.as_str(),
+            result,
+            report,
+            call.marker,
+        )
     };
 
     loop {
@@ -399,10 +429,9 @@ where
         };
         attempts += 1;
         call.shared.stats.attempt(attempts == 1);
-        let started = Instant::now();
         let recv_timeout = policy
             .per_attempt_recv_timeout()
-            .and_then(|t| started.checked_add(t));
+            .and_then(|t| Instant::now().checked_add(t));
         let req = request(&parts, body, attempts, call.deadline);
         let peek = call.shared.peek_early_trailers && matches!(source, Source::Replay(_));
         let result = attempt(svc.call(req), call.deadline, recv_timeout, peek).await;

@@ -6,6 +6,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
+#[cfg(test)]
 use idem_core::IdempotencyKey;
 use idem_core::ServiceConfig;
 use idem_core::deadline::{
@@ -16,7 +17,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::field::Empty;
 
-use super::future::{self, Call, ResponseFuture};
+use super::future::{self, Call, CallPath, ResponseFuture};
 use super::layer::{RetryLayer, Shared};
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
@@ -93,8 +94,10 @@ where
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let eff = self.shared.effective();
-        let path = req.uri().path().to_owned();
-        let mut policy = eff.resolve(&path);
+        // The path as a `PathAndQuery` clone: `Bytes` inside (static for generated
+        // clients), so no copy per call.
+        let path = CallPath::of(req.uri());
+        let mut policy = eff.resolve(path.as_str());
         if eff.no_retry_under_retried_inbound
             && current_scope().is_some_and(|s| s.previous_attempts > 0)
         {
@@ -103,18 +106,27 @@ where
         }
         self.shared.stats.call();
 
-        if policy.add_key && !req.headers().contains_key(&eff.key_header) {
-            add_key(req.headers_mut(), &eff.key_header);
+        if policy.add_key {
+            match req.headers_mut().get_mut(&eff.key_header) {
+                // Keys are unique per call: never worth an HPACK table entry (see `add_key`).
+                Some(v) => v.set_sensitive(true),
+                None => add_key(req.headers_mut(), &eff.key_header),
+            }
         }
 
-        let now = Instant::now();
-        let from_header = req
+        // The clock is read only when a timeout is relative to now.
+        let header_timeout = req
             .headers()
             .get(GRPC_TIMEOUT)
-            .and_then(|v| parse_grpc_timeout(v.as_bytes()))
-            .and_then(|t| now.checked_add(t));
-        let from_config = policy.timeout.and_then(|t| now.checked_add(t));
-        let deadline = earliest([from_header, inbound_deadline(), from_config]);
+            .and_then(|v| parse_grpc_timeout(v.as_bytes()));
+        let deadline = if header_timeout.is_none() && policy.timeout.is_none() {
+            inbound_deadline()
+        } else {
+            let now = Instant::now();
+            let from_header = header_timeout.and_then(|t| now.checked_add(t));
+            let from_config = policy.timeout.and_then(|t| now.checked_add(t));
+            earliest([from_header, inbound_deadline(), from_config])
+        };
 
         let span = tracing::debug_span!(
             "idem_retry",
@@ -126,13 +138,14 @@ where
         match policy.retry {
             None => {
                 if let Some(d) = deadline {
+                    let now = Instant::now();
                     if d <= now {
                         let report = CallReport {
                             outcome: CallOutcome::Deadline,
                             attempts: 0,
                             last_code: Some(tonic::Code::DeadlineExceeded),
                         };
-                        self.shared.report(&path, &report);
+                        self.shared.report(path.as_str(), &report);
                         return ResponseFuture::ready(future::made_up(
                             report,
                             "deadline exceeded before the call started",
@@ -167,10 +180,48 @@ where
     }
 }
 
+/// Adds a fresh random 128-bit key (32 lower-case hex digits, as
+/// [`IdempotencyKey::generate`]), formatted on the stack: one allocation (the header's
+/// `Bytes`). The value is marked sensitive, so HPACK sends it as a never-indexed literal:
+/// a key never repeats across calls, and indexing each one would evict the entries that
+/// do repeat (`content-type`, `user-agent`, the path) from both ends' dynamic tables and
+/// make every later call re-send and re-index them.
 fn add_key(headers: &mut http::HeaderMap, name: &HeaderName) {
-    let key = IdempotencyKey::generate();
-    // Generated keys are hex: always a valid header value.
-    if let Ok(v) = HeaderValue::from_str(key.as_str()) {
-        headers.insert(name.clone(), v);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bits: u128 = rand::random();
+    let mut buf = [0u8; 32];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = HEX[((bits >> (124 - 4 * i)) & 0xf) as usize];
+    }
+    // Hex digits: always a valid header value (and a valid `IdempotencyKey`). `from_owner`
+    // puts the digits and the refcount in one allocation, so the clone each attempt
+    // makes of the headers does not allocate again (a `Vec`-backed `Bytes` would on its
+    // first clone).
+    if let Ok(mut v) = HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(buf)) {
+        v.set_sensitive(true);
+        headers.insert(name, v);
+    }
+}
+
+#[cfg(test)]
+mod key_tests {
+    use super::*;
+
+    #[test]
+    fn generated_keys_are_valid_distinct_sensitive_hex() {
+        let name = HeaderName::from_static("x-idempotency-key");
+        let (mut a, mut b) = (http::HeaderMap::new(), http::HeaderMap::new());
+        add_key(&mut a, &name);
+        add_key(&mut b, &name);
+        let (ka, kb) = (&a[&name], &b[&name]);
+        assert_ne!(ka, kb);
+        assert!(ka.is_sensitive());
+        assert_eq!(ka.len(), 32);
+        assert!(
+            ka.as_bytes()
+                .iter()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        );
+        assert!(IdempotencyKey::parse(ka.as_bytes()).is_ok());
     }
 }

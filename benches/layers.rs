@@ -1,0 +1,912 @@
+//! What each idem layer costs against bare tonic, measured in one run (issue 8).
+//!
+//! `cargo bench --bench layers` (release profile). Every scenario runs beside its
+//! baseline in the same process, over real tonic servers and clients on 127.0.0.1 with the
+//! `shop.v1.Orders` service, in rounds that alternate the order (A B, then B A, ...);
+//! the table reports the median over rounds of each number and of each per-round ratio,
+//! so drift on a shared machine hits both sides of a ratio alike.
+//!
+//! Arguments (after `--`): words that pick scenarios by substring of their section name
+//! (`client`, `server`, `replay`, `redis`, `dup`, `retry`); none runs all.
+//! `profile-client-bare` / `profile-client-layer` / `profile-server-bare` /
+//! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
+//! calls, no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
+//! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
+//! multiplier, default 1.0).
+//!
+//! See BENCHMARKS.md for the numbers from the project's machine and what they mean.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+#[path = "../tests/redis_support/mod.rs"]
+mod redis_support;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::shop::orders_client::OrdersClient;
+use common::shop::orders_server::{Orders, OrdersServer};
+use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use idem_client::{Retry, RetryLayer};
+use idem_core::ServiceConfig;
+use idem_core::config::MemoryStoreSettings;
+use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, PREVIOUS_RPC_ATTEMPTS};
+use idem_server::store::Store;
+use idem_server::{IdempotencyLayer, MemoryStore};
+use tokio::sync::oneshot;
+use tonic::metadata::MetadataValue;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Request, Response, Status};
+use tower::ServiceBuilder;
+
+// ------------------------------------------------------------------ the service
+
+/// The handler: decodes the request, formats an order id, encodes the reply; plus a
+/// busy-spin of `spin` (CPU work, holds a worker thread: the honest cost of work).
+#[derive(Clone)]
+struct Shop {
+    spin: Duration,
+    runs: Arc<AtomicUsize>,
+}
+
+fn busy_spin(d: Duration) {
+    if d.is_zero() {
+        return;
+    }
+    let start = Instant::now();
+    while start.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        req: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let n = self.runs.fetch_add(1, Ordering::Relaxed);
+        // `sku: "flaky"`: the first attempt fails with UNAVAILABLE and a zero pushback
+        // (the layer then retries at once, with no timer).
+        if req.get_ref().sku == "flaky" && req.metadata().get(PREVIOUS_RPC_ATTEMPTS).is_none() {
+            let mut status = Status::unavailable("first attempt fails");
+            status
+                .metadata_mut()
+                .insert("grpc-retry-pushback-ms", MetadataValue::from_static("0"));
+            return Err(status);
+        }
+        busy_spin(self.spin);
+        let r = req.into_inner();
+        Ok(Response::new(Order {
+            order_id: format!("order-{n}"),
+            customer_id: r.customer_id,
+            sku: r.sku,
+            quantity: r.quantity,
+            created_by: "bench".into(),
+        }))
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("not benchmarked"))
+    }
+
+    type ListOrdersStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("not benchmarked"))
+    }
+}
+
+/// CreateOrder: retried on UNAVAILABLE (client) and protected (server); one tenant.
+const CONFIG: &str = r#"{
+  "methodConfig": [{
+    "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+    "retryPolicy": {
+      "maxAttempts": 3, "initialBackoff": "0.02s", "maxBackoff": "1s",
+      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]
+    },
+    "idempotency": {}
+  }],
+  "idem": {"tenant": {"single": "bench"}}
+}"#;
+
+fn config() -> ServiceConfig {
+    ServiceConfig::from_json(CONFIG)
+        .expect("bench config parses")
+        .config
+}
+
+/// A running server; stops when dropped.
+struct Running {
+    addr: SocketAddr,
+    runs: Arc<AtomicUsize>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Running {
+    fn channel(&self) -> Channel {
+        common::channel(self.addr)
+    }
+    fn client(&self) -> OrdersClient<Channel> {
+        OrdersClient::new(self.channel())
+    }
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::Relaxed)
+    }
+}
+
+/// Serves `Orders` (with `spin` of work per call), behind `layer` if given.
+async fn serve<St: Store>(spin: Duration, layer: Option<IdempotencyLayer<St>>) -> Running {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let shop = Shop {
+        spin,
+        runs: runs.clone(),
+    };
+    // As `Server::serve(addr)` does by default: TCP_NODELAY on accepted sockets
+    // (`serve_with_incoming` ignores the builder's `tcp_nodelay`, so set it here).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1:0");
+    let addr = listener.local_addr().expect("local addr");
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = async {
+        let _ = stopped.await;
+    };
+    match layer {
+        None => {
+            let router = Server::builder().add_service(OrdersServer::new(shop));
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+        }
+        Some(layer) => {
+            let router = Server::builder()
+                .layer(layer)
+                .add_service(OrdersServer::new(shop));
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+        }
+    }
+    let running = Running {
+        addr,
+        runs,
+        _stop: stop,
+    };
+    // Connect and warm up once, so no run pays the handshake.
+    let _ = running
+        .client()
+        .create_order(order(Some(&fresh_key())))
+        .await
+        .expect("warm-up call");
+    running
+}
+
+fn memory_store() -> MemoryStore {
+    MemoryStore::new(MemoryStoreSettings {
+        max_entries: 10_000_000,
+        max_bytes: 4 << 30,
+        ..MemoryStoreSettings::default()
+    })
+}
+
+fn order(key: Option<&str>) -> Request<CreateOrderRequest> {
+    order_sku(key, "sku-42")
+}
+
+fn order_sku(key: Option<&str>, sku: &str) -> Request<CreateOrderRequest> {
+    let mut req = Request::new(CreateOrderRequest {
+        customer_id: "customer-0001".into(),
+        sku: sku.into(),
+        quantity: 3,
+        note: String::new(),
+    });
+    if let Some(k) = key {
+        req.metadata_mut()
+            .insert(IDEMPOTENCY_KEY, k.parse().expect("ascii key"));
+    }
+    req
+}
+
+fn fresh_key() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+fn keys(n: usize) -> Arc<Vec<String>> {
+    Arc::new((0..n).map(|_| fresh_key()).collect())
+}
+
+// ------------------------------------------------------------------ measuring
+
+/// One run: wall time and every call's latency (sorted).
+struct Run {
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+}
+
+impl Run {
+    fn throughput(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+    fn pct(&self, p: f64) -> Duration {
+        let i = ((self.latencies.len() as f64 - 1.0) * p).round() as usize;
+        self.latencies[i.min(self.latencies.len() - 1)]
+    }
+}
+
+/// Makes `calls` calls, `concurrency` at a time (each worker loops), with `f(i)` the
+/// i-th call.
+async fn drive<F, Fut>(calls: usize, concurrency: usize, f: F) -> Run
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let f = Arc::new(f);
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (f, next) = (f.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut lat = Vec::with_capacity(calls / concurrency + 1);
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= calls {
+                        break;
+                    }
+                    let t = Instant::now();
+                    f(i).await;
+                    lat.push(t.elapsed());
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(calls);
+    for w in workers {
+        latencies.extend(w.await.expect("worker"));
+    }
+    let elapsed = start.elapsed();
+    latencies.sort_unstable();
+    Run { elapsed, latencies }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Medians over rounds of one A/B comparison.
+struct Pair {
+    base_tp: f64,
+    tp: f64,
+    tp_ratio: f64,
+    base_p50: f64,
+    p50: f64,
+    p50_ratio: f64,
+    base_p99: f64,
+    p99: f64,
+    p99_ratio: f64,
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// Runs `a` (baseline) and `b` in `rounds` alternating rounds: round `r` runs A then B
+/// when `r` is even, B then A when odd.
+async fn ab<FA, FAF, FB, FBF>(rounds: usize, calls: usize, concurrency: usize, a: FA, b: FB) -> Pair
+where
+    FA: Fn(usize) -> FAF + Clone + Send + Sync + 'static,
+    FAF: Future<Output = ()> + Send,
+    FB: Fn(usize) -> FBF + Clone + Send + Sync + 'static,
+    FBF: Future<Output = ()> + Send,
+{
+    let mut runs_a = Vec::new();
+    let mut runs_b = Vec::new();
+    for r in 0..rounds {
+        if r % 2 == 0 {
+            runs_a.push(drive(calls, concurrency, a.clone()).await);
+            runs_b.push(drive(calls, concurrency, b.clone()).await);
+        } else {
+            runs_b.push(drive(calls, concurrency, b.clone()).await);
+            runs_a.push(drive(calls, concurrency, a.clone()).await);
+        }
+    }
+    let per = |f: &dyn Fn(&Run) -> f64, runs: &[Run]| median(runs.iter().map(f).collect());
+    let ratio = |f: &dyn Fn(&Run) -> f64| {
+        median(
+            runs_a
+                .iter()
+                .zip(&runs_b)
+                .map(|(a, b)| f(b) / f(a))
+                .collect(),
+        )
+    };
+    let tp = |r: &Run| r.throughput();
+    let p50 = |r: &Run| us(r.pct(0.50));
+    let p99 = |r: &Run| us(r.pct(0.99));
+    Pair {
+        base_tp: per(&tp, &runs_a),
+        tp: per(&tp, &runs_b),
+        tp_ratio: ratio(&tp),
+        base_p50: per(&p50, &runs_a),
+        p50: per(&p50, &runs_b),
+        p50_ratio: ratio(&p50),
+        base_p99: per(&p99, &runs_a),
+        p99: per(&p99, &runs_b),
+        p99_ratio: ratio(&p99),
+    }
+}
+
+// ------------------------------------------------------------------ the table
+
+struct Table {
+    rows: Vec<String>,
+    notes: Vec<String>,
+}
+
+impl Table {
+    fn header() -> &'static str {
+        "| scenario | conc. | baseline calls/s | layer calls/s | throughput ratio | \
+         baseline p50 µs | layer p50 µs | p50 ratio | baseline p99 µs | layer p99 µs | \
+         p99 ratio | target |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    }
+
+    fn pair(&mut self, name: &str, concurrency: usize, p: &Pair, target: &str) {
+        let row = format!(
+            "| {name} | {concurrency} | {:.0} | {:.0} | **{:.3}** | {:.0} | {:.0} | {:.3} | \
+             {:.0} | {:.0} | {:.3} | {target} |",
+            p.base_tp,
+            p.tp,
+            p.tp_ratio,
+            p.base_p50,
+            p.p50,
+            p.p50_ratio,
+            p.base_p99,
+            p.p99,
+            p.p99_ratio,
+        );
+        println!("{row}");
+        self.rows.push(row);
+    }
+
+    fn note(&mut self, s: String) {
+        println!("  {s}");
+        self.notes.push(s);
+    }
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "MISSED" }
+}
+
+fn env_num(name: &str, default: f64) -> f64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let wants = |section: &str| filters.is_empty() || filters.iter().any(|f| section.contains(f));
+    let profile_only = filters
+        .iter()
+        .find_map(|f| f.strip_prefix("profile-"))
+        .map(str::to_owned);
+    let rounds = env_num("IDEM_BENCH_ROUNDS", 7.0).max(1.0) as usize;
+    let scale = env_num("IDEM_BENCH_SCALE", 1.0).max(0.01);
+    let n = |calls: usize| ((calls as f64 * scale) as usize).max(64);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        println!(
+            "idem layers benchmark: {rounds} rounds, scale {scale}, {} build, {} CPUs",
+            if cfg!(debug_assertions) {
+                "DEBUG"
+            } else {
+                "release"
+            },
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        if let Some(which) = profile_only {
+            profile(&which, n(2000)).await;
+            return;
+        }
+        println!("{}", Table::header());
+        let mut t = Table {
+            rows: Vec::new(),
+            notes: Vec::new(),
+        };
+        if wants("client") {
+            client(&mut t, rounds, n(3000), n(20000)).await;
+        }
+        if wants("server-fresh") {
+            server_fresh(&mut t, rounds, n(3000), n(20000)).await;
+        }
+        if wants("server-replay") {
+            server_replay(&mut t, rounds, n(3000), n(20000)).await;
+        }
+        if wants("redis") {
+            redis(&mut t, rounds, n(2000), n(10000)).await;
+        }
+        if wants("duplicates") {
+            duplicates(&mut t, rounds).await;
+        }
+        if wants("retry") {
+            retry(&mut t, rounds, n(3000)).await;
+        }
+        println!("\nnotes:");
+        for s in &t.notes {
+            println!("- {s}");
+        }
+    });
+}
+
+// ------------------------------------------------------------------ scenarios
+
+/// RetryLayer (config with a retryPolicy and idempotency on CreateOrder: the buffered,
+/// keyed path) over a `Channel` vs the bare `Channel`, same bare server.
+async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let server = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let bare = server.client();
+    let layered: OrdersClient<Retry<Channel>> = OrdersClient::new(
+        ServiceBuilder::new()
+            .layer(RetryLayer::from_config(&config()))
+            .service(server.channel()),
+    );
+    let _ = layered
+        .clone()
+        .create_order(order(None))
+        .await
+        .expect("warm-up");
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let (a, b) = (bare.clone(), layered.clone());
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |_| {
+                let mut c = a.clone();
+                async move {
+                    c.create_order(order(None)).await.expect("bare call");
+                }
+            },
+            move |_| {
+                let mut c = b.clone();
+                async move {
+                    c.create_order(order(None)).await.expect("layered call");
+                }
+            },
+        )
+        .await;
+        let ok = p.tp_ratio >= 0.97 && p.p50_ratio <= 1.05;
+        t.pair(
+            "client: RetryLayer vs bare Channel",
+            conc,
+            &p,
+            &format!("tp ≥ 0.97, p50 ≤ 1.05: {}", verdict(ok)),
+        );
+    }
+}
+
+/// Fresh keys through IdempotencyLayer + MemoryStore vs a bare server; both get the same
+/// request with a key header (the bare server ignores it).
+async fn server_fresh(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let bare = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let idem = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(memory_store(), &config())),
+    )
+    .await;
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let (a, b) = (bare.client(), idem.client());
+        let before = idem.runs();
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |_| {
+                let mut c = a.clone();
+                async move {
+                    c.create_order(order(Some(&fresh_key())))
+                        .await
+                        .expect("bare");
+                }
+            },
+            move |_| {
+                let mut c = b.clone();
+                async move {
+                    c.create_order(order(Some(&fresh_key())))
+                        .await
+                        .expect("idem");
+                }
+            },
+        )
+        .await;
+        assert_eq!(
+            idem.runs() - before,
+            rounds * calls,
+            "every fresh key ran once"
+        );
+        let target = if conc == 64 {
+            format!("tp ≥ 0.90: {}", verdict(p.tp_ratio >= 0.90))
+        } else {
+            "(latency view)".into()
+        };
+        t.pair("server: fresh keys, MemoryStore vs bare", conc, &p, &target);
+    }
+}
+
+/// Replays of completed keys vs a bare server, handler busy-spinning 50 µs on both.
+async fn server_replay(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let spin = Duration::from_micros(50);
+    let bare = serve::<MemoryStore>(spin, None).await;
+    let idem = serve(spin, Some(IdempotencyLayer::new(memory_store(), &config()))).await;
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        // Complete every key once; the measured runs replay them.
+        let ks = keys(calls);
+        let c = idem.client();
+        let ks2 = ks.clone();
+        drive(calls, 64, move |i| {
+            let mut c = c.clone();
+            let k = ks2[i].clone();
+            async move {
+                c.create_order(order(Some(&k))).await.expect("first run");
+            }
+        })
+        .await;
+        let before = idem.runs();
+        let (a, b) = (bare.client(), idem.client());
+        let ka = ks.clone();
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |i| {
+                let mut c = a.clone();
+                let k = ka[i].clone();
+                async move {
+                    c.create_order(order(Some(&k))).await.expect("bare");
+                }
+            },
+            move |i| {
+                let mut c = b.clone();
+                let k = ks[i].clone();
+                async move {
+                    let r = c.create_order(order(Some(&k))).await.expect("replay");
+                    assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some());
+                }
+            },
+        )
+        .await;
+        assert_eq!(idem.runs(), before, "replays never run the handler");
+        t.pair(
+            "server: replay (50 µs busy-spin handler) vs bare",
+            conc,
+            &p,
+            &format!("tp ≥ 1.0: {}", verdict(p.tp_ratio >= 1.0)),
+        );
+    }
+}
+
+/// RedisStore vs MemoryStore (same layer config), fresh keys and replays; and Redis
+/// round trips per call from `INFO commandstats`.
+async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let Some(redis) = redis_support::RedisServer::start() else {
+        t.note("redis: SKIPPED (no redis-server found)".into());
+        return;
+    };
+    let store = idem_redis::RedisStore::connect(redis.url())
+        .await
+        .expect("connect to the bench redis");
+    let mem = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(memory_store(), &config())),
+    )
+    .await;
+    let red = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(store, &config())),
+    )
+    .await;
+
+    // Round trips: sequential calls, commands counted by Redis.
+    const RT: usize = 200;
+    let ks = keys(RT);
+    let mut c = red.client();
+    redis.reset_stats();
+    for k in ks.iter() {
+        c.create_order(order(Some(k))).await.expect("fresh");
+    }
+    let fresh_rt = redis.round_trips() as f64 / RT as f64;
+    let fresh_cmds = redis.command_calls();
+    redis.reset_stats();
+    for k in ks.iter() {
+        c.create_order(order(Some(k))).await.expect("replay");
+    }
+    let replay_rt = redis.round_trips() as f64 / RT as f64;
+    let replay_cmds = redis.command_calls();
+    t.note(format!(
+        "redis round trips per call ({RT} sequential calls, INFO commandstats): fresh {fresh_rt:.2} \
+         (target ≤ 2: {}), replay {replay_rt:.2} (target 1: {}); commands fresh {fresh_cmds:?}, \
+         replay {replay_cmds:?}",
+        verdict(fresh_rt <= 2.0),
+        verdict(replay_rt <= 1.0),
+    ));
+
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let (a, b) = (mem.client(), red.client());
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |_| {
+                let mut c = a.clone();
+                async move {
+                    c.create_order(order(Some(&fresh_key())))
+                        .await
+                        .expect("memory");
+                }
+            },
+            move |_| {
+                let mut c = b.clone();
+                async move {
+                    c.create_order(order(Some(&fresh_key())))
+                        .await
+                        .expect("redis");
+                }
+            },
+        )
+        .await;
+        t.pair(
+            "server: fresh keys, RedisStore vs MemoryStore",
+            conc,
+            &p,
+            "(reported)",
+        );
+
+        let ks = keys(calls);
+        for s in [&mem, &red] {
+            let c = s.client();
+            let ks2 = ks.clone();
+            drive(calls, 64, move |i| {
+                let mut c = c.clone();
+                let k = ks2[i].clone();
+                async move {
+                    c.create_order(order(Some(&k))).await.expect("first run");
+                }
+            })
+            .await;
+        }
+        let (a, b) = (mem.client(), red.client());
+        let ka = ks.clone();
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |i| {
+                let mut c = a.clone();
+                let k = ka[i].clone();
+                async move {
+                    c.create_order(order(Some(&k)))
+                        .await
+                        .expect("memory replay");
+                }
+            },
+            move |i| {
+                let mut c = b.clone();
+                let k = ks[i].clone();
+                async move {
+                    c.create_order(order(Some(&k))).await.expect("redis replay");
+                }
+            },
+        )
+        .await;
+        t.pair(
+            "server: replay, RedisStore vs MemoryStore",
+            conc,
+            &p,
+            "(reported)",
+        );
+    }
+}
+
+/// 1,000 concurrent calls with one key (MemoryStore, WAIT policy): time until all have
+/// their response, vs one plain call to a bare server, and vs 1,000 concurrent plain
+/// calls to the bare server.
+async fn duplicates(t: &mut Table, rounds: usize) {
+    const N: usize = 1000;
+    let bare = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let idem = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(memory_store(), &config())),
+    )
+    .await;
+    let (mut one, mut burst, mut dups) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        // One plain call (median of 50, so one number is not one outlier).
+        let r = drive(50, 1, {
+            let c = bare.client();
+            move |_| {
+                let mut c = c.clone();
+                async move {
+                    c.create_order(order(None)).await.expect("plain");
+                }
+            }
+        })
+        .await;
+        one.push(us(r.pct(0.5)));
+        // 1000 concurrent plain calls, distinct, to the bare server.
+        let c = bare.client();
+        let r = drive(N, N, move |_| {
+            let mut c = c.clone();
+            async move {
+                c.create_order(order(None)).await.expect("plain burst");
+            }
+        })
+        .await;
+        burst.push(us(r.elapsed));
+        // 1000 concurrent duplicates of one fresh key.
+        let key = Arc::new(fresh_key());
+        let before = idem.runs();
+        let c = idem.client();
+        let r = drive(N, N, move |_| {
+            let mut c = c.clone();
+            let k = key.clone();
+            async move {
+                let r = c.create_order(order(Some(&k))).await;
+                match r {
+                    Ok(_) => {}
+                    Err(s) => panic!("duplicate failed: {s:?}"),
+                }
+            }
+        })
+        .await;
+        assert_eq!(idem.runs() - before, 1, "one key runs once");
+        dups.push(us(r.elapsed));
+    }
+    let (one, burst, dups) = (median(one), median(burst), median(dups));
+    let row = format!(
+        "| 1,000 concurrent duplicates of one key (MemoryStore) | 1000 | — | — | — | \
+         one plain call p50 {one:.0} | all 1,000 answered {dups:.0} | **{:.1}× one call** | \
+         1,000 plain calls (bare) {burst:.0} | — | **{:.2}× 1,000 plain** | (reported) |",
+        dups / one,
+        dups / burst
+    );
+    println!("{row}");
+    t.rows.push(row);
+}
+
+/// A call whose first attempt fails with UNAVAILABLE (zero pushback, so zero backoff)
+/// through RetryLayer, vs one plain successful call, vs the same two attempts made by
+/// hand without the layer.
+async fn retry(t: &mut Table, rounds: usize, calls: usize) {
+    let server = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let bare = server.client();
+    let layer = RetryLayer::builder()
+        .max_attempts(2)
+        .initial_backoff(Duration::from_millis(1))
+        .seed(1)
+        .build()
+        .expect("retry layer");
+    let layered = OrdersClient::new(ServiceBuilder::new().layer(layer).service(server.channel()));
+    let by_hand = |c: OrdersClient<Channel>| {
+        move |_: usize| {
+            let mut c = c.clone();
+            async move {
+                let e = c
+                    .create_order(order_sku(None, "flaky"))
+                    .await
+                    .expect_err("first attempt fails");
+                assert_eq!(e.code(), Code::Unavailable);
+                let mut req = order_sku(None, "flaky");
+                req.metadata_mut()
+                    .insert(PREVIOUS_RPC_ATTEMPTS, MetadataValue::from_static("1"));
+                c.create_order(req).await.expect("second attempt");
+            }
+        }
+    };
+    let retried = {
+        let b = layered.clone();
+        move |_: usize| {
+            let mut c = b.clone();
+            async move {
+                let r = c
+                    .create_order(order_sku(None, "flaky"))
+                    .await
+                    .expect("retried call");
+                let report = idem_client::CallReport::from_response(&r).expect("report");
+                assert_eq!(report.attempts, 2);
+            }
+        }
+    };
+    let a = bare.clone();
+    let p = ab(
+        rounds,
+        calls,
+        1,
+        move |_| {
+            let mut c = a.clone();
+            async move {
+                c.create_order(order(None)).await.expect("plain");
+            }
+        },
+        retried.clone(),
+    )
+    .await;
+    t.pair(
+        "retry: 1 UNAVAILABLE + 1 OK via RetryLayer vs one plain call",
+        1,
+        &p,
+        "(reported)",
+    );
+    let p = ab(rounds, calls, 1, by_hand(bare.clone()), retried).await;
+    t.pair(
+        "retry: via RetryLayer vs the same 2 attempts by hand",
+        1,
+        &p,
+        "(machinery cost)",
+    );
+}
+
+/// One side of a scenario, sequentially, for instruction-counting profilers.
+async fn profile(which: &str, calls: usize) {
+    let idem_layer = || Some(IdempotencyLayer::new(memory_store(), &config()));
+    let (server, layered) = match which {
+        "client-bare" | "client-layer" | "server-bare" => {
+            (serve::<MemoryStore>(Duration::ZERO, None).await, false)
+        }
+        "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
+        other => panic!("unknown profile {other:?}"),
+    };
+    let ks = keys(calls);
+    if which == "server-replay" {
+        let mut c = server.client();
+        for k in ks.iter() {
+            c.create_order(order(Some(k))).await.expect("first run");
+        }
+    }
+    let with_key = layered || which == "server-bare";
+    let start = Instant::now();
+    if which == "client-layer" {
+        let mut c = OrdersClient::new(
+            ServiceBuilder::new()
+                .layer(RetryLayer::from_config(&config()))
+                .service(server.channel()),
+        );
+        for _ in 0..calls {
+            c.create_order(order(None)).await.expect("call");
+        }
+    } else {
+        let mut c = server.client();
+        for k in ks.iter() {
+            let key = with_key.then_some(k.as_str());
+            c.create_order(order(key)).await.expect("call");
+        }
+    }
+    println!("{which}: {calls} calls in {:?}", start.elapsed());
+}
