@@ -1,0 +1,144 @@
+//! A `shop.v1.Orders` server protected by idem.
+//!
+//! ```text
+//! cargo run --example server                       # 127.0.0.1:50051, in-memory store
+//! cargo run --example server -- --addr 127.0.0.1:50052 --redis redis://127.0.0.1:6379
+//! ```
+//!
+//! It reads `examples/service_config.json` (or `--config FILE`): `CreateOrder` is protected
+//! (it has an `idempotency` object), the tenant is the config's single tenant. Try it with
+//! `cargo run --example client`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use idem::core::ServiceConfig;
+use idem::redis::RedisStore;
+use idem::server::idempotency::RecordFence;
+use idem::server::{IdempotencyLayer, InboundLayer, MemoryStore};
+use tonic::transport::Server;
+use tonic::{Request, Response, Status};
+
+pub mod shop {
+    #![allow(missing_docs, unreachable_pub)]
+    tonic::include_proto!("shop.v1");
+}
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+
+#[derive(Default)]
+struct Shop {
+    orders: Mutex<Vec<Order>>,
+}
+
+#[tonic::async_trait]
+impl Orders for Arc<Shop> {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        // The fence of this run, to pass to downstream writes that can check it.
+        let fence = request.extensions().get::<RecordFence>().map(|f| f.0);
+        let r = request.into_inner();
+        if r.quantity == 0 {
+            // A rejection: nothing was done, so idem releases the key (a fixed request may
+            // reuse it).
+            return Err(Status::invalid_argument("quantity must be > 0"));
+        }
+        let mut orders = self.orders.lock().expect("orders lock");
+        let order = Order {
+            order_id: format!("ord-{}", orders.len() + 1),
+            customer_id: r.customer_id,
+            sku: r.sku,
+            quantity: r.quantity,
+            created_by: format!("example server (fence {fence:?})"),
+        };
+        orders.push(order.clone());
+        println!(
+            "created {} ({} orders so far)",
+            order.order_id,
+            orders.len()
+        );
+        Ok(Response::new(order))
+    }
+
+    async fn get_order(
+        &self,
+        request: Request<GetOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let id = request.into_inner().order_id;
+        let orders = self.orders.lock().expect("orders lock");
+        orders
+            .iter()
+            .find(|o| o.order_id == id)
+            .cloned()
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no order {id}")))
+    }
+
+    type ListOrdersStream = tokio_stream::Iter<std::vec::IntoIter<Result<Order, Status>>>;
+
+    async fn list_orders(
+        &self,
+        request: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        let customer = request.into_inner().customer_id;
+        let orders: Vec<Result<Order, Status>> = self
+            .orders
+            .lock()
+            .expect("orders lock")
+            .iter()
+            .filter(|o| o.customer_id == customer)
+            .cloned()
+            .map(Ok)
+            .collect();
+        Ok(Response::new(tokio_stream::iter(orders)))
+    }
+}
+
+fn arg(args: &HashMap<String, String>, name: &str, default: &str) -> String {
+    args.get(name)
+        .cloned()
+        .unwrap_or_else(|| default.to_owned())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args: HashMap<String, String> = argv
+        .chunks(2)
+        .filter_map(|c| Some((c.first()?.clone(), c.get(1)?.clone())))
+        .collect();
+    let addr: SocketAddr = arg(&args, "--addr", "127.0.0.1:50051").parse()?;
+    let path = arg(&args, "--config", "examples/service_config.json");
+    let parsed = ServiceConfig::from_json(&std::fs::read_to_string(&path)?)?;
+    for w in &parsed.warnings {
+        eprintln!("config warning: {w}");
+    }
+    let config = parsed.config;
+    let shop = OrdersServer::new(Arc::new(Shop::default()));
+
+    println!("shop.v1.Orders on {addr} (config {path})");
+    match args.get("--redis") {
+        Some(url) => {
+            let store = RedisStore::connect(url.clone()).await?;
+            Server::builder()
+                .layer(InboundLayer::new())
+                .layer(IdempotencyLayer::new(store, &config))
+                .add_service(shop)
+                .serve(addr)
+                .await?;
+        }
+        None => {
+            let store = MemoryStore::new(config.settings().memory_store.clone());
+            Server::builder()
+                .layer(InboundLayer::new())
+                .layer(IdempotencyLayer::new(store, &config))
+                .add_service(shop)
+                .serve(addr)
+                .await?;
+        }
+    }
+    Ok(())
+}
