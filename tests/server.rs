@@ -889,16 +889,76 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
         "fail-open runs without a record, every time"
     );
     let s = stats.snapshot();
+    // Each call sends its claim twice (once more in case only the reply was lost).
     assert_eq!(
         (s.store_errors, s.fail_open_runs, s.executed),
-        (3, 2, 0),
+        (6, 2, 0),
         "{s:?}"
     );
     assert_eq!(
         store.0.load(Ordering::SeqCst),
-        3,
+        6,
         "only claims were attempted"
     );
+}
+
+/// Forwards to a `MemoryStore`, but loses the reply of the first claim (as when a
+/// Redis command times out after Redis applied it).
+#[derive(Clone)]
+struct LosesFirstClaimReply(MemoryStore, Arc<AtomicUsize>);
+
+impl Store for LosesFirstClaimReply {
+    async fn claim(&self, r: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let claim = self.0.claim(r).await;
+        if self.1.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(StoreError::Unavailable("reply lost (test double)".into()));
+        }
+        claim
+    }
+    async fn renew(&self, s: &Scope, f: Fence, l: Duration) -> Result<(), StoreError> {
+        self.0.renew(s, f, l).await
+    }
+    async fn complete(
+        &self,
+        s: &Scope,
+        f: Fence,
+        o: StoredOutcome,
+        t: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(s, f, o, t).await
+    }
+    async fn release(&self, s: &Scope, f: Fence) -> Result<(), StoreError> {
+        self.0.release(s, f).await
+    }
+    async fn get(&self, s: &Scope) -> Result<Option<RecordState>, StoreError> {
+        self.0.get(s).await
+    }
+    async fn wait(&self, s: &Scope, until: Instant) -> Result<(), StoreError> {
+        self.0.wait(s, until).await
+    }
+}
+
+#[tokio::test]
+async fn a_claim_whose_reply_was_lost_is_sent_again_and_recognised() {
+    let memory = MemoryStore::default();
+    let store = LosesFirstClaimReply(memory.clone(), Arc::new(AtomicUsize::new(0)));
+    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
+        .tenant(FromExtension::<Tenant>::new());
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    // Without the resend, the record would stay in flight (held by the lost claim) until
+    // its lease ends, and this call would wait for it.
+    let r = client
+        .create_order(keyed(create("ok"), KEY, "t1"))
+        .await
+        .expect("the resent claim is recognised as the same claimant");
+    assert!(!replayed(r.metadata()));
+    assert_eq!(srv.shop.runs(), 1);
+    assert_eq!(store.1.load(Ordering::SeqCst), 2, "one claim, sent twice");
+    match memory.get(&scope_for("t1", CREATE, KEY)).await.unwrap() {
+        Some(RecordState::Completed { fence, .. }) => assert!(fence >= 1),
+        other => panic!("expected a completed record, got {other:?}"),
+    }
 }
 
 // ---------------------------------------------------------------- limits

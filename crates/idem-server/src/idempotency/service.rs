@@ -331,6 +331,7 @@ where
 
         let claimant = ClaimantId::random();
         let mut waited = false;
+        let mut resent = false;
         loop {
             let claim = self
                 .shared
@@ -343,6 +344,15 @@ where
                 })
                 .await;
             match claim {
+                Err(StoreError::Unavailable(e)) if !resent => {
+                    // The claim may have been applied and only its reply lost (a timeout):
+                    // send it again once, with the same claimant id, which the store
+                    // recognises, instead of leaving the record held until its lease ends.
+                    resent = true;
+                    stats.inc(|c| &c.store_errors);
+                    tracing::debug!(error = %e, "claim failed; sending it again once");
+                    continue;
+                }
                 Err(e) => {
                     stats.inc(|c| &c.store_errors);
                     if self.policy.fail_open {
