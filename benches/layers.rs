@@ -8,7 +8,7 @@
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
 //! (`client`, `server`, `replay`, `redis`, `dup`, `retry`); none runs all.
-//! `profile-client-bare` / `profile-client-layer` / `profile-server-bare` /
+//! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` / `profile-server-bare` /
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
 //! calls, no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
@@ -510,6 +510,40 @@ async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             &p,
             &format!("tp ≥ 0.97, p50 ≤ 1.05: {}", verdict(ok)),
         );
+        // The same, with a baseline that sends the same key header by hand (a fresh
+        // pre-made 32-hex key per call, marked sensitive as the layer does): what is
+        // left is the retry machinery (buffering, the retry future, the report).
+        let ks = keys(calls);
+        let (a, b) = (bare.clone(), layered.clone());
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |i| {
+                let mut c = a.clone();
+                let mut req = order(None);
+                let mut v: MetadataValue<_> = ks[i].parse().expect("ascii key");
+                v.set_sensitive(true);
+                req.metadata_mut().insert(IDEMPOTENCY_KEY, v);
+                async move {
+                    c.create_order(req).await.expect("bare call with key");
+                }
+            },
+            move |_| {
+                let mut c = b.clone();
+                async move {
+                    c.create_order(order(None)).await.expect("layered call");
+                }
+            },
+        )
+        .await;
+        let ok = p.tp_ratio >= 0.97 && p.p50_ratio <= 1.05;
+        t.pair(
+            "client: RetryLayer vs bare Channel + the same key header by hand",
+            conc,
+            &p,
+            &format!("(machinery alone) tp ≥ 0.97, p50 ≤ 1.05: {}", verdict(ok)),
+        );
     }
 }
 
@@ -877,7 +911,7 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
 async fn profile(which: &str, calls: usize) {
     let idem_layer = || Some(IdempotencyLayer::new(memory_store(), &config()));
     let (server, layered) = match which {
-        "client-bare" | "client-layer" | "server-bare" => {
+        "client-bare" | "client-bare-key" | "client-layer" | "server-bare" => {
             (serve::<MemoryStore>(Duration::ZERO, None).await, false)
         }
         "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
@@ -900,6 +934,16 @@ async fn profile(which: &str, calls: usize) {
         );
         for _ in 0..calls {
             c.create_order(order(None)).await.expect("call");
+        }
+    } else if which == "client-bare-key" {
+        // The key header the layer would add, sent by hand (sensitive, as the layer does).
+        let mut c = server.client();
+        for k in ks.iter() {
+            let mut req = order(None);
+            let mut v: MetadataValue<_> = k.parse().expect("ascii key");
+            v.set_sensitive(true);
+            req.metadata_mut().insert(IDEMPOTENCY_KEY, v);
+            c.create_order(req).await.expect("call");
         }
     } else {
         let mut c = server.client();

@@ -169,12 +169,12 @@ impl Body for ReplayBody {
 pub(crate) struct PartialBody<B> {
     read: VecDeque<Bytes>,
     error: Option<BoxError>,
-    rest: Option<Pin<Box<B>>>,
+    rest: Option<B>,
 }
 
 impl<B> Body for PartialBody<B>
 where
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     type Data = Bytes;
@@ -192,7 +192,7 @@ where
             return Poll::Ready(Some(Err(e)));
         }
         match self.rest.as_mut() {
-            Some(rest) => rest.as_mut().poll_frame(cx).map_err(Into::into),
+            Some(rest) => Pin::new(rest).poll_frame(cx).map_err(Into::into),
             None => Poll::Ready(None),
         }
     }
@@ -291,12 +291,14 @@ pub(crate) enum Overflow {
 
 /// Reads `body` up to `cap` bytes, reserving them in `lease`. Nothing read is lost: on
 /// overflow the chunks read so far go first in the [`PartialBody`].
-pub(crate) async fn buffer<B>(body: B, cap: usize, lease: &mut Lease) -> Buffered<B>
+///
+/// `B: Unpin` (the caller passes a [`tonic::body::Body`], which is): the body is read in
+/// place, without a `Box::pin` per call.
+pub(crate) async fn buffer<B>(mut body: B, cap: usize, lease: &mut Lease) -> Buffered<B>
 where
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    let mut body = Box::pin(body);
     // The first chunk apart: a one-chunk body (every unary call) needs no `Vec`.
     let mut first: Option<Bytes> = None;
     let mut more: Vec<Bytes> = Vec::new();

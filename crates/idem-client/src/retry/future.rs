@@ -366,6 +366,9 @@ where
     RB::Error: Into<BoxError>,
 {
     let mut lease = Lease::new(call.shared.budget.clone());
+    // A tonic client's body already is a `tonic::body::Body` (no new box; other bodies are
+    // boxed once), which is `Unpin`: `buffer` reads it in place.
+    let body = tonic::body::Body::new(body);
     let mut source = match body::buffer(body, call.eff.max_replay_bytes_per_call, &mut lease).await
     {
         Buffered::Complete(replay) => Source::Replay(replay),
