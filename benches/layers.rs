@@ -295,6 +295,8 @@ struct Pair {
     base_tp: f64,
     tp: f64,
     tp_ratio: f64,
+    /// Lowest and highest per-round throughput ratio: how noisy the machine was.
+    tp_range: (f64, f64),
     base_p50: f64,
     p50: f64,
     p50_ratio: f64,
@@ -338,12 +340,22 @@ where
         )
     };
     let tp = |r: &Run| r.throughput();
+    let per_round: Vec<f64> = runs_a
+        .iter()
+        .zip(&runs_b)
+        .map(|(a, b)| tp(b) / tp(a))
+        .collect();
+    let tp_range = (
+        per_round.iter().copied().fold(f64::INFINITY, f64::min),
+        per_round.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
     let p50 = |r: &Run| us(r.pct(0.50));
     let p99 = |r: &Run| us(r.pct(0.99));
     Pair {
         base_tp: per(&tp, &runs_a),
         tp: per(&tp, &runs_b),
         tp_ratio: ratio(&tp),
+        tp_range,
         base_p50: per(&p50, &runs_a),
         p50: per(&p50, &runs_b),
         p50_ratio: ratio(&p50),
@@ -362,7 +374,7 @@ struct Table {
 
 impl Table {
     fn header() -> &'static str {
-        "| scenario | conc. | baseline calls/s | layer calls/s | throughput ratio | \
+        "| scenario | conc. | baseline calls/s | layer calls/s | throughput ratio (range over rounds) | \
          baseline p50 µs | layer p50 µs | p50 ratio | baseline p99 µs | layer p99 µs | \
          p99 ratio | target |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
@@ -370,11 +382,13 @@ impl Table {
 
     fn pair(&mut self, name: &str, concurrency: usize, p: &Pair, target: &str) {
         let row = format!(
-            "| {name} | {concurrency} | {:.0} | {:.0} | **{:.3}** | {:.0} | {:.0} | {:.3} | \
+            "| {name} | {concurrency} | {:.0} | {:.0} | **{:.3}** ({:.2}–{:.2}) | {:.0} | {:.0} | {:.3} | \
              {:.0} | {:.0} | {:.3} | {target} |",
             p.base_tp,
             p.tp,
             p.tp_ratio,
+            p.tp_range.0,
+            p.tp_range.1,
             p.base_p50,
             p.p50,
             p.p50_ratio,
