@@ -27,8 +27,10 @@ pub fn with_key<T>(request: &mut Request<T>, key: &IdempotencyKey) {
 }
 
 fn insert_key<T>(request: &mut Request<T>, name: &AsciiMetadataKey, key: &IdempotencyKey) {
-    // A validated key is ASCII `[A-Za-z0-9_-]`: always a valid metadata value.
-    if let Ok(v) = AsciiMetadataValue::try_from(key.as_str()) {
+    // A validated key is ASCII `[A-Za-z0-9_-]`: always a valid metadata value. Sensitive:
+    // HPACK sends it as a never-indexed literal (keys do not repeat across calls).
+    if let Ok(mut v) = AsciiMetadataValue::try_from(key.as_str()) {
+        v.set_sensitive(true);
         request.metadata_mut().insert(name.clone(), v);
     }
 }
@@ -132,6 +134,17 @@ mod tests {
         let req = Request::new(()).with_idempotency_key(&key);
         let out = IdempotencyKeyInterceptor::all_methods().call(req).unwrap();
         assert_eq!(out.metadata().get(IDEMPOTENCY_KEY).unwrap(), "caller-key-1");
+        assert!(out.metadata().get(IDEMPOTENCY_KEY).unwrap().is_sensitive());
+        let fresh = IdempotencyKeyInterceptor::all_methods()
+            .call(Request::new(()))
+            .unwrap();
+        assert!(
+            fresh
+                .metadata()
+                .get(IDEMPOTENCY_KEY)
+                .unwrap()
+                .is_sensitive()
+        );
     }
 
     #[test]

@@ -403,6 +403,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn replay_bodies_give_no_exact_size() {
+        // hyper turns an exact size hint into a `content-length` header on every attempt.
+        let mut lease = Lease::new(budget(1 << 20));
+        for parts in [&[&b"abcd"[..]][..], &[b"ab", b"cd"]] {
+            let Buffered::Complete(replay) = buffer(chunked(parts), 10, &mut lease).await else {
+                panic!("should fit");
+            };
+            let body = replay.body();
+            assert_eq!(body.size_hint().exact(), None);
+            assert!(!body.is_end_stream());
+            assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"abcd");
+        }
+    }
+
+    #[tokio::test]
     async fn overflow_keeps_every_byte() {
         let b = budget(1 << 20);
         let mut lease = Lease::new(b.clone());

@@ -825,3 +825,34 @@ async fn a_message_then_an_error_is_never_retried() {
     assert_eq!(collected.trailers().unwrap()["grpc-status"], "14");
     assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
 }
+
+#[tokio::test(start_paused = true)]
+async fn keys_are_sensitive_and_the_same_on_every_attempt() {
+    // Generated key.
+    let script = Script::new([unavailable(), Step::Ok]);
+    let layer = builder().key_all_methods(true).build().unwrap();
+    let mut svc = layer.layer(script.service());
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    assert_eq!(report(&resp).attempts, 2);
+    let seen = script.seen();
+    let keys: Vec<_> = seen
+        .iter()
+        .map(|s| s.headers["x-idempotency-key"].clone())
+        .collect();
+    assert_eq!(keys[0], keys[1]);
+    assert_eq!(keys[0].len(), 32);
+    assert!(keys.iter().all(http::HeaderValue::is_sensitive));
+
+    // A caller's key is kept, and marked sensitive too.
+    let script = Script::new([unavailable(), Step::Ok]);
+    let mut svc = layer.layer(script.service());
+    let mut req = request(PATH);
+    req.headers_mut()
+        .insert("x-idempotency-key", "caller-key-7".parse().unwrap());
+    send(&mut svc, req).await.unwrap();
+    for s in script.seen() {
+        let v = &s.headers["x-idempotency-key"];
+        assert_eq!(v, "caller-key-7");
+        assert!(v.is_sensitive());
+    }
+}
