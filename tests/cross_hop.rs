@@ -440,3 +440,33 @@ async fn optional_no_retries_under_an_inbound_retry() {
     top.create_order(retry).await.unwrap_err();
     assert_eq!(calls(&seen_d), 4);
 }
+
+#[tokio::test]
+async fn an_unreachable_downstream_is_marked_too() {
+    let cfg = config();
+    // A port nothing listens on: every attempt fails to connect (a transport error, not a
+    // response).
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let (a, seen_a) = start_hop(
+        Some((retrying_client(dead, &cfg), Middle::Forward)),
+        Bottom::Unavailable,
+        true,
+    )
+    .await;
+    let mut top = retrying_client(a, &cfg);
+    let err = top.create_order(request()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert!(
+        err.message()
+            .contains("downstream call failed on every attempt"),
+        "{err:?}"
+    );
+    assert_eq!(
+        calls(&seen_a),
+        1,
+        "the top client did not retry the marked failure"
+    );
+}

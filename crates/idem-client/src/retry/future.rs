@@ -118,7 +118,7 @@ impl<F, E> ResponseFuture<F, E> {
             > + Send
             + 'static,
         F: Send + 'static,
-        E: Send + 'static,
+        E: Into<BoxError> + Send + 'static,
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
         RB: http_body::Body<Data = Bytes> + Send + 'static,
@@ -360,6 +360,7 @@ enum Last<E> {
 async fn run<S, B, RB>(mut svc: S, parts: Parts, body: B, call: Call) -> Result<Resp, S::Error>
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
+    S::Error: Into<BoxError>,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
     RB: http_body::Body<Data = Bytes> + Send + 'static,
@@ -390,6 +391,16 @@ where
     let finish = |last: Last<S::Error>, outcome: CallOutcome, attempts: u32| {
         let (result, code) = match last {
             Last::Response(r, code) => (Ok(r), code),
+            // Giving up on transport errors while serving an inbound call: answer with an
+            // UNAVAILABLE response instead of the error, so it can carry the marker (an
+            // error never reaches the server side as a response it could tag).
+            Last::Error(e) if call.marker.is_some() && outcome.retries_gave_up() => {
+                let e: BoxError = e.into();
+                let status = tonic::Status::unavailable(format!(
+                    "downstream call failed on every attempt: {e}"
+                ));
+                (Ok(status.into_http()), Some(Code::Unavailable))
+            }
             Last::Error(e) => (Err(e), None),
             Last::MadeUp(code, message) => (
                 Ok(tonic::Status::new(code, message).into_http()),

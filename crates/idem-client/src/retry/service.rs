@@ -78,7 +78,7 @@ where
         + Send
         + 'static,
     S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S::Error: Into<BoxError> + Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
     RB: http_body::Body<Data = Bytes> + Send + 'static,
