@@ -615,6 +615,11 @@ async fn run_handler<S, St, ResBody>(
     let max = policy.max_response_bytes;
     let mut reply = Some(reply);
     let mut forward: Option<mpsc::Sender<Result<Frame<Bytes>, Status>>> = None;
+    // The newest data frame is held back until the next frame arrives, so the last one
+    // leaves with the trailers (and a unary response leaves whole, head included) after
+    // the outcome is recorded: one write, not a trailing small one that Nagle's algorithm
+    // would hold for the peer's delayed ACK on sockets without TCP_NODELAY.
+    let mut pending: Option<Bytes> = None;
 
     let work = scope_inbound_deadline(inbound, async {
         let resp = match AssertUnwindSafe(inner.call(req)).catch_unwind().await {
@@ -640,6 +645,7 @@ async fn run_handler<S, St, ResBody>(
         let mut body_error = false;
         let reply = &mut reply;
         let forward = &mut forward;
+        let pending = &mut pending;
         loop {
             let frame = match body.frame().await {
                 None => break,
@@ -648,6 +654,9 @@ async fn run_handler<S, St, ResBody>(
                     body_error = true;
                     tracing::warn!(error = %status, "idempotent handler's response body failed");
                     if let Some(tx) = forward.as_ref() {
+                        if let Some(prev) = pending.take() {
+                            let _ = tx.send(Ok(Frame::data(prev))).await;
+                        }
                         let _ = tx.send(Err(status)).await;
                     }
                     break;
@@ -663,7 +672,10 @@ async fn run_handler<S, St, ResBody>(
                     if !over_limit {
                         stored.frames.push(data.clone());
                     }
-                    Frame::data(data)
+                    match pending.replace(data) {
+                        Some(prev) => Frame::data(prev),
+                        None => continue,
+                    }
                 }
                 Err(frame) => match frame.into_trailers() {
                     Ok(mut t) => {
@@ -785,13 +797,12 @@ async fn run_handler<S, St, ResBody>(
     // Deliver what is still held back: the head (Trailers-Only or bodyless response)
     // and the trailers.
     if let Some(mut h) = head {
-        let body = if stored.frames.is_empty() && stored.trailers.is_none() {
+        // No frame was forwarded yet: at most one data frame arrived, held in `pending`.
+        let body = if pending.is_none() && stored.trailers.is_none() {
             Body::empty()
         } else {
-            // Frames were dropped only when over the limit; none here (no head sent yet
-            // means no data frame arrived).
             Body::new(ReplayBody {
-                frames: VecDeque::new(),
+                frames: pending.into_iter().collect::<VecDeque<_>>(),
                 trailers: stored.trailers,
             })
         };
@@ -799,8 +810,13 @@ async fn run_handler<S, St, ResBody>(
         if let Some(r) = reply.take() {
             let _ = r.send(Ok(Response::from_parts(h, body)));
         }
-    } else if let (Some(tx), Some(t)) = (forward.take(), stored.trailers) {
-        let _ = tx.send(Ok(Frame::trailers(t))).await;
+    } else if let Some(tx) = forward.take() {
+        if let Some(last) = pending {
+            let _ = tx.send(Ok(Frame::data(last))).await;
+        }
+        if let Some(t) = stored.trailers {
+            let _ = tx.send(Ok(Frame::trailers(t))).await;
+        }
     }
 }
 
