@@ -157,7 +157,8 @@ async fn serve<St: Store>(spin: Duration, layer: Option<IdempotencyLayer<St>>) -
         .await
         .expect("bind 127.0.0.1:0");
     let addr = listener.local_addr().expect("local addr");
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(std::env::var_os("IDEM_BENCH_NAGLE").is_none()));
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(std::env::var_os("IDEM_BENCH_NAGLE").is_none()));
     let (stop, stopped) = oneshot::channel::<()>();
     let shutdown = async {
         let _ = stopped.await;
