@@ -279,6 +279,27 @@ struct Fleet {
 }
 
 impl Fleet {
+    /// Serves `svc` behind the fault injector, `InboundLayer` and `IdempotencyLayer`.
+    fn serve_with_idem<St: idem::server::store::Store>(
+        &self,
+        store: St,
+        faults: Faults,
+        svc: OrdersServer<OrdersImpl>,
+        incoming: tokio_stream::wrappers::TcpListenerStream,
+    ) -> tokio::task::JoinHandle<()> {
+        let layer = IdempotencyLayer::new(store, &self.config).tenant(SingleTenant::new("demo"));
+        self.stats.lock().expect("stats lock").push(layer.stats());
+        tokio::spawn(async move {
+            let _ = Server::builder()
+                .layer(faults)
+                .layer(InboundLayer::new())
+                .layer(layer)
+                .add_service(svc)
+                .serve_with_incoming(incoming)
+                .await;
+        })
+    }
+
     /// Serves instance `i` on `listener` until the task is aborted.
     fn spawn(&self, i: usize, listener: tokio::net::TcpListener) -> Instance {
         let addr = listener
@@ -300,34 +321,8 @@ impl Fleet {
             })
         } else {
             match &self.store {
-                Store::Memory(store) => {
-                    let layer = IdempotencyLayer::new(store.clone(), &self.config)
-                        .tenant(SingleTenant::new("demo"));
-                    self.stats.lock().expect("stats lock").push(layer.stats());
-                    tokio::spawn(async move {
-                        let _ = Server::builder()
-                            .layer(faults)
-                            .layer(InboundLayer::new())
-                            .layer(layer)
-                            .add_service(svc)
-                            .serve_with_incoming(incoming)
-                            .await;
-                    })
-                }
-                Store::Redis(store) => {
-                    let layer = IdempotencyLayer::new(store.clone(), &self.config)
-                        .tenant(SingleTenant::new("demo"));
-                    self.stats.lock().expect("stats lock").push(layer.stats());
-                    tokio::spawn(async move {
-                        let _ = Server::builder()
-                            .layer(faults)
-                            .layer(InboundLayer::new())
-                            .layer(layer)
-                            .add_service(svc)
-                            .serve_with_incoming(incoming)
-                            .await;
-                    })
-                }
+                Store::Memory(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
+                Store::Redis(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
             }
         };
         Instance { addr, task }
