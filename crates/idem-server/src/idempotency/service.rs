@@ -15,7 +15,7 @@ use http_body::{Body as _, Frame};
 use http_body_util::{BodyExt, Full};
 use idem_core::IdempotencyKey;
 use idem_core::config::{IdempotencyPolicy, InFlightPolicy};
-use idem_core::deadline::{InboundScope, parse_grpc_timeout, scope_inbound_deadline};
+use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_core::headers::{self, reason};
 use idem_core::key::KEY_RULE;
 use tokio::sync::{mpsc, oneshot};
@@ -312,22 +312,12 @@ where
             Err(e) => return self.reject(frame_error(e, max)),
         };
 
-        let now = Instant::now();
-        let deadline = parts
-            .headers
-            .get(headers::GRPC_TIMEOUT)
-            .and_then(|v| parse_grpc_timeout(v.as_bytes()))
-            .and_then(|d| now.checked_add(d));
-        let previous_attempts = parts
-            .headers
-            .get(headers::PREVIOUS_RPC_ATTEMPTS)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        // Under an `InboundLayer` the scope (with its exhausted-downstream marker) is
-        // already set: keep it, so clients in the handler can mark their give-ups.
-        let inbound = idem_core::deadline::current_scope()
-            .unwrap_or_else(|| InboundScope::new(deadline, previous_attempts));
+        // This call's own deadline (bounds waiting) and scope, read as `InboundLayer`
+        // reads them. Under an `InboundLayer` the scope (with its exhausted-downstream
+        // marker) is already set: keep it, so clients in the handler can mark give-ups.
+        let own = crate::inbound::scope_of(&parts.headers);
+        let deadline = own.deadline;
+        let inbound = idem_core::deadline::current_scope().unwrap_or(own);
 
         let claimant = ClaimantId::random();
         let mut waited = false;

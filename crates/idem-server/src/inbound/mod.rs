@@ -42,3 +42,4 @@ pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::InboundLayer;
 pub use service::Inbound;
+pub(crate) use service::scope_of;

@@ -45,7 +45,7 @@ impl<S> Inbound<S> {
     }
 }
 
-/// The scope of the call `parts` describes, read from its metadata. Malformed values
+/// The scope of the call whose request headers these are. Malformed values
 /// count as absent.
 pub(crate) fn scope_of(headers: &http::HeaderMap) -> InboundScope {
     let deadline = headers
