@@ -16,10 +16,8 @@
 //!
 //! See BENCHMARKS.md for the numbers from the project's machine and what they mean.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
-#[path = "../tests/redis_support/mod.rs"]
-mod redis_support;
+use idem_test_support::net;
+use idem_test_support::shop;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -28,15 +26,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::shop::orders_client::OrdersClient;
-use common::shop::orders_server::{Orders, OrdersServer};
-use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_client::{Retry, RetryLayer};
 use idem_core::ServiceConfig;
 use idem_core::config::MemoryStoreSettings;
 use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, PREVIOUS_RPC_ATTEMPTS};
-use idem_server::store::Store;
-use idem_server::{IdempotencyLayer, MemoryStore};
+use idem_server::IdempotencyLayer;
+use idem_store::MemoryStore;
+use idem_store::Store;
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::sync::oneshot;
 use tonic::metadata::MetadataValue;
 use tonic::transport::server::TcpIncoming;
@@ -134,7 +133,7 @@ struct Running {
 
 impl Running {
     fn channel(&self) -> Channel {
-        common::channel(self.addr)
+        net::channel(self.addr)
     }
     fn client(&self) -> OrdersClient<Channel> {
         OrdersClient::new(self.channel())
@@ -665,7 +664,7 @@ async fn server_replay(t: &mut Table, rounds: usize, calls1: usize, calls64: usi
 /// RedisStore vs MemoryStore (same layer config), fresh keys and replays; and Redis
 /// round trips per call from `INFO commandstats`.
 async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
-    let Some(redis) = redis_support::RedisServer::start() else {
+    let Some(redis) = idem_test_support::redis::RedisServer::start() else {
         t.note("redis: SKIPPED (no redis-server found)".into());
         return;
     };

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::config::MemoryStoreSettings;
-use idem_server::MemoryStore;
-use idem_server::store::{
+use idem_store::MemoryStore;
+use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoredOutcome,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
@@ -51,6 +51,7 @@ async fn per_record(response: usize) -> (f64, f64) {
         let claim = store
             .claim(ClaimRequest {
                 scope,
+                tenant: &idem_store::TenantId::default(),
                 fingerprint: &fingerprint,
                 claimant: ClaimantId(1),
                 lease,

@@ -14,10 +14,9 @@ use idem::core::{IdempotencyKey, ServiceConfig};
 use tonic::Request;
 use tower::ServiceBuilder;
 
-pub mod shop {
-    #![allow(missing_docs, unreachable_pub)]
-    tonic::include_proto!("shop.v1");
-}
+// The code generated from proto/shop/v1/orders.proto (in your project: your own
+// `tonic::include_proto!`).
+use idem_test_support::shop;
 use shop::orders_client::OrdersClient;
 use shop::{CreateOrderRequest, ListOrdersRequest};
 

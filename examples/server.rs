@@ -11,19 +11,19 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use idem::core::ServiceConfig;
 use idem::redis::RedisStore;
 use idem::server::idempotency::RecordFence;
-use idem::server::{IdempotencyLayer, InboundLayer, MemoryStore};
+use idem::server::{IdempotencyLayer, InboundLayer};
+use idem::store::MemoryStore;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-pub mod shop {
-    #![allow(missing_docs, unreachable_pub)]
-    tonic::include_proto!("shop.v1");
-}
+// The code generated from proto/shop/v1/orders.proto (in your project: your own
+// `tonic::include_proto!`).
+use idem_test_support::shop;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 
@@ -33,7 +33,7 @@ struct Shop {
 }
 
 #[tonic::async_trait]
-impl Orders for Arc<Shop> {
+impl Orders for Shop {
     async fn create_order(
         &self,
         request: Request<CreateOrderRequest>,
@@ -117,7 +117,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("config warning: {w}");
     }
     let config = parsed.config;
-    let shop = OrdersServer::new(Arc::new(Shop::default()));
+    let shop = OrdersServer::new(Shop::default());
 
     println!("shop.v1.Orders on {addr} (config {path})");
     match args.get("--redis") {

@@ -1,16 +1,35 @@
 //! idem: effectively-once gRPC writes for tonic.
 //!
-//! - [`client`] (`idem-client`): a tower layer for tonic channels that retries by gRPC
-//!   status code (gRFC A6) under the call's deadline, and sends a stable
+//! - [`client`] (`idem-client`, feature `client`): a tower layer for tonic channels that
+//!   retries by gRPC status code (gRFC A6) under the call's deadline, and sends a stable
 //!   `x-idempotency-key` on every attempt.
-//! - [`server`] (`idem-server`): a tower layer for tonic servers that runs each key once
-//!   and replays the stored response to duplicates.
-//! - [`redis`] (`idem-redis`): a Redis store so several server instances act as one.
-//! - [`core`] (`idem-core`): the service config both layers read, keys, deadlines.
+//! - [`server`] (`idem-server`, feature `server`): a tower layer for tonic servers that
+//!   runs each key once and replays the stored response to duplicates.
+//! - [`store`] (`idem-store`, with `server`): the store contract and the embedded
+//!   [`MemoryStore`](store::MemoryStore).
+//! - [`redis`] (`idem-redis`, feature `redis`): a Redis store so several server instances
+//!   act as one.
+//! - [`core`] (`idem-core`, always): the service config both layers read, keys,
+//!   deadlines, status codes.
+//!
+//! # Features
+//! | feature | default | brings |
+//! |---|---|---|
+//! | `client` | yes | [`client`] |
+//! | `server` | yes | [`server`], [`store`] |
+//! | `redis` | no | [`redis`] (implies `server`) |
+//!
+//! A client-only build (`default-features = false, features = ["client"]`) compiles no
+//! server layer, no store backend, no SHA-256 and no compression code.
 
+#[cfg(feature = "client")]
 pub use idem_client as client;
 pub use idem_core as core;
+#[cfg(feature = "redis")]
 pub use idem_redis as redis;
+#[cfg(feature = "server")]
 pub use idem_server as server;
+#[cfg(feature = "server")]
+pub use idem_store as store;
 
 pub use idem_core::{ConfigError, ServiceConfig};

@@ -4,17 +4,14 @@
 //! Redis shared by three instances, and when an instance is killed and restarted
 //! mid-run. The run without idem must show duplicates (the faults are real).
 
-#[path = "../examples/demo/harness.rs"]
-mod harness;
-#[path = "redis_support/mod.rs"]
-mod redis_support;
+use idem_test_support::demo as harness;
 
 use std::time::Duration;
 
 use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
 use idem::core::ServiceConfig;
 use idem::redis::RedisStore;
-use idem::server::store::MemoryStore;
+use idem::store::MemoryStore;
 
 fn config() -> ServiceConfig {
     ServiceConfig::from_json(DEFAULT_CONFIG)
@@ -77,7 +74,7 @@ async fn memory_store_2000_intents_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_three_instances_2000_intents_exactly_once() {
-    let Some(redis) = redis_support::RedisServer::start() else {
+    let Some(redis) = idem_test_support::redis::RedisServer::start() else {
         return;
     };
     let store = Store::Redis(RedisStore::connect(redis.url()).await.expect("connect"));
@@ -88,7 +85,7 @@ async fn redis_three_instances_2000_intents_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_instance_restarted_mid_run_still_exactly_once() {
-    let Some(redis) = redis_support::RedisServer::start() else {
+    let Some(redis) = idem_test_support::redis::RedisServer::start() else {
         return;
     };
     let store = Store::Redis(RedisStore::connect(redis.url()).await.expect("connect"));

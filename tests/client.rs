@@ -6,16 +6,14 @@
 //! so the gaps it records between attempts are exactly the waits the layer chose (loopback
 //! I/O takes no virtual time).
 
-mod common;
+use idem_test_support::net;
+use idem_test_support::shop;
 
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::shop::orders_client::OrdersClient;
-use common::shop::orders_server::{Orders, OrdersServer};
-use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_client::{
     CallOutcome, CallReport, IdempotencyKeyInterceptor, Retry, RetryLayer, with_key,
 };
@@ -25,6 +23,9 @@ use idem_core::config::{
 };
 use idem_core::deadline::parse_grpc_timeout;
 use idem_core::{IdempotencyKey, ServiceConfig};
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::time::Instant;
 use tokio_stream::Stream;
 use tonic::metadata::MetadataMap;
@@ -160,7 +161,7 @@ fn async_stream_once(
 }
 
 async fn serve(shop: Shop) -> std::net::SocketAddr {
-    let (addr, incoming) = common::bind().await;
+    let (addr, incoming) = net::bind().await;
     tokio::spawn(
         Server::builder()
             .add_service(OrdersServer::new(shop))
@@ -176,7 +177,7 @@ type Client = OrdersClient<Retry<Channel>>;
 fn client(addr: std::net::SocketAddr, layer: RetryLayer) -> Client {
     let svc = ServiceBuilder::new()
         .layer(layer)
-        .service(common::channel(addr));
+        .service(net::channel(addr));
     OrdersClient::new(svc)
 }
 
@@ -700,7 +701,7 @@ async fn the_interceptor_key_is_stable_across_retries_below_it() {
     .unwrap();
     let svc = ServiceBuilder::new()
         .layer(layer(&cfg))
-        .service(common::channel(addr));
+        .service(net::channel(addr));
     let mut c = OrdersClient::with_interceptor(svc, IdempotencyKeyInterceptor::all_methods());
     c.get_order(GetOrderRequest {
         order_id: "o-1".into(),
@@ -728,7 +729,7 @@ async fn the_interceptor_for_a_config_keys_only_protected_methods() {
     let no_keys = ServiceConfig::from_parts(Vec::new(), None, IdemSettings::default()).unwrap();
     let svc = ServiceBuilder::new()
         .layer(layer(&no_keys))
-        .service(common::channel(addr));
+        .service(net::channel(addr));
     let mut c = OrdersClient::with_interceptor(svc, IdempotencyKeyInterceptor::for_config(&cfg));
     c.create_order(create(10)).await.unwrap();
     c.get_order(GetOrderRequest {
@@ -773,7 +774,7 @@ async fn a_body_over_the_cap_is_sent_once_and_whole() {
 async fn a_refused_connection_is_retried() {
     // A port nothing listens on: bind, note it, close it.
     let addr = {
-        let (addr, _incoming) = common::bind().await;
+        let (addr, _incoming) = net::bind().await;
         addr
     };
     let l = layer(&default_config());

@@ -9,19 +9,21 @@
 //! - The pushback marker never leaks onto errors that did not come from an exhausted
 //!   downstream call.
 
-mod common;
+use idem_test_support::net;
+use idem_test_support::shop;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::shop::orders_client::OrdersClient;
-use common::shop::orders_server::{Orders, OrdersServer};
-use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem::client::{Retry, RetryLayer};
 use idem::core::ServiceConfig;
 use idem::core::deadline::parse_grpc_timeout;
-use idem::server::{IdempotencyLayer, InboundLayer, MemoryStore};
+use idem::server::{IdempotencyLayer, InboundLayer};
+use idem::store::MemoryStore;
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
@@ -150,7 +152,7 @@ fn retrying_client(addr: SocketAddr, cfg: &ServiceConfig) -> Next {
     OrdersClient::new(
         ServiceBuilder::new()
             .layer(RetryLayer::from_config(cfg))
-            .service(common::channel(addr)),
+            .service(net::channel(addr)),
     )
 }
 
@@ -162,7 +164,7 @@ async fn start_hop(
 ) -> (SocketAddr, Arc<Mutex<Seen>>) {
     let cfg = config();
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let (addr, incoming) = common::bind().await;
+    let (addr, incoming) = net::bind().await;
     let hop = Hop {
         next,
         bottom,
@@ -212,7 +214,7 @@ fn calls(seen: &Arc<Mutex<Seen>>) -> usize {
 async fn with_the_guard_d_sees_three_attempts_per_call_from_a() {
     let (a, seen) = chain(Middle::Forward, Bottom::Unavailable, true).await;
     // A plain client: one call into A.
-    let mut top = OrdersClient::new(common::channel(a));
+    let mut top = OrdersClient::new(net::channel(a));
     let err = top.create_order(request()).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert_eq!(
@@ -237,7 +239,7 @@ async fn with_the_guard_d_sees_three_attempts_per_call_from_a() {
 #[tokio::test]
 async fn without_the_guard_d_sees_twenty_seven() {
     let (a, seen) = chain(Middle::Forward, Bottom::Unavailable, false).await;
-    let mut top = OrdersClient::new(common::channel(a));
+    let mut top = OrdersClient::new(net::channel(a));
     let err = top.create_order(request()).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert!(err.metadata().get("grpc-retry-pushback-ms").is_none());
@@ -264,7 +266,7 @@ async fn a_retrying_client_at_the_top_does_not_retry_the_marked_failure() {
 async fn errors_not_from_an_exhausted_downstream_call_carry_no_marker() {
     // D's own UNAVAILABLE to a plain caller: no pushback.
     let (d, _) = start_hop(None, Bottom::Unavailable, true).await;
-    let err = OrdersClient::new(common::channel(d))
+    let err = OrdersClient::new(net::channel(d))
         .create_order(request())
         .await
         .unwrap_err();
@@ -272,7 +274,7 @@ async fn errors_not_from_an_exhausted_downstream_call_carry_no_marker() {
 
     // A non-retryable code passed up unchanged through the chain: nothing was exhausted.
     let (a, seen) = chain(Middle::Forward, Bottom::InvalidArgument, true).await;
-    let err = OrdersClient::new(common::channel(a))
+    let err = OrdersClient::new(net::channel(a))
         .create_order(request())
         .await
         .unwrap_err();
@@ -283,7 +285,7 @@ async fn errors_not_from_an_exhausted_downstream_call_carry_no_marker() {
     // A handler that answers an error of its own after its downstream call was
     // exhausted: its error is not the exhausted one, so it is retried normally.
     let (a, seen) = chain(Middle::OwnError, Bottom::Unavailable, true).await;
-    let err = OrdersClient::new(common::channel(a))
+    let err = OrdersClient::new(net::channel(a))
         .create_order(request())
         .await
         .unwrap_err();
@@ -306,7 +308,7 @@ async fn the_inbound_deadline_flows_down_the_chain_minus_time_spent() {
         true,
     )
     .await;
-    let mut top = OrdersClient::new(common::channel(a));
+    let mut top = OrdersClient::new(net::channel(a));
     let mut req = request();
     req.set_timeout(Duration::from_secs(1));
     top.create_order(req).await.expect("OK through the chain");
@@ -351,7 +353,7 @@ async fn a_second_sequential_call_gets_less_time_than_the_first() {
     .await;
     let mut req = request();
     req.set_timeout(Duration::from_secs(1));
-    OrdersClient::new(common::channel(a))
+    OrdersClient::new(net::channel(a))
         .create_order(req)
         .await
         .expect("OK");
@@ -378,7 +380,7 @@ async fn deadline_propagation_works_without_idempotency() {
     .expect("valid")
     .config;
     let seen_d = Arc::new(Mutex::new(Seen::default()));
-    let (d, incoming) = common::bind().await;
+    let (d, incoming) = net::bind().await;
     tokio::spawn(
         Server::builder()
             .add_service(OrdersServer::new(Hop {
@@ -388,7 +390,7 @@ async fn deadline_propagation_works_without_idempotency() {
             }))
             .serve_with_incoming(incoming),
     );
-    let (a, incoming) = common::bind().await;
+    let (a, incoming) = net::bind().await;
     tokio::spawn(
         Server::builder()
             .layer(InboundLayer::new())
@@ -401,7 +403,7 @@ async fn deadline_propagation_works_without_idempotency() {
     );
     let mut req = request();
     req.set_timeout(Duration::from_millis(500));
-    OrdersClient::new(common::channel(a))
+    OrdersClient::new(net::channel(a))
         .create_order(req)
         .await
         .expect("OK");
@@ -420,13 +422,9 @@ async fn optional_no_retries_under_an_inbound_retry() {
         .no_retry_under_retried_inbound(true)
         .build()
         .expect("valid layer");
-    let next = OrdersClient::new(
-        ServiceBuilder::new()
-            .layer(layer)
-            .service(common::channel(d)),
-    );
+    let next = OrdersClient::new(ServiceBuilder::new().layer(layer).service(net::channel(d)));
     let (a, _) = start_hop(Some((next, Middle::Forward)), Bottom::Unavailable, true).await;
-    let mut top = OrdersClient::new(common::channel(a));
+    let mut top = OrdersClient::new(net::channel(a));
 
     // A first attempt into A: A's client retries as usual.
     top.create_order(request()).await.unwrap_err();

@@ -32,7 +32,8 @@
 //! real time: they talk to other processes, and the bounds are only there so a hang
 //! fails instead of stalling the suite.
 
-mod common;
+use idem_test_support::net;
+use idem_test_support::shop;
 
 use std::future::Future;
 use std::io::Write as _;
@@ -43,9 +44,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use common::shop::orders_client::OrdersClient;
-use common::shop::orders_server::{Orders, OrdersServer};
-use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_client::retry::outcome::{ATTEMPTS_HEADER, OUTCOME_HEADER};
 use idem_client::{CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::config::TenantSource;
@@ -54,8 +52,12 @@ use idem_core::headers::{
     PREVIOUS_RPC_ATTEMPTS, RETRY_PUSHBACK_MS, reason,
 };
 use idem_core::{IdempotencyKey, ServiceConfig};
-use idem_server::{IdempotencyLayer, InboundLayer, MemoryStore};
+use idem_server::{IdempotencyLayer, InboundLayer};
+use idem_store::MemoryStore;
 use serde_json::Value;
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
@@ -387,7 +389,7 @@ async fn spawn_server<F>(serve: impl FnOnce(TcpListenerStream, Stop) -> F) -> Ru
 where
     F: Future<Output = Result<(), tonic::transport::Error>> + Send + 'static,
 {
-    let (addr, incoming) = common::bind().await;
+    let (addr, incoming) = net::bind().await;
     let (stop, stopped) = oneshot::channel::<()>();
     let server = serve(
         incoming,
@@ -666,7 +668,7 @@ async fn idem_client_retries_grpcio_server_with_one_key() {
     let layer = RetryLayer::from_config(&service_config());
     let channel = tower::ServiceBuilder::new()
         .layer(layer.clone())
-        .service(common::channel(server.addr()));
+        .service(net::channel(server.addr()));
     let mut client = OrdersClient::new(channel);
 
     let request = CreateOrderRequest {
@@ -838,7 +840,7 @@ async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun
             downstream: OrdersClient::new(
                 tower::ServiceBuilder::new()
                     .layer(RetryLayer::from_config(&hop_config))
-                    .service(common::channel(next.addr)),
+                    .service(net::channel(next.addr)),
             ),
             executions: Arc::default(),
         };
@@ -942,7 +944,7 @@ async fn idem_client_honours_grpcio_server_pushback_stop() {
     let layer = RetryLayer::from_config(&service_config());
     let channel = tower::ServiceBuilder::new()
         .layer(layer.clone())
-        .service(common::channel(server.addr()));
+        .service(net::channel(server.addr()));
     let mut client = OrdersClient::new(channel);
 
     let status = timeout(

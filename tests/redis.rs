@@ -1,6 +1,6 @@
 //! Several tonic server instances sharing one Redis through `idem_redis::RedisStore`.
 //!
-//! Each test starts its own `redis-server` (see `tests/redis_support/mod.rs`: without the
+//! Each test starts its own `redis-server` (see `idem_test_support::redis`: without the
 //! binary the tests print "SKIPPED" and pass, except when `CI` is set, where they fail)
 //! and three `Orders` servers on three 127.0.0.1 ports, each with its own
 //! `IdempotencyLayer` and its own `RedisStore` connection, like three processes.
@@ -18,9 +18,8 @@
 //!
 //! These tests use real time (they talk to another process); every wait is bounded.
 
-mod common;
-#[path = "redis_support/mod.rs"]
-mod redis_support;
+use idem_test_support::net;
+use idem_test_support::shop;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -28,18 +27,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::shop::orders_client::OrdersClient;
-use common::shop::orders_server::{Orders, OrdersServer};
-use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use idem_core::ServiceConfig;
 use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, reason};
 use idem_redis::{RedisStore, WaitStrategy};
 use idem_server::scope_for;
-use idem_server::store::{
-    Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome,
-};
 use idem_server::{IdempotencyLayer, IdempotencyStats};
-use redis_support::RedisServer;
+use idem_store::{Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome};
+use idem_test_support::redis::RedisServer;
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
@@ -164,7 +161,7 @@ async fn serve<St: Store + std::fmt::Debug>(
         runs,
         delay,
     };
-    let (addr, incoming) = common::bind().await;
+    let (addr, incoming) = net::bind().await;
     let (stop, stopped) = oneshot::channel::<()>();
     let router = tonic::transport::Server::builder()
         .layer(layer)
@@ -183,7 +180,7 @@ impl Cluster {
     fn clients(&self) -> Vec<OrdersClient<Channel>> {
         self.instances
             .iter()
-            .map(|i| OrdersClient::new(common::channel(i.addr)))
+            .map(|i| OrdersClient::new(net::channel(i.addr)))
             .collect()
     }
     fn runs(&self) -> usize {
@@ -410,6 +407,7 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
     let crashed = match store
         .claim(ClaimRequest {
             scope: &scope,
+            tenant: &idem_store::TenantId::default(),
             fingerprint: &fingerprint,
             claimant: ClaimantId::random(),
             lease,
@@ -581,9 +579,9 @@ async fn throughput_of_fresh_and_replayed_calls() {
         let mut clients = Vec::new();
         let mut stops = Vec::new();
         for i in 0..3 {
-            let store = idem_server::MemoryStore::new(Default::default());
+            let store = idem_store::MemoryStore::new(Default::default());
             let (addr, _, stop) = serve(store, &config, i, runs.clone(), Duration::ZERO).await;
-            clients.push(OrdersClient::new(common::channel(addr)));
+            clients.push(OrdersClient::new(net::channel(addr)));
             stops.push(stop);
         }
         let keys = new_keys();
@@ -657,38 +655,39 @@ async fn malformed_records_are_corrupt_not_panics() {
         return;
     };
     let store = RedisStore::connect(redis.url()).await.expect("connect");
-    let fp = idem_server::store::Fingerprint([7; 32]);
+    let fp = idem_store::Fingerprint([7; 32]);
     let claim = |scope| ClaimRequest {
         scope,
+        tenant: &idem_store::TenantId([0; 16]),
         fingerprint: &fp,
         claimant: ClaimantId::random(),
         lease: Duration::from_secs(5),
     };
-    let plant = |scope: &idem_server::store::Scope, fields: &[&[u8]]| {
+    let plant = |scope: &idem_store::Scope, fields: &[&[u8]]| {
         let key = store.key_for(scope);
         let mut args: Vec<&[u8]> = vec![b"HSET", key.as_bytes()];
         args.extend_from_slice(fields);
         redis.cmd_bytes(&args).expect("HSET");
     };
     // Not a hash at all.
-    let s1 = idem_server::store::Scope([1; 32]);
+    let s1 = idem_store::Scope([1; 32]);
     redis
         .cmd(&["SET", &store.key_for(&s1), "garbage"])
         .expect("SET");
     // A hash with an unknown state, one without a fence, one with a bad outcome kind,
     // one in flight without a lease.
-    let s2 = idem_server::store::Scope([2; 32]);
+    let s2 = idem_store::Scope([2; 32]);
     plant(&s2, &[b"s", b"x", b"f", b"1"]);
-    let s3 = idem_server::store::Scope([3; 32]);
+    let s3 = idem_store::Scope([3; 32]);
     plant(&s3, &[b"s", b"c"]);
-    let s4 = idem_server::store::Scope([4; 32]);
+    let s4 = idem_store::Scope([4; 32]);
     plant(
         &s4,
         &[
             b"s", b"c", b"f", b"2", b"fp", &[7; 32], b"k", b"?", b"o", b"",
         ],
     );
-    let s5 = idem_server::store::Scope([5; 32]);
+    let s5 = idem_store::Scope([5; 32]);
     plant(&s5, &[b"s", b"i", b"f", b"2", b"fp", &[7; 32], b"c", b"00"]);
     for s in [&s1, &s2, &s3, &s4, &s5] {
         let r = store.claim(claim(s)).await;
@@ -701,7 +700,7 @@ async fn malformed_records_are_corrupt_not_panics() {
         assert!(matches!(r, Err(StoreError::Corrupt(_))), "{s:?}: {r:?}");
     }
     // A fingerprint of the wrong length in a completed record.
-    let s6 = idem_server::store::Scope([6; 32]);
+    let s6 = idem_store::Scope([6; 32]);
     plant(
         &s6,
         &[
@@ -717,12 +716,13 @@ async fn scripts_are_reloaded_after_a_script_flush() {
         return;
     };
     let store = RedisStore::connect(redis.url()).await.expect("connect");
-    let fp = idem_server::store::Fingerprint([9; 32]);
-    let scope = idem_server::store::Scope(rand::random());
+    let fp = idem_store::Fingerprint([9; 32]);
+    let scope = idem_store::Scope(rand::random());
     redis.cmd(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
     let r = store
         .claim(ClaimRequest {
             scope: &scope,
+            tenant: &idem_store::TenantId::default(),
             fingerprint: &fp,
             claimant: ClaimantId::random(),
             lease: Duration::from_secs(5),
@@ -773,7 +773,7 @@ async fn commands_time_out_as_unavailable() {
     redis
         .cmd(&["CLIENT", "PAUSE", "2000", "ALL"])
         .expect("CLIENT PAUSE");
-    let scope = idem_server::store::Scope(rand::random());
+    let scope = idem_store::Scope(rand::random());
     let r = store.get(&scope).await;
     assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
     redis.cmd(&["CLIENT", "UNPAUSE"]).expect("CLIENT UNPAUSE");
@@ -802,14 +802,15 @@ async fn wait_latency_notify_versus_poll() {
                 .connect()
         };
         let (a, b) = (connect().await.expect("a"), connect().await.expect("b"));
-        let fp = idem_server::store::Fingerprint([3; 32]);
+        let fp = idem_store::Fingerprint([3; 32]);
         let mut late = Vec::new();
         redis.reset_stats();
         for _ in 0..ROUNDS {
-            let scope = idem_server::store::Scope(rand::random());
+            let scope = idem_store::Scope(rand::random());
             let fence = match a
                 .claim(ClaimRequest {
                     scope: &scope,
+                    tenant: &idem_store::TenantId::default(),
                     fingerprint: &fp,
                     claimant: ClaimantId::random(),
                     lease: Duration::from_secs(10),
@@ -850,6 +851,7 @@ async fn wait_latency_notify_versus_poll() {
             let again = b
                 .claim(ClaimRequest {
                     scope: &scope,
+                    tenant: &idem_store::TenantId::default(),
                     fingerprint: &fp,
                     claimant: ClaimantId::random(),
                     lease: Duration::from_secs(10),
@@ -882,11 +884,12 @@ async fn waiters_survive_a_lost_notification_connection() {
     };
     let a = RedisStore::connect(redis.url()).await.expect("a");
     let b = RedisStore::connect(redis.url()).await.expect("b");
-    let fp = idem_server::store::Fingerprint([4; 32]);
+    let fp = idem_store::Fingerprint([4; 32]);
     for round in 0..2 {
-        let scope = idem_server::store::Scope(rand::random());
+        let scope = idem_store::Scope(rand::random());
         let claim = ClaimRequest {
             scope: &scope,
+            tenant: &idem_store::TenantId::default(),
             fingerprint: &fp,
             claimant: ClaimantId::random(),
             lease: Duration::from_secs(30),
@@ -920,7 +923,7 @@ async fn waiters_survive_a_lost_notification_connection() {
             let killed = redis
                 .cmd(&["CLIENT", "KILL", "TYPE", "pubsub"])
                 .expect("CLIENT KILL");
-            assert_eq!(killed, redis_support::Resp::Int(1));
+            assert_eq!(killed, idem_test_support::redis::Resp::Int(1));
         }
         a.complete(
             &scope,

@@ -5,7 +5,8 @@
 //! Tests that move time (leases, deadlines) drive the layer in-process around the real
 //! generated `OrdersServer` (hand-built gRPC requests) on tokio's paused clock.
 
-mod common;
+use idem_test_support::net;
+use idem_test_support::shop;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -16,19 +17,19 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use common::shop::orders_client::OrdersClient;
-use common::shop::orders_server::{Orders, OrdersServer};
-use common::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use http_body_util::{BodyExt, Full};
 use idem_core::ServiceConfig;
 use idem_core::config::{IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig};
 use idem_core::headers::reason;
-use idem_server::store::{
-    Claim, ClaimRequest, Fence, MemoryStore, RecordState, Scope, Store, StoreError, StoredOutcome,
-};
 use idem_server::tenant::FromExtension;
 use idem_server::{IdemDecision, IdempotencyLayer, RecordFence, StatsSnapshot, scope_for};
+use idem_store::{
+    Claim, ClaimRequest, Fence, MemoryStore, RecordState, Scope, Store, StoreError, StoredOutcome,
+};
 use prost::Message;
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_stream::Stream;
@@ -224,7 +225,7 @@ struct Running {
 
 impl Running {
     fn client(&self) -> OrdersClient<Channel> {
-        OrdersClient::new(common::channel(self.addr))
+        OrdersClient::new(net::channel(self.addr))
     }
 }
 
@@ -236,7 +237,7 @@ async fn serve<St: Store>(layer: IdempotencyLayer<St>) -> Running {
 /// way the docs say: `Server::builder().layer(auth).layer(idempotency)`.
 async fn serve_probed<St: Store>(layer: IdempotencyLayer<St>, dropped: Arc<Notify>) -> Running {
     let shop = Shop::new();
-    let (addr, incoming) = common::bind().await;
+    let (addr, incoming) = net::bind().await;
     let auth_fn: fn(http::Request<Body>) -> http::Request<Body> = auth;
     let router = Server::builder()
         .max_concurrent_streams(Some(4096))
@@ -792,7 +793,7 @@ async fn bad_keys_are_refused_before_anything_runs_or_is_stored() {
                     .insert("x-test-tenant", http::HeaderValue::from_static("t1"));
                 req
             })
-            .service(common::channel(srv.addr));
+            .service(net::channel(srv.addr));
         let mut client = OrdersClient::new(channel);
         let err = client.create_order(create("ok")).await.unwrap_err();
         assert_idem_error(&err, Code::InvalidArgument, why);

@@ -26,13 +26,13 @@
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
 //! the process exits with status 1 otherwise.
 
-mod harness;
+use idem_test_support::demo as harness;
 
 use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
 use std::time::Duration;
 
 use idem::core::ServiceConfig;
-use idem::server::store::MemoryStore;
+use idem::store::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
 [--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--redis URL] [--config FILE] [--restart-after N]";

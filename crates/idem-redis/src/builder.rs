@@ -17,12 +17,12 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Default fence retention: how long an in-flight record and a release tombstone keep
 /// their fence (24 h, the default record TTL).
 pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
-/// Default first polling interval of [`wait`](idem_server::store::Store::wait).
+/// Default first polling interval of [`wait`](idem_store::Store::wait).
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(2);
-/// Default longest polling interval of [`wait`](idem_server::store::Store::wait).
+/// Default longest polling interval of [`wait`](idem_store::Store::wait).
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_millis(50);
 
-/// How [`wait`](idem_server::store::Store::wait) learns that an in-flight record changed.
+/// How [`wait`](idem_store::Store::wait) learns that an in-flight record changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WaitStrategy {
     /// Subscribe to the record's `:done` channel (one subscriber connection per store,
@@ -146,7 +146,7 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Polling of [`wait`](idem_server::store::Store::wait): the first interval, doubled
+    /// Polling of [`wait`](idem_store::Store::wait): the first interval, doubled
     /// after each read up to `max` (defaults 2 ms and 50 ms).
     pub fn wait_poll_interval(mut self, min: Duration, max: Duration) -> Self {
         self.poll_min = min;
@@ -220,7 +220,7 @@ impl RedisStoreBuilder {
         .await
         {
             Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(ConnectError::Unavailable(map_error(&e).to_string())),
+            Ok(Err(e)) => return Err(ConnectError::Unavailable(map_error(e).to_string())),
             Err(_) => {
                 return Err(ConnectError::Unavailable(format!(
                     "no connection within {:?}",

@@ -1,6 +1,6 @@
 //! Start-up checks of the Redis server's settings.
 
-use idem_server::store::StoreError;
+use idem_store::StoreError;
 use redis::Value;
 
 use crate::store::RedisStore;
@@ -95,8 +95,8 @@ impl RedisStore {
             .await;
         match reply {
             Ok(v) => Ok(config_value(v, name)),
-            Err(StoreError::Unavailable(msg)) if !refused(&msg) => {
-                Err(StoreError::Unavailable(msg))
+            Err(StoreError::Unavailable(cause)) if !refused(cause.message()) => {
+                Err(StoreError::Unavailable(cause))
             }
             Err(e) => {
                 tracing::debug!(target: "idem_redis", error = %e, "CONFIG GET {name} refused");

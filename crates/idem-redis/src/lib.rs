@@ -1,8 +1,8 @@
-//! A Redis-backed idempotency [`Store`](idem_server::store::Store) for `idem-server`,
+//! A Redis-backed idempotency [`Store`](idem_store::Store) for `idem-server`,
 //! so several instances of a service act as one.
 //!
 //! # When to use it
-//! The in-memory store (`idem_server::store::MemoryStore`) is right when one process
+//! The in-memory store (`idem_store::MemoryStore`) is right when one process
 //! serves a method: it costs no network hop. As soon as a service runs as two or more
 //! instances behind a load balancer, a retry can land on another instance than the
 //! first attempt; with per-process memory it would run a second time. Point every
@@ -98,7 +98,7 @@
 //! - **Renew after the lease ran out** still succeeds while nobody has taken over: the
 //!   fence is still current.
 //! - **Durations** are sent in whole milliseconds, at least 1 ms and at most ten years.
-//! - **Waiting.** [`wait`](idem_server::store::Store::wait) reads the record (state,
+//! - **Waiting.** [`wait`](idem_store::Store::wait) reads the record (state,
 //!   fence, lease left) and returns as soon as it is no longer the same live claim.
 //!   With [`WaitStrategy::Notify`] (the default) it first subscribes to
 //!   `<prefix>{<scope hex>}:done`, which the complete and release scripts `PUBLISH` to,

@@ -1,4 +1,4 @@
-//! Completion notifications for [`wait`](idem_server::store::Store::wait) over Redis
+//! Completion notifications for [`wait`](idem_store::Store::wait) over Redis
 //! pub/sub.
 //!
 //! The complete and release scripts `PUBLISH` the record's fence on

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_server::store::{
-    Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError, StoredOutcome,
+use idem_store::{
+    Cause, Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
+    StoredOutcome,
 };
 use redis::aio::ConnectionManager;
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
@@ -114,10 +115,10 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(limit, fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(map_error(&e)),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "redis command timed out after {limit:?}"
-            ))),
+            Ok(Err(e)) => Err(map_error(e)),
+            Err(_) => Err(StoreError::Unavailable(
+                format!("redis command timed out after {limit:?}").into(),
+            )),
         }
     }
 
@@ -426,22 +427,23 @@ fn ms(d: Duration) -> u64 {
 /// Maps a client error: connection trouble, timeouts and server conditions that pass
 /// (loading, OOM, read-only replica, cluster down…) are `Unavailable`; a reply of the
 /// wrong shape, a key of the wrong type or a script error on a record is `Corrupt`.
-pub(crate) fn map_error(e: &RedisError) -> StoreError {
+pub(crate) fn map_error(e: RedisError) -> StoreError {
     let code = e.code().unwrap_or("");
     let corrupt_reply = matches!(e.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType)
         || code == "WRONGTYPE"
         || code == "IDEMCORRUPT"
         || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
             && e.detail().is_some_and(|d| d.contains("user_script")));
+    let cause = Cause::new(e.to_string(), e);
     if corrupt_reply {
-        StoreError::Corrupt(e.to_string())
+        StoreError::Corrupt(cause)
     } else {
-        StoreError::Unavailable(e.to_string())
+        StoreError::Unavailable(cause)
     }
 }
 
 fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(format!("redis: {what}"))
+    StoreError::Corrupt(format!("redis: {what}").into())
 }
 
 fn array(v: Value) -> Result<Vec<Value>, StoreError> {
@@ -542,7 +544,7 @@ mod tests {
 
     #[test]
     fn client_errors_map_to_unavailable_or_corrupt() {
-        let e = |kind, what: &'static str| map_error(&RedisError::from((kind, what)));
+        let e = |kind, what: &'static str| map_error(RedisError::from((kind, what)));
         assert!(matches!(
             e(ErrorKind::Io, "reset"),
             StoreError::Unavailable(_)
@@ -564,7 +566,7 @@ mod tests {
             StoreError::Corrupt(_)
         ));
         let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
-        assert!(matches!(map_error(&io), StoreError::Unavailable(_)));
+        assert!(matches!(map_error(io), StoreError::Unavailable(_)));
     }
 
     #[test]

@@ -4,16 +4,16 @@
 //! - [`idempotency`]: [`IdempotencyLayer`] / [`Idempotency`], the middleware.
 //! - [`inbound`]: [`InboundLayer`], which records the inbound deadline for every call and
 //!   turns an exhausted downstream failure into `grpc-retry-pushback-ms: -1`.
-//! - [`store`]: the [`Store`](store::Store) trait its records live in, and
-//!   [`MemoryStore`], the embedded default.
+//!
+//! Records live in a store: the [`Store`](idem_store::Store) trait and the embedded
+//! [`MemoryStore`](idem_store::MemoryStore) are in `idem-store`; `idem-redis` shares
+//! records between instances.
 
 pub mod idempotency;
 pub mod inbound;
-pub mod store;
 
 pub use idempotency::{
     IdemDecision, Idempotency, IdempotencyLayer, IdempotencyStats, RecordFence, StatsSnapshot,
     scope_for, tenant,
 };
 pub use inbound::{Inbound, InboundLayer};
-pub use store::MemoryStore;

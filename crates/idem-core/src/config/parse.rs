@@ -58,7 +58,7 @@ const IDEMPOTENCY_FIELDS: &[&str] = &[
 ];
 const IDEM_FIELDS: &[&str] = &["keyHeader", "tenant", "memoryStore", "redis", "client"];
 const TENANT_FIELDS: &[&str] = &["single", "header"];
-const MEMORY_FIELDS: &[&str] = &["maxEntries", "maxBytes", "sweepInterval"];
+const MEMORY_FIELDS: &[&str] = &["maxEntries", "maxBytes", "sweepInterval", "tombstoneTtl"];
 const REDIS_FIELDS: &[&str] = &["url", "keyPrefix", "commandTimeout", "connectTimeout"];
 const CLIENT_FIELDS: &[&str] = &[
     "keyAllMethods",
@@ -1089,6 +1089,9 @@ impl Validator {
         }
         if let Some(d) = self.duration_field(&o, "sweepInterval", Zero::Refused) {
             m.sweep_interval = d;
+        }
+        if let Some(d) = self.duration_field(&o, "tombstoneTtl", Zero::Refused) {
+            m.tombstone_ttl = d;
         }
         (self.errors.len() == errors_before).then_some(m)
     }

@@ -1508,7 +1508,7 @@ fn idem_tenant() {
 #[test]
 fn idem_memory_store() {
     let (s, _) = settings(
-        json!({"memoryStore": {"maxEntries": 10, "maxBytes": 4096, "sweepInterval": "0.5s"}}),
+        json!({"memoryStore": {"maxEntries": 10, "maxBytes": 4096, "sweepInterval": "0.5s", "tombstoneTtl": "60s"}}),
     )
     .unwrap();
     assert_eq!(
@@ -1516,7 +1516,8 @@ fn idem_memory_store() {
         MemoryStoreSettings {
             max_entries: 10,
             max_bytes: 4096,
-            sweep_interval: Duration::from_millis(500)
+            sweep_interval: Duration::from_millis(500),
+            tombstone_ttl: Duration::from_secs(60),
         }
     );
     let (s, _) = settings(json!({"memoryStore": {"maxEntries": 10}})).unwrap();

@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::code::{Code, CodeSet};
+pub use idem_store::MemoryStoreSettings;
 
 /// One finding about a config document: where (a JSON path such as
 /// `methodConfig[0].retryPolicy.maxAttempts`) and what rule it breaks.
@@ -370,30 +371,6 @@ pub enum TenantSource {
     /// Trust a client-sent header (`{"header": "x-tenant-id"}`): an explicit opt-in, only
     /// safe behind a proxy that sets it.
     Header(http::HeaderName),
-}
-
-/// Bounds of the in-memory store.
-///
-/// # Defaults
-/// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `sweepInterval` `"1s"`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemoryStoreSettings {
-    /// Most records kept.
-    pub max_entries: usize,
-    /// Most bytes of stored responses (plus per-record overhead) kept.
-    pub max_bytes: usize,
-    /// How often expired records are swept.
-    pub sweep_interval: Duration,
-}
-
-impl Default for MemoryStoreSettings {
-    fn default() -> Self {
-        MemoryStoreSettings {
-            max_entries: 100_000,
-            max_bytes: 256 * 1024 * 1024,
-            sweep_interval: Duration::from_secs(1),
-        }
-    }
 }
 
 /// Redis store settings (`idem.redis`).

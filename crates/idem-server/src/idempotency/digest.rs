@@ -5,7 +5,7 @@ use std::io::Read;
 use bytes::{Buf, Bytes};
 use sha2::{Digest, Sha256};
 
-use crate::store::{Fingerprint, Scope};
+use idem_store::{Fingerprint, Scope, TenantId};
 
 /// The record name of a call: SHA-256 over the length-prefixed tenant, method path and
 /// key (each as a big-endian `u64` length then the bytes), after a version tag. No
@@ -26,6 +26,18 @@ pub fn scope_for(tenant: &str, method_path: &str, key: &str) -> Scope {
         h.update(part.as_bytes());
     }
     Scope(h.finalize().into())
+}
+
+/// The store's name for a tenant: the first 16 bytes of SHA-256 over a version tag and
+/// the tenant, so a store can keep per-tenant bounds without holding tenant names.
+pub fn tenant_id(tenant: &str) -> TenantId {
+    let mut h = Sha256::new();
+    h.update(b"idem-tenant-v1");
+    h.update(tenant.as_bytes());
+    let d: [u8; 32] = h.finalize().into();
+    let mut id = [0; 16];
+    id.copy_from_slice(&d[..16]);
+    TenantId(id)
 }
 
 /// Fingerprint of a request: SHA-256 over its messages, each as a big-endian `u64`

@@ -12,7 +12,7 @@ use tower_layer::Layer;
 use super::Idempotency;
 use super::stats::IdempotencyStats;
 use super::tenant::{FromHeader, NoTenant, SingleTenant, TenantResolver};
-use crate::store::Store;
+use idem_store::Store;
 
 /// A per-method fingerprint hook: maps the request's (decompressed) messages to the
 /// canonical bytes that are digested instead of the messages themselves, e.g. the

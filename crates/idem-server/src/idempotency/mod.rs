@@ -6,7 +6,8 @@
 //!
 //! ```no_run
 //! use idem_core::ServiceConfig;
-//! use idem_server::{IdempotencyLayer, MemoryStore, tenant::FromExtension};
+//! use idem_server::{IdempotencyLayer, tenant::FromExtension};
+//! use idem_store::MemoryStore;
 //! use tonic::transport::Server;
 //!
 //! /// What the auth layer puts into the request extensions.
@@ -78,13 +79,13 @@
 //!      (`RESPONSE_NOT_RETAINED`), never a second run.
 //!    - *mismatch* → FAILED_PRECONDITION "idempotency key reused with a different
 //!      request" (`KEY_REUSED`); the record is unchanged.
-//!    - *in flight*: `WAIT` waits on the store ([`Store::wait`](crate::store::Store::wait))
+//!    - *in flight*: `WAIT` waits on the store ([`Store::wait`](idem_store::Store::wait))
 //!      and claims again, until the caller's `grpc-timeout` deadline (then
 //!      DEADLINE_EXCEEDED, reason `IN_PROGRESS`); `ABORT` answers ABORTED with
 //!      `google.rpc.RetryInfo` (`abortRetryDelay`) and reason `IN_PROGRESS`.
 //! 7. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
 //!    `failOpen`: then the handler runs without a record (logged, counted). A full
-//!    [`MemoryStore`](crate::MemoryStore) is a store error too (UNAVAILABLE, so clients
+//!    [`MemoryStore`](idem_store::MemoryStore) is a store error too (UNAVAILABLE, so clients
 //!    retry it by default).
 //!
 //! Every error the layer makes carries `google.rpc.ErrorInfo` with domain `idem` and a
@@ -138,7 +139,7 @@ pub mod tenant;
 #[cfg(test)]
 mod tests;
 
-pub use digest::scope_for;
+pub use digest::{scope_for, tenant_id};
 pub use future::ResponseFuture;
 pub use layer::{FingerprintHook, IdempotencyLayer};
 pub use service::{DECISION_HEADER, IdemDecision, Idempotency, RecordFence};

@@ -28,11 +28,14 @@ use tracing::{Instrument, field};
 
 use super::body::{ChannelBody, ReplayBody};
 use super::codec::{StoredResponse, headers_len};
-use super::digest::{FrameError, fingerprint_custom, fingerprint_messages, messages, scope_for};
+use super::digest::{
+    FrameError, fingerprint_custom, fingerprint_messages, messages, scope_for, tenant_id,
+};
 use super::future::ResponseFuture;
 use super::layer::{IdempotencyLayer, Shared};
-use crate::store::{
+use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, Scope, Store, StoreError, StoredOutcome,
+    TenantId,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -216,6 +219,7 @@ where
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let path = parts.uri.path().to_owned();
                 let scope = scope_for(&tenant, &path, key.as_str());
+                let tenant = tenant_id(&tenant);
                 let span = tracing::info_span!(
                     "idempotency",
                     method = %path,
@@ -229,6 +233,7 @@ where
                     policy,
                     path,
                     scope,
+                    tenant,
                 };
                 ResponseFuture::protected(Box::pin(call.run(parts, body).instrument(span)))
             }
@@ -243,6 +248,7 @@ struct Call<S, St> {
     policy: IdempotencyPolicy,
     path: String,
     scope: Scope,
+    tenant: TenantId,
 }
 
 fn outcome(name: &'static str) {
@@ -328,6 +334,7 @@ where
                 .store
                 .claim(ClaimRequest {
                     scope: &self.scope,
+                    tenant: &self.tenant,
                     fingerprint: &fingerprint,
                     claimant,
                     lease: self.policy.lease_ttl,
@@ -455,7 +462,7 @@ where
                 self.shared.stats.inc(|c| &c.store_errors);
                 outcome("store_unavailable");
                 tracing::error!(error = %e, "stored response does not decode");
-                return store_unavailable(&StoreError::Corrupt(e.to_string())).into_http();
+                return store_unavailable(&StoreError::Corrupt(e.to_string().into())).into_http();
             }
         };
         self.shared.stats.inc(|c| &c.replayed);

@@ -15,7 +15,7 @@ use tower::{ServiceExt, service_fn};
 use tower_layer::Layer;
 
 use super::IdempotencyLayer;
-use crate::MemoryStore;
+use idem_store::MemoryStore;
 
 /// A body that never yields: buffering it would never finish.
 struct Pending;

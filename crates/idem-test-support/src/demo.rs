@@ -1,7 +1,7 @@
-//! The demo's moving parts, shared with `tests/chaos.rs`: the `shop.v1.Orders` service
+//! The demo's moving parts, shared by the `demo` example and the chaos tests: the `shop.v1.Orders` service
 //! with a ledger of orders per intent, a seeded fault injector, server instances, and
 //! one run of the workload.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+#![allow(missing_docs)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -10,20 +10,18 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use idem::client::{RetryLayer, with_key};
-use idem::core::{IdempotencyKey, ServiceConfig};
-use idem::server::idempotency::tenant::SingleTenant;
-use idem::server::{IdempotencyLayer, InboundLayer, store::MemoryStore};
+use idem_client::{RetryLayer, with_key};
+use idem_core::{IdempotencyKey, ServiceConfig};
+use idem_server::idempotency::tenant::SingleTenant;
+use idem_server::{IdempotencyLayer, InboundLayer};
+use idem_store::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Response, Status};
 use tower::{Layer, Service, ServiceBuilder};
 
-pub mod shop {
-    #![allow(missing_docs, unreachable_pub)]
-    tonic::include_proto!("shop.v1");
-}
+use crate::shop;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
@@ -258,7 +256,7 @@ pub enum Store {
     /// One in-memory store shared by the instances of this process.
     Memory(MemoryStore),
     /// Redis, shared by every instance.
-    Redis(idem::redis::RedisStore),
+    Redis(idem_redis::RedisStore),
 }
 
 /// One server instance: its address and the task serving it.
@@ -275,12 +273,12 @@ struct Fleet {
     ledger: Arc<Ledger>,
     faults: Faults,
     store: Store,
-    stats: Arc<Mutex<Vec<idem::server::idempotency::IdempotencyStats>>>,
+    stats: Arc<Mutex<Vec<idem_server::idempotency::IdempotencyStats>>>,
 }
 
 impl Fleet {
     /// Serves `svc` behind the fault injector, `InboundLayer` and `IdempotencyLayer`.
-    fn serve_with_idem<St: idem::server::store::Store>(
+    fn serve_with_idem<St: idem_store::Store>(
         &self,
         store: St,
         faults: Faults,

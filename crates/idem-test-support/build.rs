@@ -2,8 +2,8 @@
 //! machine needs no system `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    println!("cargo:rerun-if-changed=proto");
-    let fds = protox::compile(["shop/v1/orders.proto"], ["proto"])?;
+    println!("cargo:rerun-if-changed=../../proto");
+    let fds = protox::compile(["shop/v1/orders.proto"], ["../../proto"])?;
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)

@@ -21,6 +21,7 @@ fn req(s: &Scope, f: &Fingerprint, c: u128) -> ClaimRequest<'static> {
     let f: &'static Fingerprint = Box::leak(Box::new(*f));
     ClaimRequest {
         scope: s,
+        tenant: &TenantId([0; 16]),
         fingerprint: f,
         claimant: ClaimantId(c),
         lease: LEASE,
@@ -28,10 +29,19 @@ fn req(s: &Scope, f: &Fingerprint, c: u128) -> ClaimRequest<'static> {
 }
 
 fn store(max_entries: usize, max_bytes: usize) -> MemoryStore {
+    store_with_tombstones(max_entries, max_bytes, Duration::from_secs(24 * 3600))
+}
+
+fn store_with_tombstones(
+    max_entries: usize,
+    max_bytes: usize,
+    tombstone_ttl: Duration,
+) -> MemoryStore {
     MemoryStore::new(MemoryStoreSettings {
         max_entries,
         max_bytes,
         sweep_interval: Duration::from_secs(1),
+        tombstone_ttl,
     })
 }
 
@@ -342,6 +352,7 @@ async fn memory_per_record() {
         let sc = Scope(s);
         let r = ClaimRequest {
             scope: &sc,
+            tenant: &TenantId([0; 16]),
             fingerprint: &fp(1),
             claimant: ClaimantId(1),
             lease: LEASE,
@@ -535,7 +546,7 @@ proptest! {
     fn behaves_like_the_model(ops in proptest::collection::vec(op(), 1..60)) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
         rt.block_on(async {
-            let st = store(1000, 1 << 20).with_tombstone_ttl(Duration::from_secs(TOMB));
+            let st = store_with_tombstones(1000, 1 << 20, Duration::from_secs(TOMB));
             let mut m = Model::default();
             for op in ops {
                 match op {

@@ -8,7 +8,7 @@
 //!
 //! It also has a tiny blocking RESP client (`RedisServer::cmd`) so tests can read
 //! `INFO commandstats` or plant records without another dependency.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+#![allow(missing_docs)]
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};

@@ -1,4 +1,9 @@
-//! Where the server layer keeps its records: the [`Store`] trait and its record types.
+//! The contract between idem's server layer and the places it keeps its records: the
+//! [`Store`] trait, its record types and errors, the embedded [`MemoryStore`], and (with
+//! the `testing` feature) a conformance suite every backend runs.
+//!
+//! Backends are crates of their own (`idem-redis`, or yours) that depend on this crate
+//! only, not on the server layer.
 //!
 //! A record lives per [`Scope`] (digest of tenant + method + key). Its life:
 //!
@@ -34,8 +39,10 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 pub mod memory;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
-pub use memory::MemoryStore;
+pub use memory::{MemoryStore, MemoryStoreSettings, MemoryStoreStats};
 
 /// A generation number of a record; grows on every claim of a scope.
 pub type Fence = u64;
@@ -58,6 +65,24 @@ impl fmt::Debug for Scope {
     }
 }
 
+/// A digest naming the tenant a record belongs to, so a store can bound each tenant's
+/// share (in-flight records, bytes) without seeing the tenant's name.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct TenantId(pub [u8; 16]);
+
+impl TenantId {
+    /// Lower-case hex, for logs and key names.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for TenantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TenantId({})", &self.to_hex()[..8])
+    }
+}
+
 /// The 32-byte digest of a request's message bytes.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint(pub [u8; 32]);
@@ -69,8 +94,12 @@ impl fmt::Debug for Fingerprint {
 }
 
 fn hex32(b: &[u8; 32]) -> String {
+    hex(b)
+}
+
+fn hex(b: &[u8]) -> String {
     use std::fmt::Write;
-    let mut s = String::with_capacity(64);
+    let mut s = String::with_capacity(2 * b.len());
     for x in b {
         let _ = write!(s, "{x:02x}");
     }
@@ -98,6 +127,8 @@ fn rand_u128() -> u128 {
 pub struct ClaimRequest<'a> {
     /// The record.
     pub scope: &'a Scope,
+    /// The tenant the record is charged to (for per-tenant bounds).
+    pub tenant: &'a TenantId,
     /// The request's fingerprint.
     pub fingerprint: &'a Fingerprint,
     /// Who asks.
@@ -179,12 +210,67 @@ pub enum RecordState {
     },
 }
 
+/// What made a store call fail: a message for logs, and the underlying error if any.
+///
+/// Built from a message (`"timed out".into()`) or with [`Cause::new`] to keep the error
+/// that caused it as its [`source`](std::error::Error::source).
+#[derive(Debug)]
+pub struct Cause {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Cause {
+    /// A cause with a message and the error behind it.
+    pub fn new(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Cause {
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as _)
+    }
+}
+
+impl From<String> for Cause {
+    fn from(message: String) -> Self {
+        Cause {
+            message,
+            source: None,
+        }
+    }
+}
+
+impl From<&str> for Cause {
+    fn from(message: &str) -> Self {
+        Cause::from(message.to_owned())
+    }
+}
+
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store could not answer (connection, timeout, overload). Fail closed.
     #[error("store unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] Cause),
     /// The fence presented is not the current fence of an in-flight record.
     #[error("stale fence {presented} (current: {current:?})")]
     Fenced {
@@ -195,10 +281,11 @@ pub enum StoreError {
     },
     /// The store returned something it should not have (corrupt record, bad reply).
     #[error("store returned a malformed reply: {0}")]
-    Corrupt(String),
-    /// The store is at its bound and cannot take a new record.
+    Corrupt(#[source] Cause),
+    /// The store (or the tenant's share of it) is at its bound and cannot take a new
+    /// record now. Retryable: the layer answers RESOURCE_EXHAUSTED with a retry delay.
     #[error("store full: {0}")]
-    Full(String),
+    Full(#[source] Cause),
 }
 
 /// A place to keep idempotency records. See the module docs for the contract.

@@ -1,9 +1,4 @@
-//! Shared by the end-to-end tests: the generated `shop.v1` code and small helpers.
-#![allow(dead_code, unreachable_pub, missing_docs)]
-
-pub mod shop {
-    tonic::include_proto!("shop.v1");
-}
+//! Loopback helpers: a listener on a free port and a channel to it.
 
 use std::net::SocketAddr;
 

@@ -18,8 +18,8 @@
 //!   is completed as [`StoredOutcome::NotRetained`] (the handler already ran; a
 //!   duplicate gets a clear error rather than a second run).
 //! - **Expiry**: completed records expire after the TTL given to `complete`; released
-//!   records keep a tombstone for [`MemoryStore::with_tombstone_ttl`] (default 24 h, the
-//!   default record TTL); an in-flight record whose lease ended is taken over by the
+//!   records keep a tombstone for [`MemoryStoreSettings::tombstone_ttl`] (default 24 h,
+//!   the default record TTL); an in-flight record whose lease ended is taken over by the
 //!   next claim, and is dropped when its lease has been over for the tombstone TTL. A
 //!   background task sweeps expired records every `sweep_interval`; it holds only a
 //!   `Weak` reference and stops when the last clone of the store is dropped.
@@ -34,14 +34,44 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use idem_core::config::MemoryStoreSettings;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{
+#[cfg(test)]
+use crate::TenantId;
+use crate::{
     Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome,
 };
+
+/// Bounds and timings of a [`MemoryStore`] (`idem.memoryStore` in the service config).
+///
+/// # Defaults
+/// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `sweepInterval` `"1s"`,
+/// `tombstoneTtl` `"86400s"` (24 h).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryStoreSettings {
+    /// Most records kept.
+    pub max_entries: usize,
+    /// Most bytes of stored responses (plus per-record overhead) kept.
+    pub max_bytes: usize,
+    /// How often expired records are swept.
+    pub sweep_interval: Duration,
+    /// How long a released record, or an in-flight record whose lease ended, is kept
+    /// as a tombstone.
+    pub tombstone_ttl: Duration,
+}
+
+impl Default for MemoryStoreSettings {
+    fn default() -> Self {
+        MemoryStoreSettings {
+            max_entries: 100_000,
+            max_bytes: 256 * 1024 * 1024,
+            sweep_interval: Duration::from_secs(1),
+            tombstone_ttl: Duration::from_secs(24 * 3600),
+        }
+    }
+}
 
 /// Number of shards.
 pub const SHARDS: usize = 64;
@@ -140,8 +170,6 @@ pub struct MemoryStoreStats {
 struct Inner {
     shards: Box<[Mutex<Map>]>,
     settings: MemoryStoreSettings,
-    /// Nanoseconds; atomic so it can be set after the sweeper holds a `Weak`.
-    tombstone_ttl_ns: AtomicU64,
     next_fence: AtomicU64,
     tick: AtomicU64,
     entries: AtomicUsize,
@@ -157,8 +185,7 @@ struct Inner {
 /// The embedded default [`Store`]: sharded, bounded, with TTL expiry. See the module docs.
 ///
 /// ```
-/// # use idem_server::store::{MemoryStore, Store};
-/// # use idem_core::config::MemoryStoreSettings;
+/// # use idem_store::{MemoryStore, MemoryStoreSettings};
 /// let store = MemoryStore::new(MemoryStoreSettings { max_entries: 10_000, ..Default::default() });
 /// assert!(store.is_empty());
 /// ```
@@ -198,7 +225,6 @@ impl MemoryStore {
             inner: Arc::new(Inner {
                 shards,
                 settings,
-                tombstone_ttl_ns: AtomicU64::new(24 * 3600 * 1_000_000_000),
                 next_fence: AtomicU64::new(1),
                 tick: AtomicU64::new(0),
                 entries: AtomicUsize::new(0),
@@ -213,14 +239,6 @@ impl MemoryStore {
         };
         store.ensure_sweeper();
         store
-    }
-
-    /// How long a released record (and an in-flight record whose lease ended) keeps its
-    /// tombstone. Default 24 h. Call before sharing the store.
-    pub fn with_tombstone_ttl(self, ttl: Duration) -> Self {
-        let ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);
-        self.inner.tombstone_ttl_ns.store(ns, Ordering::Relaxed);
-        self
     }
 
     /// The store's bounds.
@@ -284,7 +302,7 @@ impl MemoryStore {
 
 impl Inner {
     fn tombstone_ttl(&self) -> Duration {
-        Duration::from_nanos(self.tombstone_ttl_ns.load(Ordering::Relaxed))
+        self.settings.tombstone_ttl
     }
 
     fn shard(&self, scope: &Scope) -> &Mutex<Map> {
@@ -535,11 +553,14 @@ impl Inner {
                 max_bytes = self.settings.max_bytes,
                 "idempotency memory store full: every record is in flight"
             );
-            return Err(StoreError::Full(format!(
-                "{} records in flight, bound {}",
-                self.entries.load(Ordering::Relaxed),
-                self.settings.max_entries
-            )));
+            return Err(StoreError::Full(
+                format!(
+                    "{} records in flight, bound {}",
+                    self.entries.load(Ordering::Relaxed),
+                    self.settings.max_entries
+                )
+                .into(),
+            ));
         }
         let mut map = lock(shard);
         if let Some(e) = map.get_mut(req.scope) {

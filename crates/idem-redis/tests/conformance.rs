@@ -1,0 +1,34 @@
+//! The store conformance suite (`idem_store::testing`) on a real `redis-server`, with
+//! both wait strategies (pub/sub notification and polling only). Each test starts its own
+//! server on a free port (`idem_test_support::redis`); without a `redis-server` binary
+//! the tests say so and pass, except under `CI`, where they fail.
+
+use idem_redis::{RedisStore, WaitStrategy};
+use idem_test_support::redis::RedisServer;
+
+async fn store(strategy: WaitStrategy) -> Option<(RedisStore, RedisServer)> {
+    let server = RedisServer::start()?;
+    let store = RedisStore::builder(server.url())
+        .key_prefix("conformance:")
+        .wait_strategy(strategy)
+        .connect()
+        .await
+        .expect("connect to the test redis");
+    Some((store, server))
+}
+
+mod notify {
+    use super::*;
+    idem_store::store_conformance_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        make = store(WaitStrategy::Notify);
+    }
+}
+
+mod polling {
+    use super::*;
+    idem_store::store_conformance_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        make = store(WaitStrategy::Poll);
+    }
+}

@@ -1,0 +1,504 @@
+//! The conformance suite every [`Store`] must pass, for idem's own backends and yours.
+//!
+//! Each public `async fn` checks one part of the contract in the [crate docs](crate)
+//! against a fresh store; [`store_conformance_tests!`](crate::store_conformance_tests)
+//! turns all of them into `#[test]`s for one backend:
+//!
+//! ```ignore
+//! // In your backend's tests (enable the `testing` feature in dev-dependencies):
+//! idem_store::store_conformance_tests! {
+//!     #[tokio::test(start_paused = true)]
+//!     make = async { Some((idem_store::MemoryStore::default(), ())) };
+//! }
+//! ```
+//!
+//! `make` is an async expression returning `Option<(store, guard)>`: the guard (a test
+//! server, say) lives until the test ends; `None` skips the test (say why on stderr, and
+//! never return `None` in CI).
+//!
+//! Timing: leases are 300 ms, so the suite runs on a paused tokio clock or in real time
+//! against a networked store alike; every "eventually" loop is bounded by 10 s.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use crate::{
+    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
+    StoredOutcome, TenantId,
+};
+
+/// The tenant every suite record is charged to.
+const TENANT: TenantId = TenantId([7; 16]);
+
+/// Short enough for real-time Redis tests, long enough that a claim and its checks fit.
+const LEASE: Duration = Duration::from_millis(300);
+const LONG: Duration = Duration::from_secs(60);
+/// Bound of every "eventually" loop: generous, never a condition of success.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+fn scope() -> Scope {
+    Scope(rand::random())
+}
+
+fn fp(b: u8) -> Fingerprint {
+    Fingerprint([b; 32])
+}
+
+fn req<'a>(
+    scope: &'a Scope,
+    fp: &'a Fingerprint,
+    who: ClaimantId,
+    lease: Duration,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        scope,
+        tenant: &TENANT,
+        fingerprint: fp,
+        claimant: who,
+        lease,
+    }
+}
+
+async fn acquire<S: Store>(s: &S, scope: &Scope, fp: &Fingerprint, lease: Duration) -> u64 {
+    match s.claim(req(scope, fp, ClaimantId::random(), lease)).await {
+        Ok(Claim::Acquired { fence, .. }) => fence,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `PATIENCE`.
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Conformance: claim complete replay.
+pub async fn claim_complete_replay<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(1);
+    let first = ClaimantId::random();
+    let fence = match s.claim(req(&sc, &f, first, LONG)).await.unwrap() {
+        Claim::Acquired { fence, takeover } => {
+            assert!(!takeover);
+            fence
+        }
+        other => panic!("{other:?}"),
+    };
+    assert!(matches!(
+        s.get(&sc).await.unwrap(),
+        Some(RecordState::InFlight { fence: f0, fingerprint, .. }) if f0 == fence && fingerprint == f
+    ));
+    // Binary-safe: NUL, 0xff, CR LF.
+    let body = Bytes::from_static(b"\x00\xff\r\nresponse\x00");
+    s.complete(&sc, fence, StoredOutcome::Response(body.clone()), LONG)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let again = s
+            .claim(req(&sc, &f, ClaimantId::random(), LONG))
+            .await
+            .unwrap();
+        assert_eq!(
+            again,
+            Claim::Completed(StoredOutcome::Response(body.clone()))
+        );
+    }
+    // The first claimant asking again also gets the outcome, not a new run.
+    let again = s.claim(req(&sc, &f, first, LONG)).await.unwrap();
+    assert_eq!(
+        again,
+        Claim::Completed(StoredOutcome::Response(body.clone()))
+    );
+    assert_eq!(
+        s.get(&sc).await.unwrap(),
+        Some(RecordState::Completed {
+            fence,
+            fingerprint: f,
+            outcome: StoredOutcome::Response(body)
+        })
+    );
+
+    // Empty responses and "not retained" are distinct outcomes.
+    let sc2 = scope();
+    let f2 = acquire(s, &sc2, &f, LONG).await;
+    s.complete(&sc2, f2, StoredOutcome::NotRetained, LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.claim(req(&sc2, &f, ClaimantId::random(), LONG))
+            .await
+            .unwrap(),
+        Claim::Completed(StoredOutcome::NotRetained)
+    );
+    let sc3 = scope();
+    let f3 = acquire(s, &sc3, &f, LONG).await;
+    s.complete(&sc3, f3, StoredOutcome::Response(Bytes::new()), LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.claim(req(&sc3, &f, ClaimantId::random(), LONG))
+            .await
+            .unwrap(),
+        Claim::Completed(StoredOutcome::Response(Bytes::new()))
+    );
+    assert_eq!(s.get(&scope()).await.unwrap(), None);
+}
+
+/// Conformance: mismatch in flight and completed.
+pub async fn mismatch_in_flight_and_completed<S: Store>(s: &S) {
+    let sc = scope();
+    let fence = acquire(s, &sc, &fp(1), LONG).await;
+    assert_eq!(
+        s.claim(req(&sc, &fp(2), ClaimantId::random(), LONG))
+            .await
+            .unwrap(),
+        Claim::Mismatch
+    );
+    s.complete(
+        &sc,
+        fence,
+        StoredOutcome::Response(Bytes::from_static(b"x")),
+        LONG,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.claim(req(&sc, &fp(2), ClaimantId::random(), LONG))
+            .await
+            .unwrap(),
+        Claim::Mismatch
+    );
+}
+
+/// Conformance: in flight duplicate and same claimant.
+pub async fn in_flight_duplicate_and_same_claimant<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(3);
+    let me = ClaimantId::random();
+    let Claim::Acquired { fence, .. } = s.claim(req(&sc, &f, me, LONG)).await.unwrap() else {
+        panic!("not acquired")
+    };
+    match s
+        .claim(req(&sc, &f, ClaimantId::random(), LONG))
+        .await
+        .unwrap()
+    {
+        Claim::InFlight { lease_remaining } => {
+            assert!(
+                lease_remaining > Duration::ZERO && lease_remaining <= LONG,
+                "{lease_remaining:?}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // A claim re-sent after a lost reply: same claimant, same fence, no takeover.
+    assert_eq!(
+        s.claim(req(&sc, &f, me, LONG)).await.unwrap(),
+        Claim::Acquired {
+            fence,
+            takeover: false
+        }
+    );
+}
+
+/// Conformance: stale fences are refused.
+pub async fn stale_fences_are_refused<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(4);
+    let fence = acquire(s, &sc, &f, LONG).await;
+    let stale = fence + 1;
+    let check = |r: Result<(), StoreError>, cur: Option<u64>| match r {
+        Err(StoreError::Fenced { presented, current }) => {
+            assert_eq!(presented, stale);
+            assert_eq!(current, cur);
+        }
+        other => panic!("expected Fenced, got {other:?}"),
+    };
+    check(s.renew(&sc, stale, LONG).await, Some(fence));
+    check(
+        s.complete(
+            &sc,
+            stale,
+            StoredOutcome::Response(Bytes::from_static(b"no")),
+            LONG,
+        )
+        .await,
+        Some(fence),
+    );
+    check(s.release(&sc, stale).await, Some(fence));
+    // Nothing changed.
+    assert!(matches!(
+        s.get(&sc).await.unwrap(),
+        Some(RecordState::InFlight { fence: f0, .. }) if f0 == fence
+    ));
+    // No record at all.
+    let none = scope();
+    check(s.renew(&none, stale, LONG).await, None);
+    check(s.release(&none, stale).await, None);
+    // A completed record is not in flight: even its own fence is refused now.
+    s.renew(&sc, fence, LONG).await.unwrap();
+    s.complete(
+        &sc,
+        fence,
+        StoredOutcome::Response(Bytes::from_static(b"ok")),
+        LONG,
+    )
+    .await
+    .unwrap();
+    for r in [
+        s.renew(&sc, fence, LONG).await,
+        s.release(&sc, fence).await,
+        s.complete(&sc, fence, StoredOutcome::NotRetained, LONG)
+            .await,
+    ] {
+        assert!(
+            matches!(r, Err(StoreError::Fenced { current: Some(c), .. }) if c == fence),
+            "{r:?}"
+        );
+    }
+    assert_eq!(
+        s.claim(req(&sc, &f, ClaimantId::random(), LONG))
+            .await
+            .unwrap(),
+        Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"ok")))
+    );
+}
+
+/// Conformance: release then any claim with a higher fence.
+pub async fn release_then_any_claim_with_a_higher_fence<S: Store>(s: &S) {
+    let sc = scope();
+    let f1 = acquire(s, &sc, &fp(5), LONG).await;
+    s.release(&sc, f1).await.unwrap();
+    assert_eq!(
+        s.get(&sc).await.unwrap(),
+        Some(RecordState::Released { fence: f1 })
+    );
+    // A tombstone accepts any fingerprint.
+    let f2 = acquire(s, &sc, &fp(6), LONG).await;
+    assert!(f2 > f1, "{f2} > {f1}");
+    assert!(matches!(
+        s.release(&sc, f1).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    s.release(&sc, f2).await.unwrap();
+    let f3 = acquire(s, &sc, &fp(5), LONG).await;
+    assert!(f3 > f2, "{f3} > {f2}");
+    s.complete(
+        &sc,
+        f3,
+        StoredOutcome::Response(Bytes::from_static(b"3")),
+        LONG,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        s.complete(&sc, f2, StoredOutcome::NotRetained, LONG).await,
+        Err(StoreError::Fenced { .. })
+    ));
+}
+
+/// Conformance: lease expiry and takeover.
+pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(7);
+    let old = acquire(s, &sc, &f, LEASE).await;
+    // Until the lease ends, others see it in flight; then one takes over.
+    let (new, takeover) = eventually("takeover after the lease", || async {
+        match s
+            .claim(req(&sc, &f, ClaimantId::random(), LEASE * 10))
+            .await
+            .unwrap()
+        {
+            Claim::InFlight { .. } => None,
+            Claim::Acquired { fence, takeover } => Some((fence, takeover)),
+            other => panic!("{other:?}"),
+        }
+    })
+    .await;
+    assert!(takeover);
+    assert!(new > old, "{new} > {old}");
+    // The crashed claimant's late writes are refused.
+    let r = s
+        .complete(
+            &sc,
+            old,
+            StoredOutcome::Response(Bytes::from_static(b"stale")),
+            LONG,
+        )
+        .await;
+    assert!(
+        matches!(r, Err(StoreError::Fenced { presented, current: Some(c) }) if presented == old && c == new),
+        "{r:?}"
+    );
+    assert!(matches!(
+        s.renew(&sc, old, LONG).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    s.complete(
+        &sc,
+        new,
+        StoredOutcome::Response(Bytes::from_static(b"fresh")),
+        LONG,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.claim(req(&sc, &f, ClaimantId::random(), LONG))
+            .await
+            .unwrap(),
+        Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"fresh")))
+    );
+}
+
+/// Conformance: renew keeps the lease.
+pub async fn renew_keeps_the_lease<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(8);
+    let fence = acquire(s, &sc, &f, LEASE).await;
+    s.renew(&sc, fence, LONG).await.unwrap();
+    // Well past the first lease, the record is still held.
+    tokio::time::sleep(LEASE * 3).await;
+    assert!(matches!(
+        s.claim(req(&sc, &f, ClaimantId::random(), LEASE))
+            .await
+            .unwrap(),
+        Claim::InFlight { .. }
+    ));
+    s.complete(&sc, fence, StoredOutcome::NotRetained, LONG)
+        .await
+        .unwrap();
+}
+
+/// Conformance: completed records expire after their ttl.
+pub async fn completed_records_expire_after_their_ttl<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(9);
+    let fence = acquire(s, &sc, &f, LONG).await;
+    s.complete(
+        &sc,
+        fence,
+        StoredOutcome::Response(Bytes::from_static(b"t")),
+        LEASE,
+    )
+    .await
+    .unwrap();
+    eventually("record gone after its ttl", || async {
+        s.get(&sc).await.unwrap().is_none().then_some(())
+    })
+    .await;
+    // Gone means a new run (the key may be reused with another request, too), and
+    // its fence is still above every fence the expired record handed out.
+    let next = acquire(s, &sc, &fp(10), LONG).await;
+    assert!(next > fence, "{next} > {fence}");
+}
+
+/// Conformance: wait returns when the record changes.
+pub async fn wait_returns_when_the_record_changes<S: Store>(s: &S) {
+    // No record: returns at once.
+    s.wait(&scope(), Instant::now() + LONG).await.unwrap();
+
+    // Completed by another claimant while we wait.
+    let sc = scope();
+    let f = fp(11);
+    let fence = acquire(s, &sc, &f, LONG).await;
+    let waiter = {
+        let s = s.clone();
+        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    s.complete(
+        &sc,
+        fence,
+        StoredOutcome::Response(Bytes::from_static(b"w")),
+        LONG,
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(PATIENCE, waiter)
+        .await
+        .expect("wait returned after completion")
+        .unwrap()
+        .unwrap();
+
+    // Released.
+    let sc = scope();
+    let fence = acquire(s, &sc, &f, LONG).await;
+    let waiter = {
+        let s = s.clone();
+        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    s.release(&sc, fence).await.unwrap();
+    tokio::time::timeout(PATIENCE, waiter)
+        .await
+        .expect("wait returned after release")
+        .unwrap()
+        .unwrap();
+
+    // Lease ended (crash): returns, and the next claim takes over.
+    let sc = scope();
+    acquire(s, &sc, &f, LEASE).await;
+    tokio::time::timeout(PATIENCE, s.wait(&sc, Instant::now() + LONG))
+        .await
+        .expect("wait returned after the lease")
+        .unwrap();
+
+    // Nothing happens: returns by `until`, not later.
+    let sc = scope();
+    acquire(s, &sc, &f, LONG).await;
+    let until = Instant::now() + Duration::from_millis(200);
+    tokio::time::timeout(PATIENCE, s.wait(&sc, until))
+        .await
+        .expect("wait returned at until")
+        .unwrap();
+}
+
+/// Instantiates every function of [`testing`](crate::testing) as a test for one store.
+///
+/// See the [module docs](crate::testing) for the form.
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($(#[$attr:meta])* make = $make:expr;) => {
+        $crate::store_conformance_tests!(@cases [$(#[$attr])*] [$make];
+            claim_complete_replay,
+            mismatch_in_flight_and_completed,
+            in_flight_duplicate_and_same_claimant,
+            stale_fences_are_refused,
+            release_then_any_claim_with_a_higher_fence,
+            lease_expiry_and_takeover,
+            renew_keeps_the_lease,
+            completed_records_expire_after_their_ttl,
+            wait_returns_when_the_record_changes,
+        );
+    };
+    (@cases [$($attr:tt)*] [$make:expr];) => {};
+    (@cases [$($attr:tt)*] [$make:expr]; $case:ident, $($rest:ident,)*) => {
+        $($attr)*
+        async fn $case() {
+            let Some((store, _guard)) = $make.await else { return };
+            $crate::testing::$case(&store).await;
+        }
+        $crate::store_conformance_tests!(@cases [$($attr)*] [$make]; $($rest,)*);
+    };
+}
+
+#[cfg(test)]
+mod memory_store {
+    crate::store_conformance_tests! {
+        #[tokio::test(start_paused = true)]
+        make = async { Some((crate::MemoryStore::default(), ())) };
+    }
+}

@@ -1,0 +1,14 @@
+//! Shared test code of the idem workspace, one home per concept: the example
+//! `shop.v1.Orders` proto, loopback helpers, a private `redis-server`, store doubles and
+//! the demo harness. Used by the workspace's tests, examples and benchmarks; not
+//! published.
+
+pub mod demo;
+pub mod net;
+pub mod redis;
+
+/// The generated code of `proto/shop/v1/orders.proto` (messages, client and server).
+pub mod shop {
+    #![allow(missing_docs, unreachable_pub, clippy::all)]
+    tonic::include_proto!("shop.v1");
+}
