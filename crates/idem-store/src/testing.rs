@@ -4,7 +4,7 @@
 //! against a fresh store; [`store_conformance_tests!`](crate::store_conformance_tests)
 //! turns all of them into `#[test]`s for one backend:
 //!
-//! ```ignore
+//! ```text
 //! // In your backend's tests (enable the `testing` feature in dev-dependencies):
 //! idem_store::store_conformance_tests! {
 //!     #[tokio::test(start_paused = true)]
