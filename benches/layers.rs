@@ -1,4 +1,4 @@
-//! What each idem layer costs against bare tonic, measured in one run (issue 8).
+//! What each idem layer costs against bare tonic, measured in one run.
 //!
 //! `cargo bench --bench layers` (release profile). Every scenario runs beside its
 //! baseline in the same process, over real tonic servers and clients on 127.0.0.1 with the

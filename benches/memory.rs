@@ -1,4 +1,4 @@
-//! Memory per stored record in `MemoryStore` (issue 8): `cargo bench --bench memory`.
+//! Memory per stored record in `MemoryStore`: `cargo bench --bench memory`.
 //!
 //! A counting global allocator (`stats_alloc`) sees every heap byte. The bench inserts
 //! 100,000 completed records through the `Store` trait (claim, then complete with a

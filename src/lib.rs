@@ -33,3 +33,8 @@ pub use idem_server as server;
 pub use idem_store as store;
 
 pub use idem_core::{ConfigError, ServiceConfig};
+
+/// What idem commits to: the semantics both layers and every store follow
+/// (`docs/semantics.md` in the repository).
+#[doc = include_str!("../docs/semantics.md")]
+pub mod semantics {}

@@ -1,4 +1,4 @@
-//! Across hops (DESIGN.md section 4): a chain of real tonic servers A → B → C → D on
+//! Across hops (docs/semantics.md, section 4): a chain of real tonic servers A → B → C → D on
 //! 127.0.0.1, each with idem's server layers (`InboundLayer`, `IdempotencyLayer`) and a
 //! `RetryLayer` client (maxAttempts 3) to the next hop.
 //!

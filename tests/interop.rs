@@ -18,7 +18,7 @@
 //!   UNAVAILABLE: three attempts, the same key on each, `grpc-previous-rpc-attempts`
 //!   absent / 1 / 2; and a grpcio server's `grpc-retry-pushback-ms: -1` stops the
 //!   retries after one attempt.
-//! - Across hops (issue 7's chain with grpcio at the top): grpcio (4 attempts) → A → B →
+//! - Across hops (a chain with grpcio at the top): grpcio (4 attempts) → A → B →
 //!   C → D, where A, B and C are tonic servers with idem's `InboundLayer` and
 //!   `IdempotencyLayer` whose handler calls the next hop through a `RetryLayer` (3
 //!   attempts), and D always answers UNAVAILABLE. With the pushback marker on, the

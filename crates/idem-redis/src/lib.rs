@@ -78,7 +78,7 @@
 //! Lease expiry is judged with `redis.call('TIME')`, the Redis server's clock, so
 //! instances whose clocks disagree agree on who holds a lease.
 //!
-//! # Decisions beyond DESIGN.md
+//! # Decisions
 //! - **Fence retention.** Fences must keep growing across takeover and release for as
 //!   long as the record lives, but `claim` and `release` carry no record TTL. So an
 //!   in-flight record and a release tombstone expire after the *fence retention*

@@ -79,7 +79,7 @@
 //! | invalid `retryPolicy` | ignored with a log line, rest of config used | config rejected | config rejected | error |
 //! | `maxAttempts` > 5 | clamped to the channel limit (5) | clamped to `maxRetryAttempts` (5) | clamped to 5, logged | clamped to 5, warning |
 //! | integer written `2.0` | refused (`encoding/json` into `int`) | accepted (reads a double, checks it is integral) | refused | refused, with a hint |
-//! | number written as a string `"3"` | refused | accepted (`Integer.parseInt`) | accepted (proto3 JSON allows it) | refused (DESIGN.md; grpc-go refuses it) |
+//! | number written as a string `"3"` | refused | accepted (`Integer.parseInt`) | accepted (proto3 JSON allows it) | refused (as grpc-go) |
 //! | `maxTokens` | float, (0, 1000] | float, > 0 | `uint32`, > 0, no upper bound | integer in (0, 1000] (A6, proto `uint32`) |
 //! | `tokenRatio` 3 decimals | kept as float64 | `(int)(ratio × 1000f)` in `float`: 0.251 → 250 | decimal text truncated: 0.251 → 251, 0.2559 → 255 | C-core's: truncate the decimal text, warn when digits are cut |
 //! | duplicate names | error, whole document | error, whole document | error, whole document | error, with both paths |
@@ -90,7 +90,7 @@
 //! | duration `"1.s"`, `".5s"`, `"+1s"`, `"-1s"`, `" 1s"` | first four accepted by the parser | `"1.s"`, `"+1s"`, `"-1s"` accepted; `".5s"` refused | `"1.s"`, `".5s"`, `"-1s"` refused; `"+1s"`, `" 1s"` accepted | all refused |
 //! | 10 fractional digits | refused | extra digits ignored | refused | refused |
 //! | duration range | int64 ns (≈ 292 years) | proto range | 315576000000 s | proto range, warning above grpc-go's |
-//! | status code `"unavailable"` / `14` | upper-case names and integers | upper-case names and integers | upper-case names only | both read (DESIGN.md), warning naming the stack that refuses it |
+//! | status code `"unavailable"` / `14` | upper-case names and integers | upper-case names and integers | upper-case names only | both read, warning naming the stack that refuses it |
 //! | `perAttemptRecvTimeout` | ignored | ≥ 0; codes may then be empty | > 0 (experimental); codes may then be empty | > 0; codes always non-empty |
 //! | `hedgingPolicy.hedgingDelay` | hedging ignored | required | hedging ignored | optional, default 0 (proto) |
 //! | retry and hedging both set | hedging ignored | both parsed | hedging ignored | error (proto `oneof`) |
