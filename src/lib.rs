@@ -7,7 +7,7 @@
 //!   runs each key once and replays the stored response to duplicates.
 //! - [`store`] (`idem-store`, with `server`): the store contract and the embedded
 //!   [`MemoryStore`](store::MemoryStore).
-//! - [`redis`] (`idem-redis`, feature `redis`): a Redis store so several server instances
+//! - `redis` (`idem-redis`, feature `redis`): a Redis store so several server instances
 //!   act as one.
 //! - [`core`] (`idem-core`, always): the service config both layers read, keys,
 //!   deadlines, status codes.
@@ -17,7 +17,7 @@
 //! |---|---|---|
 //! | `client` | yes | [`client`] |
 //! | `server` | yes | [`server`], [`store`] |
-//! | `redis` | no | [`redis`] (implies `server`) |
+//! | `redis` | no | `redis` (implies `server`) |
 //!
 //! A client-only build (`default-features = false, features = ["client"]`) compiles no
 //! server layer, no store backend, no SHA-256 and no compression code.
