@@ -4,10 +4,15 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
+/// The workspace root: the tests run `idem` from there, as the README does.
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
 fn idem(args: &[&str], stdin: Option<&[u8]>) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(root())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -192,27 +197,29 @@ fn warnings_go_to_stderr_and_the_config_is_still_valid() {
 #[test]
 fn missing_file_exits_2() {
     let o = idem(
-        &["check-config", "tests/fixtures/does-not-exist.json"],
+        &[
+            "check-config",
+            "crates/idem-cli/tests/fixtures/does-not-exist.json",
+        ],
         None,
     );
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(stdout(&o), "");
     assert!(
-        stderr(&o).starts_with("idem: cannot read tests/fixtures/does-not-exist.json: "),
+        stderr(&o)
+            .starts_with("idem: cannot read crates/idem-cli/tests/fixtures/does-not-exist.json: "),
         "{}",
         stderr(&o)
     );
     // A directory cannot be read as a file either.
-    let o = idem(&["check-config", "tests/fixtures"], None);
+    let o = idem(&["check-config", "crates/idem-cli/tests/fixtures"], None);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
 }
 
 #[test]
 fn dash_reads_standard_input() {
-    let text = std::fs::read_to_string(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/service_config.json"),
-    )
-    .expect("example");
+    let text =
+        std::fs::read_to_string(root().join("examples/service_config.json")).expect("example");
     let o = idem(&["check-config", "-"], Some(text.as_bytes()));
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
