@@ -100,6 +100,7 @@ fn check_config(file: &str) -> ExitCode {
     match ServiceConfig::from_json(&text) {
         Ok(parsed) => {
             err(&warning_lines(&parsed.warnings));
+            err(&notes(&parsed.config));
             out(&report(name, &parsed));
             ExitCode::SUCCESS
         }
@@ -116,6 +117,23 @@ fn check_config(file: &str) -> ExitCode {
             err(&text);
             ExitCode::from(INVALID)
         }
+    }
+}
+
+/// What the file alone cannot settle: said on standard error, not counted as warnings
+/// (the server may settle it in code).
+fn notes(config: &ServiceConfig) -> String {
+    let protected = config
+        .method_configs()
+        .iter()
+        .any(|m| m.idempotency().is_some());
+    if protected && config.settings().tenant == TenantSource::Unset {
+        "note: idem.tenant is not set and methods are protected: the server must be given a \
+         tenant resolver in code (IdempotencyLayer::tenant), or every protected call is refused \
+         with UNAUTHENTICATED; set {\"single\": \"name\"} for a one-tenant service\n"
+            .to_owned()
+    } else {
+        String::new()
     }
 }
 

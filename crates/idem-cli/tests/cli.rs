@@ -294,3 +294,19 @@ fn help_and_usage_errors() {
         assert!(stderr(&o).contains("Usage:"), "{}", stderr(&o));
     }
 }
+
+#[test]
+fn protected_methods_without_a_tenant_source_get_a_note() {
+    let doc = br#"{"methodConfig": [{"name": [{"service": "s.v1.S"}], "idempotency": {}}]}"#;
+    let o = idem(&["check-config", "-"], Some(doc));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("note: idem.tenant is not set and methods are protected"),
+        "{}",
+        stderr(&o)
+    );
+    let with_tenant =
+        br#"{"methodConfig": [{"name": [{"service": "s.v1.S"}], "idempotency": {}}], "idem": {"tenant": {"single": "t"}}}"#;
+    let o = idem(&["check-config", "-"], Some(with_tenant));
+    assert_eq!(stderr(&o), "");
+}

@@ -1848,3 +1848,21 @@ fn an_entry_whose_names_are_all_refused_gets_errors_not_the_no_names_warning() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn config_errors_debug_as_sentences() {
+    let e = ServiceConfig::from_json(r#"{"methodConfig": [{"name": [{"service": "s"}], "timeout": "1m"}, {"name": [{"service": "", "method": "m"}]}]}"#)
+        .unwrap_err();
+    let debug = format!("{e:?}");
+    assert!(
+        debug.starts_with("2 error(s) in service config:\n  methodConfig[0].timeout: "),
+        "{debug}"
+    );
+    assert!(debug.contains("\n  methodConfig[1].name[0]"), "{debug}");
+    assert!(!debug.contains("Diagnostic"), "{debug}");
+    let e = ServiceConfig::from_json("{").unwrap_err();
+    assert!(
+        format!("{e:?}").starts_with("invalid JSON at line 1"),
+        "{e:?}"
+    );
+}

@@ -24,7 +24,11 @@ impl fmt::Display for Diagnostic {
 }
 
 /// Why a config document was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+///
+/// `Debug` prints the same sentences as `Display`, one error per line, so a `main` that
+/// returns `Result<_, Box<dyn Error>>` and meets a bad config prints something a person
+/// can act on rather than a struct dump.
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
     /// The text is not JSON (or not a JSON object at the top).
     #[error("invalid JSON at line {line}, column {column}: {message}")]
@@ -44,6 +48,21 @@ pub enum ConfigError {
         /// Warnings found along the way.
         warnings: Vec<Diagnostic>,
     },
+}
+
+impl fmt::Debug for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Json { .. } => fmt::Display::fmt(self, f),
+            ConfigError::Invalid { errors, .. } => {
+                write!(f, "{} error(s) in service config:", errors.len())?;
+                for e in errors {
+                    write!(f, "\n  {e}")?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 fn join(d: &[Diagnostic]) -> String {
