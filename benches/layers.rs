@@ -119,9 +119,7 @@ const CONFIG: &str = r#"{
 }"#;
 
 fn config() -> ServiceConfig {
-    ServiceConfig::from_json(CONFIG)
-        .expect("bench config parses")
-        .config
+    ServiceConfig::from_json(CONFIG).expect("bench config parses")
 }
 
 /// A running server; stops when dropped.

@@ -30,8 +30,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             _ => return Err(format!("usage: client [--addr http://HOST:PORT]; got {flag}").into()),
         }
     }
-    let config =
-        ServiceConfig::from_json(&std::fs::read_to_string("examples/service_config.json")?)?.config;
+    let config = ServiceConfig::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/service_config.json"
+    ))?;
     let channel = tonic::transport::Endpoint::from_shared(addr)?
         .connect()
         .await?;

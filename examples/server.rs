@@ -111,8 +111,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .filter_map(|c| Some((c.first()?.clone(), c.get(1)?.clone())))
         .collect();
     let addr: SocketAddr = arg(&args, "--addr", "127.0.0.1:50051").parse()?;
-    let path = arg(&args, "--config", "examples/service_config.json");
-    let parsed = ServiceConfig::from_json(&std::fs::read_to_string(&path)?)?;
+    // The example's own config, found from its manifest so it runs from any directory.
+    let default_config = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/service_config.json");
+    let path = arg(&args, "--config", default_config);
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let parsed = ServiceConfig::from_json_with_warnings(&text)?;
     for w in &parsed.warnings {
         eprintln!("config warning: {w}");
     }

@@ -14,9 +14,7 @@ use idem::redis::RedisStore;
 use idem::store::MemoryStore;
 
 fn config() -> ServiceConfig {
-    ServiceConfig::from_json(DEFAULT_CONFIG)
-        .expect("the demo's config is valid")
-        .config
+    ServiceConfig::from_json(DEFAULT_CONFIG).expect("the demo's config is valid")
 }
 
 fn options(instances: usize, seed: u64) -> Options {

@@ -42,7 +42,7 @@ const HOP_CONFIG: &str = r#"{
 }"#;
 
 fn config() -> ServiceConfig {
-    ServiceConfig::from_json(HOP_CONFIG).expect("valid").config
+    ServiceConfig::from_json(HOP_CONFIG).expect("valid")
 }
 
 type Next = OrdersClient<Retry<Channel>>;
@@ -377,8 +377,7 @@ async fn deadline_propagation_works_without_idempotency() {
             "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.001s", "maxBackoff": "0.001s",
                             "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]}"#,
     )
-    .expect("valid")
-    .config;
+    .expect("valid");
     let seen_d = Arc::new(Mutex::new(Seen::default()));
     let (d, incoming) = net::bind().await;
     tokio::spawn(

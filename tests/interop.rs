@@ -93,7 +93,8 @@ const SERVICE_CONFIG: &str = r#"{
 
 /// [`SERVICE_CONFIG`] as idem reads it: the same document grpcio gets.
 fn service_config() -> ServiceConfig {
-    let parsed = ServiceConfig::from_json(SERVICE_CONFIG).expect("SERVICE_CONFIG is valid");
+    let parsed =
+        ServiceConfig::from_json_with_warnings(SERVICE_CONFIG).expect("SERVICE_CONFIG is valid");
     assert!(parsed.warnings.is_empty(), "{:?}", parsed.warnings);
     let config = parsed.config;
     let method = config
@@ -826,9 +827,7 @@ async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun
             .serve_with_incoming_shutdown(incoming, stop)
     })
     .await;
-    let hop_config = ServiceConfig::from_json(HOP_CONFIG)
-        .expect("HOP_CONFIG is valid")
-        .config;
+    let hop_config = ServiceConfig::from_json(HOP_CONFIG).expect("HOP_CONFIG is valid");
     let config = service_config();
 
     // Built from the bottom up: C, then B, then A.

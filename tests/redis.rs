@@ -122,7 +122,8 @@ struct Cluster {
 }
 
 async fn cluster(redis: &RedisServer, n: usize, delay: Duration) -> Cluster {
-    let parsed = ServiceConfig::from_json(&config_json(&redis.url())).expect("valid config");
+    let parsed =
+        ServiceConfig::from_json_with_warnings(&config_json(&redis.url())).expect("valid config");
     let config = parsed.config;
     let runs = Arc::new(AtomicUsize::new(0));
     let mut instances = Vec::new();
@@ -572,9 +573,7 @@ async fn throughput_of_fresh_and_replayed_calls() {
 
     // Baseline: in-memory stores, one per instance.
     let (memory_fresh, memory_replay) = {
-        let config = ServiceConfig::from_json(&config_json(&redis.url()))
-            .expect("valid config")
-            .config;
+        let config = ServiceConfig::from_json(&config_json(&redis.url())).expect("valid config");
         let runs = Arc::new(AtomicUsize::new(0));
         let mut clients = Vec::new();
         let mut stops = Vec::new();

@@ -165,7 +165,7 @@ async fn main() {
         },
         None => DEFAULT_CONFIG.to_owned(),
     };
-    let config = match ServiceConfig::from_json(&text) {
+    let config = match ServiceConfig::from_json_with_warnings(&text) {
         Ok(parsed) => {
             for w in &parsed.warnings {
                 eprintln!("config warning: {w}");

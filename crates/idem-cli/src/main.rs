@@ -97,14 +97,14 @@ fn check_config(file: &str) -> ExitCode {
             return ExitCode::from(INVALID);
         }
     };
-    match ServiceConfig::from_json(&text) {
+    match ServiceConfig::from_json_with_warnings(&text) {
         Ok(parsed) => {
             err(&warning_lines(&parsed.warnings));
             err(&notes(&parsed.config));
             out(&report(name, &parsed));
             ExitCode::SUCCESS
         }
-        Err(e @ ConfigError::Json { .. }) => {
+        Err(e @ (ConfigError::Json { .. } | ConfigError::Read { .. })) => {
             err(&format!("{name}: invalid: {e}\n"));
             ExitCode::from(INVALID)
         }

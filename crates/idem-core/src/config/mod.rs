@@ -11,7 +11,7 @@
 //!
 //! ```
 //! use idem_core::ServiceConfig;
-//! let parsed = ServiceConfig::from_json(r#"{
+//! let config = ServiceConfig::from_json(r#"{
 //!   "methodConfig": [{
 //!     "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
 //!     "timeout": "2s",
@@ -22,7 +22,7 @@
 //!     "idempotency": {}
 //!   }]
 //! }"#).unwrap();
-//! let method = parsed.config.lookup("shop.v1.Orders", "CreateOrder").unwrap();
+//! let method = config.lookup("shop.v1.Orders", "CreateOrder").unwrap();
 //! assert_eq!(method.retry_policy().unwrap().max_attempts(), 4);
 //! assert!(method.idempotency().is_some());
 //! ```

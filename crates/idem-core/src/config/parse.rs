@@ -305,8 +305,8 @@ impl Validator {
                 self.errors.extend(errors);
                 None
             }
-            Err(ConfigError::Json { message, .. }) => {
-                self.error("$", message);
+            Err(e @ (ConfigError::Json { .. } | ConfigError::Read { .. })) => {
+                self.error("$", e.to_string());
                 None
             }
         }

@@ -10,7 +10,7 @@ use super::*;
 use crate::code::{Code, CodeSet};
 
 fn parse(text: &str) -> Result<Parsed, ConfigError> {
-    ServiceConfig::from_json(text)
+    ServiceConfig::from_json_with_warnings(text)
 }
 
 #[track_caller]
@@ -1799,7 +1799,7 @@ proptest! {
 
 /// Whatever the outcome, it is consistent: errors are never empty, attempts within 2..=5.
 fn check_outcome(text: &str) {
-    match ServiceConfig::from_json(text) {
+    match ServiceConfig::from_json_with_warnings(text) {
         Ok(p) => {
             for mc in p.config.method_configs() {
                 if let Some(r) = mc.retry_policy() {
@@ -1817,6 +1817,7 @@ fn check_outcome(text: &str) {
         }
         Err(ConfigError::Invalid { errors, .. }) => assert!(!errors.is_empty()),
         Err(ConfigError::Json { line, .. }) => assert!(line >= 1),
+        Err(e @ ConfigError::Read { .. }) => panic!("no file was read: {e}"),
     }
 }
 
@@ -1850,8 +1851,25 @@ fn an_entry_whose_names_are_all_refused_gets_errors_not_the_no_names_warning() {
 }
 
 #[test]
+fn from_file_names_the_path_it_cannot_read() {
+    let e = ServiceConfig::from_file("no/such/service_config.json").unwrap_err();
+    assert!(matches!(e, ConfigError::Read { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.starts_with("cannot read the service config no/such/service_config.json: "),
+        "{text}"
+    );
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/service_config.json"
+    );
+    let config = ServiceConfig::from_file(example).expect("the example config");
+    assert!(config.lookup("shop.v1.Orders", "CreateOrder").is_some());
+}
+
+#[test]
 fn config_errors_debug_as_sentences() {
-    let e = ServiceConfig::from_json(r#"{"methodConfig": [{"name": [{"service": "s"}], "timeout": "1m"}, {"name": [{"service": "", "method": "m"}]}]}"#)
+    let e = ServiceConfig::from_json_with_warnings(r#"{"methodConfig": [{"name": [{"service": "s"}], "timeout": "1m"}, {"name": [{"service": "", "method": "m"}]}]}"#)
         .unwrap_err();
     let debug = format!("{e:?}");
     assert!(
@@ -1860,7 +1878,7 @@ fn config_errors_debug_as_sentences() {
     );
     assert!(debug.contains("\n  methodConfig[1].name[0]"), "{debug}");
     assert!(!debug.contains("Diagnostic"), "{debug}");
-    let e = ServiceConfig::from_json("{").unwrap_err();
+    let e = ServiceConfig::from_json_with_warnings("{").unwrap_err();
     assert!(
         format!("{e:?}").starts_with("invalid JSON at line 1"),
         "{e:?}"

@@ -30,6 +30,14 @@ impl fmt::Display for Diagnostic {
 /// can act on rather than a struct dump.
 #[derive(Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read the service config {path}: {message}")]
+    Read {
+        /// The path as given.
+        path: String,
+        /// The operating system's reason.
+        message: String,
+    },
     /// The text is not JSON (or not a JSON object at the top).
     #[error("invalid JSON at line {line}, column {column}: {message}")]
     Json {
@@ -53,7 +61,7 @@ pub enum ConfigError {
 impl fmt::Debug for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ConfigError::Json { .. } => fmt::Display::fmt(self, f),
+            ConfigError::Json { .. } | ConfigError::Read { .. } => fmt::Display::fmt(self, f),
             ConfigError::Invalid { errors, .. } => {
                 write!(f, "{} error(s) in service config:", errors.len())?;
                 for e in errors {
@@ -573,8 +581,31 @@ impl ServiceConfig {
     /// # Errors
     /// [`ConfigError::Json`] with the parser's line and column when the text is not JSON;
     /// [`ConfigError::Invalid`] listing every broken rule, each as `json.path: rule`.
-    pub fn from_json(text: &str) -> Result<Parsed, ConfigError> {
+    pub fn from_json(text: &str) -> Result<ServiceConfig, ConfigError> {
+        super::parse::parse(text).map(|parsed| parsed.config)
+    }
+
+    /// Parses and validates a service-config JSON document, and returns the warnings
+    /// (clamps, risky settings, unknown fields) with the config.
+    ///
+    /// # Errors
+    /// As [`ServiceConfig::from_json`].
+    pub fn from_json_with_warnings(text: &str) -> Result<Parsed, ConfigError> {
         super::parse::parse(text)
+    }
+
+    /// Reads, parses and validates the service-config file at `path`.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] naming the path when the file cannot be read; otherwise as
+    /// [`ServiceConfig::from_json`].
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<ServiceConfig, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        ServiceConfig::from_json(&text)
     }
 }
 
