@@ -84,27 +84,73 @@ impl Default for Options {
 // ---------------------------------------------------------------------------------------
 // The service: a ledger of orders per intent (the intent id travels in `note`).
 
+/// Where the service writes its orders: a map in this process, or a file that server
+/// processes append to (one `write` per order, `O_APPEND`), so orders survive a SIGKILL
+/// of the process that created them.
 #[derive(Default)]
 pub struct Ledger {
     orders_by_intent: Mutex<HashMap<String, u32>>,
+    file: Option<Mutex<std::fs::File>>,
     next_id: AtomicU64,
 }
 
 impl Ledger {
+    /// A ledger that appends each order's intent as a line of `path`.
+    pub fn append_to(path: &std::path::Path) -> std::io::Result<Ledger> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Ledger {
+            file: Some(Mutex::new(file)),
+            ..Ledger::default()
+        })
+    }
+
     fn create(&self, intent: &str) -> u64 {
-        *self
-            .orders_by_intent
-            .lock()
-            .expect("ledger lock")
-            .entry(intent.to_owned())
-            .or_default() += 1;
+        if let Some(file) = &self.file {
+            use std::io::Write;
+            let line = format!("{intent}\n");
+            file.lock()
+                .expect("ledger lock")
+                .write_all(line.as_bytes())
+                .expect("append to the ledger file");
+        } else {
+            *self
+                .orders_by_intent
+                .lock()
+                .expect("ledger lock")
+                .entry(intent.to_owned())
+                .or_default() += 1;
+        }
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Orders per intent.
+    pub fn by_intent(&self) -> HashMap<String, u32> {
+        self.orders_by_intent.lock().expect("ledger lock").clone()
+    }
+
+    /// Orders per intent in a ledger file written by [`Ledger::append_to`].
+    pub fn read_file(path: &std::path::Path) -> std::io::Result<HashMap<String, u32>> {
+        let mut by_intent = HashMap::new();
+        for line in std::fs::read_to_string(path)?.lines() {
+            *by_intent.entry(line.to_owned()).or_default() += 1;
+        }
+        Ok(by_intent)
     }
 }
 
 pub struct OrdersImpl {
     ledger: Arc<Ledger>,
     instance: String,
+}
+
+impl OrdersImpl {
+    /// The service of instance `instance`, writing to `ledger`.
+    pub fn new(ledger: Arc<Ledger>, instance: String) -> Self {
+        OrdersImpl { ledger, instance }
+    }
 }
 
 #[tonic::async_trait]
@@ -148,6 +194,24 @@ pub struct Faults {
     latency: Duration,
     rng: Arc<Mutex<StdRng>>,
     attempts: Arc<AtomicU64>,
+}
+
+impl Faults {
+    /// Faults drawn from `o`'s probabilities with their own seeded generator.
+    pub fn new(o: &Options, seed: u64) -> Self {
+        Faults {
+            unavailable: o.unavailable,
+            drop: o.drop,
+            latency: o.latency,
+            rng: Arc::new(Mutex::new(StdRng::seed_from_u64(seed))),
+            attempts: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Calls that reached this injector.
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::Relaxed)
+    }
 }
 
 impl<S> Layer<S> for Faults {
@@ -245,6 +309,8 @@ pub struct RunReport {
     pub restarted: bool,
     /// `failed + ok_without_order`.
     pub lost: u64,
+    /// Server processes killed with SIGKILL during the run.
+    pub crashes: u64,
     pub p50: Duration,
     pub p99: Duration,
     pub elapsed: Duration,
@@ -355,13 +421,7 @@ pub async fn run(
         with_idem,
         config: config.clone(),
         ledger: Arc::new(Ledger::default()),
-        faults: Faults {
-            unavailable: o.unavailable,
-            drop: o.drop,
-            latency: o.latency,
-            rng: Arc::new(Mutex::new(StdRng::seed_from_u64(o.seed))),
-            attempts: Arc::new(AtomicU64::new(0)),
-        },
+        faults: Faults::new(o, o.seed),
         store: store.clone(),
         stats: Arc::new(Mutex::new(Vec::new())),
     };
@@ -384,31 +444,7 @@ pub async fn run(
             .service(client_channel(&addrs)),
     );
 
-    let started = Instant::now();
     let done = Arc::new(AtomicU64::new(0));
-    let app_calls = Arc::new(AtomicU64::new(0));
-    let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
-    let total = o.intents as u64;
-    let progress = {
-        let done = done.clone();
-        let show = o.progress;
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            loop {
-                tick.tick().await;
-                let d = done.load(Ordering::Relaxed);
-                if show {
-                    eprint!("\r  {label:<13} {d:>6}/{total} intents");
-                }
-                if d >= total {
-                    if show {
-                        eprintln!();
-                    }
-                    break;
-                }
-            }
-        })
-    };
     let restarter = o.restart_after.map(|after| {
         let done = done.clone();
         let fleet = fleet.clone();
@@ -436,40 +472,71 @@ pub async fn run(
         })
     });
 
+    let w = workload(o, with_idem, label, &client, done).await?;
+    let mut restarted = false;
+    if let Some(r) = restarter {
+        instances.push(r.await?);
+        restarted = true;
+    }
+    for i in &instances {
+        i.task.abort();
+    }
+    let replays = fleet
+        .stats
+        .lock()
+        .expect("stats lock")
+        .iter()
+        .map(|s| s.snapshot().replayed)
+        .sum();
+    let mut report = tally(o, label, &fleet.ledger.by_intent(), w);
+    report.attempts = fleet.faults.attempts();
+    report.replays = replays;
+    report.restarted = restarted;
+    Ok(report)
+}
+
+/// What the callers saw in one run.
+pub struct Workload {
+    latencies: Vec<Duration>,
+    failed: Vec<String>,
+    app_calls: u64,
+    elapsed: Duration,
+}
+
+/// Fires `o.intents` CreateOrder intents through `client` at `o.concurrency`, each with
+/// its own key (with idem) reused by every application retry; `done` counts finished
+/// intents as they finish.
+pub async fn workload<S>(
+    o: &Options,
+    with_idem: bool,
+    label: &'static str,
+    client: &OrdersClient<S>,
+    done: Arc<AtomicU64>,
+) -> Result<Workload, Box<dyn std::error::Error + Send + Sync>>
+where
+    S: tonic::client::GrpcService<tonic::body::Body> + Clone + Send + 'static,
+    S::Future: Send,
+    S::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error:
+        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let started = Instant::now();
+    let app_calls = Arc::new(AtomicU64::new(0));
+    let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
+    let progress = show_progress(o, label, done.clone());
     let mut tasks = Vec::with_capacity(o.intents);
     for n in 0..o.intents {
         let permit = sem.clone().acquire_owned().await?;
-        let mut client = client.clone();
+        let client = client.clone();
         let done = done.clone();
         let app_calls = app_calls.clone();
         let app_retries = o.app_retries;
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let intent = format!("intent-{n}");
-            // One business intent, one key: created here, reused by every retry.
-            let key = IdempotencyKey::generate();
             let t0 = Instant::now();
-            let mut ok = false;
-            for _ in 0..=app_retries {
-                app_calls.fetch_add(1, Ordering::Relaxed);
-                let mut req = Request::new(CreateOrderRequest {
-                    customer_id: format!("customer-{}", n % 97),
-                    sku: "sku-42".into(),
-                    quantity: 1,
-                    note: intent.clone(),
-                });
-                if with_idem {
-                    with_key(&mut req, &key);
-                }
-                match client.create_order(req).await {
-                    Ok(_) => {
-                        ok = true;
-                        break;
-                    }
-                    Err(s) if s.code() == tonic::Code::Unavailable => continue,
-                    Err(_) => break,
-                }
-            }
+            let ok = one_intent(client, n, &intent, with_idem, app_retries, &app_calls).await;
             done.fetch_add(1, Ordering::Relaxed);
             (intent, ok, t0.elapsed())
         }));
@@ -484,24 +551,98 @@ pub async fn run(
         }
     }
     let _ = progress.await;
-    let elapsed = started.elapsed();
-    let mut restarted = false;
-    if let Some(r) = restarter {
-        instances.push(r.await?);
-        restarted = true;
-    }
-    for i in &instances {
-        i.task.abort();
-    }
-
     latencies.sort();
-    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
-    let by_intent = fleet
-        .ledger
-        .orders_by_intent
-        .lock()
-        .expect("ledger lock")
-        .clone();
+    Ok(Workload {
+        latencies,
+        failed,
+        app_calls: app_calls.load(Ordering::Relaxed),
+        elapsed: started.elapsed(),
+    })
+}
+
+/// One business intent: one key, created here and reused by every application retry.
+/// Retries codes that say "nothing was decided" or "not yet": UNAVAILABLE,
+/// DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED.
+async fn one_intent<S>(
+    mut client: OrdersClient<S>,
+    n: usize,
+    intent: &str,
+    with_idem: bool,
+    app_retries: u32,
+    app_calls: &AtomicU64,
+) -> bool
+where
+    S: tonic::client::GrpcService<tonic::body::Body>,
+    S::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error:
+        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let key = IdempotencyKey::generate();
+    for _ in 0..=app_retries {
+        app_calls.fetch_add(1, Ordering::Relaxed);
+        let mut req = Request::new(CreateOrderRequest {
+            customer_id: format!("customer-{}", n % 97),
+            sku: "sku-42".into(),
+            quantity: 1,
+            note: intent.to_owned(),
+        });
+        if with_idem {
+            with_key(&mut req, &key);
+        }
+        match client.create_order(req).await {
+            Ok(_) => return true,
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Aborted
+                        | tonic::Code::ResourceExhausted
+                ) =>
+            {
+                continue;
+            }
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
+fn show_progress(
+    o: &Options,
+    label: &'static str,
+    done: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    let total = o.intents as u64;
+    let show = o.progress;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            let d = done.load(Ordering::Relaxed);
+            if show {
+                eprint!("\r  {label:<13} {d:>6}/{total} intents");
+            }
+            if d >= total {
+                if show {
+                    eprintln!();
+                }
+                break;
+            }
+        }
+    })
+}
+
+/// Counts orders, duplicates and lost intents of a run from the ledger's orders per
+/// intent and what the callers saw.
+pub fn tally(
+    o: &Options,
+    label: &'static str,
+    by_intent: &HashMap<String, u32>,
+    w: Workload,
+) -> RunReport {
+    let pct = |p: f64| w.latencies[((w.latencies.len() as f64 - 1.0) * p).round() as usize];
     let orders: u64 = by_intent.values().map(|&c| u64::from(c)).sum();
     let duplicates: u64 = by_intent
         .values()
@@ -509,31 +650,25 @@ pub async fn run(
         .sum();
     let ok_without_order = (0..o.intents)
         .map(|n| format!("intent-{n}"))
-        .filter(|i| !failed.contains(i) && !by_intent.contains_key(i))
+        .filter(|i| !w.failed.contains(i) && !by_intent.contains_key(i))
         .count() as u64;
-    let replays = fleet
-        .stats
-        .lock()
-        .expect("stats lock")
-        .iter()
-        .map(|s| s.snapshot().replayed)
-        .sum();
-    Ok(RunReport {
+    RunReport {
         label,
         intents: o.intents,
-        attempts: fleet.faults.attempts.load(Ordering::Relaxed),
-        app_calls: app_calls.load(Ordering::Relaxed),
-        replays,
+        attempts: 0,
+        app_calls: w.app_calls,
+        replays: 0,
         orders,
         duplicates,
-        failed: failed.len() as u64,
+        failed: w.failed.len() as u64,
         ok_without_order,
-        restarted,
-        lost: failed.len() as u64 + ok_without_order,
+        restarted: false,
+        lost: w.failed.len() as u64 + ok_without_order,
         p50: pct(0.50),
         p99: pct(0.99),
-        elapsed,
-    })
+        elapsed: w.elapsed,
+        crashes: 0,
+    }
 }
 
 /// The same config with every `idempotency` object removed: no protected methods.
