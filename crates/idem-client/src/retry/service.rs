@@ -5,14 +5,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
-#[cfg(test)]
-use idem_core::IdempotencyKey;
-use idem_core::ServiceConfig;
 use idem_core::deadline::{
     current_scope, earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout,
 };
 use idem_core::headers::GRPC_TIMEOUT;
+use idem_core::{IdempotencyKey, ServiceConfig};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::field::Empty;
@@ -106,13 +103,13 @@ where
         }
         self.shared.stats.call();
 
-        if policy.add_key {
-            match req.headers_mut().get_mut(&eff.key_header) {
-                // Keys are unique per call: never worth an HPACK table entry (see `add_key`).
-                Some(v) => v.set_sensitive(true),
-                None => add_key(req.headers_mut(), &eff.key_header),
-            }
-        }
+        let typed = req.extensions_mut().remove::<IdempotencyKey>();
+        crate::key::place_key(
+            req.headers_mut(),
+            typed.as_ref(),
+            &eff.key_header,
+            policy.add_key,
+        );
 
         // The clock is read only when a timeout is relative to now.
         let header_timeout = req
@@ -180,40 +177,13 @@ where
     }
 }
 
-/// Adds a fresh random 128-bit key (32 lower-case hex digits, as
-/// [`IdempotencyKey::generate`]), formatted on the stack: one allocation (the header's
-/// `Bytes`). The value is marked sensitive, so HPACK sends it as a never-indexed literal:
-/// a key never repeats across calls, and indexing each one would evict the entries that
-/// do repeat (`content-type`, `user-agent`, the path) from both ends' dynamic tables and
-/// make every later call re-send and re-index them.
-fn add_key(headers: &mut http::HeaderMap, name: &HeaderName) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bits: u128 = rand::random();
-    let mut buf = [0u8; 32];
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = HEX[((bits >> (124 - 4 * i)) & 0xf) as usize];
-    }
-    // Hex digits: always a valid header value (and a valid `IdempotencyKey`). `from_owner`
-    // puts the digits and the refcount in one allocation, so the clone each attempt
-    // makes of the headers does not allocate again (a `Vec`-backed `Bytes` would on its
-    // first clone).
-    if let Ok(mut v) = HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(buf)) {
-        v.set_sensitive(true);
-        headers.insert(name, v);
-    }
-}
-
 #[cfg(test)]
 mod key_tests {
     use super::*;
 
     #[test]
     fn generated_keys_are_valid_distinct_sensitive_hex() {
-        let name = HeaderName::from_static("x-idempotency-key");
-        let (mut a, mut b) = (http::HeaderMap::new(), http::HeaderMap::new());
-        add_key(&mut a, &name);
-        add_key(&mut b, &name);
-        let (ka, kb) = (&a[&name], &b[&name]);
+        let (ka, kb) = (crate::key::fresh_value(), crate::key::fresh_value());
         assert_ne!(ka, kb);
         assert!(ka.is_sensitive());
         assert_eq!(ka.len(), 32);

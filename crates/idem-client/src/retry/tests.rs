@@ -856,3 +856,70 @@ async fn keys_are_sensitive_and_the_same_on_every_attempt() {
         assert!(v.is_sensitive());
     }
 }
+
+/// Sends `request` through a tonic unary client over `svc`, as a generated client would
+/// (the message is `()`: an empty protobuf).
+async fn tonic_unary<S>(
+    svc: S,
+    request: tonic::Request<()>,
+) -> Result<tonic::Response<()>, tonic::Status>
+where
+    S: tonic::client::GrpcService<Body>,
+    S::Error: Into<BoxError>,
+    S::ResponseBody: http_body::Body<Data = Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
+{
+    let mut grpc = tonic::client::Grpc::new(svc);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unknown(e.into().to_string()))?;
+    let path = http::uri::PathAndQuery::from_static(PATH);
+    grpc.unary(request, path, tonic_prost::ProstCodec::<(), ()>::default())
+        .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_callers_key_goes_under_the_configured_header_on_every_attempt() {
+    use crate::RequestKeyExt;
+    let cfg = ServiceConfig::from_json(
+        r#"{
+          "methodConfig": [{
+            "name": [{"service": "shop.v1.Orders"}],
+            "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+                            "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]},
+            "idempotency": {}
+          }],
+          "idem": {"keyHeader": "idempotency-key"}
+        }"#,
+    )
+    .unwrap()
+    .config;
+    let layer = RetryLayer::from_config(&cfg);
+    let key: idem_core::IdempotencyKey = "intent-0001-abcdef".parse().unwrap();
+    let script = Script::new([unavailable(), Step::Ok, unavailable(), Step::Ok]);
+    for _ in 0..2 {
+        let req = tonic::Request::new(()).with_idempotency_key(&key);
+        // The scripted OK has no trailers: tonic calls it an error; only the headers sent
+        // matter here.
+        let _ = tonic_unary(layer.layer(script.service()), req).await;
+    }
+    let seen = script.seen();
+    assert_eq!(seen.len(), 4, "two calls, two attempts each");
+    for s in &seen {
+        assert_eq!(s.headers["idempotency-key"], "intent-0001-abcdef");
+        assert!(s.headers["idempotency-key"].is_sensitive());
+        assert!(!s.headers.contains_key("x-idempotency-key"));
+    }
+
+    // A key written by hand under the default name is moved, not replaced.
+    let script = Script::new([unavailable(), Step::Ok]);
+    let mut svc = layer.layer(script.service());
+    let mut req = request(PATH);
+    req.headers_mut()
+        .insert("x-idempotency-key", "by-hand-key-42".parse().unwrap());
+    send(&mut svc, req).await.unwrap();
+    for s in script.seen() {
+        assert_eq!(s.headers["idempotency-key"], "by-hand-key-42");
+        assert!(!s.headers.contains_key("x-idempotency-key"));
+    }
+}
