@@ -35,7 +35,7 @@
 //! ```
 //!
 //! Without a config, [`RetryLayer::builder`] gives one policy for every method, with the
-//! defaults of DESIGN.md section 2 (maxAttempts 3, initialBackoff 20 ms, multiplier 2,
+//! defaults (maxAttempts 3, initialBackoff 20 ms, multiplier 2,
 //! maxBackoff 1 s, ±20 % jitter, codes `[UNAVAILABLE]`); [`RetryLayerBuilder`] lists every
 //! option with its default. [`RetryLayer::reload`] swaps the config at run time.
 //!
@@ -139,10 +139,9 @@ mod key;
 pub mod retry;
 
 pub use key::{IdempotencyKeyInterceptor, RequestKeyExt, with_key};
-pub use retry::outcome::{ATTEMPTS_HEADER, OUTCOME_HEADER};
 pub use retry::{
-    BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer, RetryLayerBuilder,
-    RetryStats, RetryStatsSnapshot, RetryThrottle,
+    AttemptEnd, AttemptRecord, BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer,
+    RetryLayerBuilder, RetryStats, RetryStatsSnapshot, RetryThrottle,
 };
 
 /// The boxed error type of request bodies.

@@ -9,6 +9,8 @@ pub const IDEMPOTENCY_REPLAYED: &str = "x-idempotency-replayed";
 pub const RETRY_PUSHBACK_MS: &str = "grpc-retry-pushback-ms";
 /// gRFC A6: how many attempts preceded this one.
 pub const PREVIOUS_RPC_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
+/// The status code of a Trailers-Only response or of the trailers.
+pub const GRPC_STATUS: &str = "grpc-status";
 /// The gRPC deadline header.
 pub const GRPC_TIMEOUT: &str = "grpc-timeout";
 /// Binary `google.rpc.Status` with details (RetryInfo, ErrorInfo).

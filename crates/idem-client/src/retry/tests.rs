@@ -128,6 +128,12 @@ fn report(resp: &http::Response<Body>) -> CallReport {
     *resp.extensions().get::<CallReport>().expect("report")
 }
 
+/// `(outcome, attempts, last_code)` of a response's report.
+fn summary(resp: &http::Response<Body>) -> (CallOutcome, u32, Option<Code>) {
+    let r = report(resp);
+    (r.outcome, r.attempts, r.last_code)
+}
+
 fn builder() -> RetryLayerBuilder {
     RetryLayer::builder().jitter(FixedJitter(0.5))
 }
@@ -157,14 +163,7 @@ async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
             .unwrap();
         let mut svc = layer.layer(script.service());
         let resp = send(&mut svc, request(PATH)).await.unwrap();
-        assert_eq!(
-            report(&resp),
-            CallReport {
-                outcome: CallOutcome::Committed,
-                attempts: 5,
-                last_code: None
-            }
-        );
+        assert_eq!(summary(&resp), (CallOutcome::Committed, 5, None));
         let gaps = script.gaps();
         assert_eq!(gaps.len(), 4);
         for (i, gap) in gaps.iter().enumerate() {
@@ -422,14 +421,7 @@ async fn per_attempt_recv_timeout_cancels_and_retries() {
     let mut svc = layer.layer(script.service());
     let start = Instant::now();
     let resp = send(&mut svc, request(PATH)).await.unwrap();
-    assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Committed,
-            attempts: 2,
-            last_code: None
-        }
-    );
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
     assert_eq!(start.elapsed(), Duration::from_millis(50 + 20));
     // Every attempt hangs: CANCELLED after maxAttempts.
     let script = Script::new([Step::Hang, Step::Hang, Step::Hang]);
@@ -446,21 +438,46 @@ async fn transport_errors_are_retried_like_unavailable() {
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
     assert_eq!(report(&resp).attempts, 3);
-    // Not retried when UNAVAILABLE is not retryable; the error comes back as is.
+    // Not retried when UNAVAILABLE is not retryable; the error comes back as the status
+    // tonic would make of it, with a report.
     let script = Script::new([Step::Refused, Step::Ok]);
     let layer = builder()
         .retryable_status_codes(CodeSet::of(Code::Aborted))
         .build()
         .unwrap();
     let mut svc = layer.layer(script.service());
-    let err = send(&mut svc, request(PATH)).await.unwrap_err();
-    assert_eq!(err.to_string(), "connection refused");
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.message(), "connection refused");
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::NonRetryableCode, 1));
+    assert_eq!(
+        r.history().map(|a| a.end).collect::<Vec<_>>(),
+        [AttemptEnd::TransportError]
+    );
     assert_eq!(
         layer
             .stats()
             .snapshot()
             .outcome(CallOutcome::NonRetryableCode),
         1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_fails_on_every_attempt_with_transport_errors_has_a_report() {
+    let script = Script::new([Step::Refused, Step::Refused, Step::Refused]);
+    let layer = builder().build().unwrap();
+    let mut svc = layer.layer(script.service());
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!(r, report(&resp));
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::AttemptsExhausted, 3));
+    assert_eq!(
+        r.to_string(),
+        "gave up: attempts exhausted after 3 attempts: transport error in 0ns, then waited \
+         20ms; transport error in 0ns, then waited 40ms; transport error in 0ns"
     );
 }
 
@@ -565,12 +582,8 @@ async fn a_throttle_handle_is_shared_across_layers() {
         .await
         .unwrap();
     assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Throttled,
-            attempts: 1,
-            last_code: Some(Code::Unavailable)
-        }
+        summary(&resp),
+        (CallOutcome::Throttled, 1, Some(Code::Unavailable))
     );
 }
 
@@ -594,7 +607,10 @@ async fn outcome_hook_and_stats_see_every_call() {
     ]);
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
-    assert!(resp.headers().contains_key(outcome::OUTCOME_HEADER));
+    assert!(
+        resp.headers()
+            .contains_key(idem_core::headers::RETRY_OUTCOME)
+    );
     let status = tonic::Status::from_header_map(resp.headers()).unwrap();
     let r = CallReport::from_status(&status).unwrap();
     assert_eq!((r.outcome, r.attempts), (CallOutcome::AttemptsExhausted, 3));
@@ -656,35 +672,8 @@ async fn a_proxy_503_without_grpc_status_is_retried_like_unavailable() {
     });
     let layer = builder().build().unwrap();
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
-    assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Committed,
-            attempts: 2,
-            last_code: None
-        }
-    );
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
     assert_eq!(*calls.lock().unwrap(), 2);
-}
-
-#[test]
-fn early_codes() {
-    use super::future::early_code;
-    let resp = |status: u16, grpc: Option<&str>| {
-        let mut b = http::Response::builder().status(status);
-        if let Some(g) = grpc {
-            b = b.header("grpc-status", g);
-        }
-        b.body(()).unwrap()
-    };
-    assert_eq!(early_code(&resp(200, None)), None);
-    assert_eq!(early_code(&resp(200, Some("14"))), Some(Code::Unavailable));
-    assert_eq!(early_code(&resp(200, Some("0"))), Some(Code::Ok));
-    assert_eq!(early_code(&resp(200, Some("nope"))), Some(Code::Unknown));
-    assert_eq!(early_code(&resp(200, Some("99"))), Some(Code::Unknown));
-    assert_eq!(early_code(&resp(503, None)), Some(Code::Unavailable));
-    assert_eq!(early_code(&resp(404, None)), Some(Code::Unimplemented));
-    assert_eq!(early_code(&resp(500, None)), Some(Code::Unknown));
 }
 
 /// A 200 response with real headers whose body is `data` frames, then `trailers`.
@@ -783,14 +772,7 @@ async fn headers_then_error_is_retried_only_with_the_opt_in() {
     let start = Instant::now();
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(70));
-    assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Committed,
-            attempts: 2,
-            last_code: None
-        }
-    );
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
     assert_eq!(*calls.lock().unwrap(), 2);
     // The peeked message is put back in front of the rest.
     let collected = resp.into_body().collect().await.unwrap();
