@@ -19,7 +19,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::call::{self, Attempt, Call, CallContext};
-use super::outcome::{CallOutcome, CallReport};
+use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::Resp;
 use crate::BoxError;
 
@@ -172,11 +172,15 @@ fn pass_through<E: Into<BoxError>>(
     took: std::time::Duration,
 ) -> Resp {
     let attempted = attempt.observe();
-    let mut report = CallReport::new(CallOutcome::NoRetryPolicy);
+    let outcome = match attempted.end {
+        AttemptEnd::Deadline => CallOutcome::Deadline,
+        _ => CallOutcome::NoRetryPolicy,
+    };
+    let mut report = CallReport::new(outcome);
     report.record(attempted.end, took);
     let success = matches!(
         attempted.end,
-        super::AttemptEnd::Committed | super::AttemptEnd::Status(tonic::Code::Ok)
+        AttemptEnd::Committed | AttemptEnd::Status(tonic::Code::Ok)
     );
     if let Some(t) = cx.shared.throttle().filter(|_| success) {
         t.record_success();

@@ -29,6 +29,10 @@ enum Step {
     Hang,
     /// A transport error before anything came back.
     Refused,
+    /// What tonic's channel does with `grpc-timeout`: an error when it runs out.
+    TimeoutExpired,
+    /// Real headers, one message, then nothing for ever.
+    Stall,
 }
 
 #[derive(Debug, Clone)]
@@ -73,6 +77,7 @@ impl Script {
             async move {
                 let at = Instant::now();
                 let (parts, body) = req.into_parts();
+                let parts_headers = parts.headers.clone();
                 let body = body
                     .collect()
                     .await
@@ -80,7 +85,7 @@ impl Script {
                     .unwrap_or_default();
                 script.seen.lock().unwrap().push(Seen {
                     at,
-                    headers: parts.headers,
+                    headers: parts_headers,
                     body,
                 });
                 let step = script.steps.lock().unwrap().pop_front().unwrap_or(Step::Ok);
@@ -89,6 +94,15 @@ impl Script {
                     Step::Ok => Ok(http::Response::new(Body::empty())),
                     Step::Hang => std::future::pending().await,
                     Step::Refused => Err::<_, BoxError>("connection refused".into()),
+                    Step::TimeoutExpired => {
+                        let timeout = parts
+                            .headers
+                            .get("grpc-timeout")
+                            .and_then(|v| parse_grpc_timeout(v.as_bytes()));
+                        tokio::time::sleep(timeout.unwrap_or(Duration::MAX)).await;
+                        Err("Timeout expired".into())
+                    }
+                    Step::Stall => Ok(http::Response::new(Body::new(StalledBody(true)))),
                 }
             }
         })
@@ -904,4 +918,147 @@ async fn a_callers_key_goes_under_the_configured_header_on_every_attempt() {
         assert_eq!(s.headers["idempotency-key"], "by-hand-key-42");
         assert!(!s.headers.contains_key("x-idempotency-key"));
     }
+}
+
+/// Real headers, one message, then nothing for ever (a stalled server stream).
+struct StalledBody(bool);
+
+impl http_body::Body for StalledBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
+        if std::mem::take(&mut self.0) {
+            let message = Bytes::from_static(b"\0\0\0\0\0");
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(message))));
+        }
+        std::task::Poll::Pending
+    }
+}
+
+fn with_timeout(path: &str, grpc_timeout: &'static str) -> http::Request<Body> {
+    let mut req = request(path);
+    req.headers_mut()
+        .insert("grpc-timeout", grpc_timeout.parse().unwrap());
+    req
+}
+
+fn no_policy() -> RetryLayer {
+    let cfg = ServiceConfig::from_parts(Vec::new(), None, IdemSettings::default()).unwrap();
+    RetryLayer::from_config(&cfg)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_server_cannot_park_a_call_without_a_deadline() {
+    use tonic_types::{ErrorDetails, StatusExt};
+    // 25 hours of pushback, then ten years of RetryInfo: both over the 30 s default.
+    let decade = Duration::from_secs(10 * 365 * 24 * 3600);
+    let info = tonic::Status::with_error_details(
+        tonic::Code::Unavailable,
+        "come back later",
+        ErrorDetails::with_retry_info(Some(decade)),
+    );
+    for step in [with_pushback("90000000"), Step::Status(info)] {
+        let script = Script::new([step, Step::Ok]);
+        let layer = builder().build().unwrap();
+        let start = Instant::now();
+        let resp = send(&mut layer.layer(script.service()), request(PATH))
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!(
+            summary(&resp),
+            (CallOutcome::PushbackStop, 1, Some(Code::Unavailable))
+        );
+    }
+    // Within a raised cap, the server's wait is honoured exactly.
+    let script = Script::new([with_pushback("90000"), Step::Ok]);
+    let layer = builder()
+        .max_retry_delay(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(report(&resp).outcome, CallOutcome::Committed);
+    assert_eq!(script.gaps(), [Duration::from_secs(90)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_bounds_a_stalled_response_body() {
+    for layer in [builder().build().unwrap(), no_policy()] {
+        let script = Script::new([Step::Stall]);
+        let mut svc = layer.layer(script.service());
+        let start = Instant::now();
+        let resp = send(&mut svc, with_timeout(PATH, "1S")).await.unwrap();
+        let mut body = resp.into_body();
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+        let trailers = body
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_trailers()
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        let status = tonic::Status::from_header_map(&trailers).unwrap();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+        let r = CallReport::from_status(&status).unwrap();
+        assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+        assert!(body.frame().await.is_none());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_channel_timeout_at_the_deadline_is_deadline_exceeded_with_a_report() {
+    for layer in [builder().build().unwrap(), no_policy()] {
+        let script = Script::new([Step::TimeoutExpired]);
+        let mut svc = layer.layer(script.service());
+        let start = Instant::now();
+        let resp = send(&mut svc, with_timeout(PATH, "100m")).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_millis(100));
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+        let r = CallReport::from_status(&status).unwrap();
+        assert_eq!(r.outcome, CallOutcome::Deadline);
+        assert_eq!(
+            r.history().map(|a| a.end).collect::<Vec<_>>(),
+            [AttemptEnd::Deadline]
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tonic_deadline_comes_back_as_deadline_exceeded() {
+    // `Request::set_timeout` becomes `grpc-timeout`; the script hangs past it.
+    let layer = builder().build().unwrap();
+    let script = Script::new([Step::Hang]);
+    let mut req = tonic::Request::new(());
+    req.set_timeout(Duration::from_secs(1));
+    let status = tonic_unary(layer.layer(script.service()), req)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+}
+
+#[tokio::test]
+#[should_panic(expected = "polled after completion")]
+async fn a_finished_response_future_panics_when_polled_again() {
+    let inner = tower::service_fn(|_req: http::Request<Body>| async {
+        Ok::<_, BoxError>(http::Response::new(Body::empty()))
+    });
+    let mut svc = no_policy().layer(inner);
+    let ready = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+        .await
+        .unwrap();
+    let mut fut = std::pin::pin!(ready.call(request(PATH)));
+    let _ = (&mut fut).await;
+    let _ = std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(std::future::Future::poll(fut.as_mut(), cx))
+    })
+    .await;
 }
