@@ -114,7 +114,7 @@ impl CallContext {
     ) -> Resp {
         let mut resp = match attempt {
             Attempt::Response(r) => r,
-            Attempt::Error(e) => tonic::Status::from_error(e.into()).into_http(),
+            Attempt::Error(e) => self.error_status(e.into(), report.outcome).into_http(),
             Attempt::RecvTimeout => {
                 tonic::Status::cancelled("perAttemptRecvTimeout exceeded").into_http()
             }
@@ -139,6 +139,22 @@ impl CallContext {
         }
         resp.extensions_mut().insert(report);
         deadline::bound(resp, self.deadline, report)
+    }
+}
+
+impl CallContext {
+    /// The status tonic would make of a transport error; a give-up under an inbound call
+    /// says so, for the handler's logs upstream.
+    fn error_status(&self, e: BoxError, outcome: CallOutcome) -> tonic::Status {
+        let status = tonic::Status::from_error(e);
+        if self.marker.is_some() && outcome.retries_gave_up() {
+            let message = format!(
+                "downstream call failed on every attempt: {}",
+                status.message()
+            );
+            return tonic::Status::new(status.code(), message);
+        }
+        status
     }
 }
 
