@@ -33,7 +33,7 @@ use tonic::{GrpcMethod, Request, Status};
 pub fn with_key<T>(request: &mut Request<T>, key: &IdempotencyKey) {
     request.extensions_mut().insert(key.clone());
     with_headers(request.metadata_mut(), |headers| {
-        headers.insert(default_header(), sensitive_value(key));
+        headers.insert(IDEMPOTENCY_KEY, sensitive_value(key));
     });
 }
 
@@ -79,7 +79,7 @@ impl IdempotencyKeyInterceptor {
     /// Adds a key to every call, under `x-idempotency-key`.
     pub fn all_methods() -> Self {
         IdempotencyKeyInterceptor {
-            header: default_header(),
+            header: IDEMPOTENCY_KEY,
             config: None,
         }
     }
@@ -133,11 +133,10 @@ pub(crate) fn place_key(
     name: &HeaderName,
     generate: bool,
 ) {
-    let default = default_header();
-    let under_default = if *name == default {
+    let under_default = if *name == IDEMPOTENCY_KEY {
         None
     } else {
-        headers.remove(&default)
+        headers.remove(IDEMPOTENCY_KEY)
     };
     let value = match (typed, headers.remove(name)) {
         (Some(key), _) => sensitive_value(key),
@@ -189,10 +188,6 @@ fn sensitive_value(key: &IdempotencyKey) -> HeaderValue {
     v
 }
 
-fn default_header() -> HeaderName {
-    HeaderName::from_static(IDEMPOTENCY_KEY)
-}
-
 /// Runs `f` on the metadata of a tonic request as a plain `HeaderMap` (no copy).
 fn with_headers(metadata: &mut MetadataMap, f: impl FnOnce(&mut HeaderMap)) {
     let mut headers = std::mem::take(metadata).into_headers();
@@ -209,15 +204,23 @@ mod tests {
         let key: IdempotencyKey = "caller-key-1".parse().unwrap();
         let req = Request::new(()).with_idempotency_key(&key);
         let out = IdempotencyKeyInterceptor::all_methods().call(req).unwrap();
-        assert_eq!(out.metadata().get(IDEMPOTENCY_KEY).unwrap(), "caller-key-1");
-        assert!(out.metadata().get(IDEMPOTENCY_KEY).unwrap().is_sensitive());
+        assert_eq!(
+            out.metadata().get(IDEMPOTENCY_KEY.as_str()).unwrap(),
+            "caller-key-1"
+        );
+        assert!(
+            out.metadata()
+                .get(IDEMPOTENCY_KEY.as_str())
+                .unwrap()
+                .is_sensitive()
+        );
         let fresh = IdempotencyKeyInterceptor::all_methods()
             .call(Request::new(()))
             .unwrap();
         assert!(
             fresh
                 .metadata()
-                .get(IDEMPOTENCY_KEY)
+                .get(IDEMPOTENCY_KEY.as_str())
                 .unwrap()
                 .is_sensitive()
         );
@@ -245,7 +248,7 @@ mod tests {
             icpt.call(create)
                 .unwrap()
                 .metadata()
-                .contains_key(IDEMPOTENCY_KEY)
+                .contains_key(IDEMPOTENCY_KEY.as_str())
         );
         let mut get = Request::new(());
         get.extensions_mut()
@@ -255,7 +258,7 @@ mod tests {
                 .call(get)
                 .unwrap()
                 .metadata()
-                .contains_key(IDEMPOTENCY_KEY)
+                .contains_key(IDEMPOTENCY_KEY.as_str())
         );
     }
 }
@@ -309,6 +312,6 @@ mod place_tests {
             out.metadata().get("idempotency-key").unwrap(),
             "intent-0002-x"
         );
-        assert!(out.metadata().get(IDEMPOTENCY_KEY).is_none());
+        assert!(out.metadata().get(IDEMPOTENCY_KEY.as_str()).is_none());
     }
 }

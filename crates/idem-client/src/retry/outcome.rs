@@ -249,8 +249,8 @@ impl CallReport {
     /// trailers of a committed call).
     pub fn from_status(status: &tonic::Status) -> Option<CallReport> {
         let md = status.metadata();
-        let outcome = CallOutcome::parse(md.get(RETRY_OUTCOME)?.to_str().ok()?)?;
-        let mut fields = md.get(RETRY_ATTEMPTS)?.to_str().ok()?.split(' ');
+        let outcome = CallOutcome::parse(md.get(RETRY_OUTCOME.as_str())?.to_str().ok()?)?;
+        let mut fields = md.get(RETRY_ATTEMPTS.as_str())?.to_str().ok()?.split(' ');
         let mut report = CallReport::new(outcome);
         let attempts: u32 = fields.next()?.parse().ok()?;
         for record in fields.next().into_iter().flat_map(|h| h.split(',')) {
@@ -423,9 +423,10 @@ mod tests {
 
     #[test]
     fn bare_attempt_counts_still_parse() {
-        let mut md = tonic::metadata::MetadataMap::new();
-        md.insert(RETRY_OUTCOME, "deadline".parse().unwrap());
-        md.insert(RETRY_ATTEMPTS, "2".parse().unwrap());
+        let mut h = http::HeaderMap::new();
+        h.insert(RETRY_OUTCOME, "deadline".parse().unwrap());
+        h.insert(RETRY_ATTEMPTS, "2".parse().unwrap());
+        let md = tonic::metadata::MetadataMap::from_headers(h);
         let status = tonic::Status::with_metadata(Code::DeadlineExceeded, "late", md);
         let r = CallReport::from_status(&status).unwrap();
         assert_eq!(
