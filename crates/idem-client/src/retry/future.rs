@@ -2,7 +2,7 @@
 //!
 //! Calls of methods without a retry policy use a hand-written pass-through state (no
 //! allocation beyond a deadline timer). Calls that may retry run the `async` loop of
-//! [`call::run`](super::call) in a box: it must await the request body, the inner
+//! the call module (`call::run`) in a box: it must await the request body, the inner
 //! service's readiness for each retry, backoff sleeps and per-attempt timers, and a
 //! retrying call allocates its replay buffer anyway, so one more allocation buys a loop
 //! that reads like A6's prose instead of a six-state machine.

@@ -315,8 +315,8 @@ impl fmt::Display for CallReport {
     }
 }
 
-/// A callback told about every finished call: `(method path, report)`. The cross-hop
-/// issue uses it (and [`CallOutcome::retries_gave_up`]) to mark upstream failures.
+/// A callback told about every finished call: `(method path, report)`. Cross-hop marking
+/// can use it (with [`CallOutcome::retries_gave_up`]) to tag failures passed upstream.
 pub type OutcomeHook = Arc<dyn Fn(&str, &CallReport) + Send + Sync>;
 
 #[derive(Debug, Default)]
