@@ -35,7 +35,7 @@
 //! ```
 //!
 //! Without a config, [`RetryLayer::builder`] gives one policy for every method, with the
-//! defaults of DESIGN.md section 2 (maxAttempts 3, initialBackoff 20 ms, multiplier 2,
+//! defaults (maxAttempts 3, initialBackoff 20 ms, multiplier 2,
 //! maxBackoff 1 s, ±20 % jitter, codes `[UNAVAILABLE]`); [`RetryLayerBuilder`] lists every
 //! option with its default. [`RetryLayer::reload`] swaps the config at run time.
 //!
@@ -61,18 +61,27 @@
 //!   ([`idem_core::deadline::inbound_deadline`], set by the server layer) and the config
 //!   `timeout`. Each attempt's `grpc-timeout` is rewritten to the time left. A retry whose
 //!   wait would end at or past the deadline, or leave less than `minAttemptTime`, is not
-//!   started: the call ends at once with the last attempt's status.
+//!   started: the call ends at once with the last attempt's status. When the deadline
+//!   itself passes, whatever set it (tonic's `Request::set_timeout`, the inbound call, the
+//!   config), the caller gets DEADLINE_EXCEEDED with a report: before response headers
+//!   (also when tonic's channel timeout fires first) and while the response body streams
+//!   (the body ends with DEADLINE_EXCEEDED trailers; tonic servers do not enforce
+//!   `grpc-timeout` on streaming bodies).
 //! - **Pushback**: `grpc-retry-pushback-ms` ≥ 0 replaces the backoff exactly and resets the
 //!   exponent; negative, unparseable or repeated values stop the retries.
 //!   `google.rpc.RetryInfo.retry_delay` in `grpc-status-details-bin` is a minimum wait.
 //!   Neither makes a non-retryable code retryable; a wait past the deadline ends the call.
+//!   A server-requested wait longer than [`RetryLayerBuilder::max_retry_delay`] (default
+//!   30 s) ends the call at once as [`CallOutcome::PushbackStop`]: a call without a
+//!   deadline cannot be parked for hours, and it never retries sooner than asked.
 //! - **Throttling** ([`RetryThrottle`]): the A6 token bucket in milli-tokens, shared by all
 //!   clones of a layer, shareable across channels ([`RetryLayerBuilder::throttle`]), and
 //!   kept across [`RetryLayer::reload`].
 //! - **Keys**: protected methods (config entry with `idempotency`), or all methods with
 //!   `keyAllMethods`, get `x-idempotency-key` (or `idem.keyHeader`): the caller's value is
-//!   kept ([`with_key`], [`RequestKeyExt`]); otherwise one random 128-bit key per call, the
-//!   same on every attempt. [`IdempotencyKeyInterceptor`] does the same as a tonic
+//!   kept ([`with_key`], [`RequestKeyExt`]: a typed request extension the layer writes
+//!   under its configured header; a value under the default name is moved, never replaced
+//!   by a fresh key); otherwise one random 128-bit key per call, the same on every attempt. [`IdempotencyKeyInterceptor`] does the same as a tonic
 //!   interceptor, above the retry layer. Key values are marked *sensitive*, so HPACK
 //!   sends them as never-indexed literals: a key never repeats across calls, and
 //!   indexing each one would churn both ends' dynamic tables (measured in BENCHMARKS.md:
@@ -80,16 +89,19 @@
 //!
 //! # Reading the outcome
 //! Every call ends with a [`CallReport`]: the [`CallOutcome`] (why it stopped), the number
-//! of attempts and the last Trailers-Only code.
+//! of attempts, the last code, and each attempt's end, duration and the wait after it; its
+//! `Display` reads as a sentence.
 //! - A successful tonic call: [`CallReport::from_response`] (a response extension).
 //! - A failed tonic call: tonic turns a Trailers-Only error into a `Status` and keeps only
 //!   its headers, so the layer also writes the local headers `x-idem-retry-outcome` and
 //!   `x-idem-retry-attempts`; read them with [`CallReport::from_status`].
-//! - A transport error is returned as the channel's error, which has no room for a report:
-//!   use the hook ([`RetryLayerBuilder::on_outcome`]) or the counters
-//!   ([`RetryLayer::stats`]).
+//! - Every failure has a report: a transport error (connection refused…) is answered as a
+//!   Trailers-Only response with the status tonic would make of it
+//!   ([`tonic::Status::from_error`]) and the report headers. The hook
+//!   ([`RetryLayerBuilder::on_outcome`]) and the counters ([`RetryLayer::stats`]) see every
+//!   call too.
 //! - Tracing: a `debug` span `idem_retry` per call (fields `method`, `attempts`,
-//!   `outcome`) and a `debug` event `retrying` per retry (`attempt`, `code`, `wait_ms`).
+//!   `outcome`) and a `debug` event `retrying` per retry (`attempt`, `end`, `wait_ms`).
 //! - Across hops: a call that gives up ([`CallOutcome::retries_gave_up`]: exhausted,
 //!   throttled, pushback stop) while serving an inbound call whose scope carries an
 //!   [`ExhaustedMarker`](idem_core::deadline::ExhaustedMarker) gets that marker in the
@@ -109,11 +121,9 @@
 //!   OK: the layer does not read trailers, so a committed call that fails in its trailers
 //!   counts as a success. Non-retryable codes count neither way (as grpc-go).
 //! - **The deadline is checked before sleeping**: grpc-go sleeps the backoff and fails with
-//!   DEADLINE_EXCEEDED; idem returns the last attempt's status at once (DESIGN.md). For
-//!   methods with a retry policy the layer also cuts an attempt with no response headers
-//!   at the deadline, answering a made-up Trailers-Only DEADLINE_EXCEEDED; after the
-//!   headers (and for pass-through methods) the server enforces the `grpc-timeout` the
-//!   layer wrote.
+//!   DEADLINE_EXCEEDED; idem returns the last attempt's status at once. The layer also cuts
+//!   an attempt with no response headers at the deadline, answering a made-up Trailers-Only
+//!   DEADLINE_EXCEEDED, and ends a response body still streaming at the deadline.
 //! - **`minAttemptTime`** (default 0) also stops a retry that would start with too little
 //!   time left; grpc-go has no such option.
 //! - **`google.rpc.RetryInfo`** is honoured as a minimum wait (grpc-go ignores it); with a
@@ -139,10 +149,9 @@ mod key;
 pub mod retry;
 
 pub use key::{IdempotencyKeyInterceptor, RequestKeyExt, with_key};
-pub use retry::outcome::{ATTEMPTS_HEADER, OUTCOME_HEADER};
 pub use retry::{
-    BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer, RetryLayerBuilder,
-    RetryStats, RetryStatsSnapshot, RetryThrottle,
+    AttemptEnd, AttemptRecord, BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer,
+    RetryLayerBuilder, RetryStats, RetryStatsSnapshot, RetryThrottle,
 };
 
 /// The boxed error type of request bodies.

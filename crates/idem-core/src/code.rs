@@ -63,6 +63,29 @@ pub fn code_from_i64(value: i64) -> Option<Code> {
         .and_then(|i| ALL_CODES.get(i).copied())
 }
 
+/// The `grpc-status` in `headers` (response headers of a Trailers-Only response, or
+/// trailers): `None` when absent; an unparseable value, or a number outside 0..=16, is
+/// UNKNOWN (as tonic reads it).
+///
+/// ```
+/// use idem_core::code::{Code, grpc_status_code};
+/// let mut h = http::HeaderMap::new();
+/// assert_eq!(grpc_status_code(&h), None);
+/// h.insert("grpc-status", "14".parse().unwrap());
+/// assert_eq!(grpc_status_code(&h), Some(Code::Unavailable));
+/// h.insert("grpc-status", "x".parse().unwrap());
+/// assert_eq!(grpc_status_code(&h), Some(Code::Unknown));
+/// ```
+pub fn grpc_status_code(headers: &http::HeaderMap) -> Option<Code> {
+    let value = headers.get(crate::headers::GRPC_STATUS)?;
+    let code = std::str::from_utf8(value.as_bytes())
+        .ok()
+        .and_then(|s| s.parse::<i64>().ok())
+        .and_then(code_from_i64)
+        .unwrap_or(Code::Unknown);
+    Some(code)
+}
+
 /// A set of status codes, stored as a bitmap (cheap to copy and to test).
 ///
 /// ```

@@ -1,30 +1,37 @@
 //! Metadata names idem reads and writes, and the `google.rpc.ErrorInfo` vocabulary of the
 //! errors its layers make (so clients can tell them from handler errors).
+//!
+//! Every header is a [`HeaderName`] constant, usable directly with `http::HeaderMap`
+//! (`headers.get(GRPC_TIMEOUT)`); a tonic `MetadataMap` reads them as `NAME.as_str()`.
+
+use http::HeaderName;
 
 /// The idempotency key header (the default; configurable in the `idem` object).
-pub const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-key");
 /// Set to `true` on a response the server layer replayed from its store.
-pub const IDEMPOTENCY_REPLAYED: &str = "x-idempotency-replayed";
+pub const IDEMPOTENCY_REPLAYED: HeaderName = HeaderName::from_static("x-idempotency-replayed");
 /// gRFC A6 server pushback, in milliseconds; `-1` (any negative) means "do not retry".
-pub const RETRY_PUSHBACK_MS: &str = "grpc-retry-pushback-ms";
+pub const RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 /// gRFC A6: how many attempts preceded this one.
-pub const PREVIOUS_RPC_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
+pub const PREVIOUS_RPC_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
+/// The status code of a Trailers-Only response or of the trailers.
+pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 /// The gRPC deadline header.
-pub const GRPC_TIMEOUT: &str = "grpc-timeout";
+pub const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 /// Binary `google.rpc.Status` with details (RetryInfo, ErrorInfo).
-pub const GRPC_STATUS_DETAILS: &str = "grpc-status-details-bin";
+pub const GRPC_STATUS_DETAILS: HeaderName = HeaderName::from_static("grpc-status-details-bin");
 
 /// Internal: set by the client layer on a failure it returns after exhausting retries
 /// while serving an inbound call; the server side swaps it for
 /// `grpc-retry-pushback-ms: -1` and never lets it leave the process.
-pub const DOWNSTREAM_EXHAUSTED: &str = "x-idem-downstream-exhausted";
+pub const DOWNSTREAM_EXHAUSTED: HeaderName = HeaderName::from_static("x-idem-downstream-exhausted");
 
 /// Local: the client layer's `CallOutcome` for a failed call, readable from the
 /// `Status` metadata by the caller in this process. Never sent upstream (the server side
 /// strips it).
-pub const RETRY_OUTCOME: &str = "x-idem-retry-outcome";
+pub const RETRY_OUTCOME: HeaderName = HeaderName::from_static("x-idem-retry-outcome");
 /// Local: attempts the client layer made for a failed call (as [`RETRY_OUTCOME`]).
-pub const RETRY_ATTEMPTS: &str = "x-idem-retry-attempts";
+pub const RETRY_ATTEMPTS: HeaderName = HeaderName::from_static("x-idem-retry-attempts");
 
 /// The `ErrorInfo.domain` of every error an idem layer makes.
 pub const ERROR_DOMAIN: &str = "idem";

@@ -1,163 +1,19 @@
-//! [`RetryLayer`], its builder, and the reloadable state its services share.
+//! [`RetryLayer`] and its builder.
 
 use std::fmt;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
 use idem_core::ServiceConfig;
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{ClientSettings, InvalidRetryPolicy, RetryPolicy, RetryThrottling};
+use idem_core::config::{InvalidRetryPolicy, RetryPolicy, RetryThrottling};
 
 use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
-use super::body::ReplayBudget;
+use super::config::{self, Overrides, PolicySource, Shared};
 use super::outcome::{CallReport, OutcomeHook, RetryStats};
 use super::service::Retry;
 use super::throttle::RetryThrottle;
-
-/// Where per-method policies come from.
-#[derive(Debug)]
-enum Source {
-    /// A service config: `lookup_path` per call.
-    Config(Box<ServiceConfig>),
-    /// One policy for every method (the builder without a config).
-    Fixed {
-        retry: RetryPolicy,
-        timeout: Option<Duration>,
-    },
-}
-
-/// What applies to one call.
-#[derive(Debug, Clone)]
-pub(crate) struct CallPolicy {
-    pub(crate) retry: Option<RetryPolicy>,
-    pub(crate) timeout: Option<Duration>,
-    pub(crate) add_key: bool,
-}
-
-/// One generation of settings; replaced whole by [`RetryLayer::reload`].
-#[derive(Debug)]
-pub(crate) struct Effective {
-    source: Source,
-    pub(crate) key_header: HeaderName,
-    pub(crate) key_all_methods: bool,
-    pub(crate) max_replay_bytes_per_call: usize,
-    pub(crate) min_attempt_time: Duration,
-    /// Mark give-up failures for the server layer (`idem.client.retryExhaustedPushback`).
-    pub(crate) mark_exhausted: bool,
-    /// No retries under an inbound call that is itself a retry
-    /// (`idem.client.noRetryUnderRetriedInbound`).
-    pub(crate) no_retry_under_retried_inbound: bool,
-}
-
-impl Effective {
-    pub(crate) fn resolve(&self, path: &str) -> CallPolicy {
-        match &self.source {
-            Source::Config(cfg) => match cfg.lookup_path(path) {
-                Some(mc) => CallPolicy {
-                    retry: mc.retry_policy().cloned(),
-                    timeout: mc.timeout(),
-                    add_key: self.key_all_methods || mc.idempotency().is_some(),
-                },
-                None => CallPolicy {
-                    retry: None,
-                    timeout: None,
-                    add_key: self.key_all_methods,
-                },
-            },
-            Source::Fixed { retry, timeout } => CallPolicy {
-                retry: Some(retry.clone()),
-                timeout: *timeout,
-                add_key: self.key_all_methods,
-            },
-        }
-    }
-}
-
-/// Builder values that win over the config's `idem.client` settings, on every reload.
-#[derive(Debug, Clone, Default)]
-struct Overrides {
-    key_header: Option<HeaderName>,
-    key_all_methods: Option<bool>,
-    max_replay_bytes_per_call: Option<usize>,
-    max_replay_bytes_total: Option<usize>,
-    min_attempt_time: Option<Duration>,
-    retry_exhausted_pushback: Option<bool>,
-    no_retry_under_retried_inbound: Option<bool>,
-}
-
-impl Overrides {
-    fn client(&self, from_config: &ClientSettings) -> ClientSettings {
-        ClientSettings {
-            key_all_methods: self.key_all_methods.unwrap_or(from_config.key_all_methods),
-            max_replay_bytes_per_call: self
-                .max_replay_bytes_per_call
-                .unwrap_or(from_config.max_replay_bytes_per_call),
-            max_replay_bytes_total: self
-                .max_replay_bytes_total
-                .unwrap_or(from_config.max_replay_bytes_total),
-            min_attempt_time: self
-                .min_attempt_time
-                .unwrap_or(from_config.min_attempt_time),
-            retry_exhausted_pushback: self
-                .retry_exhausted_pushback
-                .unwrap_or(from_config.retry_exhausted_pushback),
-            no_retry_under_retried_inbound: self
-                .no_retry_under_retried_inbound
-                .unwrap_or(from_config.no_retry_under_retried_inbound),
-        }
-    }
-}
-
-/// State shared by a layer, its clones and every service they made.
-pub(crate) struct Shared {
-    effective: RwLock<Arc<Effective>>,
-    throttle: RwLock<Option<RetryThrottle>>,
-    /// The throttle was given by the user: config reloads do not replace it.
-    throttle_pinned: bool,
-    overrides: Overrides,
-    pub(crate) budget: Arc<ReplayBudget>,
-    pub(crate) stats: RetryStats,
-    pub(crate) jitter: Arc<dyn Jitter>,
-    pub(crate) hook: Option<OutcomeHook>,
-    /// Opt-in: retry "headers, then error trailers with no message".
-    pub(crate) peek_early_trailers: bool,
-}
-
-impl fmt::Debug for Shared {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shared")
-            .field("effective", &self.effective())
-            .field("throttle", &self.throttle())
-            .field("budget", &self.budget)
-            .field("stats", &self.stats)
-            .field("jitter", &self.jitter)
-            .field("hook", &self.hook.as_ref().map(|_| "Fn"))
-            .field("peek_early_trailers", &self.peek_early_trailers)
-            .finish()
-    }
-}
-
-impl Shared {
-    pub(crate) fn effective(&self) -> Arc<Effective> {
-        self.effective
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-    pub(crate) fn throttle(&self) -> Option<RetryThrottle> {
-        self.throttle
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-    pub(crate) fn report(&self, path: &str, report: &CallReport) {
-        self.stats.finished(report.outcome);
-        if let Some(hook) = &self.hook {
-            hook(path, report);
-        }
-    }
-}
 
 /// A tower [`Layer`](tower_layer::Layer) that retries gRPC calls as gRFC A6 says. See the
 /// [crate docs](crate) for the behaviour and an example.
@@ -188,7 +44,7 @@ impl RetryLayer {
             .build_unchecked()
     }
 
-    /// A builder with the defaults of DESIGN.md section 2 (see [`RetryLayerBuilder`]).
+    /// A builder with the gRPC-style defaults (see [`RetryLayerBuilder`]).
     pub fn builder() -> RetryLayerBuilder {
         RetryLayerBuilder::default()
     }
@@ -200,40 +56,7 @@ impl RetryLayer {
     /// config without `retryThrottling` turns throttling off (unless a bucket was given
     /// to the builder with [`RetryLayerBuilder::throttle`], which always stays).
     pub fn reload(&self, config: &ServiceConfig) {
-        let shared = &self.shared;
-        let client = shared.overrides.client(&config.settings().client);
-        shared.budget.set_limit(client.max_replay_bytes_total);
-        if !shared.throttle_pinned {
-            let mut slot = shared
-                .throttle
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
-            *slot = match (slot.take(), config.retry_throttling()) {
-                (Some(bucket), Some(t)) => {
-                    bucket.reconfigure(t);
-                    Some(bucket)
-                }
-                (None, Some(t)) => Some(RetryThrottle::new(t)),
-                (_, None) => None,
-            };
-        }
-        let eff = Effective {
-            source: Source::Config(Box::new(config.clone())),
-            key_header: shared
-                .overrides
-                .key_header
-                .clone()
-                .unwrap_or_else(|| config.settings().key_header.clone()),
-            key_all_methods: client.key_all_methods,
-            max_replay_bytes_per_call: client.max_replay_bytes_per_call,
-            min_attempt_time: client.min_attempt_time,
-            mark_exhausted: client.retry_exhausted_pushback,
-            no_retry_under_retried_inbound: client.no_retry_under_retried_inbound,
-        };
-        *shared
-            .effective
-            .write()
-            .unwrap_or_else(PoisonError::into_inner) = Arc::new(eff);
+        self.shared.reload(config);
     }
 
     /// The throttle bucket in use, if any: give it to another layer's builder
@@ -264,8 +87,7 @@ pub enum BuildError {
 /// Builds a [`RetryLayer`].
 ///
 /// # Defaults
-/// Retry policy, used for every method when no service config is given (DESIGN.md
-/// section 2):
+/// Retry policy, used for every method when no service config is given:
 ///
 /// | option | default |
 /// |---|---|
@@ -291,6 +113,7 @@ pub enum BuildError {
 /// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
 /// | [`on_outcome`](Self::on_outcome) | none |
 /// | [`retry_headers_then_error`](Self::retry_headers_then_error) | false |
+/// | [`max_retry_delay`](Self::max_retry_delay) | 30 s (a longer server-requested wait stops the retries) |
 /// | [`retry_exhausted_pushback`](Self::retry_exhausted_pushback) | true (with a config: `idem.client.retryExhaustedPushback`) |
 /// | [`no_retry_under_retried_inbound`](Self::no_retry_under_retried_inbound) | false (with a config: `idem.client.noRetryUnderRetriedInbound`) |
 pub struct RetryLayerBuilder {
@@ -307,7 +130,6 @@ pub struct RetryLayerBuilder {
     throttling: Option<RetryThrottling>,
     jitter: Arc<dyn Jitter>,
     hook: Option<OutcomeHook>,
-    peek_early_trailers: bool,
 }
 
 impl fmt::Debug for RetryLayerBuilder {
@@ -339,7 +161,6 @@ impl Default for RetryLayerBuilder {
             throttling: None,
             jitter: Arc::new(ThreadRngJitter),
             hook: None,
-            peek_early_trailers: false,
         }
     }
 }
@@ -455,7 +276,18 @@ impl RetryLayerBuilder {
     /// reach the caller with the first message instead of before it. A response whose
     /// first frame is a message is committed as usual.
     pub fn retry_headers_then_error(mut self, yes: bool) -> Self {
-        self.peek_early_trailers = yes;
+        self.overrides.peek_early_trailers = yes;
+        self
+    }
+    /// The longest wait before a retry that a server may ask for, with
+    /// `grpc-retry-pushback-ms` or `google.rpc.RetryInfo` (default 30 s). A server that
+    /// asks for more (a call with no deadline could otherwise be parked for hours) gets
+    /// no retry: the call ends at once with the attempt's status and
+    /// [`CallOutcome::PushbackStop`](super::CallOutcome::PushbackStop). Retrying *sooner*
+    /// than the server asked would defeat the pushback, so the wait is never shortened.
+    /// The policy's own backoff is bounded by its `maxBackoff` instead.
+    pub fn max_retry_delay(mut self, d: Duration) -> Self {
+        self.overrides.max_retry_delay = d;
         self
     }
     /// Called with `(method path, report)` when each call ends.
@@ -486,54 +318,38 @@ impl RetryLayerBuilder {
     }
 
     fn finish(self, retry: Option<RetryPolicy>) -> RetryLayer {
-        let settings = self
+        let throttle = match self.throttle {
+            Some(pinned) => (Some(pinned), true),
+            None => {
+                let settings = self
+                    .config
+                    .as_ref()
+                    .and_then(ServiceConfig::retry_throttling);
+                (settings.or(self.throttling).map(RetryThrottle::new), false)
+            }
+        };
+        let idem = self
             .config
             .as_ref()
             .map(|c| c.settings().clone())
             .unwrap_or_default();
-        let client = self.overrides.client(&settings.client);
-        let throttle_pinned = self.throttle.is_some();
-        let throttle = self.throttle.or_else(|| {
-            self.config
-                .as_ref()
-                .and_then(ServiceConfig::retry_throttling)
-                .or(self.throttling)
-                .map(RetryThrottle::new)
-        });
-        let key_header = self
-            .overrides
-            .key_header
-            .clone()
-            .unwrap_or(settings.key_header);
         let source = match (self.config, retry) {
-            (Some(cfg), _) => Source::Config(Box::new(cfg)),
-            (None, Some(retry)) => Source::Fixed {
+            (Some(cfg), _) => PolicySource::Config(Box::new(cfg)),
+            (None, Some(retry)) => PolicySource::Fixed {
                 retry,
                 timeout: self.timeout,
             },
-            (None, None) => Source::Config(Box::default()),
-        };
-        let eff = Effective {
-            source,
-            key_header,
-            key_all_methods: client.key_all_methods,
-            max_replay_bytes_per_call: client.max_replay_bytes_per_call,
-            min_attempt_time: client.min_attempt_time,
-            mark_exhausted: client.retry_exhausted_pushback,
-            no_retry_under_retried_inbound: client.no_retry_under_retried_inbound,
+            (None, None) => PolicySource::Config(Box::default()),
         };
         RetryLayer {
-            shared: Arc::new(Shared {
-                effective: RwLock::new(Arc::new(eff)),
-                throttle: RwLock::new(throttle),
-                throttle_pinned,
+            shared: Arc::new(Shared::new(config::Parts {
+                source,
+                idem,
                 overrides: self.overrides,
-                budget: Arc::new(ReplayBudget::new(client.max_replay_bytes_total)),
-                stats: RetryStats::default(),
+                throttle,
                 jitter: self.jitter,
                 hook: self.hook,
-                peek_early_trailers: self.peek_early_trailers,
-            }),
+            })),
         }
     }
 }

@@ -4,15 +4,22 @@
 
 pub mod backoff;
 mod body;
+mod call;
+mod config;
+mod deadline;
 pub mod future;
 mod layer;
 pub mod outcome;
+mod peek;
+mod policy;
 mod pushback;
 mod service;
 mod throttle;
 
 pub use layer::{BuildError, RetryLayer, RetryLayerBuilder};
-pub use outcome::{CallOutcome, CallReport, OutcomeHook, RetryStats, RetryStatsSnapshot};
+pub use outcome::{
+    AttemptEnd, AttemptRecord, CallOutcome, CallReport, OutcomeHook, RetryStats, RetryStatsSnapshot,
+};
 pub use service::Retry;
 pub use throttle::RetryThrottle;
 

@@ -1,88 +1,90 @@
-//! Why a call stopped, how many attempts it took, and counters.
+//! Why a call stopped, what each attempt did, and counters.
 
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use http::HeaderValue;
+use idem_core::code::code_name;
+use idem_core::config::MAX_ATTEMPTS_LIMIT;
+use idem_core::headers::{RETRY_ATTEMPTS, RETRY_OUTCOME};
 use tonic::Code;
 
-/// Response header (local only: the layer adds it to Trailers-Only error responses, where
-/// tonic exposes it as [`Status::metadata`](tonic::Status::metadata)) naming the
-/// [`CallOutcome`].
-pub const OUTCOME_HEADER: &str = idem_core::headers::RETRY_OUTCOME;
-/// Response header (local only, see [`OUTCOME_HEADER`]) with the number of attempts.
-pub const ATTEMPTS_HEADER: &str = idem_core::headers::RETRY_ATTEMPTS;
+/// Declares [`CallOutcome`] from one list: each variant with its doc, its stable name and
+/// the phrase [`CallReport`]'s `Display` uses; `ALL`, `COUNT`, the names, the counter
+/// index and the counters all follow from it.
+macro_rules! call_outcomes {
+    ($($(#[doc = $doc:literal])* $variant:ident => $name:literal, $phrase:literal;)+) => {
+        /// Why the retry layer stopped a call.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum CallOutcome {
+            $($(#[doc = $doc])* $variant,)+
+        }
 
-/// Why the retry layer stopped a call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CallOutcome {
+        impl CallOutcome {
+            /// Every outcome, in declaration order (the order of
+            /// [`RetryStatsSnapshot::outcomes`]).
+            pub const ALL: [CallOutcome; Self::COUNT] = [$(CallOutcome::$variant,)+];
+            /// How many outcomes there are.
+            pub const COUNT: usize = [$($name,)+].len();
+
+            /// Stable snake-case name (`attempts_exhausted`), used in the header and tracing.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(CallOutcome::$variant => $name,)+
+                }
+            }
+
+            /// What happened, as a phrase ("gave up: attempts exhausted").
+            pub fn describe(self) -> &'static str {
+                match self {
+                    $(CallOutcome::$variant => $phrase,)+
+                }
+            }
+
+            /// The position in [`ALL`](Self::ALL): the discriminant, since `ALL` is the
+            /// declaration order.
+            fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+
+call_outcomes! {
     /// A Trailers-Only response with status OK.
-    Ok,
+    Ok => "ok", "ended OK (Trailers-Only)";
     /// The server sent real response headers: the call is committed and passed through
     /// untouched. Its final status comes in the trailers (usually OK). This is how every
     /// normal successful tonic call ends.
-    Committed,
+    Committed => "committed", "committed";
     /// The method has no retry policy: one attempt, passed through.
-    NoRetryPolicy,
+    NoRetryPolicy => "no_retry_policy", "passed through (no retry policy)";
     /// The status (or transport error) is not in `retryableStatusCodes`.
-    NonRetryableCode,
+    NonRetryableCode => "non_retryable_code", "stopped on a non-retryable status";
     /// `maxAttempts` attempts were made, the last one failed with a retryable code.
-    AttemptsExhausted,
+    AttemptsExhausted => "attempts_exhausted", "gave up: attempts exhausted";
     /// The A6 throttle refused the retry.
-    Throttled,
+    Throttled => "throttled", "gave up: retries throttled";
     /// The server said not to retry (`grpc-retry-pushback-ms` negative, unparseable or
-    /// repeated).
-    PushbackStop,
+    /// repeated), or asked for a wait longer than the layer's maximum retry delay.
+    PushbackStop => "pushback_stop", "stopped: the server said not to retry now";
     /// The call's deadline passed, or the next retry could not have started (with at least
     /// the minimum attempt time left) before it.
-    Deadline,
+    Deadline => "deadline", "stopped at the deadline";
     /// The request body was larger than the per-call replay buffer: sent once.
-    BodyTooLarge,
+    BodyTooLarge => "body_too_large", "sent once: the request body was over the replay buffer";
     /// The channel's total replay budget was used up by other calls: sent once.
-    ReplayBudgetExhausted,
+    ReplayBudgetExhausted => "replay_budget_exhausted", "sent once: the replay budget was used up";
     /// Reading the request body failed: sent once with what was read and the error.
-    BodyError,
-    /// The inner service failed to become ready for a retry; its error is returned.
-    ServiceError,
+    BodyError => "body_error", "sent once: reading the request body failed";
+    /// The inner service failed to become ready for a retry.
+    ServiceError => "service_error", "stopped: the inner service was not ready";
 }
 
 impl CallOutcome {
-    /// Every outcome, in declaration order.
-    pub const ALL: [CallOutcome; 12] = [
-        CallOutcome::Ok,
-        CallOutcome::Committed,
-        CallOutcome::NoRetryPolicy,
-        CallOutcome::NonRetryableCode,
-        CallOutcome::AttemptsExhausted,
-        CallOutcome::Throttled,
-        CallOutcome::PushbackStop,
-        CallOutcome::Deadline,
-        CallOutcome::BodyTooLarge,
-        CallOutcome::ReplayBudgetExhausted,
-        CallOutcome::BodyError,
-        CallOutcome::ServiceError,
-    ];
-
-    /// Stable snake-case name (`attempts_exhausted`), used in the header and tracing.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CallOutcome::Ok => "ok",
-            CallOutcome::Committed => "committed",
-            CallOutcome::NoRetryPolicy => "no_retry_policy",
-            CallOutcome::NonRetryableCode => "non_retryable_code",
-            CallOutcome::AttemptsExhausted => "attempts_exhausted",
-            CallOutcome::Throttled => "throttled",
-            CallOutcome::PushbackStop => "pushback_stop",
-            CallOutcome::Deadline => "deadline",
-            CallOutcome::BodyTooLarge => "body_too_large",
-            CallOutcome::ReplayBudgetExhausted => "replay_budget_exhausted",
-            CallOutcome::BodyError => "body_error",
-            CallOutcome::ServiceError => "service_error",
-        }
-    }
-
     /// Parses [`as_str`](Self::as_str).
     pub fn parse(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|o| o.as_str() == name)
@@ -91,7 +93,7 @@ impl CallOutcome {
     /// Whether the call gave up on retrying a retryable failure (exhausted, throttled or
     /// told to stop by the server). A server handler that returns this failure upstream
     /// should mark it `grpc-retry-pushback-ms: -1` so upstream clients do not retry it
-    /// again (retry at one layer only, DESIGN.md section 4).
+    /// again (retry at one layer only).
     pub fn retries_gave_up(self) -> bool {
         matches!(
             self,
@@ -99,8 +101,10 @@ impl CallOutcome {
         )
     }
 
-    fn index(self) -> usize {
-        Self::ALL.iter().position(|o| *o == self).unwrap_or(0)
+    /// Whether the call ended well for the A6 throttle (a committed response or a
+    /// Trailers-Only OK).
+    pub(crate) fn is_success(self) -> bool {
+        matches!(self, CallOutcome::Ok | CallOutcome::Committed)
     }
 }
 
@@ -110,54 +114,209 @@ impl fmt::Display for CallOutcome {
     }
 }
 
+/// How one attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AttemptEnd {
+    /// Real response headers: the call committed to this attempt.
+    Committed,
+    /// A Trailers-Only response (or a non-200 HTTP response without `grpc-status`,
+    /// mapped as gRPC does) with this code.
+    Status(Code),
+    /// The channel failed before anything came back (connection refused, reset…).
+    TransportError,
+    /// `perAttemptRecvTimeout` passed before response headers.
+    RecvTimeout,
+    /// The call's deadline passed during the attempt.
+    Deadline,
+}
+
+impl AttemptEnd {
+    fn token(self) -> String {
+        match self {
+            AttemptEnd::Committed => "c".to_owned(),
+            AttemptEnd::Status(code) => (code as i32).to_string(),
+            AttemptEnd::TransportError => "t".to_owned(),
+            AttemptEnd::RecvTimeout => "r".to_owned(),
+            AttemptEnd::Deadline => "d".to_owned(),
+        }
+    }
+
+    fn from_token(token: &str) -> Option<Self> {
+        Some(match token {
+            "c" => AttemptEnd::Committed,
+            "t" => AttemptEnd::TransportError,
+            "r" => AttemptEnd::RecvTimeout,
+            "d" => AttemptEnd::Deadline,
+            n => AttemptEnd::Status(idem_core::code::code_from_i64(n.parse().ok()?)?),
+        })
+    }
+}
+
+impl fmt::Display for AttemptEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttemptEnd::Committed => f.write_str("response headers"),
+            AttemptEnd::Status(code) => f.write_str(code_name(*code)),
+            AttemptEnd::TransportError => f.write_str("transport error"),
+            AttemptEnd::RecvTimeout => {
+                f.write_str("no response headers within perAttemptRecvTimeout")
+            }
+            AttemptEnd::Deadline => f.write_str("deadline passed"),
+        }
+    }
+}
+
+/// One attempt of a call, as [`CallReport::history`] lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// How the attempt ended.
+    pub end: AttemptEnd,
+    /// From sending the request to response headers (or the failure).
+    pub took: Duration,
+    /// The wait before the next attempt; `None` for the last one.
+    pub wait_after: Option<Duration>,
+}
+
+const HISTORY: usize = MAX_ATTEMPTS_LIMIT as usize;
+
 /// What the retry layer did with one call. Put in the response's
 /// [`http::Extensions`]; a tonic caller reads it with [`CallReport::from_response`]
-/// (successful calls) or [`CallReport::from_status`] (Trailers-Only errors, where tonic
-/// keeps only the headers, so the layer also writes [`OUTCOME_HEADER`] and
-/// [`ATTEMPTS_HEADER`]).
+/// (successful calls) or [`CallReport::from_status`] (every failure: the layer answers
+/// failures Trailers-Only, with local headers tonic keeps as the status metadata).
+///
+/// Its `Display` reads as a sentence: `gave up: attempts exhausted after 3 attempts:
+/// UNAVAILABLE in 12ms, then waited 20ms; transport error in 3ms, then waited 40ms;
+/// UNAVAILABLE in 5ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallReport {
     /// Why the call stopped.
     pub outcome: CallOutcome,
     /// Attempts made, including the first (0 when the deadline had passed before any).
     pub attempts: u32,
-    /// The status code of the last attempt when it ended Trailers-Only (or was made up by
-    /// the layer: DEADLINE_EXCEEDED, CANCELLED); `None` for committed responses and
-    /// transport errors.
+    /// The status code the caller gets when the call ended without committing: the last
+    /// attempt's Trailers-Only code, or the code the layer made up (DEADLINE_EXCEEDED,
+    /// CANCELLED, or the status tonic gives a transport error); `None` for committed
+    /// responses.
     pub last_code: Option<Code>,
+    history: [Option<AttemptRecord>; HISTORY],
 }
 
 impl CallReport {
+    /// A report with no attempts recorded yet.
+    pub(crate) fn new(outcome: CallOutcome) -> Self {
+        CallReport {
+            outcome,
+            attempts: 0,
+            last_code: None,
+            history: [None; HISTORY],
+        }
+    }
+
+    /// Each attempt in order: how it ended, how long it took, the wait after it.
+    pub fn history(&self) -> impl Iterator<Item = &AttemptRecord> + '_ {
+        self.history.iter().flatten()
+    }
+
+    /// Records an attempt that ended as `end` after `took`.
+    pub(crate) fn record(&mut self, end: AttemptEnd, took: Duration) {
+        if let Some(slot) = self.history.get_mut(self.attempts as usize) {
+            *slot = Some(AttemptRecord {
+                end,
+                took,
+                wait_after: None,
+            });
+        }
+        self.attempts = self.attempts.saturating_add(1);
+    }
+
+    /// Records the wait after the last recorded attempt.
+    pub(crate) fn waited(&mut self, wait: Duration) {
+        let last = (self.attempts as usize).checked_sub(1);
+        if let Some(Some(r)) = last.and_then(|i| self.history.get_mut(i)) {
+            r.wait_after = Some(wait);
+        }
+    }
+
     /// The report of a successful tonic call.
     pub fn from_response<T>(response: &tonic::Response<T>) -> Option<CallReport> {
         response.extensions().get::<CallReport>().copied()
     }
 
-    /// The report of a failed tonic call, from the local headers the layer adds to
-    /// Trailers-Only errors. `None` for errors the layer did not see end (transport
-    /// errors, errors in the trailers of a committed call).
+    /// The report of a failed tonic call, from the local headers the layer adds to every
+    /// failure it answers (and to the trailers it makes when the deadline cuts a response
+    /// body). `None` for errors the layer did not make or see end (an error in the
+    /// trailers of a committed call).
     pub fn from_status(status: &tonic::Status) -> Option<CallReport> {
         let md = status.metadata();
-        let outcome = CallOutcome::parse(md.get(OUTCOME_HEADER)?.to_str().ok()?)?;
-        let attempts = md.get(ATTEMPTS_HEADER)?.to_str().ok()?.parse().ok()?;
-        Some(CallReport {
-            outcome,
-            attempts,
-            last_code: Some(status.code()),
-        })
+        let outcome = CallOutcome::parse(md.get(RETRY_OUTCOME.as_str())?.to_str().ok()?)?;
+        let mut fields = md.get(RETRY_ATTEMPTS.as_str())?.to_str().ok()?.split(' ');
+        let mut report = CallReport::new(outcome);
+        let attempts: u32 = fields.next()?.parse().ok()?;
+        for record in fields.next().into_iter().flat_map(|h| h.split(',')) {
+            let (end, rest) = record.split_once(':')?;
+            let (took, wait) = match rest.split_once('+') {
+                Some((t, w)) => (t, Some(w)),
+                None => (rest, None),
+            };
+            report.record(AttemptEnd::from_token(end)?, micros(took)?);
+            if let Some(w) = wait {
+                report.waited(micros(w)?);
+            }
+        }
+        report.attempts = attempts;
+        report.last_code = Some(status.code());
+        Some(report)
     }
 
+    /// Writes the local report headers: the outcome, and the attempts with their
+    /// history (`3 14:12000+20000,t:3000+40000,14:5000`: code or kind, µs taken, µs
+    /// waited).
     pub(crate) fn write_headers(&self, headers: &mut http::HeaderMap) {
         headers.insert(
-            OUTCOME_HEADER,
+            RETRY_OUTCOME,
             HeaderValue::from_static(self.outcome.as_str()),
         );
-        headers.insert(ATTEMPTS_HEADER, HeaderValue::from(self.attempts));
+        let mut value = self.attempts.to_string();
+        for (i, r) in self.history().enumerate() {
+            value.push(if i == 0 { ' ' } else { ',' });
+            value.push_str(&format!("{}:{}", r.end.token(), r.took.as_micros()));
+            if let Some(w) = r.wait_after {
+                value.push_str(&format!("+{}", w.as_micros()));
+            }
+        }
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(RETRY_ATTEMPTS, v);
+        }
     }
 }
 
-/// A callback told about every finished call: `(method path, report)`. The cross-hop
-/// issue uses it (and [`CallOutcome::retries_gave_up`]) to mark upstream failures.
+fn micros(text: &str) -> Option<Duration> {
+    text.parse().ok().map(Duration::from_micros)
+}
+
+impl fmt::Display for CallReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plural = if self.attempts == 1 { "" } else { "s" };
+        write!(
+            f,
+            "{} after {} attempt{plural}",
+            self.outcome.describe(),
+            self.attempts
+        )?;
+        for (i, r) in self.history().enumerate() {
+            f.write_str(if i == 0 { ": " } else { "; " })?;
+            write!(f, "{} in {:?}", r.end, r.took)?;
+            if let Some(w) = r.wait_after {
+                write!(f, ", then waited {w:?}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A callback told about every finished call: `(method path, report)`. Cross-hop marking
+/// can use it (with [`CallOutcome::retries_gave_up`]) to tag failures passed upstream.
 pub type OutcomeHook = Arc<dyn Fn(&str, &CallReport) + Send + Sync>;
 
 #[derive(Debug, Default)]
@@ -165,7 +324,7 @@ struct StatsInner {
     calls: AtomicU64,
     attempts: AtomicU64,
     retries: AtomicU64,
-    outcomes: [AtomicU64; 12],
+    outcomes: [AtomicU64; CallOutcome::COUNT],
 }
 
 /// Counters of one layer and its clones. Cheap to clone (an `Arc`).
@@ -182,7 +341,7 @@ pub struct RetryStatsSnapshot {
     /// Retries started (attempts after the first).
     pub retries: u64,
     /// Finished calls by outcome, in [`CallOutcome::ALL`] order.
-    pub outcomes: [u64; 12],
+    pub outcomes: [u64; CallOutcome::COUNT],
 }
 
 impl RetryStatsSnapshot {
@@ -196,7 +355,7 @@ impl RetryStats {
     /// The counters now.
     pub fn snapshot(&self) -> RetryStatsSnapshot {
         let s = &self.0;
-        let mut outcomes = [0; 12];
+        let mut outcomes = [0; CallOutcome::COUNT];
         for (o, a) in outcomes.iter_mut().zip(s.outcomes.iter()) {
             *o = a.load(Ordering::Relaxed);
         }
@@ -227,7 +386,8 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for o in CallOutcome::ALL {
+        for (i, o) in CallOutcome::ALL.into_iter().enumerate() {
+            assert_eq!(o.index(), i);
             assert_eq!(CallOutcome::parse(o.as_str()), Some(o));
             assert_eq!(CallOutcome::ALL[o.index()], o);
         }
@@ -237,16 +397,42 @@ mod tests {
     #[test]
     fn report_survives_tonic_status_metadata() {
         let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
-        let report = CallReport {
-            outcome: CallOutcome::AttemptsExhausted,
-            attempts: 3,
-            last_code: None,
-        };
+        let mut report = CallReport::new(CallOutcome::AttemptsExhausted);
+        report.record(
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(12),
+        );
+        report.waited(Duration::from_millis(20));
+        report.record(AttemptEnd::TransportError, Duration::from_millis(3));
+        report.waited(Duration::from_millis(40));
+        report.record(
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(5),
+        );
+        report.last_code = Some(Code::Unavailable);
         report.write_headers(resp.headers_mut());
         let status = tonic::Status::from_header_map(resp.headers()).unwrap();
         let back = CallReport::from_status(&status).unwrap();
-        assert_eq!(back.outcome, CallOutcome::AttemptsExhausted);
-        assert_eq!(back.attempts, 3);
-        assert_eq!(back.last_code, Some(Code::Unavailable));
+        assert_eq!(back, report);
+        assert_eq!(
+            back.to_string(),
+            "gave up: attempts exhausted after 3 attempts: UNAVAILABLE in 12ms, then waited \
+             20ms; transport error in 3ms, then waited 40ms; UNAVAILABLE in 5ms"
+        );
+    }
+
+    #[test]
+    fn bare_attempt_counts_still_parse() {
+        let mut h = http::HeaderMap::new();
+        h.insert(RETRY_OUTCOME, "deadline".parse().unwrap());
+        h.insert(RETRY_ATTEMPTS, "2".parse().unwrap());
+        let md = tonic::metadata::MetadataMap::from_headers(h);
+        let status = tonic::Status::with_metadata(Code::DeadlineExceeded, "late", md);
+        let r = CallReport::from_status(&status).unwrap();
+        assert_eq!(
+            (r.outcome, r.attempts, r.history().count()),
+            (CallOutcome::Deadline, 2, 0)
+        );
+        assert_eq!(r.to_string(), "stopped at the deadline after 2 attempts");
     }
 }

@@ -3,24 +3,25 @@
 use std::mem;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
-#[cfg(test)]
-use idem_core::IdempotencyKey;
-use idem_core::ServiceConfig;
 use idem_core::deadline::{
     current_scope, earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout,
 };
 use idem_core::headers::GRPC_TIMEOUT;
+use idem_core::{IdempotencyKey, ServiceConfig};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::field::Empty;
 
-use super::future::{self, Call, CallPath, ResponseFuture};
-use super::layer::{RetryLayer, Shared};
+use super::call::{Attempt, Call, CallContext, CallPath};
+use super::config::Shared;
+use super::future::ResponseFuture;
+use super::layer::RetryLayer;
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
+use crate::key::place_key;
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].
@@ -28,12 +29,13 @@ use crate::BoxError;
 /// It accepts requests with any body of `Bytes` (tonic clients send
 /// [`tonic::body::Body`]) and drives the inner service with [`tonic::body::Body`], so it
 /// fits between a generated client and a `Channel`. Responses (their body as a
-/// [`tonic::body::Body`]) and errors are the inner service's, untouched except for the
-/// [`CallReport`] extension (and, on Trailers-Only
-/// errors, the local [`OUTCOME_HEADER`](super::outcome::OUTCOME_HEADER) /
-/// [`ATTEMPTS_HEADER`](super::outcome::ATTEMPTS_HEADER) headers), or a DEADLINE_EXCEEDED /
-/// CANCELLED Trailers-Only response the layer makes up when the deadline or
-/// `perAttemptRecvTimeout` cuts an attempt short.
+/// [`tonic::body::Body`]) are the inner service's, untouched except for the
+/// [`CallReport`] extension (and, on Trailers-Only errors, the local report headers of
+/// [`idem_core::headers`]). Every failure comes back as a Trailers-Only response that
+/// carries the report: the inner service's errors as the status tonic would make of them
+/// ([`tonic::Status::from_error`]), and a DEADLINE_EXCEEDED / CANCELLED status the layer
+/// makes up when the deadline or `perAttemptRecvTimeout` cuts an attempt short. The
+/// deadline also bounds the response body.
 #[derive(Debug, Clone)]
 pub struct Retry<S> {
     inner: S,
@@ -93,114 +95,93 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
-        let eff = self.shared.effective();
+        let settings = self.shared.settings();
         // The path as a `PathAndQuery` clone: `Bytes` inside (static for generated
         // clients), so no copy per call.
         let path = CallPath::of(req.uri());
-        let mut policy = eff.resolve(path.as_str());
-        if eff.no_retry_under_retried_inbound
-            && current_scope().is_some_and(|s| s.previous_attempts > 0)
-        {
-            // The caller upstream retries already: one attempt here.
-            policy.retry = None;
-        }
+        let inbound = current_scope();
+        let policy = settings.resolve(path.as_str(), inbound);
         self.shared.stats.call();
-
-        if policy.add_key {
-            match req.headers_mut().get_mut(&eff.key_header) {
-                // Keys are unique per call: never worth an HPACK table entry (see `add_key`).
-                Some(v) => v.set_sensitive(true),
-                None => add_key(req.headers_mut(), &eff.key_header),
-            }
-        }
-
-        // The clock is read only when a timeout is relative to now.
-        let header_timeout = req
-            .headers()
-            .get(GRPC_TIMEOUT)
-            .and_then(|v| parse_grpc_timeout(v.as_bytes()));
-        let deadline = if header_timeout.is_none() && policy.timeout.is_none() {
-            inbound_deadline()
-        } else {
-            let now = Instant::now();
-            let from_header = header_timeout.and_then(|t| now.checked_add(t));
-            let from_config = policy.timeout.and_then(|t| now.checked_add(t));
-            earliest([from_header, inbound_deadline(), from_config])
+        let typed = req.extensions_mut().remove::<IdempotencyKey>();
+        place_key(
+            req.headers_mut(),
+            typed.as_ref(),
+            settings.key_header(),
+            policy.add_key,
+        );
+        let cx = CallContext {
+            shared: self.shared.clone(),
+            deadline: deadline(req.headers(), policy.timeout),
+            marker: inbound
+                .and_then(|s| s.marker())
+                .filter(|_| settings.mark_exhausted()),
+            path,
         };
-
         let span = tracing::debug_span!(
             "idem_retry",
-            method = %path,
+            method = %cx.path,
             attempts = Empty,
             outcome = Empty,
         );
-
-        match policy.retry {
-            None => {
-                if let Some(d) = deadline {
-                    let now = Instant::now();
-                    if d <= now {
-                        let report = CallReport {
-                            outcome: CallOutcome::Deadline,
-                            attempts: 0,
-                            last_code: Some(tonic::Code::DeadlineExceeded),
-                        };
-                        self.shared.report(path.as_str(), &report);
-                        return ResponseFuture::ready(future::made_up(
-                            report,
-                            "deadline exceeded before the call started",
-                        ));
-                    }
-                    req.headers_mut()
-                        .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));
-                }
-                self.shared.stats.attempt(true);
-                let fut = self.inner.call(req.map(tonic::body::Body::new));
-                ResponseFuture::passthrough(fut, self.shared.clone(), path, span)
-            }
-            Some(retry) => {
-                // The ready service goes into the future; a clone stays for the next call.
-                let clone = self.inner.clone();
-                let svc = mem::replace(&mut self.inner, clone);
-                let (parts, body) = req.into_parts();
-                let marker = current_scope()
-                    .and_then(|s| s.marker())
-                    .filter(|_| eff.mark_exhausted);
-                let call = Call {
-                    shared: self.shared.clone(),
-                    eff,
-                    policy: retry,
-                    deadline,
-                    path,
-                    marker,
-                };
-                ResponseFuture::retrying(svc, parts, body, call, span)
-            }
-        }
+        let Some(retry) = policy.retry else {
+            return self.pass_through(req, cx, span);
+        };
+        // The ready service goes into the future; a clone stays for the next call.
+        let clone = self.inner.clone();
+        let svc = mem::replace(&mut self.inner, clone);
+        let (parts, body) = req.into_parts();
+        let call = Call {
+            cx,
+            settings,
+            policy: retry,
+        };
+        ResponseFuture::retrying(svc, parts, body, call, span)
     }
 }
 
-/// Adds a fresh random 128-bit key (32 lower-case hex digits, as
-/// [`IdempotencyKey::generate`]), formatted on the stack: one allocation (the header's
-/// `Bytes`). The value is marked sensitive, so HPACK sends it as a never-indexed literal:
-/// a key never repeats across calls, and indexing each one would evict the entries that
-/// do repeat (`content-type`, `user-agent`, the path) from both ends' dynamic tables and
-/// make every later call re-send and re-index them.
-fn add_key(headers: &mut http::HeaderMap, name: &HeaderName) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bits: u128 = rand::random();
-    let mut buf = [0u8; 32];
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = HEX[((bits >> (124 - 4 * i)) & 0xf) as usize];
+impl<S> Retry<S> {
+    /// Sends a call without a retry policy once, with `grpc-timeout` set to the time left.
+    fn pass_through<B, RB>(
+        &mut self,
+        mut req: http::Request<B>,
+        cx: CallContext,
+        span: tracing::Span,
+    ) -> ResponseFuture<S::Future, S::Error>
+    where
+        S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
+        S::Error: Into<BoxError>,
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        if let Some(d) = cx.deadline {
+            let now = Instant::now();
+            if d <= now {
+                let report = CallReport::new(CallOutcome::Deadline);
+                return ResponseFuture::ready(cx.finish(Attempt::<S::Error>::Deadline, report));
+            }
+            req.headers_mut()
+                .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));
+        }
+        self.shared.stats.attempt(true);
+        let fut = self.inner.call(req.map(tonic::body::Body::new));
+        ResponseFuture::passthrough(fut, cx, span)
     }
-    // Hex digits: always a valid header value (and a valid `IdempotencyKey`). `from_owner`
-    // puts the digits and the refcount in one allocation, so the clone each attempt
-    // makes of the headers does not allocate again (a `Vec`-backed `Bytes` would on its
-    // first clone).
-    if let Ok(mut v) = HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(buf)) {
-        v.set_sensitive(true);
-        headers.insert(name, v);
+}
+
+/// The call's deadline: the earliest of the request's `grpc-timeout` (tonic's
+/// `Request::set_timeout`), the inbound call's deadline and the config `timeout`. The
+/// clock is read only when a timeout is relative to now.
+fn deadline(headers: &http::HeaderMap, config_timeout: Option<Duration>) -> Option<Instant> {
+    let header_timeout = headers
+        .get(GRPC_TIMEOUT)
+        .and_then(|v| parse_grpc_timeout(v.as_bytes()));
+    if header_timeout.is_none() && config_timeout.is_none() {
+        return inbound_deadline();
     }
+    let now = Instant::now();
+    let from_header = header_timeout.and_then(|t| now.checked_add(t));
+    let from_config = config_timeout.and_then(|t| now.checked_add(t));
+    earliest([from_header, inbound_deadline(), from_config])
 }
 
 #[cfg(test)]
@@ -209,11 +190,7 @@ mod key_tests {
 
     #[test]
     fn generated_keys_are_valid_distinct_sensitive_hex() {
-        let name = HeaderName::from_static("x-idempotency-key");
-        let (mut a, mut b) = (http::HeaderMap::new(), http::HeaderMap::new());
-        add_key(&mut a, &name);
-        add_key(&mut b, &name);
-        let (ka, kb) = (&a[&name], &b[&name]);
+        let (ka, kb) = (crate::key::fresh_value(), crate::key::fresh_value());
         assert_ne!(ka, kb);
         assert!(ka.is_sensitive());
         assert_eq!(ka.len(), 32);

@@ -29,6 +29,10 @@ enum Step {
     Hang,
     /// A transport error before anything came back.
     Refused,
+    /// What tonic's channel does with `grpc-timeout`: an error when it runs out.
+    TimeoutExpired,
+    /// Real headers, one message, then nothing for ever.
+    Stall,
 }
 
 #[derive(Debug, Clone)]
@@ -73,6 +77,7 @@ impl Script {
             async move {
                 let at = Instant::now();
                 let (parts, body) = req.into_parts();
+                let parts_headers = parts.headers.clone();
                 let body = body
                     .collect()
                     .await
@@ -80,7 +85,7 @@ impl Script {
                     .unwrap_or_default();
                 script.seen.lock().unwrap().push(Seen {
                     at,
-                    headers: parts.headers,
+                    headers: parts_headers,
                     body,
                 });
                 let step = script.steps.lock().unwrap().pop_front().unwrap_or(Step::Ok);
@@ -89,6 +94,15 @@ impl Script {
                     Step::Ok => Ok(http::Response::new(Body::empty())),
                     Step::Hang => std::future::pending().await,
                     Step::Refused => Err::<_, BoxError>("connection refused".into()),
+                    Step::TimeoutExpired => {
+                        let timeout = parts
+                            .headers
+                            .get("grpc-timeout")
+                            .and_then(|v| parse_grpc_timeout(v.as_bytes()));
+                        tokio::time::sleep(timeout.unwrap_or(Duration::MAX)).await;
+                        Err("Timeout expired".into())
+                    }
+                    Step::Stall => Ok(http::Response::new(Body::new(StalledBody(true)))),
                 }
             }
         })
@@ -128,6 +142,12 @@ fn report(resp: &http::Response<Body>) -> CallReport {
     *resp.extensions().get::<CallReport>().expect("report")
 }
 
+/// `(outcome, attempts, last_code)` of a response's report.
+fn summary(resp: &http::Response<Body>) -> (CallOutcome, u32, Option<Code>) {
+    let r = report(resp);
+    (r.outcome, r.attempts, r.last_code)
+}
+
 fn builder() -> RetryLayerBuilder {
     RetryLayer::builder().jitter(FixedJitter(0.5))
 }
@@ -157,14 +177,7 @@ async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
             .unwrap();
         let mut svc = layer.layer(script.service());
         let resp = send(&mut svc, request(PATH)).await.unwrap();
-        assert_eq!(
-            report(&resp),
-            CallReport {
-                outcome: CallOutcome::Committed,
-                attempts: 5,
-                last_code: None
-            }
-        );
+        assert_eq!(summary(&resp), (CallOutcome::Committed, 5, None));
         let gaps = script.gaps();
         assert_eq!(gaps.len(), 4);
         for (i, gap) in gaps.iter().enumerate() {
@@ -422,14 +435,7 @@ async fn per_attempt_recv_timeout_cancels_and_retries() {
     let mut svc = layer.layer(script.service());
     let start = Instant::now();
     let resp = send(&mut svc, request(PATH)).await.unwrap();
-    assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Committed,
-            attempts: 2,
-            last_code: None
-        }
-    );
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
     assert_eq!(start.elapsed(), Duration::from_millis(50 + 20));
     // Every attempt hangs: CANCELLED after maxAttempts.
     let script = Script::new([Step::Hang, Step::Hang, Step::Hang]);
@@ -446,21 +452,46 @@ async fn transport_errors_are_retried_like_unavailable() {
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
     assert_eq!(report(&resp).attempts, 3);
-    // Not retried when UNAVAILABLE is not retryable; the error comes back as is.
+    // Not retried when UNAVAILABLE is not retryable; the error comes back as the status
+    // tonic would make of it, with a report.
     let script = Script::new([Step::Refused, Step::Ok]);
     let layer = builder()
         .retryable_status_codes(CodeSet::of(Code::Aborted))
         .build()
         .unwrap();
     let mut svc = layer.layer(script.service());
-    let err = send(&mut svc, request(PATH)).await.unwrap_err();
-    assert_eq!(err.to_string(), "connection refused");
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.message(), "connection refused");
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::NonRetryableCode, 1));
+    assert_eq!(
+        r.history().map(|a| a.end).collect::<Vec<_>>(),
+        [AttemptEnd::TransportError]
+    );
     assert_eq!(
         layer
             .stats()
             .snapshot()
             .outcome(CallOutcome::NonRetryableCode),
         1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_fails_on_every_attempt_with_transport_errors_has_a_report() {
+    let script = Script::new([Step::Refused, Step::Refused, Step::Refused]);
+    let layer = builder().build().unwrap();
+    let mut svc = layer.layer(script.service());
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!(r, report(&resp));
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::AttemptsExhausted, 3));
+    assert_eq!(
+        r.to_string(),
+        "gave up: attempts exhausted after 3 attempts: transport error in 0ns, then waited \
+         20ms; transport error in 0ns, then waited 40ms; transport error in 0ns"
     );
 }
 
@@ -565,12 +596,8 @@ async fn a_throttle_handle_is_shared_across_layers() {
         .await
         .unwrap();
     assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Throttled,
-            attempts: 1,
-            last_code: Some(Code::Unavailable)
-        }
+        summary(&resp),
+        (CallOutcome::Throttled, 1, Some(Code::Unavailable))
     );
 }
 
@@ -594,7 +621,10 @@ async fn outcome_hook_and_stats_see_every_call() {
     ]);
     let mut svc = layer.layer(script.service());
     let resp = send(&mut svc, request(PATH)).await.unwrap();
-    assert!(resp.headers().contains_key(outcome::OUTCOME_HEADER));
+    assert!(
+        resp.headers()
+            .contains_key(idem_core::headers::RETRY_OUTCOME)
+    );
     let status = tonic::Status::from_header_map(resp.headers()).unwrap();
     let r = CallReport::from_status(&status).unwrap();
     assert_eq!((r.outcome, r.attempts), (CallOutcome::AttemptsExhausted, 3));
@@ -656,35 +686,8 @@ async fn a_proxy_503_without_grpc_status_is_retried_like_unavailable() {
     });
     let layer = builder().build().unwrap();
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
-    assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Committed,
-            attempts: 2,
-            last_code: None
-        }
-    );
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
     assert_eq!(*calls.lock().unwrap(), 2);
-}
-
-#[test]
-fn early_codes() {
-    use super::future::early_code;
-    let resp = |status: u16, grpc: Option<&str>| {
-        let mut b = http::Response::builder().status(status);
-        if let Some(g) = grpc {
-            b = b.header("grpc-status", g);
-        }
-        b.body(()).unwrap()
-    };
-    assert_eq!(early_code(&resp(200, None)), None);
-    assert_eq!(early_code(&resp(200, Some("14"))), Some(Code::Unavailable));
-    assert_eq!(early_code(&resp(200, Some("0"))), Some(Code::Ok));
-    assert_eq!(early_code(&resp(200, Some("nope"))), Some(Code::Unknown));
-    assert_eq!(early_code(&resp(200, Some("99"))), Some(Code::Unknown));
-    assert_eq!(early_code(&resp(503, None)), Some(Code::Unavailable));
-    assert_eq!(early_code(&resp(404, None)), Some(Code::Unimplemented));
-    assert_eq!(early_code(&resp(500, None)), Some(Code::Unknown));
 }
 
 /// A 200 response with real headers whose body is `data` frames, then `trailers`.
@@ -783,14 +786,7 @@ async fn headers_then_error_is_retried_only_with_the_opt_in() {
     let start = Instant::now();
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(70));
-    assert_eq!(
-        report(&resp),
-        CallReport {
-            outcome: CallOutcome::Committed,
-            attempts: 2,
-            last_code: None
-        }
-    );
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
     assert_eq!(*calls.lock().unwrap(), 2);
     // The peeked message is put back in front of the rest.
     let collected = resp.into_body().collect().await.unwrap();
@@ -855,4 +851,214 @@ async fn keys_are_sensitive_and_the_same_on_every_attempt() {
         assert_eq!(v, "caller-key-7");
         assert!(v.is_sensitive());
     }
+}
+
+/// Sends `request` through a tonic unary client over `svc`, as a generated client would
+/// (the message is `()`: an empty protobuf).
+async fn tonic_unary<S>(
+    svc: S,
+    request: tonic::Request<()>,
+) -> Result<tonic::Response<()>, tonic::Status>
+where
+    S: tonic::client::GrpcService<Body>,
+    S::Error: Into<BoxError>,
+    S::ResponseBody: http_body::Body<Data = Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
+{
+    let mut grpc = tonic::client::Grpc::new(svc);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unknown(e.into().to_string()))?;
+    let path = http::uri::PathAndQuery::from_static(PATH);
+    grpc.unary(request, path, tonic_prost::ProstCodec::<(), ()>::default())
+        .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_callers_key_goes_under_the_configured_header_on_every_attempt() {
+    use crate::RequestKeyExt;
+    let cfg = ServiceConfig::from_json(
+        r#"{
+          "methodConfig": [{
+            "name": [{"service": "shop.v1.Orders"}],
+            "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+                            "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]},
+            "idempotency": {}
+          }],
+          "idem": {"keyHeader": "idempotency-key"}
+        }"#,
+    )
+    .unwrap()
+    .config;
+    let layer = RetryLayer::from_config(&cfg);
+    let key: idem_core::IdempotencyKey = "intent-0001-abcdef".parse().unwrap();
+    let script = Script::new([unavailable(), Step::Ok, unavailable(), Step::Ok]);
+    for _ in 0..2 {
+        let req = tonic::Request::new(()).with_idempotency_key(&key);
+        // The scripted OK has no trailers: tonic calls it an error; only the headers sent
+        // matter here.
+        let _ = tonic_unary(layer.layer(script.service()), req).await;
+    }
+    let seen = script.seen();
+    assert_eq!(seen.len(), 4, "two calls, two attempts each");
+    for s in &seen {
+        assert_eq!(s.headers["idempotency-key"], "intent-0001-abcdef");
+        assert!(s.headers["idempotency-key"].is_sensitive());
+        assert!(!s.headers.contains_key("x-idempotency-key"));
+    }
+
+    // A key written by hand under the default name is moved, not replaced.
+    let script = Script::new([unavailable(), Step::Ok]);
+    let mut svc = layer.layer(script.service());
+    let mut req = request(PATH);
+    req.headers_mut()
+        .insert("x-idempotency-key", "by-hand-key-42".parse().unwrap());
+    send(&mut svc, req).await.unwrap();
+    for s in script.seen() {
+        assert_eq!(s.headers["idempotency-key"], "by-hand-key-42");
+        assert!(!s.headers.contains_key("x-idempotency-key"));
+    }
+}
+
+/// Real headers, one message, then nothing for ever (a stalled server stream).
+struct StalledBody(bool);
+
+impl http_body::Body for StalledBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
+        if std::mem::take(&mut self.0) {
+            let message = Bytes::from_static(b"\0\0\0\0\0");
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(message))));
+        }
+        std::task::Poll::Pending
+    }
+}
+
+fn with_timeout(path: &str, grpc_timeout: &'static str) -> http::Request<Body> {
+    let mut req = request(path);
+    req.headers_mut()
+        .insert("grpc-timeout", grpc_timeout.parse().unwrap());
+    req
+}
+
+fn no_policy() -> RetryLayer {
+    let cfg = ServiceConfig::from_parts(Vec::new(), None, IdemSettings::default()).unwrap();
+    RetryLayer::from_config(&cfg)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_server_cannot_park_a_call_without_a_deadline() {
+    use tonic_types::{ErrorDetails, StatusExt};
+    // 25 hours of pushback, then ten years of RetryInfo: both over the 30 s default.
+    let decade = Duration::from_secs(10 * 365 * 24 * 3600);
+    let info = tonic::Status::with_error_details(
+        tonic::Code::Unavailable,
+        "come back later",
+        ErrorDetails::with_retry_info(Some(decade)),
+    );
+    for step in [with_pushback("90000000"), Step::Status(info)] {
+        let script = Script::new([step, Step::Ok]);
+        let layer = builder().build().unwrap();
+        let start = Instant::now();
+        let resp = send(&mut layer.layer(script.service()), request(PATH))
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!(
+            summary(&resp),
+            (CallOutcome::PushbackStop, 1, Some(Code::Unavailable))
+        );
+    }
+    // Within a raised cap, the server's wait is honoured exactly.
+    let script = Script::new([with_pushback("90000"), Step::Ok]);
+    let layer = builder()
+        .max_retry_delay(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(report(&resp).outcome, CallOutcome::Committed);
+    assert_eq!(script.gaps(), [Duration::from_secs(90)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_bounds_a_stalled_response_body() {
+    for layer in [builder().build().unwrap(), no_policy()] {
+        let script = Script::new([Step::Stall]);
+        let mut svc = layer.layer(script.service());
+        let start = Instant::now();
+        let resp = send(&mut svc, with_timeout(PATH, "1S")).await.unwrap();
+        let mut body = resp.into_body();
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+        let trailers = body
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_trailers()
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        let status = tonic::Status::from_header_map(&trailers).unwrap();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+        let r = CallReport::from_status(&status).unwrap();
+        assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+        assert!(body.frame().await.is_none());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_channel_timeout_at_the_deadline_is_deadline_exceeded_with_a_report() {
+    for layer in [builder().build().unwrap(), no_policy()] {
+        let script = Script::new([Step::TimeoutExpired]);
+        let mut svc = layer.layer(script.service());
+        let start = Instant::now();
+        let resp = send(&mut svc, with_timeout(PATH, "100m")).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::from_millis(100));
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+        let r = CallReport::from_status(&status).unwrap();
+        assert_eq!(r.outcome, CallOutcome::Deadline);
+        assert_eq!(
+            r.history().map(|a| a.end).collect::<Vec<_>>(),
+            [AttemptEnd::Deadline]
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tonic_deadline_comes_back_as_deadline_exceeded() {
+    // `Request::set_timeout` becomes `grpc-timeout`; the script hangs past it.
+    let layer = builder().build().unwrap();
+    let script = Script::new([Step::Hang]);
+    let mut req = tonic::Request::new(());
+    req.set_timeout(Duration::from_secs(1));
+    let status = tonic_unary(layer.layer(script.service()), req)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+}
+
+#[tokio::test]
+#[should_panic(expected = "polled after completion")]
+async fn a_finished_response_future_panics_when_polled_again() {
+    let inner = tower::service_fn(|_req: http::Request<Body>| async {
+        Ok::<_, BoxError>(http::Response::new(Body::empty()))
+    });
+    let mut svc = no_policy().layer(inner);
+    let ready = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+        .await
+        .unwrap();
+    let mut fut = std::pin::pin!(ready.call(request(PATH)));
+    let _ = (&mut fut).await;
+    let _ = std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(std::future::Future::poll(fut.as_mut(), cx))
+    })
+    .await;
 }

@@ -476,7 +476,7 @@ pub struct IdemSettings {
 impl Default for IdemSettings {
     fn default() -> Self {
         IdemSettings {
-            key_header: http::HeaderName::from_static(crate::headers::IDEMPOTENCY_KEY),
+            key_header: crate::headers::IDEMPOTENCY_KEY,
             tenant: TenantSource::Unset,
             memory_store: MemoryStoreSettings::default(),
             redis: None,

@@ -1,0 +1,357 @@
+//! The runtime configuration model: what the builder and the service config say, merged
+//! once into [`Settings`], and the [`Shared`] state every clone of a layer reads.
+//!
+//! [`Settings::new`] is the only place settings are merged: [`RetryLayerBuilder::build`]
+//! and [`RetryLayer::reload`] both go through [`Shared::new`] / [`Shared::reload`], which
+//! call it, so a setting cannot be honoured at build time and dropped on reload.
+//!
+//! [`RetryLayerBuilder::build`]: super::RetryLayerBuilder::build
+//! [`RetryLayer::reload`]: super::RetryLayer::reload
+
+use std::fmt;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use http::HeaderName;
+use idem_core::ServiceConfig;
+use idem_core::config::{ClientSettings, IdemSettings, RetryPolicy};
+use idem_core::deadline::InboundScope;
+
+use super::backoff::Jitter;
+use super::body::ReplayBudget;
+use super::outcome::{CallReport, OutcomeHook, RetryStats};
+use super::throttle::RetryThrottle;
+
+/// The default of [`RetryLayerBuilder::max_retry_delay`](super::RetryLayerBuilder::max_retry_delay).
+pub(crate) const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
+
+/// Where per-method policies come from.
+#[derive(Debug)]
+pub(crate) enum PolicySource {
+    /// A service config: `lookup_path` per call.
+    Config(Box<ServiceConfig>),
+    /// One policy for every method (the builder without a config).
+    Fixed {
+        retry: RetryPolicy,
+        timeout: Option<Duration>,
+    },
+}
+
+/// What applies to one call.
+#[derive(Debug, Clone)]
+pub(crate) struct CallPolicy {
+    pub(crate) retry: Option<RetryPolicy>,
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) add_key: bool,
+}
+
+/// Builder values. The `Option`s win over the config's `idem` object on every reload;
+/// the others have no config counterpart.
+#[derive(Debug, Clone)]
+pub(crate) struct Overrides {
+    pub(crate) key_header: Option<HeaderName>,
+    pub(crate) key_all_methods: Option<bool>,
+    pub(crate) max_replay_bytes_per_call: Option<usize>,
+    pub(crate) max_replay_bytes_total: Option<usize>,
+    pub(crate) min_attempt_time: Option<Duration>,
+    pub(crate) retry_exhausted_pushback: Option<bool>,
+    pub(crate) no_retry_under_retried_inbound: Option<bool>,
+    pub(crate) max_retry_delay: Duration,
+    pub(crate) peek_early_trailers: bool,
+}
+
+impl Default for Overrides {
+    fn default() -> Self {
+        Overrides {
+            key_header: None,
+            key_all_methods: None,
+            max_replay_bytes_per_call: None,
+            max_replay_bytes_total: None,
+            min_attempt_time: None,
+            retry_exhausted_pushback: None,
+            no_retry_under_retried_inbound: None,
+            max_retry_delay: DEFAULT_MAX_RETRY_DELAY,
+            peek_early_trailers: false,
+        }
+    }
+}
+
+impl Overrides {
+    fn client(&self, c: &ClientSettings) -> ClientSettings {
+        ClientSettings {
+            key_all_methods: self.key_all_methods.unwrap_or(c.key_all_methods),
+            max_replay_bytes_per_call: self
+                .max_replay_bytes_per_call
+                .unwrap_or(c.max_replay_bytes_per_call),
+            max_replay_bytes_total: self
+                .max_replay_bytes_total
+                .unwrap_or(c.max_replay_bytes_total),
+            min_attempt_time: self.min_attempt_time.unwrap_or(c.min_attempt_time),
+            retry_exhausted_pushback: self
+                .retry_exhausted_pushback
+                .unwrap_or(c.retry_exhausted_pushback),
+            no_retry_under_retried_inbound: self
+                .no_retry_under_retried_inbound
+                .unwrap_or(c.no_retry_under_retried_inbound),
+        }
+    }
+}
+
+/// One generation of settings, read whole by each call; replaced whole by a reload.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    source: PolicySource,
+    key_header: HeaderName,
+    client: ClientSettings,
+    max_retry_delay: Duration,
+    peek_early_trailers: bool,
+}
+
+impl Settings {
+    /// Merges the builder's `overrides` over the config's `idem` object: the one place
+    /// this happens, for the first build and every reload.
+    pub(crate) fn new(source: PolicySource, idem: &IdemSettings, overrides: &Overrides) -> Self {
+        Settings {
+            source,
+            key_header: overrides
+                .key_header
+                .clone()
+                .unwrap_or_else(|| idem.key_header.clone()),
+            client: overrides.client(&idem.client),
+            max_retry_delay: overrides.max_retry_delay,
+            peek_early_trailers: overrides.peek_early_trailers,
+        }
+    }
+
+    /// The policy of the call to `path`, made while serving `inbound` (if any).
+    pub(crate) fn resolve(&self, path: &str, inbound: Option<InboundScope>) -> CallPolicy {
+        let key_all = self.client.key_all_methods;
+        let mut policy = match &self.source {
+            PolicySource::Config(cfg) => match cfg.lookup_path(path) {
+                Some(mc) => CallPolicy {
+                    retry: mc.retry_policy().cloned(),
+                    timeout: mc.timeout(),
+                    add_key: key_all || mc.idempotency().is_some(),
+                },
+                None => CallPolicy {
+                    retry: None,
+                    timeout: None,
+                    add_key: key_all,
+                },
+            },
+            PolicySource::Fixed { retry, timeout } => CallPolicy {
+                retry: Some(retry.clone()),
+                timeout: *timeout,
+                add_key: key_all,
+            },
+        };
+        if self.client.no_retry_under_retried_inbound
+            && inbound.is_some_and(|s| s.previous_attempts > 0)
+        {
+            // The caller upstream retries already: one attempt here.
+            policy.retry = None;
+        }
+        policy
+    }
+
+    /// The header that carries the key.
+    pub(crate) fn key_header(&self) -> &HeaderName {
+        &self.key_header
+    }
+    /// Largest request body buffered for replay.
+    pub(crate) fn max_replay_bytes_per_call(&self) -> usize {
+        self.client.max_replay_bytes_per_call
+    }
+    /// A retry must start with at least this much time before the deadline.
+    pub(crate) fn min_attempt_time(&self) -> Duration {
+        self.client.min_attempt_time
+    }
+    /// Whether give-up failures under an inbound call get its marker.
+    pub(crate) fn mark_exhausted(&self) -> bool {
+        self.client.retry_exhausted_pushback
+    }
+    /// The longest wait a server may ask for.
+    pub(crate) fn max_retry_delay(&self) -> Duration {
+        self.max_retry_delay
+    }
+    /// Opt-in: retry "headers, then error trailers with no message".
+    pub(crate) fn peek_early_trailers(&self) -> bool {
+        self.peek_early_trailers
+    }
+}
+
+/// State shared by a layer, its clones and every service they made.
+pub(crate) struct Shared {
+    settings: RwLock<Arc<Settings>>,
+    throttle: RwLock<Option<RetryThrottle>>,
+    /// The throttle was given by the user: config reloads do not replace it.
+    throttle_pinned: bool,
+    overrides: Overrides,
+    pub(crate) budget: Arc<ReplayBudget>,
+    pub(crate) stats: RetryStats,
+    pub(crate) jitter: Arc<dyn Jitter>,
+    hook: Option<OutcomeHook>,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("settings", &self.settings())
+            .field("throttle", &self.throttle())
+            .field("budget", &self.budget)
+            .field("stats", &self.stats)
+            .field("jitter", &self.jitter)
+            .field("hook", &self.hook.as_ref().map(|_| "Fn"))
+            .finish()
+    }
+}
+
+/// What only the builder gives [`Shared::new`].
+pub(crate) struct Parts {
+    pub(crate) source: PolicySource,
+    pub(crate) idem: IdemSettings,
+    pub(crate) overrides: Overrides,
+    /// The bucket, and whether the user gave it (then reloads keep it).
+    pub(crate) throttle: (Option<RetryThrottle>, bool),
+    pub(crate) jitter: Arc<dyn Jitter>,
+    pub(crate) hook: Option<OutcomeHook>,
+}
+
+impl Shared {
+    pub(crate) fn new(parts: Parts) -> Self {
+        let settings = Settings::new(parts.source, &parts.idem, &parts.overrides);
+        let total = parts
+            .overrides
+            .client(&parts.idem.client)
+            .max_replay_bytes_total;
+        Shared {
+            settings: RwLock::new(Arc::new(settings)),
+            throttle: RwLock::new(parts.throttle.0),
+            throttle_pinned: parts.throttle.1,
+            overrides: parts.overrides,
+            budget: Arc::new(ReplayBudget::new(total)),
+            stats: RetryStats::default(),
+            jitter: parts.jitter,
+            hook: parts.hook,
+        }
+    }
+
+    /// Swaps in `config` (see [`RetryLayer::reload`](super::RetryLayer::reload)).
+    pub(crate) fn reload(&self, config: &ServiceConfig) {
+        let idem = config.settings();
+        let total = self.overrides.client(&idem.client).max_replay_bytes_total;
+        self.budget.set_limit(total);
+        if !self.throttle_pinned {
+            let mut slot = self
+                .throttle
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            *slot = match (slot.take(), config.retry_throttling()) {
+                (Some(bucket), Some(t)) => {
+                    bucket.reconfigure(t);
+                    Some(bucket)
+                }
+                (None, Some(t)) => Some(RetryThrottle::new(t)),
+                (_, None) => None,
+            };
+        }
+        let source = PolicySource::Config(Box::new(config.clone()));
+        let settings = Settings::new(source, idem, &self.overrides);
+        *self
+            .settings
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(settings);
+    }
+
+    pub(crate) fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+    pub(crate) fn throttle(&self) -> Option<RetryThrottle> {
+        self.throttle
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+    /// Counts a finished call and tells the hook.
+    pub(crate) fn report(&self, path: &str, report: &CallReport) {
+        self.stats.finished(report.outcome);
+        if let Some(hook) = &self.hook {
+            hook(path, report);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::RetryLayer;
+
+    /// Client settings where every field differs from the defaults and from `other`.
+    fn client_settings(n: usize) -> ClientSettings {
+        let d = ClientSettings::default();
+        ClientSettings {
+            key_all_methods: !d.key_all_methods,
+            max_replay_bytes_per_call: d.max_replay_bytes_per_call + n,
+            max_replay_bytes_total: d.max_replay_bytes_total + n,
+            min_attempt_time: d.min_attempt_time + Duration::from_millis(n as u64),
+            retry_exhausted_pushback: !d.retry_exhausted_pushback,
+            no_retry_under_retried_inbound: !d.no_retry_under_retried_inbound,
+        }
+    }
+
+    fn config(n: usize) -> ServiceConfig {
+        let idem = IdemSettings {
+            key_header: HeaderName::from_bytes(format!("x-key-{n}").as_bytes()).unwrap(),
+            client: client_settings(n),
+            ..IdemSettings::default()
+        };
+        ServiceConfig::from_parts(Vec::new(), None, idem).unwrap()
+    }
+
+    #[test]
+    fn every_builder_override_survives_reload() {
+        let d = ClientSettings::default();
+        let layer = RetryLayer::builder()
+            .service_config(config(1))
+            .key_header(HeaderName::from_static("x-from-builder"))
+            .key_all_methods(d.key_all_methods)
+            .max_replay_bytes_per_call(7)
+            .max_replay_bytes_total(11)
+            .min_attempt_time(Duration::from_millis(13))
+            .retry_exhausted_pushback(d.retry_exhausted_pushback)
+            .no_retry_under_retried_inbound(d.no_retry_under_retried_inbound)
+            .max_retry_delay(Duration::from_secs(17))
+            .retry_headers_then_error(true)
+            .build()
+            .unwrap();
+        let expected = ClientSettings {
+            max_replay_bytes_per_call: 7,
+            max_replay_bytes_total: 11,
+            min_attempt_time: Duration::from_millis(13),
+            ..d
+        };
+        for reload in [None, Some(config(2)), Some(config(3))] {
+            if let Some(cfg) = &reload {
+                layer.reload(cfg);
+            }
+            let s = layer.shared.settings();
+            assert_eq!(s.client, expected, "after reload {reload:?}");
+            assert_eq!(s.key_header, "x-from-builder");
+            assert_eq!(s.max_retry_delay, Duration::from_secs(17));
+            assert!(s.peek_early_trailers);
+        }
+    }
+
+    #[test]
+    fn without_overrides_a_reload_takes_the_new_config_whole() {
+        let layer = RetryLayer::from_config(&config(1));
+        assert_eq!(layer.shared.settings().client, client_settings(1));
+        layer.reload(&config(2));
+        let s = layer.shared.settings();
+        assert_eq!(s.client, client_settings(2));
+        assert_eq!(s.key_header, "x-key-2");
+    }
+}
