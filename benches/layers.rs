@@ -29,10 +29,14 @@ use std::time::{Duration, Instant};
 use idem_client::{Retry, RetryLayer};
 use idem_core::ServiceConfig;
 use idem_core::config::MemoryStoreSettings;
-use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, PREVIOUS_RPC_ATTEMPTS};
 use idem_server::IdempotencyLayer;
 use idem_store::MemoryStore;
 use idem_store::Store;
+
+// tonic's `MetadataMap` takes `&'static str` names: the names of `idem_core::headers`.
+const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
+const IDEMPOTENCY_REPLAYED: &str = "x-idempotency-replayed";
+const PREVIOUS_RPC_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
@@ -416,6 +420,18 @@ fn env_num(name: &str, default: f64) -> f64 {
 }
 
 fn main() {
+    assert_eq!(
+        IDEMPOTENCY_KEY,
+        idem_core::headers::IDEMPOTENCY_KEY.as_str()
+    );
+    assert_eq!(
+        IDEMPOTENCY_REPLAYED,
+        idem_core::headers::IDEMPOTENCY_REPLAYED.as_str()
+    );
+    assert_eq!(
+        PREVIOUS_RPC_ATTEMPTS,
+        idem_core::headers::PREVIOUS_RPC_ATTEMPTS.as_str()
+    );
     let filters: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with("--"))

@@ -44,12 +44,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use idem_client::retry::outcome::{ATTEMPTS_HEADER, OUTCOME_HEADER};
 use idem_client::{CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::config::TenantSource;
 use idem_core::headers::{
     ERROR_DOMAIN, GRPC_STATUS_DETAILS, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED,
-    PREVIOUS_RPC_ATTEMPTS, RETRY_PUSHBACK_MS, reason,
+    PREVIOUS_RPC_ATTEMPTS, RETRY_ATTEMPTS, RETRY_OUTCOME, RETRY_PUSHBACK_MS, reason,
 };
 use idem_core::{IdempotencyKey, ServiceConfig};
 use idem_server::{IdempotencyLayer, InboundLayer};
@@ -254,8 +253,8 @@ impl PyServer {
 }
 
 /// The values of `key` in one of client.py's metadata maps (`initial` or `trailing`).
-fn meta<'a>(call: &'a Value, which: &str, key: &str) -> Vec<&'a str> {
-    call[which][key]
+fn meta<'a>(call: &'a Value, which: &str, key: impl AsRef<str>) -> Vec<&'a str> {
+    call[which][key.as_ref()]
         .as_array()
         .map(|values| values.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default()
@@ -321,9 +320,9 @@ impl Shop {
     }
 }
 
-fn header(req: &Request<CreateOrderRequest>, name: &str) -> Option<String> {
+fn header(req: &Request<CreateOrderRequest>, name: impl AsRef<str>) -> Option<String> {
     req.metadata()
-        .get(name)
+        .get(name.as_ref())
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
 }
@@ -901,9 +900,9 @@ async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
         run.bottom_attempts, 3,
         "retries happen at one layer only: {run:?}"
     );
-    for local in [OUTCOME_HEADER, ATTEMPTS_HEADER] {
+    for local in [RETRY_OUTCOME, RETRY_ATTEMPTS] {
         assert!(
-            meta(call, "trailing", local).is_empty(),
+            meta(call, "trailing", &local).is_empty(),
             "{local} leaked: {call}"
         );
     }
@@ -926,9 +925,9 @@ async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
         run.bottom_attempts, 108,
         "4 × 3 × 3 × 3 attempts at the bottom: {run:?}"
     );
-    for local in [OUTCOME_HEADER, ATTEMPTS_HEADER] {
+    for local in [RETRY_OUTCOME, RETRY_ATTEMPTS] {
         assert!(
-            meta(call, "trailing", local).is_empty(),
+            meta(call, "trailing", &local).is_empty(),
             "{local} leaked: {call}"
         );
     }

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::ServiceConfig;
-use idem_core::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, reason};
+use idem_core::headers::reason;
 use idem_redis::{RedisStore, WaitStrategy};
 use idem_server::scope_for;
 use idem_server::{IdempotencyLayer, IdempotencyStats};
@@ -40,7 +40,6 @@ use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
-use tonic_types::StatusExt;
 
 const TENANT: &str = "redis-e2e";
 const CREATE: &str = "/shop.v1.Orders/CreateOrder";
@@ -196,8 +195,7 @@ fn order_request(key: &str, note: &str) -> Request<CreateOrderRequest> {
         quantity: 3,
         note: note.into(),
     });
-    req.metadata_mut()
-        .insert(IDEMPOTENCY_KEY, key.parse().expect("ascii key"));
+    idem_client::with_key(&mut req, &key.parse().expect("valid key"));
     req.set_timeout(PATIENCE);
     req
 }
@@ -207,13 +205,11 @@ fn new_key() -> String {
 }
 
 fn is_replay<T>(r: &Response<T>) -> bool {
-    r.metadata()
-        .get(IDEMPOTENCY_REPLAYED)
-        .is_some_and(|v| v == "true")
+    idem_client::is_replayed(r)
 }
 
 fn idem_reason(s: &Status) -> Option<String> {
-    s.get_details_error_info().map(|i| i.reason)
+    idem_client::idem_reason(s)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

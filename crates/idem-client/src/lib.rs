@@ -23,8 +23,7 @@
 //!     "idempotency": {}
 //!   }],
 //!   "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}
-//! }"#)?
-//! .config;
+//! }"#)?;
 //! let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect_lazy();
 //!
 //! let svc = ServiceBuilder::new().layer(RetryLayer::from_config(&config)).service(channel);
@@ -145,9 +144,11 @@
 //!   `grpc-status` (a proxy's 503) has not committed the call either: it is classified by
 //!   gRPC's HTTP-to-status mapping (429, 502, 503, 504 → UNAVAILABLE), like grpc-go.
 
+mod inspect;
 mod key;
 pub mod retry;
 
+pub use inspect::{idem_reason, is_replayed};
 pub use key::{IdempotencyKeyInterceptor, RequestKeyExt, with_key};
 pub use retry::{
     AttemptEnd, AttemptRecord, BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer,

@@ -888,8 +888,7 @@ async fn a_callers_key_goes_under_the_configured_header_on_every_attempt() {
           "idem": {"keyHeader": "idempotency-key"}
         }"#,
     )
-    .unwrap()
-    .config;
+    .unwrap();
     let layer = RetryLayer::from_config(&cfg);
     let key: idem_core::IdempotencyKey = "intent-0001-abcdef".parse().unwrap();
     let script = Script::new([unavailable(), Step::Ok, unavailable(), Step::Ok]);

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::{Body as _, Frame};
 use http_body_util::{BodyExt, Full};
 use idem_core::IdempotencyKey;
@@ -474,7 +474,7 @@ where
             trailers,
         } = stored;
         headers.insert(
-            HeaderName::from_static(headers::IDEMPOTENCY_REPLAYED),
+            headers::IDEMPOTENCY_REPLAYED,
             HeaderValue::from_static("true"),
         );
         let body = ReplayBody {

@@ -1,7 +1,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 use http_body::{Body, Frame, SizeHint};
 use idem_core::deadline::{ExhaustedMarker, InboundScope};
 use idem_core::headers::{DOWNSTREAM_EXHAUSTED, RETRY_ATTEMPTS, RETRY_OUTCOME, RETRY_PUSHBACK_MS};
@@ -9,7 +9,7 @@ use pin_project_lite::pin_project;
 
 /// Headers a client layer in this process sets for its own caller (outcome reports),
 /// which ride along in a `Status` a handler passes up: never sent upstream.
-const LOCAL_ONLY: [&str; 2] = [RETRY_OUTCOME, RETRY_ATTEMPTS];
+const LOCAL_ONLY: [HeaderName; 2] = [RETRY_OUTCOME, RETRY_ATTEMPTS];
 
 /// Removes the exhausted-downstream tag from `headers`; when it carried this call's
 /// `marker` and the feature is on, puts `grpc-retry-pushback-ms: -1` in its place.
