@@ -3,22 +3,17 @@
 //!
 //! A decoder per message (what `flate2::read::GzDecoder::new` does) allocates and zeroes
 //! a 32 KiB window each time, so a body of empty members cost far more than its size.
-//! Here starting a message only resets a state field: the decoder writes into a flat
-//! buffer (no window to clear) that checks every back-reference against what this
-//! message has produced. Valid streams decode to what `flate2` (the same inflate
-//! engine) produces, so fingerprints do not change.
+//! Here starting a message only resets a few fields of one `flate2::Decompress`, on the
+//! `zlib-rs` backend: its reset keeps the window allocation without clearing it, and its
+//! fixed-Huffman tables are static (the `miniz_oxide` backend rebuilds them for every
+//! block, about 2 µs each, so a body of empty blocks cost seconds). Valid streams decode
+//! to the same bytes whatever the backend, so fingerprints do not change.
 //!
 //! Rules, as tonic's decoders apply them: a message holds one complete stream (gzip: one
 //! member; bytes after it are ignored); header and checksums are checked.
 
-use flate2::Crc;
+use flate2::{Crc, Decompress, FlushDecompress, Status};
 use idem_core::config::Compression;
-use miniz_oxide::inflate::TINFLStatus;
-use miniz_oxide::inflate::core::inflate_flags::{
-    TINFL_FLAG_COMPUTE_ADLER32, TINFL_FLAG_IGNORE_ADLER32, TINFL_FLAG_PARSE_ZLIB_HEADER,
-    TINFL_FLAG_USING_NON_WRAPPING_OUTPUT_BUF,
-};
-use miniz_oxide::inflate::core::{DecompressorOxide, decompress};
 
 use super::request::FrameError;
 
@@ -35,16 +30,17 @@ const FRESERVED: u8 = 0xe0;
 
 /// One reusable decoder; see the [module docs](self).
 pub(crate) struct Inflater {
-    state: Box<DecompressorOxide>,
+    state: Decompress,
     out: Vec<u8>,
-    /// Calls into the inflate engine so far (each consumes input or fills the buffer).
+    /// Calls into the inflate engine so far (each ends a stream, fills the buffer, or
+    /// fails).
     pub(crate) engine_calls: u64,
 }
 
 impl Inflater {
     pub(crate) fn new() -> Self {
         Inflater {
-            state: Box::default(),
+            state: Decompress::new(true),
             out: Vec::new(),
             engine_calls: 0,
         }
@@ -59,14 +55,11 @@ impl Inflater {
         limit: usize,
     ) -> Result<&[u8], FrameError> {
         let len = match compression {
-            Compression::Deflate => {
-                let flags = TINFL_FLAG_PARSE_ZLIB_HEADER | TINFL_FLAG_COMPUTE_ADLER32;
-                self.inflate(raw, flags, limit)?.1
-            }
+            Compression::Deflate => self.inflate(raw, true, limit)?.1,
             Compression::Gzip => {
                 let header = gzip_header(raw)?;
                 let body = &raw[header..];
-                let (used, len) = self.inflate(body, TINFL_FLAG_IGNORE_ADLER32, limit)?;
+                let (used, len) = self.inflate(body, false, limit)?;
                 let trailer = body
                     .get(used..used + 8)
                     .ok_or_else(|| corrupt("gzip member ends before its trailer"))?;
@@ -86,17 +79,17 @@ impl Inflater {
         Ok(&self.out[..len])
     }
 
-    /// Runs the engine over one whole stream; returns (input used, output length).
+    /// Runs the engine over one whole stream (zlib-wrapped or raw DEFLATE); returns
+    /// (input used, output length).
     fn inflate(
         &mut self,
         input: &[u8],
-        flags: u32,
+        zlib: bool,
         limit: usize,
     ) -> Result<(usize, usize), FrameError> {
         // One byte past the limit tells "exactly the limit" from "over it".
         let cap = limit.saturating_add(1);
-        let flags = flags | TINFL_FLAG_USING_NON_WRAPPING_OUTPUT_BUF;
-        self.state.init();
+        self.state.reset(zlib);
         let (mut used, mut len) = (0, 0);
         loop {
             if len == self.out.len() && len < cap {
@@ -105,26 +98,29 @@ impl Inflater {
             }
             let end = self.out.len().min(cap);
             self.engine_calls += 1;
-            let (status, n_in, n_out) = decompress(
-                &mut self.state,
-                &input[used..],
-                &mut self.out[..end],
-                len,
-                flags,
+            let (in0, out0) = (self.state.total_in(), self.state.total_out());
+            let status = self
+                .state
+                .decompress(
+                    &input[used..],
+                    &mut self.out[len..end],
+                    FlushDecompress::None,
+                )
+                .map_err(|e| FrameError::Corrupt(e.to_string()))?;
+            let (n_in, n_out) = (
+                (self.state.total_in() - in0) as usize,
+                (self.state.total_out() - out0) as usize,
             );
             used += n_in;
             len += n_out;
             match status {
-                TINFLStatus::Done => return Ok((used, len)),
-                TINFLStatus::HasMoreOutput if end < cap => {}
-                TINFLStatus::HasMoreOutput => return Err(FrameError::TooLarge),
-                TINFLStatus::NeedsMoreInput | TINFLStatus::FailedCannotMakeProgress => {
+                Status::StreamEnd => return Ok((used, len)),
+                _ if len == end && end == cap => return Err(FrameError::TooLarge),
+                _ if len == end => {}
+                _ if used == input.len() || n_in + n_out == 0 => {
                     return Err(corrupt("compressed message ends inside its stream"));
                 }
-                TINFLStatus::Adler32Mismatch => {
-                    return Err(corrupt("zlib stream checksum does not match"));
-                }
-                _ => return Err(corrupt("invalid deflate stream")),
+                _ => {}
             }
         }
     }
