@@ -85,7 +85,7 @@ const SERVICE_CONFIG: &str = r#"{
       "backoffMultiplier": 2,
       "retryableStatusCodes": ["UNAVAILABLE"]
     },
-    "idempotency": {}
+    "idempotency": {"acceptCompressed": ["gzip"]}
   }],
   "idem": {"tenant": {"single": "interop"}}
 }"#;

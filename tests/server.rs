@@ -185,7 +185,12 @@ impl Orders for Shop {
 }
 
 fn policy() -> IdempotencyPolicy {
-    IdempotencyPolicy::default()
+    IdempotencyPolicy {
+        // The tests' server accepts gzip requests (some send them).
+        accept_compressed: idem_core::config::CompressionSet::EMPTY
+            .with(idem_core::config::Compression::Gzip),
+        ..IdempotencyPolicy::default()
+    }
 }
 
 /// CreateOrder and ListOrders with `create`, GetOrder with `get` (unprotected if `None`).

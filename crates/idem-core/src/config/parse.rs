@@ -14,9 +14,10 @@ use serde_json::{Map, Number, Value};
 
 use super::duration::{format_duration, parse_duration};
 use super::types::{
-    ClientSettings, ConfigError, Diagnostic, HedgingPolicy, IdemSettings, IdempotencyPolicy,
-    InFlightPolicy, MAX_ATTEMPTS_LIMIT, MemoryStoreSettings, MethodConfig, MethodName, Parsed,
-    RedisSettings, RetryPolicy, RetryThrottling, ServiceConfig, TenantSource,
+    ClientSettings, Compression, CompressionSet, ConfigError, Diagnostic, HedgingPolicy,
+    IdemSettings, IdempotencyPolicy, InFlightPolicy, MAX_ATTEMPTS_LIMIT, MemoryStoreSettings,
+    MethodConfig, MethodName, Parsed, RedisSettings, RetryPolicy, RetryThrottling, ServiceConfig,
+    TenantSource,
 };
 use crate::code::{Code, CodeSet, code_from_i64, code_name, parse_code_name};
 
@@ -54,6 +55,8 @@ const IDEMPOTENCY_FIELDS: &[&str] = &[
     "releaseStatusCodes",
     "maxRequestBytes",
     "maxResponseBytes",
+    "maxRequestFrames",
+    "acceptCompressed",
     "failOpen",
 ];
 const IDEM_FIELDS: &[&str] = &["keyHeader", "tenant", "memoryStore", "redis", "client"];
@@ -902,6 +905,14 @@ impl Validator {
             p.max_response_bytes,
             self.size_field(&o, "maxResponseBytes")
         );
+        set!(
+            p.max_request_frames,
+            self.size_field(&o, "maxRequestFrames")
+        );
+        set!(
+            p.accept_compressed,
+            self.compressions(&o, "acceptCompressed")
+        );
         set!(p.fail_open, self.boolean(&o, "failOpen"));
 
         let cacheable = self.codes_field(&o, "cacheableStatusCodes", false);
@@ -954,6 +965,35 @@ impl Validator {
             );
         }
         (self.errors.len() == errors_before).then_some(p)
+    }
+
+    /// `acceptCompressed`: an array of the `grpc-encoding` names idem decodes.
+    fn compressions(&mut self, o: &Obj<'_>, key: &str) -> Option<CompressionSet> {
+        let path = o.path(key);
+        let v = o.get(key)?;
+        let Value::Array(items) = v else {
+            self.error(
+                path,
+                format!("must be an array of encoding names, not {}", kind(v)),
+            );
+            return None;
+        };
+        let mut set = CompressionSet::EMPTY;
+        let mut ok = true;
+        for (i, v) in items.iter().enumerate() {
+            if let Value::String(s) = v
+                && let Some(c) = Compression::from_name(s.as_bytes())
+            {
+                set = set.with(c);
+            } else {
+                ok = false;
+                self.error(
+                    format!("{path}[{i}]"),
+                    "must be \"gzip\" or \"deflate\" (the request encodings idem can decode)",
+                );
+            }
+        }
+        ok.then_some(set)
     }
 
     // ---- idem (process-wide) ------------------------------------------------------------

@@ -1289,6 +1289,12 @@ fn idempotency_fields() {
         ),
         ("maxRequestBytes", json!(0), "must be an integer > 0"),
         ("maxResponseBytes", json!(-1), "must be an integer > 0"),
+        ("maxRequestFrames", json!(0), "must be an integer > 0"),
+        (
+            "acceptCompressed",
+            json!("gzip"),
+            "must be an array of encoding names, not a string",
+        ),
         ("failOpen", json!(1), "must be true or false, not a number"),
     ];
     for (field, value, message) in bad {
@@ -1298,6 +1304,34 @@ fn idempotency_fields() {
             "{field}"
         );
     }
+}
+
+#[test]
+fn idempotency_request_framing() {
+    let p = idempotency(json!({})).unwrap();
+    assert_eq!(p.accept_compressed, CompressionSet::EMPTY, "identity only");
+    assert_eq!(p.max_request_frames, 65_536);
+    let p = idempotency(json!({
+        "acceptCompressed": ["gzip", "deflate", "gzip"], "maxRequestFrames": 16
+    }))
+    .unwrap();
+    assert_eq!(
+        p.accept_compressed,
+        CompressionSet::EMPTY
+            .with(Compression::Gzip)
+            .with(Compression::Deflate)
+    );
+    assert_eq!(p.accept_compressed.iter().count(), 2);
+    assert_eq!(p.max_request_frames, 16);
+    let rule = r#"must be "gzip" or "deflate" (the request encodings idem can decode)"#;
+    assert_eq!(
+        idempotency(json!({"acceptCompressed": ["zstd", "gzip", "GZIP", 1]})),
+        Err(vec![
+            format!("{IP_PATH}.acceptCompressed[0]: {rule}"),
+            format!("{IP_PATH}.acceptCompressed[2]: {rule}"),
+            format!("{IP_PATH}.acceptCompressed[3]: {rule}"),
+        ])
+    );
 }
 
 #[test]

@@ -225,6 +225,76 @@ pub enum InFlightPolicy {
     Abort,
 }
 
+/// A request compression idem can decode to fingerprint a request (`grpc-encoding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Compression {
+    /// `gzip` (RFC 1952), one member per message.
+    Gzip,
+    /// `deflate`: a zlib stream (RFC 1950), one per message, as gRPC implementations send it.
+    Deflate,
+}
+
+impl Compression {
+    /// Every compression idem decodes.
+    pub const ALL: [Compression; 2] = [Compression::Gzip, Compression::Deflate];
+
+    /// The `grpc-encoding` name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Compression::Gzip => "gzip",
+            Compression::Deflate => "deflate",
+        }
+    }
+
+    /// The compression a `grpc-encoding` value names, if idem decodes it.
+    pub fn from_name(name: &[u8]) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name().as_bytes() == name)
+    }
+}
+
+impl fmt::Display for Compression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A set of [`Compression`]s (`acceptCompressed`); `Copy`, no allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct CompressionSet(u8);
+
+impl CompressionSet {
+    /// No compression: identity requests only.
+    pub const EMPTY: CompressionSet = CompressionSet(0);
+
+    /// This set and `c`.
+    pub const fn with(self, c: Compression) -> Self {
+        CompressionSet(self.0 | 1 << c as u8)
+    }
+
+    /// Whether `c` is in the set.
+    pub const fn contains(self, c: Compression) -> bool {
+        self.0 & (1 << c as u8) != 0
+    }
+
+    /// Whether the set is empty.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The members, in [`Compression::ALL`] order.
+    pub fn iter(self) -> impl Iterator<Item = Compression> {
+        Compression::ALL
+            .into_iter()
+            .filter(move |c| self.contains(*c))
+    }
+}
+
+impl FromIterator<Compression> for CompressionSet {
+    fn from_iter<I: IntoIterator<Item = Compression>>(iter: I) -> Self {
+        iter.into_iter().fold(Self::EMPTY, Self::with)
+    }
+}
+
 /// idem's per-method `idempotency` object. Its presence marks the method as protected.
 ///
 /// # Defaults
@@ -239,6 +309,8 @@ pub enum InFlightPolicy {
 /// | `releaseStatusCodes` | the other twelve codes |
 /// | `maxRequestBytes` | 4194304 (4 MiB, tonic's default message limit) |
 /// | `maxResponseBytes` | 1048576 (1 MiB) |
+/// | `maxRequestFrames` | 65536 |
+/// | `acceptCompressed` | `[]` (identity only, as a tonic service without `accept_compressed`) |
 /// | `failOpen` | `false` |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyPolicy {
@@ -262,6 +334,13 @@ pub struct IdempotencyPolicy {
     pub max_request_bytes: usize,
     /// Responses larger than this are recorded as "completed, response not retained".
     pub max_response_bytes: usize,
+    /// Most gRPC messages (frames) a protected request may hold; more is refused with
+    /// RESOURCE_EXHAUSTED before any of them is decoded.
+    pub max_request_frames: usize,
+    /// Request compressions the service accepts for this method: mirror the service's
+    /// `accept_compressed` here. A request in any other `grpc-encoding` is refused with
+    /// UNIMPLEMENTED before its body is read, as tonic refuses it.
+    pub accept_compressed: CompressionSet,
     /// When the store cannot answer, run the handler without a record (true) or answer
     /// UNAVAILABLE (false).
     pub fail_open: bool,
@@ -288,6 +367,8 @@ impl Default for IdempotencyPolicy {
             release_status_codes: Self::DEFAULT_CACHEABLE.complement(),
             max_request_bytes: 4 * 1024 * 1024,
             max_response_bytes: 1024 * 1024,
+            max_request_frames: 65_536,
+            accept_compressed: CompressionSet::EMPTY,
             fail_open: false,
         }
     }

@@ -1,5 +1,5 @@
 //! The idempotency middleware: run each idempotency key once, replay the stored response
-//! to duplicates (DESIGN.md section 3).
+//! to duplicates.
 //!
 //! Stack it on a tonic server *after* authentication, so the tenant comes from an
 //! authenticated source:
@@ -55,12 +55,20 @@
 //! 2. **Tenant** from the [`TenantResolver`](tenant::TenantResolver); none →
 //!    UNAUTHENTICATED (`TENANT_MISSING`).
 //! 3. **Scope** = [`scope_for`]`(tenant, method path, key)`.
-//! 4. **Body** buffered up to `maxRequestBytes` (→ RESOURCE_EXHAUSTED,
+//! 4. **Encoding**: a `grpc-encoding` other than identity must be listed in the method's
+//!    `acceptCompressed` (mirror the service's `accept_compressed`), else UNIMPLEMENTED
+//!    (`ENCODING_UNSUPPORTED`, with `grpc-accept-encoding`) before the body is read, as
+//!    tonic refuses it.
+//!    **Body** buffered up to `maxRequestBytes` (→ RESOURCE_EXHAUSTED,
 //!    `REQUEST_TOO_LARGE`); the handler gets a body rebuilt from the buffer.
 //! 5. **Fingerprint** = SHA-256 over the request messages after gRPC de-framing and
-//!    decompression (`gzip`, `deflate`; a compressed frame in another encoding →
-//!    UNIMPLEMENTED, `ENCODING_UNSUPPORTED`), or over the bytes a
-//!    [`fingerprint_with`](IdempotencyLayer::fingerprint_with) hook returns.
+//!    decompression, or over the bytes a
+//!    [`fingerprint_with`](IdempotencyLayer::fingerprint_with) hook returns. Frames are
+//!    counted first (over `maxRequestFrames` → RESOURCE_EXHAUSTED, `REQUEST_TOO_LARGE`,
+//!    before any is decoded), then decoded with one reused decoder and hashed as they
+//!    come, so the work is linear in the body however it is framed; decompressed
+//!    messages over `maxRequestBytes` → RESOURCE_EXHAUSTED. Requests that may take more
+//!    than about half a millisecond are read on tokio's blocking pool.
 //! 6. **Claim** the record:
 //!    - *acquired*: the handler runs in a spawned task (a caller that goes away does not
 //!      cancel it), inside the inbound deadline scope
@@ -97,12 +105,13 @@
 //! `recordTtl` 24 h, `leaseTtl` 10 s, `inFlight` WAIT, `abortRetryDelay` 1 s,
 //! `cacheableStatusCodes` OK, UNKNOWN, DEADLINE_EXCEEDED, INTERNAL, DATA_LOSS,
 //! `releaseStatusCodes` the others, `maxRequestBytes` 4 MiB, `maxResponseBytes` 1 MiB,
-//! `failOpen` false. Process-wide (`idem`): `keyHeader` `x-idempotency-key`, `tenant`
+//! `maxRequestFrames` 65536, `acceptCompressed` `[]` (identity only), `failOpen` false.
+//! Process-wide (`idem`): `keyHeader` `x-idempotency-key`, `tenant`
 //! unset (every protected call is refused until a resolver is set). In code:
 //! [`IdempotencyLayer::tenant`] (no default beyond the config's),
 //! [`IdempotencyLayer::fingerprint_with`] (none).
 //!
-//! # Decisions not in DESIGN.md
+//! # Decisions
 //! - A response's code is its `grpc-status` (trailers, else Trailers-Only headers);
 //!   a response without one counts as UNKNOWN.
 //! - A handler that panics is answered INTERNAL and that outcome follows the code lists
@@ -132,7 +141,9 @@ mod body;
 mod codec;
 mod digest;
 mod future;
+mod inflate;
 mod layer;
+mod request;
 mod service;
 mod stats;
 pub mod tenant;

@@ -28,11 +28,10 @@ use tracing::{Instrument, field};
 
 use super::body::{ChannelBody, ReplayBody};
 use super::codec::{StoredResponse, headers_len};
-use super::digest::{
-    FrameError, fingerprint_custom, fingerprint_messages, messages, scope_for, tenant_id,
-};
+use super::digest::{scope_for, tenant_id};
 use super::future::ResponseFuture;
 use super::layer::{IdempotencyLayer, Shared};
+use super::request;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, Scope, Store, StoreError, StoredOutcome,
     TenantId,
@@ -125,7 +124,7 @@ enum Route {
     Protect { key: IdempotencyKey, tenant: String },
 }
 
-fn idem_status(code: Code, message: impl Into<String>, why: &str) -> Status {
+pub(super) fn idem_status(code: Code, message: impl Into<String>, why: &str) -> Status {
     Status::with_error_details(
         code,
         message,
@@ -285,6 +284,11 @@ where
         body: Body,
     ) -> Result<Response<Body>, S::Error> {
         let stats = &self.shared.stats;
+        // Refuse an encoding the method does not accept before reading the body.
+        let compression = match request::compression(&parts.headers, &self.policy) {
+            Ok(c) => c,
+            Err(status) => return self.reject(status),
+        };
         // Buffer the body, up to the limit.
         let max = self.policy.max_request_bytes;
         let mut buf = BytesMut::new();
@@ -306,17 +310,12 @@ where
             }
         }
         let buffered = buf.freeze();
-        let encoding = parts
-            .headers
-            .get("grpc-encoding")
-            .map(HeaderValue::as_bytes);
-        let fingerprint = match messages(&buffered, encoding, max) {
-            Ok(msgs) => match self.shared.hooks.get(&self.path) {
-                Some(hook) => fingerprint_custom(&hook(&msgs)),
-                None => fingerprint_messages(&msgs),
-            },
-            Err(e) => return self.reject(frame_error(e, max)),
-        };
+        let hook = self.shared.hooks.get(&self.path).cloned();
+        let fingerprint =
+            match request::fingerprint(buffered.clone(), compression, &self.policy, hook).await {
+                Ok(f) => f,
+                Err(status) => return self.reject(status),
+            };
 
         // This call's own deadline (bounds waiting) and scope, read as `InboundLayer`
         // reads them. Under an `InboundLayer` the scope (with its exhausted-downstream
@@ -513,30 +512,6 @@ where
                 "the idempotent handler's task ended without a response",
             )
             .into_http()),
-        }
-    }
-}
-
-fn frame_error(e: FrameError, max: usize) -> Status {
-    match e {
-        FrameError::Unsupported(enc) => idem_status(
-            Code::Unimplemented,
-            format!(
-                "grpc-encoding {enc:?} is not supported by the idempotency layer (gzip, deflate, identity are)"
-            ),
-            reason::ENCODING_UNSUPPORTED,
-        ),
-        FrameError::TooLarge => idem_status(
-            Code::ResourceExhausted,
-            format!("decompressed request over the idempotency buffer limit of {max} bytes"),
-            reason::REQUEST_TOO_LARGE,
-        ),
-        FrameError::Truncated => Status::internal("request body ends inside a gRPC frame"),
-        FrameError::CompressedWithoutEncoding => {
-            Status::internal("compressed gRPC frame without a grpc-encoding")
-        }
-        FrameError::Corrupt(m) => {
-            Status::internal(format!("request message does not decompress: {m}"))
         }
     }
 }
