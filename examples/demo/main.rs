@@ -5,6 +5,7 @@
 //! cargo run --release --example demo -- --intents 5000 --concurrency 128 --drop 0.2
 //! cargo run --release --example demo -- --redis redis://127.0.0.1:6379 --instances 3
 //! cargo run --release --example demo -- --config examples/service_config.json
+//! cargo run --release --example demo -- --store redis --instances 3 --crash-every 200
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -21,6 +22,14 @@
 //!   the order exists);
 //! - `--latency-ms MS`: added before the handler.
 //!
+//! With `--crash-every N` the instances are separate OS processes: every N intents one of
+//! them is killed with SIGKILL at a random point of its work and started again on the
+//! same port, and orders are counted from the ledger file the processes append to.
+//! `--store memory|redis` chooses where records live (`--redis URL` implies `redis`;
+//! without a URL the demo starts a private `redis-server` on a free port). A cache store
+//! cannot make a crash after the side effect harmless: the table shows how many
+//! duplicates each store lets through under the same crash schedule.
+//!
 //! An intent that still fails after the client layer's retries is retried by the
 //! application (up to `--app-retries`), as a real caller would. The table counts orders
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
@@ -29,16 +38,29 @@
 use idem_test_support::demo as harness;
 
 use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
+use idem_test_support::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
 use std::time::Duration;
 
 use idem::core::ServiceConfig;
 use idem::store::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
-[--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--redis URL] [--config FILE] [--restart-after N]";
+[--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis] [--redis URL] \
+[--config FILE] [--crash-every N] [--redeploy-after N]";
 
-fn parse_args() -> Result<Options, String> {
+/// What the command line asked for beyond the workload's options.
+struct Args {
+    o: Options,
+    /// `--store`, or `redis` when only `--redis URL` is given.
+    store: Option<String>,
+    /// `--crash-every N`: instances as processes, one killed every N intents.
+    crash_every: Option<usize>,
+}
+
+fn parse_args() -> Result<Args, String> {
     let mut o = Options::default();
+    let mut store = None;
+    let mut crash_every = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -62,7 +84,13 @@ fn parse_args() -> Result<Options, String> {
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
             "--config" => o.config = Some(value),
-            "--restart-after" => o.restart_after = Some(value.parse().map_err(|e| bad(&e))?),
+            "--store" if value == "memory" || value == "redis" => store = Some(value),
+            "--store" => return Err(format!("--store {value}: must be memory or redis")),
+            "--crash-every" => crash_every = Some(value.parse().map_err(|e| bad(&e))?),
+            // `--restart-after` is the old name of `--redeploy-after`.
+            "--redeploy-after" | "--restart-after" => {
+                o.restart_after = Some(value.parse().map_err(|e| bad(&e))?)
+            }
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
@@ -72,13 +100,32 @@ fn parse_args() -> Result<Options, String> {
     if o.intents == 0 || o.concurrency == 0 || o.instances == 0 {
         return Err("--intents, --concurrency and --instances must be > 0".into());
     }
-    if o.instances > 1 && o.redis.is_none() {
-        return Err("--instances > 1 needs --redis URL (in-memory stores are per instance)".into());
+    if o.redis.is_some() && store.as_deref() == Some("memory") {
+        return Err("--redis URL goes with --store redis".into());
     }
-    Ok(o)
+    if o.redis.is_some() {
+        store = Some("redis".into());
+    }
+    let memory = store.as_deref().unwrap_or("memory") == "memory";
+    if o.instances > 1 && memory {
+        return Err(
+            "--instances > 1 needs --store redis (in-memory stores are per instance)".into(),
+        );
+    }
+    if crash_every == Some(0) {
+        return Err("--crash-every must be > 0".into());
+    }
+    if crash_every.is_some() && o.restart_after.is_some() {
+        return Err("--crash-every and --redeploy-after do not go together".into());
+    }
+    Ok(Args {
+        o,
+        store,
+        crash_every,
+    })
 }
 
-fn print_table(o: &Options, reports: &[RunReport]) {
+fn print_table(o: &Options, store: &str, crash_every: Option<usize>, reports: &[RunReport]) {
     println!();
     println!(
         "{} intents, concurrency {}, faults: {:.0}% UNAVAILABLE before the handler, {:.0}% responses lost after it, +{} ms; seed {}; {} instance(s), {} store",
@@ -89,12 +136,14 @@ fn print_table(o: &Options, reports: &[RunReport]) {
         o.latency.as_millis(),
         o.seed,
         o.instances,
-        if o.redis.is_some() {
-            "Redis"
-        } else {
-            "in-memory"
-        }
+        store,
     );
+    if let Some(every) = crash_every {
+        println!(
+            "crashes: each instance is a separate process; one is killed with SIGKILL every {every} intents and started again ({} kills per run)",
+            reports.first().map_or(0, |r| r.crashes)
+        );
+    }
     println!();
     println!(
         "| {:<12} | {:>7} | {:>8} | {:>7} | {:>11} | {:>7} | {:>7} | {:>10} | {:>6} | {:>8} | {:>8} | {:>6} |",
@@ -146,10 +195,36 @@ fn print_table(o: &Options, reports: &[RunReport]) {
     );
 }
 
-#[tokio::main]
-async fn main() {
-    let o = match parse_args() {
-        Ok(o) => o,
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    if argv.first().map(String::as_str) == Some(SERVE_FLAG) {
+        // One server instance of a `--crash-every` run, started by the demo itself.
+        let code = match ServeArgs::parse(&argv[1..]) {
+            Ok(args) => match runtime.block_on(crash::serve(args)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("demo instance: {e}");
+                    2
+                }
+            },
+            Err(e) => {
+                eprintln!("{e}");
+                2
+            }
+        };
+        std::process::exit(code);
+    }
+    runtime.block_on(demo());
+}
+
+async fn demo() {
+    let Args {
+        o,
+        store: store_choice,
+        crash_every,
+    } = match parse_args() {
+        Ok(a) => a,
         Err(e) => {
             eprintln!("{e}");
             std::process::exit(2);
@@ -163,6 +238,11 @@ async fn main() {
                 std::process::exit(2);
             }
         },
+        // Under crashes, a record left in flight by a killed process blocks its key for a
+        // lease: a short one lets the retry take it over within the call's deadline.
+        None if crash_every.is_some() => {
+            DEFAULT_CONFIG.replace(r#""leaseTtl": "10s""#, r#""leaseTtl": "1s""#)
+        }
         None => DEFAULT_CONFIG.to_owned(),
     };
     let config = match ServiceConfig::from_json_with_warnings(&text) {
@@ -177,32 +257,62 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    let store = match &o.redis {
-        None => Store::Memory(MemoryStore::new(config.settings().memory_store.clone())),
-        Some(url) => match idem::redis::RedisStore::connect(url.clone()).await {
-            Ok(s) => Store::Redis(s),
-            Err(e) => {
-                eprintln!("cannot connect to Redis at {url}: {e}");
+    let redis_wanted = store_choice.as_deref() == Some("redis");
+    // A private redis-server when --store redis comes without a URL.
+    let mut private_redis = None;
+    let redis_url = match (&o.redis, redis_wanted) {
+        (Some(url), _) => Some(url.clone()),
+        (None, true) => match idem_test_support::redis::RedisServer::start() {
+            Some(server) => {
+                let url = server.url();
+                private_redis = Some(server);
+                Some(url)
+            }
+            None => {
+                eprintln!(
+                    "--store redis needs a redis-server: pass --redis URL, or install one (Debian/Ubuntu: apt-get install redis-server)"
+                );
                 std::process::exit(2);
             }
         },
+        (None, false) => None,
+    };
+    let store_label = if redis_url.is_some() {
+        "Redis"
+    } else {
+        "in-memory"
     };
     eprintln!(
         "idem demo: {} CreateOrder intents, twice (with idem, then without)",
         o.intents
     );
-    let mut reports = Vec::new();
-    for with_idem in [true, false] {
-        match run(&o, with_idem, &config, &store).await {
-            Ok(r) => reports.push(r),
-            Err(e) => {
-                eprintln!("run failed: {e}");
-                std::process::exit(2);
-            }
+    let reports = match crash_every {
+        Some(every) => {
+            let kind = match &redis_url {
+                Some(url) => StoreKind::Redis(url.clone()),
+                None => StoreKind::Memory,
+            };
+            crash_runs(&o, every, &config, &text, &kind).await
         }
-    }
-    print_table(&o, &reports);
+        None => in_process_runs(&o, &config, redis_url.as_deref()).await,
+    };
+    drop(private_redis);
+    print_table(&o, store_label, crash_every, &reports);
     let idem = &reports[0];
+    if crash_every.is_some() {
+        // A cache of outcomes (memory, Redis) cannot undo a crash that falls between the
+        // side effect and the record: say how often it happened, do not fail on it.
+        println!(
+            "With crashes, the {store_label} store let {} duplicate order(s) through with idem ({} without); \
+             a crash between the handler's side effect and the recorded outcome re-runs the handler.",
+            idem.duplicates, reports[1].duplicates
+        );
+        if idem.lost > 0 {
+            eprintln!("FAIL: with idem {} intents were lost", idem.lost);
+            std::process::exit(1);
+        }
+        return;
+    }
     if idem.duplicates > 0 || idem.lost > 0 {
         eprintln!(
             "FAIL: with idem there were {} duplicate orders and {} lost intents",
@@ -214,4 +324,61 @@ async fn main() {
         "OK: with idem every intent took effect exactly once; without it, {} duplicate orders.",
         reports[1].duplicates
     );
+}
+
+/// Both runs with every instance in this process.
+async fn in_process_runs(
+    o: &Options,
+    config: &ServiceConfig,
+    redis: Option<&str>,
+) -> Vec<RunReport> {
+    let store = match redis {
+        None => Store::Memory(MemoryStore::new(config.settings().memory_store.clone())),
+        Some(url) => match idem::redis::RedisStore::connect(url.to_owned()).await {
+            Ok(s) => Store::Redis(s),
+            Err(e) => {
+                eprintln!("cannot connect to Redis at {url}: {e}");
+                std::process::exit(2);
+            }
+        },
+    };
+    let mut reports = Vec::new();
+    for with_idem in [true, false] {
+        match run(o, with_idem, config, &store).await {
+            Ok(r) => reports.push(r),
+            Err(e) => {
+                eprintln!("run failed: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    reports
+}
+
+/// Both runs with instance processes killed every `every` intents.
+async fn crash_runs(
+    o: &Options,
+    every: usize,
+    config: &ServiceConfig,
+    text: &str,
+    store: &StoreKind,
+) -> Vec<RunReport> {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("cannot find the demo's own executable to start instances: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut reports = Vec::new();
+    for with_idem in [true, false] {
+        match crash::run_with_crashes(o, every, with_idem, config, text, store, &exe).await {
+            Ok(r) => reports.push(r),
+            Err(e) => {
+                eprintln!("run failed: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    reports
 }

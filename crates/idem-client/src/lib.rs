@@ -96,7 +96,8 @@
 //!   `x-idem-retry-attempts`; read them with [`CallReport::from_status`].
 //! - Every failure has a report: a transport error (connection refused…) is answered as a
 //!   Trailers-Only response with the status tonic would make of it
-//!   ([`tonic::Status::from_error`]) and the report headers. The hook
+//!   ([`tonic::Status::from_error`]; what tonic leaves UNKNOWN becomes UNAVAILABLE, since
+//!   no response came back) and the report headers. The hook
 //!   ([`RetryLayerBuilder::on_outcome`]) and the counters ([`RetryLayer::stats`]) see every
 //!   call too.
 //! - Tracing: a `debug` span `idem_retry` per call (fields `method`, `attempts`,

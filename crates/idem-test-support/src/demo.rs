@@ -498,6 +498,8 @@ pub async fn run(
 /// What the callers saw in one run.
 pub struct Workload {
     latencies: Vec<Duration>,
+    /// Calls answered with `x-idempotency-replayed: true`.
+    replays: Arc<AtomicU64>,
     failed: Vec<String>,
     app_calls: u64,
     elapsed: Duration,
@@ -523,6 +525,7 @@ where
 {
     let started = Instant::now();
     let app_calls = Arc::new(AtomicU64::new(0));
+    let replays = Arc::new(AtomicU64::new(0));
     let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
     let progress = show_progress(o, label, done.clone());
     let mut tasks = Vec::with_capacity(o.intents);
@@ -531,12 +534,14 @@ where
         let client = client.clone();
         let done = done.clone();
         let app_calls = app_calls.clone();
+        let replays = replays.clone();
         let app_retries = o.app_retries;
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let intent = format!("intent-{n}");
             let t0 = Instant::now();
-            let ok = one_intent(client, n, &intent, with_idem, app_retries, &app_calls).await;
+            let calls = (&*app_calls, &*replays);
+            let ok = one_intent(client, n, &intent, with_idem, app_retries, calls).await;
             done.fetch_add(1, Ordering::Relaxed);
             (intent, ok, t0.elapsed())
         }));
@@ -554,6 +559,7 @@ where
     latencies.sort();
     Ok(Workload {
         latencies,
+        replays,
         failed,
         app_calls: app_calls.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
@@ -569,7 +575,7 @@ async fn one_intent<S>(
     intent: &str,
     with_idem: bool,
     app_retries: u32,
-    app_calls: &AtomicU64,
+    (app_calls, replays): (&AtomicU64, &AtomicU64),
 ) -> bool
 where
     S: tonic::client::GrpcService<tonic::body::Body>,
@@ -591,7 +597,12 @@ where
             with_key(&mut req, &key);
         }
         match client.create_order(req).await {
-            Ok(_) => return true,
+            Ok(response) => {
+                if idem_client::is_replayed(&response) {
+                    replays.fetch_add(1, Ordering::Relaxed);
+                }
+                return true;
+            }
             Err(s)
                 if matches!(
                     s.code(),
@@ -603,7 +614,12 @@ where
             {
                 continue;
             }
-            Err(_) => return false,
+            Err(s) => {
+                if std::env::var_os("IDEM_DEMO_DEBUG").is_some() {
+                    eprintln!("intent {intent} failed: {s:?}");
+                }
+                return false;
+            }
         }
     }
     false
@@ -657,7 +673,7 @@ pub fn tally(
         intents: o.intents,
         attempts: 0,
         app_calls: w.app_calls,
-        replays: 0,
+        replays: w.replays.load(Ordering::Relaxed),
         orders,
         duplicates,
         failed: w.failed.len() as u64,

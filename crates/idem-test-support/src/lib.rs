@@ -3,6 +3,7 @@
 //! the demo harness. Used by the workspace's tests, examples and benchmarks; not
 //! published.
 
+pub mod crash;
 pub mod demo;
 pub mod net;
 pub mod redis;

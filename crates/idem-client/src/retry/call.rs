@@ -143,10 +143,16 @@ impl CallContext {
 }
 
 impl CallContext {
-    /// The status tonic would make of a transport error; a give-up under an inbound call
+    /// The status of a transport error: tonic's classification, with what tonic leaves
+    /// UNKNOWN (a connection reset, a refused stream) as UNAVAILABLE, as gRPC clients
+    /// report a channel that failed before any response; a give-up under an inbound call
     /// says so, for the handler's logs upstream.
     fn error_status(&self, e: BoxError, outcome: CallOutcome) -> tonic::Status {
         let status = tonic::Status::from_error(e);
+        let status = match status.code() {
+            Code::Unknown => tonic::Status::unavailable(status.message()),
+            _ => status,
+        };
         if self.marker.is_some() && outcome.retries_gave_up() {
             let message = format!(
                 "downstream call failed on every attempt: {}",

@@ -33,7 +33,8 @@ use crate::key::place_key;
 /// [`CallReport`] extension (and, on Trailers-Only errors, the local report headers of
 /// [`idem_core::headers`]). Every failure comes back as a Trailers-Only response that
 /// carries the report: the inner service's errors as the status tonic would make of them
-/// ([`tonic::Status::from_error`]), and a DEADLINE_EXCEEDED / CANCELLED status the layer
+/// ([`tonic::Status::from_error`], with UNKNOWN made UNAVAILABLE: no response came back),
+/// and a DEADLINE_EXCEEDED / CANCELLED status the layer
 /// makes up when the deadline or `perAttemptRecvTimeout` cuts an attempt short. The
 /// deadline also bounds the response body.
 #[derive(Debug, Clone)]
