@@ -14,9 +14,9 @@ pub const DEFAULT_KEY_PREFIX: &str = "idem:";
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
 /// Default timeout of a (re)connection (matches `idem.redis.connectTimeout`).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Default fence retention: how long an in-flight record and a release tombstone keep
-/// their fence (24 h, the default record TTL).
-pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
+/// Default per-tenant quota of in-flight records, across every instance (matches
+/// `idem.redis.maxInFlightPerTenant`).
+pub const DEFAULT_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
 /// Default first polling interval of [`wait`](idem_store::Store::wait).
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(2);
 /// Default longest polling interval of [`wait`](idem_store::Store::wait).
@@ -65,7 +65,7 @@ pub enum ConnectError {
 /// | [`key_prefix`](Self::key_prefix) | `"idem:"` | `keyPrefix` |
 /// | [`command_timeout`](Self::command_timeout) | 500 ms | `commandTimeout` |
 /// | [`connect_timeout`](Self::connect_timeout) | 2 s | `connectTimeout` |
-/// | [`fence_retention`](Self::fence_retention) | 24 h | — |
+/// | [`max_in_flight_per_tenant`](Self::max_in_flight_per_tenant) | 1000 | `maxInFlightPerTenant` (`0`: none) |
 /// | [`wait_strategy`](Self::wait_strategy) | [`WaitStrategy::Notify`] | — |
 /// | [`wait_poll_interval`](Self::wait_poll_interval) | 2 ms doubling to 50 ms | — |
 ///
@@ -85,7 +85,7 @@ pub struct RedisStoreBuilder {
     key_prefix: String,
     command_timeout: Duration,
     connect_timeout: Duration,
-    fence_retention: Duration,
+    max_in_flight_per_tenant: Option<usize>,
     poll_min: Duration,
     poll_max: Duration,
     wait_strategy: WaitStrategy,
@@ -100,7 +100,7 @@ impl RedisStoreBuilder {
             key_prefix: DEFAULT_KEY_PREFIX.to_owned(),
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            fence_retention: DEFAULT_FENCE_RETENTION,
+            max_in_flight_per_tenant: Some(DEFAULT_MAX_IN_FLIGHT_PER_TENANT),
             poll_min: DEFAULT_POLL_MIN,
             poll_max: DEFAULT_POLL_MAX,
             wait_strategy: WaitStrategy::default(),
@@ -108,13 +108,14 @@ impl RedisStoreBuilder {
         }
     }
 
-    /// A builder from the `idem.redis` config object (URL, prefix, timeouts); the other
-    /// settings keep their defaults.
+    /// A builder from the `idem.redis` config object (URL, prefix, timeouts, quota);
+    /// the other settings keep their defaults.
     pub fn from_settings(settings: &idem_core::config::RedisSettings) -> Self {
         RedisStoreBuilder::new(settings.url.clone())
             .key_prefix(settings.key_prefix.clone())
             .command_timeout(settings.command_timeout)
             .connect_timeout(settings.connect_timeout)
+            .max_in_flight_per_tenant(settings.max_in_flight_per_tenant)
     }
 
     /// Prefix of every key (default `"idem:"`). Must not contain `{` or `}`: the braces
@@ -138,11 +139,12 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long an in-flight record and a release tombstone keep their fence, so fences
-    /// keep growing across release and takeover (default 24 h; at least the longest
-    /// lease in use). A completed record lives for the TTL given to `complete` instead.
-    pub fn fence_retention(mut self, retention: Duration) -> Self {
-        self.fence_retention = retention;
+    /// Most in-flight records one tenant may hold across every instance sharing the
+    /// Redis (default 1000; `None`: no quota, and no second step per claim). A claim
+    /// past it is refused with `StoreError::Full` (RESOURCE_EXHAUSTED with a retry
+    /// delay). See the crate docs, "Per-tenant quota", for how it is counted.
+    pub fn max_in_flight_per_tenant(mut self, quota: Option<usize>) -> Self {
+        self.max_in_flight_per_tenant = quota;
         self
     }
 
@@ -180,8 +182,8 @@ impl RedisStoreBuilder {
         if self.connect_timeout.is_zero() {
             return bad("connectTimeout: must be > 0");
         }
-        if self.fence_retention < Duration::from_secs(1) {
-            return bad("fence retention: must be at least 1s");
+        if self.max_in_flight_per_tenant == Some(0) {
+            return bad("maxInFlightPerTenant: must be > 0 (no quota: None)");
         }
         if self.poll_min.is_zero() || self.poll_max < self.poll_min {
             return bad("wait poll interval: must have 0 < min <= max");
@@ -232,7 +234,8 @@ impl RedisStoreBuilder {
             conn,
             prefix: self.key_prefix,
             command_timeout: self.command_timeout,
-            fence_retention: self.fence_retention,
+            max_in_flight_per_tenant: self.max_in_flight_per_tenant,
+            held: crate::quota::Held::new(),
             poll_min: self.poll_min,
             poll_max: self.poll_max,
             notifier,
@@ -265,7 +268,7 @@ mod tests {
             b().key_prefix("a\nb"),
             b().command_timeout(Duration::ZERO),
             b().connect_timeout(Duration::ZERO),
-            b().fence_retention(Duration::from_millis(10)),
+            b().max_in_flight_per_tenant(Some(0)),
             b().wait_poll_interval(Duration::from_millis(5), Duration::from_millis(1)),
         ] {
             let err = builder.connect().await.err();
@@ -298,12 +301,13 @@ mod tests {
             key_prefix: "p:".into(),
             command_timeout: Duration::from_millis(123),
             connect_timeout: Duration::from_millis(456),
+            max_in_flight_per_tenant: Some(7),
         };
         let b = RedisStoreBuilder::from_settings(&s);
         assert_eq!(b.url, "redis://example:6380/2");
         assert_eq!(b.key_prefix, "p:");
         assert_eq!(b.command_timeout, Duration::from_millis(123));
         assert_eq!(b.connect_timeout, Duration::from_millis(456));
-        assert_eq!(b.fence_retention, DEFAULT_FENCE_RETENTION);
+        assert_eq!(b.max_in_flight_per_tenant, Some(7));
     }
 }

@@ -39,7 +39,8 @@
 //!   loses those records. `WAIT` is not used; accept the window or use a Redis with
 //!   synchronous replication.
 //! - **Redis Cluster**: the key layout is ready for it (everything about a record is in
-//!   one key, one slot; scripts touch only `KEYS[1]`), but this store connects to one
+//!   one key, one slot; each script touches only its `KEYS[1]`; the per-tenant count
+//!   is a separate single-slot step, see "Per-tenant quota"), but this store connects to one
 //!   endpoint: a standalone Redis, a Sentinel- or operator-managed primary, or a
 //!   cluster-aware proxy. A native Cluster client is not implemented.
 //! - Redis 6.2 or newer (tested with 7.0). Scripts need `EVALSHA`/`SCRIPT LOAD`, and
@@ -52,8 +53,10 @@
 //! One Redis hash per record, named `<prefix>{<scope hex>}`: the scope is the SHA-256
 //! of the length-prefixed (tenant, method, key), so raw client input never appears in
 //! a key name, and the braces are a Redis Cluster hash tag that keeps a record in one
-//! slot. There is no other key: no global counter, no index. The fence lives inside
-//! the record. Fields: `s` state (`i` in flight, `c` completed, `r` released), `f`
+//! slot. The fence lives inside the record. Besides records, only one sorted set per
+//! tenant with calls in flight, `<prefix>tenant:{<tenant digest hex>}` (see
+//! "Per-tenant quota"); no global counter, no index. Fields: `s` state (`i` in flight,
+//! `c` completed, `r` released tombstone, rare: see "Fences"), `f`
 //! fence, `fp` fingerprint (32 raw bytes), `c` claimant id, `l` lease deadline (ms on
 //! the Redis server's clock), `k` outcome kind, `o` outcome bytes (binary-safe).
 //!
@@ -64,36 +67,73 @@
 //!
 //! - **claim**: no record → in flight, first fence = the Redis server's clock in
 //!   microseconds (see "Fences" below). Released tombstone → in flight with
-//!   fence + 1, whatever the fingerprint. Different fingerprint → `Mismatch` (in flight
+//!   fence + 1 (or the clock, if that is higher), whatever the fingerprint. Different fingerprint → `Mismatch` (in flight
 //!   or completed). Completed → the outcome, in the same reply (so a replay is one
 //!   round trip). In flight with a live lease: the same claimant (a claim re-sent after
 //!   a lost reply) gets its fence back and its lease extended; anyone else gets
 //!   `InFlight` with the lease time left. Expired lease → taken over with fence + 1.
 //! - **renew / complete / release**: succeed only when the record is in flight with
 //!   the presented fence; otherwise `Fenced` with the current fence. Complete stores
-//!   the outcome and sets the record TTL; release leaves a tombstone with the fence.
+//!   the outcome and sets the record TTL; release deletes the record (see "Fences").
 //!   Both `PUBLISH` the fence on `<key>:done` for waiters (see "Waiting" below).
+//! - **account**: the per-tenant count, on the tenant's set (see "Per-tenant quota").
 //! - **read** (`get`, and `wait`'s polling): state, fence, lease time left.
 //!
 //! Lease expiry is judged with `redis.call('TIME')`, the Redis server's clock, so
 //! instances whose clocks disagree agree on who holds a lease.
 //!
 //! # Decisions
-//! - **Fence retention.** Fences must keep growing across takeover and release for as
-//!   long as the record lives, but `claim` and `release` carry no record TTL. So an
-//!   in-flight record and a release tombstone expire after the *fence retention*
-//!   ([`RedisStoreBuilder::fence_retention`], default 24 h, the default record TTL),
-//!   and a completed record after the TTL given to `complete`. A lease longer than the
-//!   retention stretches the key's expiry to the lease.
+//! - **Lifetimes.** A completed record lives for the TTL given to `complete`. An
+//!   in-flight record's key expires one lease after its lease ends (`2 × lease`,
+//!   pushed back by every renewal): a holder that stalled can still record its outcome
+//!   while nobody took over, and a claim abandoned by a crashed instance costs memory
+//!   for seconds, not a day. A released record is deleted at once.
 //! - **Fences** start, for a new record, at the Redis server's `TIME` in microseconds
 //!   (about 1.7e15 today; exact in Lua numbers until the year 2255) and grow by one on
-//!   each takeover or claim after release. Each step takes a script run, which lasts
-//!   longer than a microsecond, so a fence handed out at time `t` is at most `t` in
-//!   microseconds, and a record created after an earlier one of the same scope expired
-//!   starts above every fence the earlier one handed out. A claimant paused past the
-//!   record TTL therefore cannot complete its successor's run with a stale fence, as
-//!   long as the Redis server's clock does not step back (keep it NTP-slewed). Starting
-//!   at 1 would make that possible once a record had expired.
+//!   each takeover. Invariant: a fence handed out at server time `t` is at most `t` in
+//!   microseconds (a takeover needs a lease to have ended, milliseconds after the fence
+//!   it replaces). So a record created after an earlier one of the same scope was
+//!   deleted (released) or expired starts above every fence the earlier one handed out,
+//!   and a stale holder (one taken over, or one retrying a release whose reply was lost)
+//!   can never present the new record's fence: its `renew`/`complete`/`release` is
+//!   `Fenced`. Fences stay monotonic for the handler's own downstream guards as well.
+//!   That is why release needs no tombstone. The argument assumes the Redis server's
+//!   clock does not step back (keep it NTP-slewed); release checks it: if the clock is
+//!   behind the released fence, it keeps a small tombstone (`s`, `f`) until the clock
+//!   passes that fence, and the next claim starts above it. What the assumption still
+//!   covers alone: records that expired, and a failover to a replica whose clock is
+//!   behind by more than the time since the release.
+//!
+//!   A tombstone tied to the lease (kept for lease + margin) was considered and
+//!   rejected: a live holder's late requests do arrive within its lease, but a paused
+//!   process can come back at any time, so no TTL covers every stale holder; the clock
+//!   does. And a tombstone per rejected call (about 250 bytes for as long as it lives)
+//!   lets cheap failing calls fill `maxmemory`: at 1 000 rejected calls a second, a
+//!   10-second tombstone is 2.5 MB. Deleting the record keeps a flood of rejected
+//!   calls at zero bytes (`a_flood_of_released_claims_leaves_maxmemory_room_for_real_calls`
+//!   in `tests/bounds.rs`: 10 000 claim + release under `maxmemory 2mb`, no key left,
+//!   memory flat).
+//! - **Per-tenant quota.** At most `maxInFlightPerTenant` (default 1000) records of
+//!   one tenant are in flight at once, across every instance. Each tenant with calls in
+//!   flight has a sorted set `<prefix>tenant:{<tenant hex>}`: one member per held claim
+//!   (scope + fence), scored with its lease deadline on the server clock. A claim runs
+//!   in two single-slot steps, so it works wherever a record's key does (a Redis
+//!   Cluster proxy included): (1) the claim script on the record; (2) only if that
+//!   acquired the record, the account script on the tenant's set, which drops members
+//!   whose lease ended and adds this one unless the tenant already holds its quota.
+//!   Over the quota, the record is released again (nothing ran) and the claim fails
+//!   with `StoreError::Full` (RESOURCE_EXHAUSTED with a retry delay, never a second
+//!   run). Renewal refreshes the member's deadline; complete and release remove it, on
+//!   the same connection as their script (one round trip). Replays, in-flight
+//!   duplicates and mismatches are answered by step 1 alone and are never refused.
+//!
+//!   The count is approximate and heals itself; exactly-once never depends on it. A
+//!   claim whose instance crashed, or whose complete never came, leaves the count when
+//!   its lease ends (members are scored by lease deadline); the set itself expires a
+//!   second after its last lease. If step 2 cannot reach Redis the claim stands,
+//!   uncounted. Cost: a fresh call takes one more round trip (claim, account,
+//!   complete + count removal); `max_in_flight_per_tenant(None)` turns the quota off and
+//!   restores two.
 //! - **Same-claimant re-claim** extends the lease to `now + lease` (never shortens it).
 //! - **Renew after the lease ran out** still succeeds while nobody has taken over: the
 //!   fence is still current.
@@ -124,20 +164,22 @@
 //!   reply can panic. The connection reconnects on its own (exponential backoff).
 //!
 //! # Round trips
-//! A fresh protected call: claim + complete = 2 `EVALSHA`. A replay: 1 (claim returns
-//! the outcome). The layer renews the lease every `leaseTtl / 3` while the handler
+//! A fresh protected call: claim + account + complete (with the count's `ZREM` sent
+//! alongside) = 3 round trips, 2 without a per-tenant quota. A replay: 1 (claim
+//! returns the outcome). The layer renews the lease every `leaseTtl / 3` while the handler
 //! runs; each renewal is one more `EVALSHA`, so only handlers that run that long pay it.
 
 mod builder;
 mod check;
 mod notify;
+mod quota;
 mod scripts;
 mod store;
 
 pub use builder::{
-    ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FENCE_RETENTION,
-    DEFAULT_KEY_PREFIX, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN, NOTIFY_POLL_MAX, NOTIFY_POLL_MIN,
-    RedisStoreBuilder, WaitStrategy,
+    ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX,
+    DEFAULT_MAX_IN_FLIGHT_PER_TENANT, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN, NOTIFY_POLL_MAX,
+    NOTIFY_POLL_MIN, RedisStoreBuilder, WaitStrategy,
 };
 pub use check::ServerReport;
 pub use store::RedisStore;

@@ -4,7 +4,7 @@
 //!
 //! | field | meaning |
 //! |-------|---------|
-//! | `s`   | state: `i` in flight, `c` completed, `r` released (tombstone) |
+//! | `s`   | state: `i` in flight, `c` completed, `r` released (a tombstone, kept only while the server clock is behind its fence) |
 //! | `f`   | fence, decimal |
 //! | `fp`  | request fingerprint, 32 raw bytes (absent on a tombstone) |
 //! | `c`   | claimant id, 32 hex digits (in flight only) |
@@ -39,16 +39,19 @@ local function dec(n)
 end
 "#;
 
-/// `KEYS[1]` record; `ARGV`: fingerprint, claimant, lease ms, fence retention ms.
+/// `KEYS[1]` record; `ARGV`: fingerprint, claimant, lease ms.
+///
+/// An in-flight record's key expires one lease after its lease ends (`2 × lease`): a
+/// stalled holder can still record its outcome while nobody took over, and an
+/// abandoned claim costs memory for no longer than that.
 ///
 /// Replies: `{'A', fence, takeover 0|1}`, `{'C', kind, bytes}`, `{'I', lease ms left}`,
 /// `{'M'}`.
 const CLAIM: &str = r#"
 local key = KEYS[1]
 local fp, claimant = ARGV[1], ARGV[2]
-local lease, retention = tonumber(ARGV[3]), tonumber(ARGV[4])
-local px = retention
-if lease > px then px = lease end
+local lease = tonumber(ARGV[3])
+local px = 2 * lease
 local us = now_us()
 local now = math.floor(us / 1000)
 local r = redis.call('HMGET', key, 's', 'f', 'fp', 'c', 'l', 'k', 'o')
@@ -68,7 +71,9 @@ end
 local f = tonumber(r[2])
 if not f then return corrupt('record without a fence') end
 if s == 'r' then
-  return take(f + 1, 0)
+  -- A tombstone exists only while the clock is behind its fence.
+  if f + 1 > us then return take(f + 1, 0) end
+  return take(us, 0)
 end
 if s ~= 'c' and s ~= 'i' then return corrupt('unknown state') end
 if r[3] ~= fp then
@@ -83,7 +88,7 @@ if l > now then
   if r[4] == claimant then
     if now + lease > l then
       redis.call('HSET', key, 'l', dec(now + lease))
-      if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+      if redis.call('PTTL', key) < px then redis.call('PEXPIRE', key, px) end
     end
     return {'A', f, 0}
   end
@@ -107,7 +112,7 @@ if r[1] ~= 'i' or r[2] ~= ARGV[1] then return {'F', cur} end
 const RENEW: &str = r#"
 local lease = tonumber(ARGV[2])
 redis.call('HSET', key, 'l', dec(now_ms() + lease))
-if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+if redis.call('PTTL', key) < 2 * lease then redis.call('PEXPIRE', key, 2 * lease) end
 return {'OK'}
 "#;
 
@@ -120,12 +125,42 @@ redis.call('PUBLISH', key .. ':done', ARGV[1])
 return {'OK'}
 "#;
 
-/// `ARGV`: fence, tombstone TTL ms. Reply `{'OK'}` or `{'F', current}`.
+/// `ARGV`: fence. Reply `{'OK'}` or `{'F', current}`.
+///
+/// Deletes the record: the next claim's first fence is the server clock in
+/// microseconds, already above this fence. Only when the clock is not (it stepped back)
+/// does a tombstone keep the fence, until the clock passes it. See the crate docs,
+/// "Fences".
 const RELEASE: &str = r#"
-redis.call('HSET', key, 's', 'r')
-redis.call('HDEL', key, 'fp', 'c', 'l', 'k', 'o')
-redis.call('PEXPIRE', key, tonumber(ARGV[2]))
+local ahead_us = cur - now_us()
+if ahead_us < 0 then
+  redis.call('DEL', key)
+else
+  redis.call('HSET', key, 's', 'r')
+  redis.call('HDEL', key, 'fp', 'c', 'l', 'k', 'o')
+  redis.call('PEXPIRE', key, math.floor(ahead_us / 1000) + 1)
+end
 redis.call('PUBLISH', key .. ':done', ARGV[1])
+return {'OK'}
+"#;
+
+/// `KEYS[1]` a tenant's in-flight set (a sorted set: member scope + fence, score the
+/// lease deadline in ms on the server clock); `ARGV`: member, lease ms, quota.
+///
+/// Drops members whose lease ended, then adds or refreshes the member unless it is new
+/// and the tenant already holds `quota` live ones. Reply `{'OK'}` or `{'FULL', count}`.
+/// The key expires a second after the latest lease in it.
+const ACCOUNT: &str = r#"
+local key = KEYS[1]
+local member, lease, quota = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+if not redis.call('ZSCORE', key, member) then
+  local n = redis.call('ZCARD', key)
+  if n >= quota then return {'FULL', n} end
+end
+redis.call('ZADD', key, now + lease, member)
+if redis.call('PTTL', key) < lease + 1000 then redis.call('PEXPIRE', key, lease + 1000) end
 return {'OK'}
 "#;
 
@@ -164,6 +199,7 @@ pub(crate) struct Scripts {
     pub(crate) complete: Script,
     pub(crate) release: Script,
     pub(crate) read: Script,
+    pub(crate) account: Script,
 }
 
 impl Scripts {
@@ -175,16 +211,18 @@ impl Scripts {
             complete: fenced(COMPLETE),
             release: fenced(RELEASE),
             read: Script::new(&format!("{PRELUDE}{READ}")),
+            account: Script::new(&format!("{PRELUDE}{ACCOUNT}")),
         }
     }
 
-    pub(crate) fn all(&self) -> [&Script; 5] {
+    pub(crate) fn all(&self) -> [&Script; 6] {
         [
             &self.claim,
             &self.renew,
             &self.complete,
             &self.release,
             &self.read,
+            &self.account,
         ]
     }
 }

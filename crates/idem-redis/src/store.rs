@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_store::{
     Cause, Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
-    StoredOutcome,
+    StoredOutcome, TenantId,
 };
 use redis::aio::ConnectionManager;
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
 use crate::notify::Notifier;
+use crate::quota::{self, Held};
 use crate::scripts::Scripts;
 
 /// An idempotency [`Store`] on Redis, shared by every server instance that points at the
@@ -33,7 +34,8 @@ pub(crate) struct Inner {
     pub(crate) conn: ConnectionManager,
     pub(crate) prefix: String,
     pub(crate) command_timeout: Duration,
-    pub(crate) fence_retention: Duration,
+    pub(crate) max_in_flight_per_tenant: Option<usize>,
+    pub(crate) held: Held,
     pub(crate) poll_min: Duration,
     pub(crate) poll_max: Duration,
     pub(crate) notifier: Option<Arc<Notifier>>,
@@ -45,7 +47,10 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.inner.prefix)
             .field("command_timeout", &self.inner.command_timeout)
-            .field("fence_retention", &self.inner.fence_retention)
+            .field(
+                "max_in_flight_per_tenant",
+                &self.inner.max_in_flight_per_tenant,
+            )
             .finish_non_exhaustive()
     }
 }
@@ -92,6 +97,13 @@ impl RedisStore {
     /// are a Redis Cluster hash tag, so a record always lives in one slot.
     pub fn key_for(&self, scope: &Scope) -> String {
         format!("{}{{{}}}", self.inner.prefix, scope.to_hex())
+    }
+
+    /// The Redis key counting `tenant`'s in-flight records: `<prefix>tenant:{<tenant hex>}`,
+    /// a sorted set with the tenant as its hash tag (see the crate docs, "Per-tenant
+    /// quota").
+    pub fn tenant_key_for(&self, tenant: &TenantId) -> String {
+        format!("{}tenant:{{{}}}", self.inner.prefix, tenant.to_hex())
     }
 
     /// The key prefix in use.
@@ -223,22 +235,17 @@ impl RedisStore {
     }
 }
 
-impl Store for RedisStore {
-    async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+impl RedisStore {
+    /// The claim script on the record alone.
+    async fn claim_record(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let key = self.key_for(req.scope);
         let claimant = format!("{:032x}", req.claimant.0);
         let lease = ms(req.lease).to_string();
-        let retention = ms(self.inner.fence_retention).to_string();
         let v = self
             .eval(
                 &self.inner.scripts.claim,
                 &key,
-                &[
-                    &req.fingerprint.0,
-                    claimant.as_bytes(),
-                    lease.as_bytes(),
-                    retention.as_bytes(),
-                ],
+                &[&req.fingerprint.0, claimant.as_bytes(), lease.as_bytes()],
                 self.inner.command_timeout,
             )
             .await?;
@@ -262,10 +269,147 @@ impl Store for RedisStore {
         }
     }
 
-    async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
+    /// Counts a claim just acquired against its tenant's quota: `Ok(true)` counted,
+    /// `Ok(false)` the tenant holds its quota already.
+    async fn account(
+        &self,
+        tenant: &TenantId,
+        scope: &Scope,
+        fence: Fence,
+        lease: Duration,
+        quota: usize,
+    ) -> Result<bool, StoreError> {
+        let key = self.tenant_key_for(tenant);
+        let member = quota::member(scope, fence);
         let lease = ms(lease).to_string();
-        self.fenced(&self.inner.scripts.renew, scope, fence, &[lease.as_bytes()])
+        let quota = quota.to_string();
+        let v = self
+            .eval(
+                &self.inner.scripts.account,
+                &key,
+                &[&member, lease.as_bytes(), quota.as_bytes()],
+                self.inner.command_timeout,
+            )
+            .await?;
+        let mut it = array(v)?.into_iter();
+        match tag(it.next())?.as_slice() {
+            b"OK" => Ok(true),
+            b"FULL" => Ok(false),
+            _ => Err(corrupt("unexpected account reply tag")),
+        }
+    }
+
+    /// Takes a finished claim (completed, released or fenced) out of its tenant's
+    /// count. Best effort: a failure only leaves the count until the lease ends.
+    async fn uncount(&self, scope: &Scope, fence: Fence) {
+        let Some(tenant) = self.inner.held.get(scope, fence) else {
+            return;
+        };
+        let key = self.tenant_key_for(&tenant);
+        let member = quota::member(scope, fence);
+        let mut conn = self.connection();
+        let zrem = redis::cmd("ZREM").arg(&key).arg(&member[..]).to_owned();
+        let res = self
+            .bounded(self.inner.command_timeout, async move {
+                zrem.query_async::<i64>(&mut conn).await
+            })
+            .await;
+        if let Err(e) = res {
+            tracing::debug!(error = %e, "in-flight count not taken back; it lapses with the lease");
+        }
+    }
+
+    /// Runs a fenced script (complete or release) and, on the same connection at the
+    /// same time (one round trip), takes the claim out of its tenant's count.
+    async fn finish(
+        &self,
+        script: &Script,
+        scope: &Scope,
+        fence: Fence,
+        rest: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        let (res, ()) = tokio::join!(
+            self.fenced(script, scope, fence, rest),
+            self.uncount(scope, fence)
+        );
+        // Unavailable: the layer retries with the same fence, so keep the note.
+        if !matches!(res, Err(StoreError::Unavailable(_))) {
+            self.inner.held.remove(scope, fence);
+        }
+        res
+    }
+}
+
+impl Store for RedisStore {
+    /// The claim script on the record; then, for a claim acquired under a per-tenant
+    /// quota, the account script on the tenant's set (another hash slot, so a second
+    /// step). Over the quota, the record is released again (nothing ran) and the claim
+    /// refused with [`StoreError::Full`]. Replays, waits and mismatches never reach
+    /// the second step.
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let claim = self.claim_record(&req).await?;
+        let (Claim::Acquired { fence, .. }, Some(quota)) =
+            (&claim, self.inner.max_in_flight_per_tenant)
+        else {
+            return Ok(claim);
+        };
+        let fence = *fence;
+        match self
+            .account(req.tenant, req.scope, fence, req.lease, quota)
             .await
+        {
+            Ok(true) => {
+                self.inner
+                    .held
+                    .insert(req.scope, fence, *req.tenant, req.lease);
+                Ok(claim)
+            }
+            Ok(false) => {
+                if let Err(e) = self
+                    .fenced(&self.inner.scripts.release, req.scope, fence, &[])
+                    .await
+                {
+                    // The record stays in flight until its lease ends; then the next
+                    // claim takes it over.
+                    tracing::debug!(error = %e, "claim over the tenant quota not released");
+                }
+                Err(StoreError::Full(
+                    format!("tenant at its in-flight record quota ({quota})").into(),
+                ))
+            }
+            Err(e) => {
+                // The quota protects capacity, not correctness: a claim Redis could
+                // not count stands, uncounted.
+                tracing::warn!(error = %e, "in-flight claim not counted against its tenant's quota");
+                Ok(claim)
+            }
+        }
+    }
+
+    /// Renews the record's lease, then its entry in the tenant's count (best effort).
+    async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
+        let lease_ms = ms(lease).to_string();
+        let res = self
+            .fenced(
+                &self.inner.scripts.renew,
+                scope,
+                fence,
+                &[lease_ms.as_bytes()],
+            )
+            .await;
+        match (&res, self.inner.max_in_flight_per_tenant) {
+            (Ok(()), Some(quota)) => {
+                if let Some(tenant) = self.inner.held.renewed(scope, fence, lease) {
+                    let _ = self.account(&tenant, scope, fence, lease, quota).await;
+                }
+            }
+            (Err(StoreError::Fenced { .. }), _) => {
+                self.uncount(scope, fence).await;
+                self.inner.held.remove(scope, fence);
+            }
+            _ => {}
+        }
+        res
     }
 
     async fn complete(
@@ -280,7 +424,7 @@ impl Store for RedisStore {
             StoredOutcome::Response(b) => (b"r", b),
             StoredOutcome::NotRetained => (b"n", b""),
         };
-        self.fenced(
+        self.finish(
             &self.inner.scripts.complete,
             scope,
             fence,
@@ -290,14 +434,8 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        let retention = ms(self.inner.fence_retention).to_string();
-        self.fenced(
-            &self.inner.scripts.release,
-            scope,
-            fence,
-            &[retention.as_bytes()],
-        )
-        .await
+        self.finish(&self.inner.scripts.release, scope, fence, &[])
+            .await
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {

@@ -32,3 +32,19 @@ mod polling {
         make = store(WaitStrategy::Poll);
     }
 }
+
+/// The per-tenant in-flight quota (`max_in_flight_per_tenant`), with the bound the
+/// suite's case expects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_in_flight_bound() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(server.url())
+        .key_prefix("conformance:")
+        .max_in_flight_per_tenant(Some(idem_store::testing::TENANT_IN_FLIGHT_BOUND))
+        .connect()
+        .await
+        .expect("connect to the test redis");
+    idem_store::testing::tenant_in_flight_bound(&store).await;
+}

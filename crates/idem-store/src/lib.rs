@@ -9,19 +9,27 @@
 //!
 //! ```text
 //!   (none) --claim--> InFlight{fence, lease} --complete--> Completed{response} --ttl--> (none)
-//!                        |  ^        |                                   
-//!                 renew--+  |        +--release--> Released{fence} (tombstone; any claim
-//!                           |                                      takes it, fence + 1)
-//!                 lease expired: the next claim takes over with fence + 1
+//!     ^                  |  ^        |
+//!     |           renew--+  |        |
+//!     +-----release---------+--------+   (nothing was done: the record goes; the next
+//!                           |             claim runs again with a higher fence)
+//!                 lease expired: the next claim takes over with a higher fence
 //! ```
 //!
 //! # Contract every store keeps
 //! - Each method is atomic with respect to every other call on the same scope, across
 //!   every process that shares the store.
-//! - Fences only grow for a scope, including across release and takeover, for as long
-//!   as the record or its tombstone lives (the record TTL). `renew`, `complete` and
-//!   `release` succeed only for the current fence of an in-flight record; otherwise they
-//!   return [`StoreError::Fenced`] and change nothing.
+//! - Fences only grow for a scope, across release, takeover and expiry. `renew`,
+//!   `complete` and `release` succeed only for the current fence of an in-flight record;
+//!   otherwise they return [`StoreError::Fenced`] and change nothing.
+//! - A release leaves nothing that blocks or delays the next claim of the scope, with
+//!   any fingerprint. (A store may keep a small [`RecordState::Released`] tombstone for a
+//!   while if it needs one to keep fences growing; it never blocks a claim.)
+//! - A claim that would add a record may be refused with [`StoreError::Full`] when the
+//!   store or the tenant's share of it is at a bound. A store never makes room by
+//!   dropping another record before its time: not a completed one (a retry of its key
+//!   would run again), not an in-flight one. Replays, waits and a claimant's own
+//!   re-claim are never refused for being full.
 //! - A claim sent again by the same claimant (same [`ClaimantId`], e.g. after a lost
 //!   reply) while it still holds the lease gets the same fence back.
 //! - A completed record answers claims with the same fingerprint with
@@ -42,7 +50,7 @@ pub mod memory;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use memory::{MemoryStore, MemoryStoreSettings, MemoryStoreStats};
+pub use memory::{MemoryStore, MemoryStoreSettings, MemoryStoreStats, TenantUsage};
 
 /// A generation number of a record; grows on every claim of a scope.
 pub type Fence = u64;
@@ -203,7 +211,9 @@ pub enum RecordState {
         /// What is replayed.
         outcome: StoredOutcome,
     },
-    /// Released: nothing was done; any claim takes it with a higher fence.
+    /// Released: nothing was done; any claim takes it with a higher fence. Only a store
+    /// that keeps a tombstone to carry the fence reports it (the memory store never
+    /// does; it removes a released record).
     Released {
         /// Last fence.
         fence: Fence,
@@ -284,6 +294,7 @@ pub enum StoreError {
     Corrupt(#[source] Cause),
     /// The store (or the tenant's share of it) is at its bound and cannot take a new
     /// record now. Retryable: the layer answers RESOURCE_EXHAUSTED with a retry delay.
+    /// The message names the bound, never the tenant or the key.
     #[error("store full: {0}")]
     Full(#[source] Cause),
 }

@@ -282,11 +282,13 @@ pub async fn release_then_any_claim_with_a_higher_fence<S: Store>(s: &S) {
     let sc = scope();
     let f1 = acquire(s, &sc, &fp(5), LONG).await;
     s.release(&sc, f1).await.unwrap();
-    assert_eq!(
-        s.get(&sc).await.unwrap(),
-        Some(RecordState::Released { fence: f1 })
-    );
-    // A tombstone accepts any fingerprint.
+    // No record, or a tombstone that carries the fence.
+    match s.get(&sc).await.unwrap() {
+        None => {}
+        Some(RecordState::Released { fence }) if fence == f1 => {}
+        other => panic!("a release left {other:?}"),
+    }
+    // The next claim, with any fingerprint, runs again.
     let f2 = acquire(s, &sc, &fp(6), LONG).await;
     assert!(f2 > f1, "{f2} > {f1}");
     assert!(matches!(
@@ -309,6 +311,216 @@ pub async fn release_then_any_claim_with_a_higher_fence<S: Store>(s: &S) {
         Err(StoreError::Fenced { .. })
     ));
 }
+
+/// Conformance: a release leaves nothing that blocks a new claim (no wait, no
+/// mismatch, no takeover), and the old fence stays refused.
+pub async fn release_leaves_nothing_that_blocks_a_new_claim<S: Store>(s: &S) {
+    let sc = scope();
+    let f1 = acquire(s, &sc, &fp(12), LONG).await;
+    s.release(&sc, f1).await.unwrap();
+    // Another claimant, another fingerprint: acquired at once, not a takeover.
+    match s
+        .claim(req(&sc, &fp(13), ClaimantId::random(), LONG))
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { fence, takeover } => {
+            assert!(!takeover, "a released record is not taken over");
+            assert!(fence > f1, "{fence} > {f1}");
+        }
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+    // A waiter on a released record returns at once.
+    let sc2 = scope();
+    let f2 = acquire(s, &sc2, &fp(12), LONG).await;
+    s.release(&sc2, f2).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), s.wait(&sc2, Instant::now() + LONG))
+        .await
+        .expect("wait on a released record returns at once")
+        .unwrap();
+}
+
+/// Conformance: after a release, the released fence can neither renew, complete nor
+/// release, before and after the next claim.
+pub async fn a_released_fence_cannot_renew_or_complete<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(14);
+    let old = acquire(s, &sc, &f, LONG).await;
+    s.release(&sc, old).await.unwrap();
+    let fenced = |r: Result<(), StoreError>| {
+        assert!(
+            matches!(r, Err(StoreError::Fenced { presented, .. }) if presented == old),
+            "{r:?}"
+        )
+    };
+    fenced(s.renew(&sc, old, LONG).await);
+    fenced(
+        s.complete(
+            &sc,
+            old,
+            StoredOutcome::Response(Bytes::from_static(b"late")),
+            LONG,
+        )
+        .await,
+    );
+    fenced(s.release(&sc, old).await);
+    // Nothing was written by those: the next claim still runs.
+    let new = acquire(s, &sc, &f, LONG).await;
+    assert!(new > old, "{new} > {old}");
+    fenced(s.renew(&sc, old, LONG).await);
+    fenced(
+        s.complete(
+            &sc,
+            old,
+            StoredOutcome::Response(Bytes::from_static(b"late")),
+            LONG,
+        )
+        .await,
+    );
+    fenced(s.release(&sc, old).await);
+    assert!(matches!(
+        s.get(&sc).await.unwrap(),
+        Some(RecordState::InFlight { fence, .. }) if fence == new
+    ));
+}
+
+/// Conformance: a claimant whose lease was taken over stays fenced after the taker
+/// releases and a third claimant runs: fences still grow across takeover + release.
+pub async fn takeover_then_release_keeps_the_stale_holder_fenced<S: Store>(s: &S) {
+    let sc = scope();
+    let f = fp(15);
+    let stale = acquire(s, &sc, &f, LEASE).await;
+    let taker = eventually("takeover after the lease", || async {
+        match s
+            .claim(req(&sc, &f, ClaimantId::random(), LONG))
+            .await
+            .unwrap()
+        {
+            Claim::InFlight { .. } => None,
+            Claim::Acquired { fence, takeover } => {
+                assert!(takeover);
+                Some(fence)
+            }
+            other => panic!("{other:?}"),
+        }
+    })
+    .await;
+    s.release(&sc, taker).await.unwrap();
+    let third = acquire(s, &sc, &f, LONG).await;
+    assert!(
+        third > taker && taker > stale,
+        "{third} > {taker} > {stale}"
+    );
+    for old in [stale, taker] {
+        let r = s
+            .complete(
+                &sc,
+                old,
+                StoredOutcome::Response(Bytes::from_static(b"x")),
+                LONG,
+            )
+            .await;
+        assert!(
+            matches!(r, Err(StoreError::Fenced { current: Some(c), .. }) if c == third),
+            "{r:?}"
+        );
+    }
+    s.complete(
+        &sc,
+        third,
+        StoredOutcome::Response(Bytes::from_static(b"3")),
+        LONG,
+    )
+    .await
+    .unwrap();
+}
+
+/// The per-tenant in-flight bound [`tenant_in_flight_bound`] expects the store to have.
+pub const TENANT_IN_FLIGHT_BOUND: usize = 4;
+
+/// Conformance, for a store built with a per-tenant in-flight bound of
+/// [`TENANT_IN_FLIGHT_BOUND`] (not part of [`store_conformance_tests!`](crate::store_conformance_tests):
+/// call it from a test that builds such a store).
+///
+/// A tenant at its bound gets [`StoreError::Full`] for new records while another tenant
+/// still acquires; the tenant's replays, in-flight duplicates and own re-claims are
+/// not refused; completing or releasing one of its records makes room again.
+pub async fn tenant_in_flight_bound<S: Store>(s: &S) {
+    let a = TenantId(rand::random());
+    let b = TenantId(rand::random());
+    let as_tenant = |t: &'static TenantId, sc: &'static Scope, who| ClaimRequest {
+        tenant: t,
+        ..req(sc, &FP16, who, LONG)
+    };
+    let leak = |x: Scope| -> &'static Scope { Box::leak(Box::new(x)) };
+    let a: &'static TenantId = Box::leak(Box::new(a));
+    let b: &'static TenantId = Box::leak(Box::new(b));
+    let mut held = Vec::new();
+    for _ in 0..TENANT_IN_FLIGHT_BOUND {
+        let sc = leak(scope());
+        let who = ClaimantId::random();
+        match s.claim(as_tenant(a, sc, who)).await.unwrap() {
+            Claim::Acquired { fence, .. } => held.push((sc, who, fence)),
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+    let refused = s
+        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
+        .await;
+    assert!(matches!(refused, Err(StoreError::Full(_))), "{refused:?}");
+    // Another tenant is not affected.
+    let other = s
+        .claim(as_tenant(b, leak(scope()), ClaimantId::random()))
+        .await;
+    assert!(matches!(other, Ok(Claim::Acquired { .. })), "{other:?}");
+    // At its bound, A's duplicates and own re-claims are answered, not refused.
+    let (sc0, who0, fence0) = held[0];
+    assert!(matches!(
+        s.claim(as_tenant(a, sc0, ClaimantId::random()))
+            .await
+            .unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert_eq!(
+        s.claim(as_tenant(a, sc0, who0)).await.unwrap(),
+        Claim::Acquired {
+            fence: fence0,
+            takeover: false
+        }
+    );
+    // Completing one makes room; its replay is not refused either.
+    s.complete(
+        sc0,
+        fence0,
+        StoredOutcome::Response(Bytes::from_static(b"a0")),
+        LONG,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.claim(as_tenant(a, sc0, ClaimantId::random()))
+            .await
+            .unwrap(),
+        Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"a0")))
+    );
+    let next = s
+        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
+        .await;
+    assert!(matches!(next, Ok(Claim::Acquired { .. })), "{next:?}");
+    let full = s
+        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
+        .await;
+    assert!(matches!(full, Err(StoreError::Full(_))), "{full:?}");
+    // Releasing one makes room too.
+    let (sc1, _, fence1) = held[1];
+    s.release(sc1, fence1).await.unwrap();
+    let again = s
+        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
+        .await;
+    assert!(matches!(again, Ok(Claim::Acquired { .. })), "{again:?}");
+}
+
+const FP16: Fingerprint = Fingerprint([16; 32]);
 
 /// Conformance: lease expiry and takeover.
 pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
@@ -478,6 +690,9 @@ macro_rules! store_conformance_tests {
             in_flight_duplicate_and_same_claimant,
             stale_fences_are_refused,
             release_then_any_claim_with_a_higher_fence,
+            release_leaves_nothing_that_blocks_a_new_claim,
+            a_released_fence_cannot_renew_or_complete,
+            takeover_then_release_keeps_the_stale_holder_fenced,
             lease_expiry_and_takeover,
             renew_keeps_the_lease,
             completed_records_expire_after_their_ttl,

@@ -61,8 +61,24 @@ const IDEMPOTENCY_FIELDS: &[&str] = &[
 ];
 const IDEM_FIELDS: &[&str] = &["keyHeader", "tenant", "memoryStore", "redis", "client"];
 const TENANT_FIELDS: &[&str] = &["single", "header"];
-const MEMORY_FIELDS: &[&str] = &["maxEntries", "maxBytes", "sweepInterval", "tombstoneTtl"];
-const REDIS_FIELDS: &[&str] = &["url", "keyPrefix", "commandTimeout", "connectTimeout"];
+const MEMORY_FIELDS: &[&str] = &[
+    "maxEntries",
+    "maxBytes",
+    "maxInFlightPerTenant",
+    "maxEntriesPerTenant",
+    "maxBytesPerTenant",
+    "sweepInterval",
+    "tombstoneTtl",
+];
+const REDIS_FIELDS: &[&str] = &[
+    "url",
+    "keyPrefix",
+    "commandTimeout",
+    "connectTimeout",
+    "maxInFlightPerTenant",
+];
+/// Default of `idem.redis.maxInFlightPerTenant`.
+const REDIS_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
 const CLIENT_FIELDS: &[&str] = &[
     "keyAllMethods",
     "maxReplayBytesPerCall",
@@ -1127,11 +1143,40 @@ impl Validator {
         if let Some(x) = self.size_field(&o, "maxBytes") {
             m.max_bytes = x;
         }
+        m.max_in_flight_per_tenant = self.size_field(&o, "maxInFlightPerTenant");
+        m.max_entries_per_tenant = self.size_field(&o, "maxEntriesPerTenant");
+        m.max_bytes_per_tenant = self.size_field(&o, "maxBytesPerTenant");
         if let Some(d) = self.duration_field(&o, "sweepInterval", Zero::Refused) {
             m.sweep_interval = d;
         }
-        if let Some(d) = self.duration_field(&o, "tombstoneTtl", Zero::Refused) {
-            m.tombstone_ttl = d;
+        if o.get("tombstoneTtl").is_some() {
+            self.warn(
+                o.path("tombstoneTtl"),
+                "no longer used: a released record is removed, and an in-flight record \
+                 whose lease ended is dropped one lease later",
+            );
+        }
+        for (key, value, store) in [
+            (
+                "maxEntriesPerTenant",
+                m.max_entries_per_tenant,
+                m.max_entries,
+            ),
+            (
+                "maxInFlightPerTenant",
+                m.max_in_flight_per_tenant,
+                m.max_entries,
+            ),
+            ("maxBytesPerTenant", m.max_bytes_per_tenant, m.max_bytes),
+        ] {
+            if value.is_some_and(|v| v > store) {
+                self.warn(
+                    o.path(key),
+                    format!(
+                        "is above the store-wide bound ({store}); the store-wide bound applies"
+                    ),
+                );
+            }
         }
         (self.errors.len() == errors_before).then_some(m)
     }
@@ -1164,6 +1209,18 @@ impl Validator {
         let connect_timeout = self
             .duration_field(&o, "connectTimeout", Zero::Refused)
             .unwrap_or(Duration::from_secs(2));
+        let max = u64::try_from(usize::MAX).unwrap_or(u64::MAX);
+        let max_in_flight_per_tenant = match self.integer_field(
+            &o,
+            "maxInFlightPerTenant",
+            0,
+            max,
+            "must be an integer >= 0 (0: no per-tenant bound)",
+        ) {
+            None => Some(REDIS_MAX_IN_FLIGHT_PER_TENANT),
+            Some(0) => None,
+            Some(n) => usize::try_from(n).ok(),
+        };
         if self.errors.len() > errors_before {
             return None;
         }
@@ -1172,6 +1229,7 @@ impl Validator {
             key_prefix,
             command_timeout,
             connect_timeout,
+            max_in_flight_per_tenant,
         })
     }
 

@@ -1542,7 +1542,8 @@ fn idem_tenant() {
 #[test]
 fn idem_memory_store() {
     let (s, _) = settings(
-        json!({"memoryStore": {"maxEntries": 10, "maxBytes": 4096, "sweepInterval": "0.5s", "tombstoneTtl": "60s"}}),
+        json!({"memoryStore": {"maxEntries": 10, "maxBytes": 4096, "maxInFlightPerTenant": 2,
+               "maxEntriesPerTenant": 5, "maxBytesPerTenant": 2048, "sweepInterval": "0.5s"}}),
     )
     .unwrap();
     assert_eq!(
@@ -1550,9 +1551,36 @@ fn idem_memory_store() {
         MemoryStoreSettings {
             max_entries: 10,
             max_bytes: 4096,
+            max_in_flight_per_tenant: Some(2),
+            max_entries_per_tenant: Some(5),
+            max_bytes_per_tenant: Some(2048),
             sweep_interval: Duration::from_millis(500),
-            tombstone_ttl: Duration::from_secs(60),
         }
+    );
+    // Absent per-tenant bounds are a share of the store-wide ones.
+    let (s, w) = settings(json!({"memoryStore": {"maxEntries": 1600, "maxBytes": 4096}})).unwrap();
+    assert!(w.is_empty(), "{w:?}");
+    assert_eq!(
+        (
+            s.memory_store.tenant_in_flight_bound(),
+            s.memory_store.tenant_entries_bound(),
+            s.memory_store.tenant_bytes_bound()
+        ),
+        (100, 400, 1024)
+    );
+    // The retired tombstoneTtl and per-tenant bounds above the store's are warnings.
+    let (s, w) = settings(json!({"memoryStore": {"maxEntries": 10, "maxEntriesPerTenant": 20, "tombstoneTtl": "60s"}})).unwrap();
+    assert_eq!(s.memory_store.tenant_entries_bound(), 10);
+    assert_eq!(
+        w,
+        vec![
+            "idem.memoryStore.tombstoneTtl: no longer used: a released record is removed, and \
+             an in-flight record whose lease ended is dropped one lease later"
+                .to_owned(),
+            "idem.memoryStore.maxEntriesPerTenant: is above the store-wide bound (10); the \
+             store-wide bound applies"
+                .to_owned(),
+        ]
     );
     let (s, _) = settings(json!({"memoryStore": {"maxEntries": 10}})).unwrap();
     assert_eq!(
@@ -1592,7 +1620,21 @@ fn idem_redis() {
             key_prefix: "idem:".into(),
             command_timeout: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(2),
+            max_in_flight_per_tenant: Some(1000),
         })
+    );
+    let quota = |v: serde_json::Value| {
+        settings(json!({"redis": {"url": "redis://c", "maxInFlightPerTenant": v}}))
+            .map(|(s, _)| s.redis.unwrap().max_in_flight_per_tenant)
+    };
+    assert_eq!(quota(json!(16)), Ok(Some(16)));
+    assert_eq!(quota(json!(0)), Ok(None), "0: no per-tenant bound");
+    assert_eq!(
+        quota(json!(-1)),
+        Err(vec![
+            "idem.redis.maxInFlightPerTenant: must be an integer >= 0 (0: no per-tenant bound)"
+                .to_owned()
+        ])
     );
     let (s, _) = settings(json!({"redis": {"url": "rediss://cache:6380", "keyPrefix": "shop:", "commandTimeout": "0.2s", "connectTimeout": "1s"}})).unwrap();
     let r = s.redis.unwrap();

@@ -484,7 +484,8 @@ pub enum TenantSource {
 /// Redis store settings (`idem.redis`).
 ///
 /// # Defaults
-/// `keyPrefix` `"idem:"`, `commandTimeout` `"0.5s"`, `connectTimeout` `"2s"`.
+/// `keyPrefix` `"idem:"`, `commandTimeout` `"0.5s"`, `connectTimeout` `"2s"`,
+/// `maxInFlightPerTenant` 1000 (`0`: no per-tenant bound).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisSettings {
     /// `redis://host:port/db` (required when the object is present).
@@ -495,6 +496,9 @@ pub struct RedisSettings {
     pub command_timeout: Duration,
     /// Timeout of a (re)connection.
     pub connect_timeout: Duration,
+    /// Most in-flight records one tenant may hold across every instance (`None`: no
+    /// bound). A claim past it is refused with RESOURCE_EXHAUSTED and a retry delay.
+    pub max_in_flight_per_tenant: Option<usize>,
 }
 
 /// Client-side settings (`idem.client`).

@@ -1,0 +1,297 @@
+//! What cheap failing calls and one tenant's load leave behind in a real `redis-server`:
+//! released records leave (next to) nothing, so a `maxmemory` budget with
+//! `noeviction` survives a flood of rejected calls, and one tenant at its in-flight
+//! quota does not stop another.
+
+use std::time::Duration;
+
+use idem_redis::RedisStore;
+use idem_store::{
+    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
+    StoredOutcome, TenantId,
+};
+use idem_test_support::redis::RedisServer;
+
+const LEASE: Duration = Duration::from_secs(10);
+const TTL: Duration = Duration::from_secs(24 * 3600);
+
+fn used_memory(redis: &RedisServer) -> u64 {
+    let info = redis.cmd(&["INFO", "memory"]).expect("INFO memory").text();
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("used_memory in INFO memory")
+}
+
+fn claim<'a>(scope: &'a Scope, tenant: &'a TenantId, fp: &'a Fingerprint) -> ClaimRequest<'a> {
+    ClaimRequest {
+        scope,
+        tenant,
+        fingerprint: fp,
+        claimant: ClaimantId::random(),
+        lease: LEASE,
+    }
+}
+
+/// 10 000 rejected calls (claim, then release) under `maxmemory 2mb` and `noeviction`:
+/// memory stays where it was and a normal call still claims and completes afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_released_claims_leaves_maxmemory_room_for_real_calls() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    redis
+        .cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
+        .expect("CONFIG SET");
+    redis
+        .cmd(&["CONFIG", "SET", "maxmemory", "2mb"])
+        .expect("CONFIG SET");
+    let store = RedisStore::builder(redis.url())
+        .key_prefix("flood:")
+        .connect()
+        .await
+        .expect("connect");
+    let tenant = TenantId([1; 16]);
+    let fp = Fingerprint([3; 32]);
+    let before = used_memory(&redis);
+    let mut warmed = 0;
+    let mut failures = 0usize;
+    let mut first_failure = None;
+    for i in 0..10_000 {
+        if i == 1_000 {
+            // Redis grows some structures of its own once (buffers, script state);
+            // what matters is that 9 000 more calls add nothing.
+            warmed = used_memory(&redis);
+        }
+        let scope = Scope(rand::random());
+        match store.claim(claim(&scope, &tenant, &fp)).await {
+            Ok(Claim::Acquired { fence, .. }) => {
+                if let Err(e) = store.release(&scope, fence).await {
+                    failures += 1;
+                    first_failure.get_or_insert(e.to_string());
+                }
+            }
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => {
+                failures += 1;
+                first_failure.get_or_insert(e.to_string());
+            }
+        }
+    }
+    let after = used_memory(&redis);
+    let keys = redis.cmd(&["DBSIZE"]).expect("DBSIZE").text();
+    println!(
+        "flood of 10000 claim+release under maxmemory 2mb: used_memory {before} before, \
+         {warmed} after 1000 calls, {after} after 10000; {keys} keys left; {failures} failed \
+         calls (first: {first_failure:?})"
+    );
+    assert_eq!(failures, 0, "first failure: {first_failure:?}");
+    assert_eq!(keys, "0", "released claims left keys behind");
+    assert!(
+        after < warmed + 32 * 1024,
+        "released claims left memory behind: {warmed} -> {after}"
+    );
+    // A normal call still runs and is recorded.
+    let scope = Scope(rand::random());
+    let Claim::Acquired { fence, .. } = store.claim(claim(&scope, &tenant, &fp)).await.unwrap()
+    else {
+        panic!("not acquired")
+    };
+    store
+        .complete(
+            &scope,
+            fence,
+            StoredOutcome::Response(bytes::Bytes::from_static(b"order 1")),
+            TTL,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.claim(claim(&scope, &tenant, &fp)).await.unwrap(),
+        Claim::Completed(StoredOutcome::Response(bytes::Bytes::from_static(
+            b"order 1"
+        )))
+    );
+}
+
+async fn store_with_quota(redis: &RedisServer, quota: usize) -> RedisStore {
+    RedisStore::builder(redis.url())
+        .key_prefix("quota:")
+        .max_in_flight_per_tenant(Some(quota))
+        .connect()
+        .await
+        .expect("connect")
+}
+
+/// Tenant A abandons claims (never completes them) until its quota refuses it; tenant
+/// B still claims; the refused claim left no record; once A's leases end its quota
+/// frees itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_in_flight_quota_does_not_stop_another() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = store_with_quota(&redis, 16).await;
+    let (a, b) = (TenantId([0xa; 16]), TenantId([0xb; 16]));
+    let fp = Fingerprint([5; 32]);
+    let lease = Duration::from_millis(600);
+    for _ in 0..16 {
+        let scope = Scope(rand::random());
+        let got = store
+            .claim(ClaimRequest {
+                lease,
+                ..claim(&scope, &a, &fp)
+            })
+            .await
+            .unwrap();
+        assert!(matches!(got, Claim::Acquired { .. }), "{got:?}");
+    }
+    let refused_scope = Scope(rand::random());
+    let refused = store
+        .claim(ClaimRequest {
+            lease,
+            ..claim(&refused_scope, &a, &fp)
+        })
+        .await;
+    match &refused {
+        Err(StoreError::Full(c)) => {
+            assert_eq!(c.to_string(), "tenant at its in-flight record quota (16)")
+        }
+        other => panic!("expected Full, got {other:?}"),
+    }
+    assert_eq!(
+        store.get(&refused_scope).await.unwrap(),
+        None,
+        "a refused claim leaves no record"
+    );
+    // B is not affected, and completes normally.
+    let scope = Scope(rand::random());
+    let Claim::Acquired { fence, .. } = store.claim(claim(&scope, &b, &fp)).await.unwrap() else {
+        panic!("B refused")
+    };
+    store
+        .complete(&scope, fence, StoredOutcome::NotRetained, TTL)
+        .await
+        .unwrap();
+    // B's count went back to nothing with its completion (the set is gone).
+    let b_key = store.tenant_key_for(&b);
+    assert_eq!(redis.cmd(&["EXISTS", &b_key]).unwrap().text(), "0");
+    let a_key = store.tenant_key_for(&a);
+    assert_eq!(redis.cmd(&["ZCARD", &a_key]).unwrap().text(), "16");
+    // A's abandoned leases end: its quota frees itself, without any complete/release.
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let scope = Scope(rand::random());
+    let got = store.claim(claim(&scope, &a, &fp)).await.unwrap();
+    assert!(matches!(got, Claim::Acquired { .. }), "{got:?}");
+    assert_eq!(redis.cmd(&["ZCARD", &a_key]).unwrap().text(), "1");
+    // And the abandoned records themselves expire one lease after their lease.
+    tokio::time::sleep(lease).await;
+    let left = redis.cmd(&["KEYS", "quota:{*"]).unwrap();
+    assert_eq!(left.text().split_whitespace().count(), 2, "{left:?}");
+}
+
+/// A released record is deleted; only if the server clock is behind its fence (the
+/// clock stepped back) does a tombstone keep the fence, and only until the clock
+/// passes it. Simulated by planting an in-flight record with a fence 3 s ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_keeps_a_tombstone_only_while_the_clock_is_behind_the_fence() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = store_with_quota(&redis, 16).await;
+    let tenant = TenantId([1; 16]);
+    let fp = Fingerprint([6; 32]);
+    // The normal case: nothing left.
+    let scope = Scope(rand::random());
+    let Claim::Acquired { fence, .. } = store.claim(claim(&scope, &tenant, &fp)).await.unwrap()
+    else {
+        panic!()
+    };
+    store.release(&scope, fence).await.unwrap();
+    assert_eq!(
+        redis
+            .cmd(&["EXISTS", &store.key_for(&scope)])
+            .unwrap()
+            .text(),
+        "0"
+    );
+
+    let scope = Scope(rand::random());
+    let key = store.key_for(&scope);
+    let time = redis.cmd(&["TIME"]).unwrap().text();
+    let mut t = time.split_whitespace().map(|x| x.parse::<u64>().unwrap());
+    let now_us = t.next().unwrap() * 1_000_000 + t.next().unwrap();
+    let ahead = now_us + 3_000_000;
+    let lease_end = (now_us / 1000 + 60_000).to_string();
+    redis
+        .cmd_bytes(&[
+            b"HSET",
+            key.as_bytes(),
+            b"s",
+            b"i",
+            b"f",
+            ahead.to_string().as_bytes(),
+            b"fp",
+            &fp.0,
+            b"c",
+            b"00000000000000000000000000000001",
+            b"l",
+            lease_end.as_bytes(),
+        ])
+        .unwrap();
+    store.release(&scope, ahead).await.unwrap();
+    assert_eq!(
+        store.get(&scope).await.unwrap(),
+        Some(RecordState::Released { fence: ahead })
+    );
+    let pttl: i64 = redis.cmd(&["PTTL", &key]).unwrap().text().parse().unwrap();
+    assert!(pttl > 0 && pttl <= 3001, "{pttl}");
+    // The next claim starts above the tombstone's fence, not at the (behind) clock.
+    let Claim::Acquired { fence, takeover } =
+        store.claim(claim(&scope, &tenant, &fp)).await.unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!((fence, takeover), (ahead + 1, false));
+    assert!(matches!(
+        store
+            .complete(&scope, ahead, StoredOutcome::NotRetained, TTL)
+            .await,
+        Err(StoreError::Fenced { .. })
+    ));
+}
+
+/// An abandoned in-flight record (no renew, no complete) lives one lease past its
+/// lease, not a day.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_claim_expires_one_lease_after_its_lease() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = store_with_quota(&redis, 16).await;
+    let scope = Scope(rand::random());
+    let fp = Fingerprint([7; 32]);
+    let tenant = TenantId([2; 16]);
+    let req = ClaimRequest {
+        lease: Duration::from_secs(10),
+        ..claim(&scope, &tenant, &fp)
+    };
+    assert!(matches!(
+        store.claim(req).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    let pttl: i64 = redis
+        .cmd(&["PTTL", &store.key_for(&scope)])
+        .unwrap()
+        .text()
+        .parse()
+        .unwrap();
+    assert!((19_000..=20_000).contains(&pttl), "{pttl}");
+    let pttl: i64 = redis
+        .cmd(&["PTTL", &store.tenant_key_for(&tenant)])
+        .unwrap()
+        .text()
+        .parse()
+        .unwrap();
+    assert!((10_000..=11_000).contains(&pttl), "{pttl}");
+}
