@@ -213,6 +213,7 @@ pub enum InFlightPolicy {
 /// | `maxRequestBytes` | 4194304 (4 MiB, tonic's default message limit) |
 /// | `maxResponseBytes` | 1048576 (1 MiB) |
 /// | `failOpen` | `false` |
+/// | `completionRetryTimeout` | `"60s"` |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyPolicy {
     /// A call without a key is refused (INVALID_ARGUMENT) when true; passed through
@@ -238,6 +239,10 @@ pub struct IdempotencyPolicy {
     /// When the store cannot answer, run the handler without a record (true) or answer
     /// UNAVAILABLE (false).
     pub fail_open: bool,
+    /// How long a completion or release the store refuses transiently is retried (with
+    /// backoff, the lease renewed meanwhile) before the record is left to its lease.
+    /// Zero: one attempt.
+    pub completion_retry_timeout: Duration,
 }
 
 impl IdempotencyPolicy {
@@ -262,6 +267,7 @@ impl Default for IdempotencyPolicy {
             max_request_bytes: 4 * 1024 * 1024,
             max_response_bytes: 1024 * 1024,
             fail_open: false,
+            completion_retry_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -430,14 +436,19 @@ impl Default for ClientSettings {
 /// idem's top-level `idem` object: process-wide settings.
 ///
 /// # Defaults
-/// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `memoryStore` see
-/// [`MemoryStoreSettings`], `redis` absent, `client` see [`ClientSettings`].
+/// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `maxHandlersInFlight` 1024,
+/// `memoryStore` see [`MemoryStoreSettings`], `redis` absent, `client` see
+/// [`ClientSettings`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemSettings {
     /// Header carrying the key.
     pub key_header: http::HeaderName,
     /// Where the tenant comes from.
     pub tenant: TenantSource,
+    /// Protected handler runs one server layer lets be in progress at once, counting
+    /// runs whose caller went away (they keep running to record their outcome). Past
+    /// it, new protected calls are refused (RESOURCE_EXHAUSTED) before they run.
+    pub max_handlers_in_flight: usize,
     /// Bounds of the in-memory store.
     pub memory_store: MemoryStoreSettings,
     /// Redis store settings, when configured.
@@ -451,6 +462,7 @@ impl Default for IdemSettings {
         IdemSettings {
             key_header: http::HeaderName::from_static(crate::headers::IDEMPOTENCY_KEY),
             tenant: TenantSource::Unset,
+            max_handlers_in_flight: 1024,
             memory_store: MemoryStoreSettings::default(),
             redis: None,
             client: ClientSettings::default(),
