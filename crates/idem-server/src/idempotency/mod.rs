@@ -129,18 +129,28 @@
 //! `fail_open`, `waited_deadline`); counters in [`IdempotencyStats`].
 
 mod body;
+mod call;
 mod codec;
+mod decision;
 mod digest;
 mod future;
+mod handler;
 mod layer;
+mod lease;
+mod request;
 mod service;
 mod stats;
+mod status;
 pub mod tenant;
 #[cfg(test)]
 mod tests;
 
+pub use decision::{DECISION_HEADER, IdemDecision};
 pub use digest::{scope_for, tenant_id};
 pub use future::ResponseFuture;
+pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};
-pub use service::{DECISION_HEADER, IdemDecision, Idempotency, RecordFence};
+pub use service::Idempotency;
 pub use stats::{IdempotencyStats, StatsSnapshot};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
