@@ -4,6 +4,7 @@
 //! published.
 
 pub mod demo;
+pub mod faulty_store;
 pub mod net;
 pub mod redis;
 

@@ -14,7 +14,7 @@ use idem_core::headers;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
 };
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
 use tokio::time::{Duration, Instant};
 use tonic::Status;
 use tonic::body::Body;
@@ -87,7 +87,7 @@ impl<St: Store> Call<St> {
                 Claim::Acquired { fence, takeover } => {
                     let Some(permit) = permit else {
                         Lease::start(&self.shared, self.scope, fence, &self.policy)
-                            .release()
+                            .release(oneshot::channel().0)
                             .await;
                         return Ok(self.overloaded());
                     };

@@ -105,7 +105,8 @@ async fn run<S, St, ResBody>(
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             // The service failed without a response: nothing is known to be done.
-            lease.release().await;
+            let (attempted, _) = oneshot::channel();
+            lease.release(attempted).await;
             out.forward.fail_service(e);
             return;
         }
@@ -116,14 +117,27 @@ async fn run<S, St, ResBody>(
     }
     let Output { forward, collected } = out;
     let mut collected = collected.expect("a response head, or the panic's");
-    let origin = collected.origin();
-    let code = collected.code();
-    if decision::keep(
-        origin,
-        code,
-        collected.decision,
-        policy.cacheable_status_codes,
-    ) {
+    let trailers = collected.stored.trailers.clone();
+    let (attempted, on_attempted) = oneshot::channel();
+    let deliver = async move {
+        // Hold the end of the response back until the store has been asked once.
+        let _ = on_attempted.await;
+        forward.finish(trailers).await;
+    };
+    let record = async move {
+        let origin = collected.origin();
+        let keep = decision::keep(
+            origin,
+            collected.code(),
+            collected.decision,
+            policy.cacheable_status_codes,
+        );
+        if !keep {
+            if origin == Origin::BeforeHandler {
+                tracing::info!("the service refused the request before its handler ran: released");
+            }
+            return lease.release(attempted).await;
+        }
         let outcome = if collected.over_limit {
             shared.stats.inc(|c| &c.not_retained);
             tracing::warn!(
@@ -134,14 +148,10 @@ async fn run<S, St, ResBody>(
         } else {
             StoredOutcome::Response(collected.stored.encode())
         };
-        lease.complete(outcome, policy.record_ttl).await;
-    } else {
-        if origin == Origin::BeforeHandler {
-            tracing::info!("the service refused the request before its handler ran: released");
-        }
-        lease.release().await;
-    }
-    forward.finish(collected.stored.trailers.take()).await;
+        collected.stored.frames.clear();
+        lease.complete(outcome, policy.record_ttl, attempted).await;
+    };
+    tokio::join!(record, deliver);
 }
 
 /// What the handler's task has produced so far. It lives outside the future that

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use idem_core::config::IdempotencyPolicy;
 use idem_store::{Fence, Scope, Store, StoreError, StoredOutcome};
+use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -83,41 +84,64 @@ impl<St: Store> Lease<St> {
     /// Records the outcome, so duplicates replay it. A response the store has no room
     /// for is recorded as not retained: a duplicate then learns that the call completed,
     /// rather than running it again.
-    pub(crate) async fn complete(self, outcome: StoredOutcome, ttl: Duration) {
+    ///
+    /// `attempted` fires after the first attempt, landed or not, so the caller gets its
+    /// response then, while the retries go on.
+    pub(crate) async fn complete(
+        self,
+        outcome: StoredOutcome,
+        ttl: Duration,
+        attempted: oneshot::Sender<()>,
+    ) {
         let (store, scope, fence) = (&self.store, &self.scope, self.fence);
         let mut r = self
-            .settle(|| store.complete(scope, fence, outcome.clone(), ttl))
+            .settle(attempted, || {
+                store.complete(scope, fence, outcome.clone(), ttl)
+            })
             .await;
         if let Err(Unrecorded::Failed(StoreError::Full(e))) = &r
             && matches!(outcome, StoredOutcome::Response(_))
         {
             self.stats.inc(|c| &c.not_retained);
             tracing::warn!(error = %e, scope = %self.short_scope(), "no room in the store for the response: recorded as not retained");
+            let (attempted, _) = oneshot::channel();
             r = self
-                .settle(|| store.complete(scope, fence, StoredOutcome::NotRetained, ttl))
+                .settle(attempted, || {
+                    store.complete(scope, fence, StoredOutcome::NotRetained, ttl)
+                })
                 .await;
         }
         self.report(r, "completion", |c| &c.stored);
     }
 
     /// Gives the record up (nothing was done), so the next claim runs the handler.
-    pub(crate) async fn release(self) {
+    /// `attempted` as for [`complete`](Self::complete).
+    pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {
         let (store, scope, fence) = (&self.store, &self.scope, self.fence);
-        let r = self.settle(|| store.release(scope, fence)).await;
+        let r = self.settle(attempted, || store.release(scope, fence)).await;
         self.report(r, "release", |c| &c.released);
     }
 
     /// Runs `op` until it lands, retrying transient store failures with backoff for up
     /// to `retry_for`; the renewal task keeps the lease meanwhile.
-    async fn settle<F, Fut>(&self, mut op: F) -> Result<(), Unrecorded>
+    async fn settle<F, Fut>(
+        &self,
+        attempted: oneshot::Sender<()>,
+        mut op: F,
+    ) -> Result<(), Unrecorded>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<(), StoreError>>,
     {
         let give_up = Instant::now() + self.retry_for;
         let mut wait = FIRST_RETRY;
+        let mut attempted = Some(attempted);
         loop {
-            match op().await {
+            let r = op().await;
+            if let Some(tx) = attempted.take() {
+                let _ = tx.send(());
+            }
+            match r {
                 Ok(()) => return Ok(()),
                 // The record holds this fence but is no longer in flight: an earlier
                 // attempt landed and only its reply was lost.
