@@ -412,7 +412,7 @@ pub struct ClientSettings {
     /// A retry is not started when less than this would be left before the deadline.
     pub min_attempt_time: Duration,
     /// Mark failures from an exhausted downstream call with `grpc-retry-pushback-ms: -1`
-    /// (retry at one layer only, DESIGN.md section 4).
+    /// (retry at one layer only).
     pub retry_exhausted_pushback: bool,
     /// Make no retries for outgoing calls made while serving an inbound call that is
     /// itself a retry (`grpc-previous-rpc-attempts` > 0): the caller upstream already

@@ -39,6 +39,16 @@ pub(crate) struct Call<St> {
     pub(crate) tenant: TenantId,
 }
 
+/// This call's own deadline (it bounds waiting) and the scope its handler runs in, read
+/// as `InboundLayer` reads them. Under an `InboundLayer` the scope (with its
+/// exhausted-downstream marker) is already set: keep it, so clients in the handler can
+/// mark give-ups.
+fn scopes(headers: &http::HeaderMap) -> (Option<Instant>, InboundScope) {
+    let own = crate::inbound::scope_of(headers);
+    let inbound = idem_core::deadline::current_scope().unwrap_or(own);
+    (own.deadline, inbound)
+}
+
 fn outcome(name: &'static str) {
     tracing::Span::current().record("outcome", name);
 }
@@ -63,12 +73,7 @@ impl<St: Store> Call<St> {
             Ok(r) => r,
             Err(status) => return Ok(self.refuse("rejected", status)),
         };
-        // This call's own deadline (bounds waiting) and scope, read as `InboundLayer`
-        // reads them. Under an `InboundLayer` the scope (with its exhausted-downstream
-        // marker) is already set: keep it, so clients in the handler can mark give-ups.
-        let own = crate::inbound::scope_of(&parts.headers);
-        let deadline = own.deadline;
-        let inbound = idem_core::deadline::current_scope().unwrap_or(own);
+        let (deadline, inbound) = scopes(&parts.headers);
 
         let claimant = ClaimantId::random();
         let mut waited = false;
@@ -86,10 +91,7 @@ impl<St: Store> Call<St> {
             match claim {
                 Claim::Acquired { fence, takeover } => {
                     let Some(permit) = permit else {
-                        Lease::start(&self.shared, self.scope, fence, &self.policy)
-                            .release(oneshot::channel().0)
-                            .await;
-                        return Ok(self.overloaded());
+                        return Ok(self.overloaded_after_claim(fence).await);
                     };
                     self.shared.stats.inc(|c| &c.executed);
                     outcome("executed");
@@ -264,6 +266,13 @@ impl<St: Store> Call<St> {
     fn deadline_exceeded(&self) -> Response<Body> {
         self.shared.stats.inc(|c| &c.deadline_exceeded);
         self.answer("waited_deadline", status::in_progress_past_deadline())
+    }
+
+    /// Claimed, but no handler run is free: give the record back and refuse.
+    async fn overloaded_after_claim(&self, fence: idem_store::Fence) -> Response<Body> {
+        let lease = Lease::start(&self.shared, self.scope, fence, &self.policy);
+        lease.release(oneshot::channel().0).await;
+        self.overloaded()
     }
 
     fn overloaded(&self) -> Response<Body> {

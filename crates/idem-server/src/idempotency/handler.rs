@@ -10,6 +10,7 @@ use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full};
+use idem_core::config::IdempotencyPolicy;
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_store::{Fence, Store, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
@@ -116,7 +117,7 @@ async fn run<S, St, ResBody>(
         }
     }
     let Output { forward, collected } = out;
-    let mut collected = collected.expect("a response head, or the panic's");
+    let collected = collected.expect("a response head, or the panic's");
     let trailers = collected.stored.trailers.clone();
     let (attempted, on_attempted) = oneshot::channel();
     let deliver = async move {
@@ -124,34 +125,41 @@ async fn run<S, St, ResBody>(
         let _ = on_attempted.await;
         forward.finish(trailers).await;
     };
-    let record = async move {
-        let origin = collected.origin();
-        let keep = decision::keep(
-            origin,
-            collected.code(),
-            collected.decision,
-            policy.cacheable_status_codes,
-        );
-        if !keep {
-            if origin == Origin::BeforeHandler {
-                tracing::info!("the service refused the request before its handler ran: released");
-            }
-            return lease.release(attempted).await;
-        }
-        let outcome = if collected.over_limit {
-            shared.stats.inc(|c| &c.not_retained);
-            tracing::warn!(
-                max,
-                "response over the size limit: recorded as not retained"
-            );
-            StoredOutcome::NotRetained
-        } else {
-            StoredOutcome::Response(collected.stored.encode())
-        };
-        collected.stored.frames.clear();
-        lease.complete(outcome, policy.record_ttl, attempted).await;
-    };
+    let record = record(&shared.stats, &policy, lease, collected, attempted);
     tokio::join!(record, deliver);
+}
+
+/// Completes or releases the record by what the handler produced; `attempted` fires
+/// after the store's first answer.
+async fn record<St: Store>(
+    stats: &super::IdempotencyStats,
+    policy: &IdempotencyPolicy,
+    lease: Lease<St>,
+    collected: Collected,
+    attempted: oneshot::Sender<()>,
+) {
+    let origin = collected.origin();
+    let code = collected.code();
+    let cacheable = policy.cacheable_status_codes;
+    if !decision::keep(origin, code, collected.decision, cacheable) {
+        if origin == Origin::BeforeHandler {
+            tracing::info!("the service refused the request before its handler ran: released");
+        }
+        return lease.release(attempted).await;
+    }
+    let outcome = if collected.over_limit {
+        stats.inc(|c| &c.not_retained);
+        let max = policy.max_response_bytes;
+        tracing::warn!(
+            max,
+            "response over the size limit: recorded as not retained"
+        );
+        StoredOutcome::NotRetained
+    } else {
+        StoredOutcome::Response(collected.stored.encode())
+    };
+    drop(collected);
+    lease.complete(outcome, policy.record_ttl, attempted).await;
 }
 
 /// What the handler's task has produced so far. It lives outside the future that
