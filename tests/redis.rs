@@ -297,7 +297,10 @@ async fn redis_down_fails_closed_and_recovers_after_restart() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     redis.stop();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Long enough for the calls in flight to get their answer (their completion waits up
+    // to one command timeout, 500 ms, before the caller is answered and the completion
+    // is retried behind it) and for new calls to meet the dead store.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     stop_load.store(true, Ordering::SeqCst);
     let (mut ok, mut unavailable) = (0, 0);
     for l in load {

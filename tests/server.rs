@@ -1,10 +1,11 @@
-//! End-to-end tests of the server idempotency layer (`idem-server`, issue 4): a real
+//! End-to-end tests of the server idempotency layer (`idem-server`): a real
 //! tonic `Orders` server on 127.0.0.1 behind an auth layer (tenant from a test header
 //! into a request extension) and `IdempotencyLayer`, driven by the generated client.
 //!
 //! Tests that move time (leases, deadlines) drive the layer in-process around the real
 //! generated `OrdersServer` (hand-built gRPC requests) on tokio's paused clock.
 
+use idem_test_support::faulty_store::{Fault, FaultyStore, INTERNAL_DETAIL, Op};
 use idem_test_support::net;
 use idem_test_support::shop;
 
@@ -23,16 +24,14 @@ use idem_core::config::{IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodC
 use idem_core::headers::reason;
 use idem_server::tenant::FromExtension;
 use idem_server::{IdemDecision, IdempotencyLayer, RecordFence, StatsSnapshot, scope_for};
-use idem_store::{
-    Claim, ClaimRequest, Fence, MemoryStore, RecordState, Scope, Store, StoreError, StoredOutcome,
-};
+use idem_store::{Fence, MemoryStore, RecordState, Store};
 use prost::Message;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::body::Body;
 use tonic::codec::CompressionEncoding;
 use tonic::metadata::{MetadataMap, MetadataValue};
@@ -127,6 +126,14 @@ impl Orders for Shop {
                 permit.forget();
                 Ok(())
             }
+            "panic" => panic!("scripted panic"),
+            sku if sku.starts_with("block-") => {
+                // Blocks its thread, as a synchronous driver would.
+                let ms = sku["block-".len()..].parse().expect("block-<ms>");
+                self.0.started.notify_one();
+                std::thread::sleep(Duration::from_millis(ms));
+                Ok(())
+            }
             "unavailable" => Err(Status::unavailable("scripted")),
             "internal" => Err(Status::internal("scripted")),
             "unavailable-store" => Err(with_decision(Code::Unavailable, "store")),
@@ -170,17 +177,18 @@ impl Orders for Shop {
     ) -> Result<Response<Self::ListOrdersStream>, Status> {
         let n = self.record(&request);
         let customer = request.into_inner().customer_id;
-        let items: Vec<Result<Order, Status>> = (0..3)
-            .map(|i| {
-                Ok(Order {
-                    order_id: format!("order-{n}-{i}"),
-                    customer_id: customer.clone(),
-                    ..Order::default()
-                })
+        // `panic-mid-stream`: the second message panics while the stream is polled.
+        let panics = customer == "panic-mid-stream";
+        let items = tokio_stream::iter(0..3).map(move |i| {
+            assert!(!(panics && i == 1), "scripted panic in the response stream");
+            Ok(Order {
+                order_id: format!("order-{n}-{i}"),
+                customer_id: customer.clone(),
+                ..Order::default()
             })
-            .collect();
+        });
         self.0.finished.fetch_add(1, Ordering::SeqCst);
-        Ok(Response::new(Box::pin(tokio_stream::iter(items))))
+        Ok(Response::new(Box::pin(items)))
     }
 }
 
@@ -816,49 +824,25 @@ async fn bad_keys_are_refused_before_anything_runs_or_is_stored() {
 
 // ---------------------------------------------------------------- store failure
 
-/// A store that cannot answer.
-#[derive(Clone, Default)]
-struct FailingStore(Arc<AtomicUsize>);
-
-impl FailingStore {
-    fn fail<T>(&self) -> Result<T, StoreError> {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        Err(StoreError::Unavailable(
-            "connection refused (test double)".into(),
-        ))
+/// A store that cannot answer anything.
+fn failing_store() -> FaultyStore<MemoryStore> {
+    let store = FaultyStore::new(MemoryStore::default());
+    for op in [
+        Op::Claim,
+        Op::Renew,
+        Op::Complete,
+        Op::Release,
+        Op::Get,
+        Op::Wait,
+    ] {
+        store.inject(op, Fault::Unavailable, usize::MAX);
     }
-}
-
-impl Store for FailingStore {
-    async fn claim(&self, _: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.fail()
-    }
-    async fn renew(&self, _: &Scope, _: Fence, _: Duration) -> Result<(), StoreError> {
-        self.fail()
-    }
-    async fn complete(
-        &self,
-        _: &Scope,
-        _: Fence,
-        _: StoredOutcome,
-        _: Duration,
-    ) -> Result<(), StoreError> {
-        self.fail()
-    }
-    async fn release(&self, _: &Scope, _: Fence) -> Result<(), StoreError> {
-        self.fail()
-    }
-    async fn get(&self, _: &Scope) -> Result<Option<RecordState>, StoreError> {
-        self.fail()
-    }
-    async fn wait(&self, _: &Scope, _: Instant) -> Result<(), StoreError> {
-        self.fail()
-    }
+    store
 }
 
 #[tokio::test]
 async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
-    let store = FailingStore::default();
+    let store = failing_store();
     let cfg = config(
         policy(),
         Some(IdempotencyPolicy {
@@ -875,6 +859,11 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
         .await
         .unwrap_err();
     assert_idem_error(&err, Code::Unavailable, reason::STORE_UNAVAILABLE);
+    assert!(
+        !err.message().contains(INTERNAL_DETAIL),
+        "the store's own words stay in the logs: {}",
+        err.message()
+    );
     assert_eq!(srv.shop.runs(), 0);
     for _ in 0..2 {
         let r = client
@@ -901,53 +890,19 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
         (6, 2, 0),
         "{s:?}"
     );
+    assert_eq!(store.calls(Op::Claim), 6);
     assert_eq!(
-        store.0.load(Ordering::SeqCst),
-        6,
+        store.calls(Op::Complete) + store.calls(Op::Release) + store.calls(Op::Wait),
+        0,
         "only claims were attempted"
     );
-}
-
-/// Forwards to a `MemoryStore`, but loses the reply of the first claim (as when a
-/// Redis command times out after Redis applied it).
-#[derive(Clone)]
-struct LosesFirstClaimReply(MemoryStore, Arc<AtomicUsize>);
-
-impl Store for LosesFirstClaimReply {
-    async fn claim(&self, r: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        let claim = self.0.claim(r).await;
-        if self.1.fetch_add(1, Ordering::SeqCst) == 0 {
-            return Err(StoreError::Unavailable("reply lost (test double)".into()));
-        }
-        claim
-    }
-    async fn renew(&self, s: &Scope, f: Fence, l: Duration) -> Result<(), StoreError> {
-        self.0.renew(s, f, l).await
-    }
-    async fn complete(
-        &self,
-        s: &Scope,
-        f: Fence,
-        o: StoredOutcome,
-        t: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(s, f, o, t).await
-    }
-    async fn release(&self, s: &Scope, f: Fence) -> Result<(), StoreError> {
-        self.0.release(s, f).await
-    }
-    async fn get(&self, s: &Scope) -> Result<Option<RecordState>, StoreError> {
-        self.0.get(s).await
-    }
-    async fn wait(&self, s: &Scope, until: Instant) -> Result<(), StoreError> {
-        self.0.wait(s, until).await
-    }
 }
 
 #[tokio::test]
 async fn a_claim_whose_reply_was_lost_is_sent_again_and_recognised() {
     let memory = MemoryStore::default();
-    let store = LosesFirstClaimReply(memory.clone(), Arc::new(AtomicUsize::new(0)));
+    let store = FaultyStore::new(memory.clone());
+    store.inject(Op::Claim, Fault::ReplyLost, 1);
     let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
         .tenant(FromExtension::<Tenant>::new());
     let srv = serve(l).await;
@@ -960,7 +915,7 @@ async fn a_claim_whose_reply_was_lost_is_sent_again_and_recognised() {
         .expect("the resent claim is recognised as the same claimant");
     assert!(!replayed(r.metadata()));
     assert_eq!(srv.shop.runs(), 1);
-    assert_eq!(store.1.load(Ordering::SeqCst), 2, "one claim, sent twice");
+    assert_eq!(store.calls(Op::Claim), 2, "one claim, sent twice");
     match memory.get(&scope_for("t1", CREATE, KEY)).await.unwrap() {
         Some(RecordState::Completed { fence, .. }) => assert!(fence >= 1),
         other => panic!("expected a completed record, got {other:?}"),
@@ -1024,6 +979,16 @@ fn raw_request(
     key: &str,
     timeout: Option<&str>,
 ) -> http::Request<Body> {
+    raw_body_request(path, grpc_frame(msg), key, timeout)
+}
+
+/// A request with `body` as it is (gRPC framing included).
+fn raw_body_request(
+    path: &str,
+    body: Bytes,
+    key: &str,
+    timeout: Option<&str>,
+) -> http::Request<Body> {
     let mut b = http::Request::builder()
         .method("POST")
         .uri(format!("http://localhost{path}"))
@@ -1034,7 +999,7 @@ fn raw_request(
         b = b.header("grpc-timeout", t);
     }
     b.extension(Tenant("t1".into()))
-        .body(Body::new(Full::new(grpc_frame(msg))))
+        .body(Body::new(Full::new(body)))
         .unwrap()
 }
 
@@ -1129,43 +1094,14 @@ async fn replay_is_byte_for_byte_including_trailers_only_errors() {
     assert_eq!(shop.runs(), 3);
 }
 
-/// Forwards to a `MemoryStore` but cannot renew leases (as when the store is
-/// partitioned from this instance for a while).
-#[derive(Clone)]
-struct NoRenew(MemoryStore);
-
-impl Store for NoRenew {
-    async fn claim(&self, r: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.0.claim(r).await
-    }
-    async fn renew(&self, _: &Scope, _: Fence, _: Duration) -> Result<(), StoreError> {
-        Err(StoreError::Unavailable("partitioned (test double)".into()))
-    }
-    async fn complete(
-        &self,
-        s: &Scope,
-        f: Fence,
-        o: StoredOutcome,
-        t: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(s, f, o, t).await
-    }
-    async fn release(&self, s: &Scope, f: Fence) -> Result<(), StoreError> {
-        self.0.release(s, f).await
-    }
-    async fn get(&self, s: &Scope) -> Result<Option<RecordState>, StoreError> {
-        self.0.get(s).await
-    }
-    async fn wait(&self, s: &Scope, until: Instant) -> Result<(), StoreError> {
-        self.0.wait(s, until).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
     let shop = Shop::new();
     let memory = MemoryStore::default();
-    let l = IdempotencyLayer::new(NoRenew(memory.clone()), &config(policy(), None))
+    // Renewals fail, as when the store is partitioned from this instance for a while.
+    let store = FaultyStore::new(memory.clone());
+    store.inject(Op::Renew, Fault::Unavailable, usize::MAX);
+    let l = IdempotencyLayer::new(store, &config(policy(), None))
         .tenant(FromExtension::<Tenant>::new());
     let stats = l.stats();
     let svc = in_process(&l, &shop);
@@ -1395,4 +1331,325 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
         .await
         .unwrap_err();
     assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
+}
+
+// ---------------------------------------------------------------- store blips, panics, blocked threads
+
+fn status_of(r: &Raw) -> Status {
+    Status::from_header_map(r.trailers.as_ref().unwrap_or(&r.headers)).expect("a grpc-status")
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_the_store_refuses_once_is_retried_and_the_waiting_duplicate_replays_it() {
+    let shop = Shop::new();
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Complete, Fault::Unavailable, 1);
+    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
+        .tenant(FromExtension::<Tenant>::new());
+    let svc = in_process(&l, &shop);
+    let s1 = svc.clone();
+    let first =
+        tokio::spawn(
+            async move { call(&s1, raw_request(CREATE, &create("gate"), KEY, None)).await },
+        );
+    shop.0.started.notified().await;
+    let s2 = svc.clone();
+    let dup =
+        tokio::spawn(
+            async move { call(&s2, raw_request(CREATE, &create("gate"), KEY, None)).await },
+        );
+    let stats = l.stats();
+    eventually("the duplicate to wait", || stats.snapshot().waited == 1).await;
+    shop.open_gate(1);
+    let a = first.await.unwrap();
+    let b = dup.await.unwrap();
+    assert_eq!(shop.runs(), 1, "one execution");
+    assert_eq!(b.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(a.frames, b.frames);
+    assert_eq!(store.faulted(Op::Complete), 1);
+    assert_eq!(store.calls(Op::Complete), 2, "sent again after the blip");
+    let s = stats.snapshot();
+    assert_eq!(
+        (s.stored, s.record_retries, s.unrecorded),
+        (1, 1, 0),
+        "{s:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_the_store_refuses_once_is_retried_so_the_retry_runs_at_once() {
+    let shop = Shop::new();
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Release, Fault::Unavailable, 1);
+    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
+        .tenant(FromExtension::<Tenant>::new());
+    let svc = in_process(&l, &shop);
+    let a = call(&svc, raw_request(CREATE, &create("unavailable"), KEY, None)).await;
+    assert_eq!(status_of(&a).code(), Code::Unavailable);
+    let t = Instant::now();
+    let b = call(&svc, raw_request(CREATE, &create("unavailable"), KEY, None)).await;
+    assert!(
+        Instant::now() - t < Duration::from_secs(1),
+        "the retry did not wait for the lease to end"
+    );
+    assert_eq!(status_of(&b).code(), Code::Unavailable);
+    assert_eq!(shop.runs(), 2, "released, so the retry ran");
+    assert_eq!(store.calls(Op::Release), 3, "first release sent twice");
+    assert_eq!(l.stats().snapshot().released, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_that_never_lands_gives_up_after_its_timeout_and_says_so() {
+    let shop = Shop::new();
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Complete, Fault::Unavailable, usize::MAX);
+    let p = IdempotencyPolicy {
+        completion_retry_timeout: Duration::from_secs(5),
+        ..policy()
+    };
+    let l = IdempotencyLayer::new(store.clone(), &config(p, None))
+        .tenant(FromExtension::<Tenant>::new());
+    let stats = l.stats();
+    let svc = in_process(&l, &shop);
+    let t = Instant::now();
+    let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    assert_eq!(
+        decode_orders(&a.frames).len(),
+        1,
+        "the caller is not kept waiting"
+    );
+    assert!(Instant::now() - t < Duration::from_secs(1));
+    eventually("the give-up", || stats.snapshot().unrecorded == 1).await;
+    let waited = Instant::now() - t;
+    assert!(
+        waited >= Duration::from_secs(4) && waited <= Duration::from_secs(6),
+        "{waited:?}"
+    );
+    assert!(store.calls(Op::Complete) > 3, "retried with backoff");
+    assert!(matches!(
+        store
+            .inner()
+            .get(&scope_for("t1", CREATE, KEY))
+            .await
+            .unwrap(),
+        Some(RecordState::InFlight { .. })
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_in_a_response_stream_is_recorded_as_internal_never_left_in_flight() {
+    let shop = Shop::new();
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let svc = in_process(&l, &shop);
+    let list = ListOrdersRequest {
+        customer_id: "panic-mid-stream".into(),
+    };
+    let a = call(&svc, raw_request(LIST, &list, KEY, None)).await;
+    assert_eq!(status_of(&a).code(), Code::Internal);
+    assert!(
+        a.trailers.is_some(),
+        "the response had started: INTERNAL in its trailers"
+    );
+    assert!(matches!(
+        store.get(&scope_for("t1", LIST, KEY)).await.unwrap(),
+        Some(RecordState::Completed { .. })
+    ));
+    let mut b = call(&svc, raw_request(LIST, &list, KEY, None)).await;
+    assert_eq!(b.headers.remove("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(a, b, "replayed as it was sent");
+    // A unary handler that panics: the same.
+    let c = call(&svc, raw_request(CREATE, &create("panic"), KEY, None)).await;
+    assert_eq!(status_of(&c).code(), Code::Internal);
+    let d = call(&svc, raw_request(CREATE, &create("panic"), KEY, None)).await;
+    assert_eq!(d.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(shop.runs(), 2, "one run per method");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_blocks_its_thread_past_the_lease_keeps_it() {
+    let shop = Shop::new();
+    let lease = Duration::from_millis(600);
+    let p = IdempotencyPolicy {
+        lease_ttl: lease,
+        ..policy()
+    };
+    let l = layer(MemoryStore::default(), &config(p, None));
+    let svc = in_process(&l, &shop);
+    let sku = format!("block-{}", 3 * lease.as_millis());
+    let s1 = svc.clone();
+    let req = raw_request(CREATE, &create(&sku), KEY, None);
+    let first = tokio::spawn(async move { call(&s1, req).await });
+    shop.0.started.notified().await;
+    // The first handler now blocks its worker thread for three leases.
+    let dup = call(&svc, raw_request(CREATE, &create(&sku), KEY, None)).await;
+    let a = first.await.unwrap();
+    assert_eq!(shop.runs(), 1, "the duplicate did not run it again");
+    assert_eq!(dup.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert_eq!(dup.frames, a.frames);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_the_service_cannot_decode_does_not_spend_its_key() {
+    let shop = Shop::new();
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let svc = in_process(&l, &shop);
+    let frame = |msg: &[u8]| {
+        let mut b = BytesMut::new();
+        b.put_u8(0);
+        b.put_u32(msg.len() as u32);
+        b.put_slice(msg);
+        b.freeze()
+    };
+    // (key, body, the code the caller gets)
+    let cases = [
+        // Not protobuf at all: refused by the layer before any record exists.
+        (
+            "key-not-protobuf",
+            frame(b"\xff\xff\xff"),
+            Code::InvalidArgument,
+        ),
+        // No message: tonic refuses it before the handler runs.
+        ("key-no-message-1", Bytes::new(), Code::Internal),
+        // Well-formed protobuf, but field 1 (a string) as a varint: tonic cannot
+        // decode it as the method's type.
+        ("key-wrong-type-1", frame(b"\x08\x01"), Code::Internal),
+    ];
+    for (key, body, code) in cases {
+        let r = call(&svc, raw_body_request(CREATE, body, key, None)).await;
+        let st = status_of(&r);
+        assert_eq!(st.code(), code, "{key}: {st:?}");
+        if code == Code::InvalidArgument {
+            assert_idem_error(&st, code, reason::REQUEST_MALFORMED);
+        }
+        assert!(
+            !matches!(
+                store.get(&scope_for("t1", CREATE, key)).await.unwrap(),
+                Some(RecordState::Completed { .. } | RecordState::InFlight { .. })
+            ),
+            "{key}: the key is free"
+        );
+        // The corrected request, with the same key, runs.
+        let before = shop.runs();
+        let ok = call(&svc, raw_request(CREATE, &create("ok"), key, None)).await;
+        assert_eq!(status_of(&ok).code(), Code::Ok, "{key}");
+        assert!(ok.headers.get("x-idempotency-replayed").is_none());
+        assert_eq!(shop.runs(), before + 1, "{key}");
+    }
+    assert_eq!(
+        shop.runs(),
+        3,
+        "the handler ran only for the corrected requests"
+    );
+}
+
+#[tokio::test]
+async fn a_full_store_is_resource_exhausted_with_a_retry_delay_and_no_run() {
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Claim, Fault::Full, usize::MAX);
+    let fail_open = IdempotencyPolicy {
+        fail_open: true,
+        ..policy()
+    };
+    let l = IdempotencyLayer::new(store.clone(), &config(policy(), Some(fail_open)))
+        .tenant(FromExtension::<Tenant>::new());
+    let stats = l.stats();
+    let srv = serve(l).await;
+    let mut client = srv.client();
+    let get = GetOrderRequest {
+        order_id: "x".into(),
+    };
+    let errs = [
+        client
+            .create_order(keyed(create("ok"), KEY, "t1"))
+            .await
+            .unwrap_err(),
+        // Even on a fail-open method: a full store answered, and running anyway could
+        // run a key twice.
+        client.get_order(keyed(get, KEY, "t1")).await.unwrap_err(),
+    ];
+    for err in errs {
+        assert_idem_error(&err, Code::ResourceExhausted, reason::STORE_FULL);
+        let retry = err.get_details_retry_info().expect("RetryInfo");
+        assert!(retry.retry_delay.is_some_and(|d| d > Duration::ZERO));
+        assert!(
+            !err.message().contains(INTERNAL_DETAIL),
+            "{}",
+            err.message()
+        );
+    }
+    assert_eq!(srv.shop.runs(), 0);
+    assert_eq!(store.calls(Op::Claim), 2, "no resend: the store answered");
+    assert_eq!(stats.snapshot().store_full, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_response_the_store_has_no_room_for_is_recorded_as_not_retained() {
+    let shop = Shop::new();
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Complete, Fault::Full, 1);
+    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
+        .tenant(FromExtension::<Tenant>::new());
+    let svc = in_process(&l, &shop);
+    let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    assert_eq!(decode_orders(&a.frames).len(), 1);
+    let b = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    assert_idem_error(
+        &status_of(&b),
+        Code::FailedPrecondition,
+        reason::RESPONSE_NOT_RETAINED,
+    );
+    assert_eq!(shop.runs(), 1, "never a second run");
+}
+
+#[tokio::test(start_paused = true)]
+async fn handler_runs_are_bounded_and_cancelled_calls_count_until_their_handlers_end() {
+    let shop = Shop::new();
+    let l = layer(MemoryStore::default(), &config(policy(), None)).max_handlers_in_flight(2);
+    let stats = l.stats();
+    let svc = in_process(&l, &shop);
+    let start = |key: &'static str| {
+        let s = svc.clone();
+        tokio::spawn(async move { call(&s, raw_request(CREATE, &create("gate"), key, None)).await })
+    };
+    let a = start("key-bounded-a");
+    let b = start("key-bounded-b");
+    eventually("two handlers running", || shop.runs() == 2).await;
+    let refused = |r: &Raw| {
+        let st = status_of(r);
+        assert_idem_error(&st, Code::ResourceExhausted, reason::OVERLOADED);
+        assert!(st.get_details_retry_info().is_some(), "RetryInfo");
+    };
+    refused(
+        &call(
+            &svc,
+            raw_request(CREATE, &create("gate"), "key-bounded-c", None),
+        )
+        .await,
+    );
+    // Their callers go away; the handlers keep running, and keep counting.
+    a.abort();
+    b.abort();
+    let _ = (a.await, b.await);
+    refused(
+        &call(
+            &svc,
+            raw_request(CREATE, &create("gate"), "key-bounded-d", None),
+        )
+        .await,
+    );
+    assert_eq!(shop.runs(), 2, "refused calls never ran");
+    shop.open_gate(2);
+    eventually("both outcomes recorded", || stats.snapshot().stored == 2).await;
+    // The refused key was left free: it runs now.
+    shop.open_gate(1);
+    let c = call(
+        &svc,
+        raw_request(CREATE, &create("gate"), "key-bounded-c", None),
+    )
+    .await;
+    assert_eq!(status_of(&c).code(), Code::Ok);
+    assert_eq!(shop.runs(), 3);
+    assert_eq!(stats.snapshot().overloaded, 2);
 }

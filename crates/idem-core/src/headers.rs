@@ -57,6 +57,15 @@ pub mod reason {
     pub const RESPONSE_NOT_RETAINED: &str = "RESPONSE_NOT_RETAINED";
     /// The request uses a `grpc-encoding` the layer cannot decode (UNIMPLEMENTED).
     pub const ENCODING_UNSUPPORTED: &str = "ENCODING_UNSUPPORTED";
+    /// The store, or the tenant's share of it, is at its bound (RESOURCE_EXHAUSTED, with
+    /// a retry delay). Nothing ran.
+    pub const STORE_FULL: &str = "STORE_FULL";
+    /// The server is running as many protected handlers as it allows
+    /// (RESOURCE_EXHAUSTED, with a retry delay). Nothing ran.
+    pub const OVERLOADED: &str = "OVERLOADED";
+    /// The request's messages are not well-formed protobuf (INVALID_ARGUMENT). Nothing
+    /// ran and the key stays free for a corrected request.
+    pub const REQUEST_MALFORMED: &str = "REQUEST_MALFORMED";
     /// Retries were exhausted downstream (set with `grpc-retry-pushback-ms: -1`).
     pub const RETRIES_EXHAUSTED: &str = "RETRIES_EXHAUSTED";
 }

@@ -58,8 +58,16 @@ const IDEMPOTENCY_FIELDS: &[&str] = &[
     "maxRequestFrames",
     "acceptCompressed",
     "failOpen",
+    "completionRetryTimeout",
 ];
-const IDEM_FIELDS: &[&str] = &["keyHeader", "tenant", "memoryStore", "redis", "client"];
+const IDEM_FIELDS: &[&str] = &[
+    "keyHeader",
+    "tenant",
+    "maxHandlersInFlight",
+    "memoryStore",
+    "redis",
+    "client",
+];
 const TENANT_FIELDS: &[&str] = &["single", "header"];
 const MEMORY_FIELDS: &[&str] = &[
     "maxEntries",
@@ -930,6 +938,10 @@ impl Validator {
             self.compressions(&o, "acceptCompressed")
         );
         set!(p.fail_open, self.boolean(&o, "failOpen"));
+        set!(
+            p.completion_retry_timeout,
+            self.duration_field(&o, "completionRetryTimeout", Zero::Allowed)
+        );
 
         let cacheable = self.codes_field(&o, "cacheableStatusCodes", false);
         let release = self.codes_field(&o, "releaseStatusCodes", false);
@@ -1027,6 +1039,9 @@ impl Validator {
             && let Some(x) = self.tenant(v, o.path("tenant"), &s.key_header)
         {
             s.tenant = x;
+        }
+        if let Some(x) = self.size_field(&o, "maxHandlersInFlight") {
+            s.max_handlers_in_flight = x;
         }
         if let Some(v) = o.get("memoryStore")
             && let Some(x) = self.memory_store(v, o.path("memoryStore"))

@@ -312,6 +312,7 @@ impl FromIterator<Compression> for CompressionSet {
 /// | `maxRequestFrames` | 65536 |
 /// | `acceptCompressed` | `[]` (identity only, as a tonic service without `accept_compressed`) |
 /// | `failOpen` | `false` |
+/// | `completionRetryTimeout` | `"60s"` |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyPolicy {
     /// A call without a key is refused (INVALID_ARGUMENT) when true; passed through
@@ -344,6 +345,10 @@ pub struct IdempotencyPolicy {
     /// When the store cannot answer, run the handler without a record (true) or answer
     /// UNAVAILABLE (false).
     pub fail_open: bool,
+    /// How long a completion or release the store refuses transiently is retried (with
+    /// backoff, the lease renewed meanwhile) before the record is left to its lease.
+    /// Zero: one attempt.
+    pub completion_retry_timeout: Duration,
 }
 
 impl IdempotencyPolicy {
@@ -370,6 +375,7 @@ impl Default for IdempotencyPolicy {
             max_request_frames: 65_536,
             accept_compressed: CompressionSet::EMPTY,
             fail_open: false,
+            completion_retry_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -542,14 +548,19 @@ impl Default for ClientSettings {
 /// idem's top-level `idem` object: process-wide settings.
 ///
 /// # Defaults
-/// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `memoryStore` see
-/// [`MemoryStoreSettings`], `redis` absent, `client` see [`ClientSettings`].
+/// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `maxHandlersInFlight` 1024,
+/// `memoryStore` see [`MemoryStoreSettings`], `redis` absent, `client` see
+/// [`ClientSettings`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemSettings {
     /// Header carrying the key.
     pub key_header: http::HeaderName,
     /// Where the tenant comes from.
     pub tenant: TenantSource,
+    /// Protected handler runs one server layer lets be in progress at once, counting
+    /// runs whose caller went away (they keep running to record their outcome). Past
+    /// it, new protected calls are refused (RESOURCE_EXHAUSTED) before they run.
+    pub max_handlers_in_flight: usize,
     /// Bounds of the in-memory store.
     pub memory_store: MemoryStoreSettings,
     /// Redis store settings, when configured.
@@ -563,6 +574,7 @@ impl Default for IdemSettings {
         IdemSettings {
             key_header: crate::headers::IDEMPOTENCY_KEY,
             tenant: TenantSource::Unset,
+            max_handlers_in_flight: 1024,
             memory_store: MemoryStoreSettings::default(),
             redis: None,
             client: ClientSettings::default(),

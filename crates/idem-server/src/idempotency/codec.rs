@@ -28,12 +28,41 @@ pub(crate) struct StoredResponse {
 #[error("corrupt stored response: {0}")]
 pub(crate) struct CorruptResponse(pub(crate) &'static str);
 
-/// Encoded size of a header map.
-pub(crate) fn headers_len(h: &HeaderMap) -> usize {
+/// Encoded size of a header map: its count, then per entry the name and value with
+/// their length prefixes.
+fn headers_len(h: &HeaderMap) -> usize {
     4 + h
         .iter()
         .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
         .sum::<usize>()
+}
+
+/// The encoded size of a response being collected, counted part by part as it arrives
+/// (so the size limit is checked before the whole response is held).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EncodedSize(usize);
+
+impl EncodedSize {
+    /// Everything but the frames and the trailers' headers: magic, status, `headers`,
+    /// the frame count and the trailers flag.
+    pub(crate) fn of_head(headers: &HeaderMap) -> Self {
+        EncodedSize(MAGIC.len() + 2 + headers_len(headers) + 4 + 1)
+    }
+
+    /// Adds one DATA frame (its length prefix and bytes).
+    pub(crate) fn add_frame(&mut self, frame: &[u8]) {
+        self.0 = self.0.saturating_add(4 + frame.len());
+    }
+
+    /// Adds the trailers' headers.
+    pub(crate) fn add_trailers(&mut self, trailers: &HeaderMap) {
+        self.0 = self.0.saturating_add(headers_len(trailers));
+    }
+
+    /// The size in bytes.
+    pub(crate) fn bytes(self) -> usize {
+        self.0
+    }
 }
 
 fn put_headers(out: &mut BytesMut, h: &HeaderMap) {
@@ -49,12 +78,14 @@ fn put_headers(out: &mut BytesMut, h: &HeaderMap) {
 impl StoredResponse {
     /// Encoded size.
     pub(crate) fn encoded_len(&self) -> usize {
-        4 + 2
-            + headers_len(&self.headers)
-            + 4
-            + self.frames.iter().map(|f| 4 + f.len()).sum::<usize>()
-            + 1
-            + self.trailers.as_ref().map_or(0, headers_len)
+        let mut size = EncodedSize::of_head(&self.headers);
+        for f in &self.frames {
+            size.add_frame(f);
+        }
+        if let Some(t) = &self.trailers {
+            size.add_trailers(t);
+        }
+        size.bytes()
     }
 
     pub(crate) fn encode(&self) -> Bytes {

@@ -32,6 +32,7 @@ pin_project! {
         Passthrough { #[pin] future: F },
         Ready { response: Option<Response<Body>> },
         Protected { future: Protected<E> },
+        Done,
     }
 }
 
@@ -61,6 +62,7 @@ impl<F, E> fmt::Debug for ResponseFuture<F, E> {
             Kind::Passthrough { .. } => "Passthrough",
             Kind::Ready { .. } => "Ready",
             Kind::Protected { .. } => "Protected",
+            Kind::Done => "Done",
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)
@@ -77,15 +79,35 @@ where
     type Output = Result<Response<Body>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Passthrough { future } => {
-                Poll::Ready(ready!(future.poll(cx)).map(|r| r.map(Body::new)))
-            }
-            KindProj::Ready { response } => match response.take() {
-                Some(r) => Poll::Ready(Ok(r)),
-                None => panic!("ResponseFuture polled after completion"),
-            },
-            KindProj::Protected { future } => future.as_mut().poll(cx),
-        }
+        let mut kind = self.project().kind;
+        let output = match kind.as_mut().project() {
+            KindProj::Passthrough { future } => ready!(future.poll(cx)).map(|r| r.map(Body::new)),
+            KindProj::Ready { response } => Ok(response.take().expect("a response until Done")),
+            KindProj::Protected { future } => ready!(future.as_mut().poll(cx)),
+            KindProj::Done => panic!("ResponseFuture polled after completion"),
+        };
+        kind.set(Kind::Done);
+        Poll::Ready(output)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+    use std::future::Ready;
+
+    #[test]
+    #[should_panic(expected = "polled after completion")]
+    fn polling_after_completion_panics() {
+        let mut f = Box::pin(ResponseFuture::<
+            Ready<Result<Response<Body>, Infallible>>,
+            Infallible,
+        >::passthrough(std::future::ready(Ok(
+            Response::new(Body::empty()),
+        ))));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(f.as_mut().poll(&mut cx).is_ready());
+        let _ = f.as_mut().poll(&mut cx);
     }
 }

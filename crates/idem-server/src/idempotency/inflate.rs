@@ -15,7 +15,7 @@
 use flate2::{Crc, Decompress, FlushDecompress, Status};
 use idem_core::config::Compression;
 
-use super::request::FrameError;
+use super::fingerprint::FrameError;
 
 /// First size of the output buffer; it doubles as a message needs, up to the limit.
 const FIRST_BUFFER: usize = 64 * 1024;

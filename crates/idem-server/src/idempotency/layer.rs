@@ -7,6 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use idem_core::ServiceConfig;
 use idem_core::config::TenantSource;
+use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
 use super::Idempotency;
@@ -27,6 +28,9 @@ pub(crate) struct Shared<St> {
     pub(crate) tenant: Arc<dyn TenantResolver>,
     pub(crate) hooks: HashMap<String, FingerprintHook>,
     pub(crate) stats: IdempotencyStats,
+    /// One permit per handler run in progress (including runs whose caller went away).
+    pub(crate) handlers: Arc<Semaphore>,
+    pub(crate) max_handlers: usize,
 }
 
 /// Applies [`Idempotency`] to a tonic server. Cheap to clone (one `Arc`); does no I/O.
@@ -71,6 +75,10 @@ impl<St: Store> IdempotencyLayer<St> {
             TenantSource::Single(t) => Arc::new(SingleTenant::new(t.clone())),
             TenantSource::Header(h) => Arc::new(FromHeader::new(h.clone())),
         };
+        let max_handlers = config
+            .settings()
+            .max_handlers_in_flight
+            .min(Semaphore::MAX_PERMITS);
         IdempotencyLayer {
             shared: Arc::new(Shared {
                 store,
@@ -78,6 +86,8 @@ impl<St: Store> IdempotencyLayer<St> {
                 tenant,
                 hooks: HashMap::new(),
                 stats: IdempotencyStats::default(),
+                handlers: Arc::new(Semaphore::new(max_handlers)),
+                max_handlers,
             }),
         }
     }
@@ -104,6 +114,23 @@ impl<St: Store> IdempotencyLayer<St> {
         let (p, h): (String, FingerprintHook) = (method_path.into(), Arc::new(hook));
         self.edit(|s| {
             s.hooks.insert(p, h);
+        })
+    }
+
+    /// Lets at most `max` handler runs be in progress at once (replacing the config's
+    /// `idem.maxHandlersInFlight`, default 1024). A run counts from its claim until its
+    /// outcome is recorded, also after its caller went away; past the bound, new
+    /// protected calls are refused with RESOURCE_EXHAUSTED (`OVERLOADED`, with a retry
+    /// delay) before they run. Duplicates answered from the store need no run.
+    ///
+    /// Each run also holds its request (up to `maxRequestBytes`) until the service has
+    /// read it, so this bounds that memory too.
+    pub fn max_handlers_in_flight(self, max: usize) -> Self {
+        let max = max.min(Semaphore::MAX_PERMITS);
+        let handlers = Arc::new(Semaphore::new(max));
+        self.edit(|s| {
+            s.handlers = handlers;
+            s.max_handlers = max;
         })
     }
 

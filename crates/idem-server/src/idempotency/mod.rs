@@ -60,8 +60,14 @@
 //!    (`ENCODING_UNSUPPORTED`, with `grpc-accept-encoding`) before the body is read, as
 //!    tonic refuses it.
 //!    **Body** buffered up to `maxRequestBytes` (→ RESOURCE_EXHAUSTED,
-//!    `REQUEST_TOO_LARGE`); the handler gets a body rebuilt from the buffer.
-//! 5. **Fingerprint** = SHA-256 over the request messages after gRPC de-framing and
+//!    `REQUEST_TOO_LARGE`); the handler gets a body rebuilt from the buffer, which is
+//!    freed once the service has read it.
+//! 5. **Decodable**: with a protobuf content type (`application/grpc`, `+proto`), each
+//!    message must be well-formed protobuf wire format (keys, wire types, varints,
+//!    lengths, groups), checked without its schema; otherwise INVALID_ARGUMENT
+//!    (`REQUEST_MALFORMED`) before any record exists, so the corrected request can use
+//!    the same key.
+//! 6. **Fingerprint** = SHA-256 over the request messages after gRPC de-framing and
 //!    decompression, or over the bytes a
 //!    [`fingerprint_with`](IdempotencyLayer::fingerprint_with) hook returns. Frames are
 //!    counted first (over `maxRequestFrames` → RESOURCE_EXHAUSTED, `REQUEST_TOO_LARGE`,
@@ -69,19 +75,20 @@
 //!    come, so the work is linear in the body however it is framed; decompressed
 //!    messages over `maxRequestBytes` → RESOURCE_EXHAUSTED. Requests that may take more
 //!    than about half a millisecond are read on tokio's blocking pool.
-//! 6. **Claim** the record:
+//! 7. **Claim** the record:
 //!    - *acquired*: the handler runs in a spawned task (a caller that goes away does not
 //!      cancel it), inside the inbound deadline scope
 //!      ([`scope_inbound_deadline`](idem_core::deadline::scope_inbound_deadline)), with a
-//!      [`RecordFence`] request extension. The lease is renewed every `leaseTtl / 3`.
-//!      The response streams to the caller as it is produced and is collected (headers,
+//!      [`RecordFence`] request extension. The lease is renewed every `leaseTtl / 3` by
+//!      a task of its own, so a handler that blocks its thread keeps its lease. The
+//!      response streams to the caller as it is produced and is collected (headers,
 //!      every DATA frame, trailers); the last frame (trailers, or the whole
-//!      Trailers-Only response) is held back until the outcome is recorded, so a caller
-//!      that saw the end of its response and retries finds the record completed. By
-//!      the `grpc-status` (or an [`IdemDecision`] / [`DECISION_HEADER`] override) the
-//!      outcome is completed (`cacheableStatusCodes`) or released
-//!      (`releaseStatusCodes`). A response over `maxResponseBytes` is completed as
-//!      "not retained".
+//!      Trailers-Only response) is held back until the store has been asked to record
+//!      the outcome, so a caller that saw the end of its response and retries finds the
+//!      record completed. By the `grpc-status` (or an [`IdemDecision`] /
+//!      [`DECISION_HEADER`] override) the outcome is completed (`cacheableStatusCodes`)
+//!      or released (`releaseStatusCodes`). A response over `maxResponseBytes` is
+//!      completed as "not retained".
 //!    - *completed*: replayed byte for byte (status, headers, DATA frames, trailers) plus
 //!      `x-idempotency-replayed: true`. Not retained → FAILED_PRECONDITION
 //!      (`RESPONSE_NOT_RETAINED`), never a second run.
@@ -91,10 +98,24 @@
 //!      and claims again, until the caller's `grpc-timeout` deadline (then
 //!      DEADLINE_EXCEEDED, reason `IN_PROGRESS`); `ABORT` answers ABORTED with
 //!      `google.rpc.RetryInfo` (`abortRetryDelay`) and reason `IN_PROGRESS`.
-//! 7. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
-//!    `failOpen`: then the handler runs without a record (logged, counted). A full
-//!    [`MemoryStore`](idem_store::MemoryStore) is a store error too (UNAVAILABLE, so clients
-//!    retry it by default).
+//! 8. **Recording the outcome**: a completion or release the store refuses transiently
+//!    is retried with backoff (20 ms doubling to 1 s), the lease still renewed, for up
+//!    to `completionRetryTimeout`; the caller gets its response after the first
+//!    attempt. Past the timeout the record is left to its lease (counted as
+//!    `unrecorded`, logged at WARN with the scope). A response the store has no room
+//!    for is recorded as not retained.
+//! 9. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
+//!    `failOpen`: then the handler runs without a record (logged, counted). A full store
+//!    (or tenant share) → RESOURCE_EXHAUSTED (`STORE_FULL`) with a 1 s
+//!    `google.rpc.RetryInfo`, fail-open or not: nothing runs. Messages say what to do;
+//!    what the store said goes to the logs only.
+//! 10. **Handler bound**: at most `idem.maxHandlersInFlight` handler runs per layer
+//!     (default 1024), counted from the claim until the outcome is recorded, including
+//!     runs whose caller went away. A call that would start one more is refused with
+//!     RESOURCE_EXHAUSTED (`OVERLOADED`, 1 s `RetryInfo`) and its key left free;
+//!     duplicates answered from the store are served at the bound. The bound also caps
+//!     the request buffers those runs hold (`maxHandlersInFlight × maxRequestBytes` at
+//!     worst).
 //!
 //! Every error the layer makes carries `google.rpc.ErrorInfo` with domain `idem` and a
 //! reason from [`idem_core::headers::reason`].
@@ -105,17 +126,27 @@
 //! `recordTtl` 24 h, `leaseTtl` 10 s, `inFlight` WAIT, `abortRetryDelay` 1 s,
 //! `cacheableStatusCodes` OK, UNKNOWN, DEADLINE_EXCEEDED, INTERNAL, DATA_LOSS,
 //! `releaseStatusCodes` the others, `maxRequestBytes` 4 MiB, `maxResponseBytes` 1 MiB,
-//! `maxRequestFrames` 65536, `acceptCompressed` `[]` (identity only), `failOpen` false.
-//! Process-wide (`idem`): `keyHeader` `x-idempotency-key`, `tenant`
-//! unset (every protected call is refused until a resolver is set). In code:
-//! [`IdempotencyLayer::tenant`] (no default beyond the config's),
-//! [`IdempotencyLayer::fingerprint_with`] (none).
+//! `maxRequestFrames` 65536, `acceptCompressed` `[]` (identity only), `failOpen` false,
+//! `completionRetryTimeout` 60 s. Process-wide (`idem`): `keyHeader`
+//! `x-idempotency-key`, `tenant` unset (every protected call is refused until a resolver
+//! is set), `maxHandlersInFlight` 1024. In code: [`IdempotencyLayer::tenant`] (no
+//! default beyond the config's), [`IdempotencyLayer::fingerprint_with`] (none),
+//! [`IdempotencyLayer::max_handlers_in_flight`] (the config's).
 //!
 //! # Decisions
 //! - A response's code is its `grpc-status` (trailers, else Trailers-Only headers);
 //!   a response without one counts as UNKNOWN.
-//! - A handler that panics is answered INTERNAL and that outcome follows the code lists
-//!   (INTERNAL is cacheable by default: side effects may have happened).
+//! - A handler that panics, in its `call`, its future or its response stream, is
+//!   answered INTERNAL (Trailers-Only before the response started, in the trailers
+//!   after) and that outcome follows the code lists (INTERNAL is cacheable by default:
+//!   side effects may have happened). The record is never left in flight.
+//! - Calls the handler never saw do not spend their key: besides the layer's own check
+//!   (step 5), tonic's refusals of a request it cannot decode (INTERNAL "Missing
+//!   request message." or "failed to decode Protobuf message: …", Trailers-Only) release
+//!   the record whatever the code lists say. Refusals by other layers between this one
+//!   and the handler cannot be told apart from the handler's errors: they follow the
+//!   code lists (their usual codes, UNAUTHENTICATED, RESOURCE_EXHAUSTED, UNAVAILABLE…,
+//!   release by default).
 //! - An inner service error (not a gRPC status) or a response body that fails mid-way
 //!   releases the record: no complete response exists to replay.
 //! - A handler's lease that could not be renewed does not stop the handler; its
@@ -135,23 +166,34 @@
 //! One `idempotency` span per protected call with the method, the first 16 hex digits of
 //! the scope (never the raw key), the fence and the outcome (`executed`, `replayed`,
 //! `waited`, `mismatch`, `aborted`, `not_retained`, `rejected`, `store_unavailable`,
-//! `fail_open`, `waited_deadline`); counters in [`IdempotencyStats`].
+//! `store_full`, `overloaded`, `fail_open`, `waited_deadline`); counters in
+//! [`IdempotencyStats`].
 
 mod body;
+mod call;
 mod codec;
+mod decision;
 mod digest;
+mod fingerprint;
 mod future;
+mod handler;
 mod inflate;
 mod layer;
+mod lease;
 mod request;
 mod service;
 mod stats;
+mod status;
 pub mod tenant;
 #[cfg(test)]
 mod tests;
 
+pub use decision::{DECISION_HEADER, IdemDecision};
 pub use digest::{scope_for, tenant_id};
 pub use future::ResponseFuture;
+pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};
-pub use service::{DECISION_HEADER, IdemDecision, Idempotency, RecordFence};
+pub use service::Idempotency;
 pub use stats::{IdempotencyStats, StatsSnapshot};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;

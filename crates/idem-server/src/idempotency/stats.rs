@@ -55,6 +55,16 @@ stats! {
     fail_open_runs,
     /// Duplicates that gave up waiting at their deadline.
     deadline_exceeded,
+    /// Protected calls refused because the store (or the tenant's share) was full.
+    store_full,
+    /// Protected calls refused because the layer was running as many handlers as it
+    /// allows (`maxHandlersInFlight`).
+    overloaded,
+    /// Completions or releases sent again after the store refused them transiently.
+    record_retries,
+    /// Outcomes (completions or releases) the store did not take within
+    /// `completionRetryTimeout`: their records were left to expire with their lease.
+    unrecorded,
 }
 
 /// Counters of one layer (shared by its clones). Cheap to clone.

@@ -103,6 +103,7 @@ fn repeated(frame: &[u8], size: usize) -> Bytes {
 
 fn limits(max_bytes: usize, max_frames: usize) -> Limits {
     Limits {
+        protobuf: false,
         max_bytes,
         max_frames,
     }
@@ -340,7 +341,7 @@ async fn large_requests_are_read_off_the_async_workers_with_the_same_result() {
     let calls = Arc::new(AtomicUsize::new(0));
     for body in [small, large] {
         let want = reference_fp(&body, Some(Compression::Deflate), p.max_request_bytes).unwrap();
-        let got = fingerprint(body.clone(), Some(Compression::Deflate), &p, None)
+        let got = fingerprint(body.clone(), Some(Compression::Deflate), &p, None, false)
             .await
             .unwrap();
         assert_eq!(got, want);
@@ -352,7 +353,7 @@ async fn large_requests_are_read_off_the_async_workers_with_the_same_result() {
         let n = reference(&body, Some(Compression::Deflate), p.max_request_bytes)
             .unwrap()
             .len();
-        let got = fingerprint(body, Some(Compression::Deflate), &p, Some(hook))
+        let got = fingerprint(body, Some(Compression::Deflate), &p, Some(hook), false)
             .await
             .unwrap();
         assert_eq!(got, fingerprint_custom(&n.to_be_bytes()));
@@ -363,7 +364,9 @@ async fn large_requests_are_read_off_the_async_workers_with_the_same_result() {
         max_request_bytes: 16,
         ..p
     };
-    let e = fingerprint(over, None, &tight, None).await.unwrap_err();
+    let e = fingerprint(over, None, &tight, None, false)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted);
     assert!(e.message().contains("idempotency.maxRequestBytes"));
 }

@@ -1,0 +1,300 @@
+//! A protected call after routing: read the request, claim its record, then run the
+//! handler, replay the stored response, refuse, or wait for the call in flight.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use http_body::Body as _;
+use http_body_util::Full;
+use idem_core::config::{IdempotencyPolicy, InFlightPolicy};
+use idem_core::deadline::{InboundScope, scope_inbound_deadline};
+use idem_core::headers;
+use idem_store::{
+    Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
+};
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
+use tokio::time::{Duration, Instant};
+use tonic::Status;
+use tonic::body::Body;
+use tower_service::Service;
+
+use super::BoxError;
+use super::body::ReplayBody;
+use super::codec::StoredResponse;
+use super::handler;
+use super::layer::Shared;
+use super::lease::Lease;
+use super::request::{ReadRequest, read_request};
+use super::status;
+
+/// Per-call state of a protected call (the inner service travels apart from it, so
+/// this is `Sync` whatever the service is).
+pub(crate) struct Call<St> {
+    pub(crate) shared: Arc<Shared<St>>,
+    pub(crate) policy: IdempotencyPolicy,
+    pub(crate) path: String,
+    pub(crate) scope: Scope,
+    pub(crate) tenant: TenantId,
+}
+
+/// This call's own deadline (it bounds waiting) and the scope its handler runs in, read
+/// as `InboundLayer` reads them. Under an `InboundLayer` the scope (with its
+/// exhausted-downstream marker) is already set: keep it, so clients in the handler can
+/// mark give-ups.
+fn scopes(headers: &http::HeaderMap) -> (Option<Instant>, InboundScope) {
+    let own = crate::inbound::scope_of(headers);
+    let inbound = idem_core::deadline::current_scope().unwrap_or(own);
+    (own.deadline, inbound)
+}
+
+fn outcome(name: &'static str) {
+    tracing::Span::current().record("outcome", name);
+}
+
+impl<St: Store> Call<St> {
+    pub(crate) async fn run<S, ResBody>(
+        self,
+        inner: S,
+        parts: http::request::Parts,
+        body: Body,
+    ) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let hook = self.shared.hooks.get(&self.path);
+        let request = read_request(body, &parts.headers, &self.policy, hook).await;
+        let ReadRequest { body, fingerprint } = match request {
+            Ok(r) => r,
+            Err(status) => return Ok(self.refuse("rejected", status)),
+        };
+        let (deadline, inbound) = scopes(&parts.headers);
+
+        let claimant = ClaimantId::random();
+        let mut waited = false;
+        loop {
+            // A handler run to be, if the claim is acquired; replays need none.
+            let permit = self.shared.handlers.clone().try_acquire_owned().ok();
+            let claim = match self.claim(&fingerprint, claimant).await {
+                Ok(claim) => claim,
+                Err(e) => {
+                    return self
+                        .store_failed(e, inner, parts, body, inbound, permit)
+                        .await;
+                }
+            };
+            match claim {
+                Claim::Acquired { fence, takeover } => {
+                    let Some(permit) = permit else {
+                        return Ok(self.overloaded_after_claim(fence).await);
+                    };
+                    self.shared.stats.inc(|c| &c.executed);
+                    outcome("executed");
+                    tracing::Span::current().record("fence", fence);
+                    if takeover {
+                        tracing::warn!(fence, "took over an in-flight record whose lease ended");
+                    }
+                    return handler::execute(self, inner, parts, body, fence, inbound, permit)
+                        .await;
+                }
+                Claim::Completed(StoredOutcome::Response(bytes)) => {
+                    return Ok(self.replay(bytes, waited));
+                }
+                Claim::Completed(StoredOutcome::NotRetained) => {
+                    self.shared.stats.inc(|c| &c.not_retained_hits);
+                    return Ok(self.answer("not_retained", status::response_not_retained()));
+                }
+                Claim::Mismatch => {
+                    self.shared.stats.inc(|c| &c.mismatched);
+                    return Ok(self.answer("mismatch", status::key_reused()));
+                }
+                Claim::InFlight { lease_remaining } => {
+                    drop(permit);
+                    let first_wait = !waited;
+                    waited = true;
+                    if let Some(resp) = self.in_flight(lease_remaining, deadline, first_wait).await
+                    {
+                        return Ok(resp);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims the record. A claim that fails transiently is sent once more with the same
+    /// claimant id: it may have been applied with only its reply lost (a timeout), and
+    /// the store recognises the claimant instead of leaving the record held until its
+    /// lease ends.
+    async fn claim(
+        &self,
+        fingerprint: &Fingerprint,
+        claimant: ClaimantId,
+    ) -> Result<Claim, StoreError> {
+        let request = ClaimRequest {
+            scope: &self.scope,
+            tenant: &self.tenant,
+            fingerprint,
+            claimant,
+            lease: self.policy.lease_ttl,
+        };
+        match self.shared.store.claim(request).await {
+            Err(StoreError::Unavailable(e)) => {
+                self.shared.stats.inc(|c| &c.store_errors);
+                tracing::debug!(error = %e, "claim failed; sending it again once");
+                self.shared.store.claim(request).await
+            }
+            r => r,
+        }
+    }
+
+    /// The store could not claim: refuse (full, or fail closed), or run without a
+    /// record on a fail-open method.
+    async fn store_failed<S, ResBody>(
+        self,
+        e: StoreError,
+        mut inner: S,
+        parts: http::request::Parts,
+        body: Bytes,
+        inbound: InboundScope,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>>,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let stats = &self.shared.stats;
+        if let StoreError::Full(cause) = &e {
+            stats.inc(|c| &c.store_full);
+            tracing::warn!(error = %cause, scope = %self.short_scope(), "idempotency store full: refusing the call");
+            return Ok(self.answer("store_full", status::store_full()));
+        }
+        stats.inc(|c| &c.store_errors);
+        if !self.policy.fail_open {
+            tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed: refusing the call");
+            return Ok(self.answer("store_unavailable", status::store_unavailable()));
+        }
+        let Some(permit) = permit else {
+            return Ok(self.overloaded());
+        };
+        stats.inc(|c| &c.fail_open_runs);
+        outcome("fail_open");
+        tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed; method is fail-open: running without a record");
+        let req = Request::from_parts(parts, Body::new(Full::new(body)));
+        let resp = scope_inbound_deadline(inbound, inner.call(req)).await;
+        drop(permit);
+        resp.map(|r| r.map(Body::new))
+    }
+
+    /// Another claimant holds the record: abort, or wait for a change (up to the
+    /// caller's deadline, and at most to the lease's end, to take an abandoned record
+    /// over). `None`: claim again.
+    async fn in_flight(
+        &self,
+        lease_remaining: Duration,
+        deadline: Option<Instant>,
+        first_wait: bool,
+    ) -> Option<Response<Body>> {
+        let stats = &self.shared.stats;
+        stats.inc(|c| &c.in_flight_hits);
+        if self.policy.in_flight == InFlightPolicy::Abort {
+            stats.inc(|c| &c.aborted);
+            let status = status::in_progress_aborted(self.policy.abort_retry_delay);
+            return Some(self.answer("aborted", status));
+        }
+        if first_wait {
+            stats.inc(|c| &c.waited);
+        }
+        let now = Instant::now();
+        if deadline.is_some_and(|d| d <= now) {
+            return Some(self.deadline_exceeded());
+        }
+        let lease_end = now + lease_remaining;
+        let until = deadline.map_or(lease_end, |d| d.min(lease_end));
+        if let Err(e) = self.shared.store.wait(&self.scope, until).await {
+            stats.inc(|c| &c.store_errors);
+            tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed while waiting");
+            return Some(self.answer("store_unavailable", status::store_unavailable()));
+        }
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            return Some(self.deadline_exceeded());
+        }
+        None
+    }
+
+    fn replay(&self, bytes: Bytes, waited: bool) -> Response<Body> {
+        let stored = match StoredResponse::decode(bytes) {
+            Ok(s) => s,
+            Err(e) => {
+                self.shared.stats.inc(|c| &c.store_errors);
+                tracing::error!(error = %e, scope = %self.short_scope(), "stored response does not decode");
+                return self.answer("store_unavailable", status::stored_response_unreadable());
+            }
+        };
+        self.shared.stats.inc(|c| &c.replayed);
+        outcome(if waited { "waited" } else { "replayed" });
+        let StoredResponse {
+            status,
+            mut headers,
+            frames,
+            trailers,
+        } = stored;
+        headers.insert(
+            headers::IDEMPOTENCY_REPLAYED,
+            HeaderValue::from_static("true"),
+        );
+        let body = ReplayBody {
+            frames: VecDeque::from(frames),
+            trailers,
+        };
+        let body = if body.is_end_stream() {
+            Body::empty()
+        } else {
+            Body::new(body)
+        };
+        let mut resp = Response::new(body);
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
+        resp
+    }
+
+    fn deadline_exceeded(&self) -> Response<Body> {
+        self.shared.stats.inc(|c| &c.deadline_exceeded);
+        self.answer("waited_deadline", status::in_progress_past_deadline())
+    }
+
+    /// Claimed, but no handler run is free: give the record back and refuse.
+    async fn overloaded_after_claim(&self, fence: idem_store::Fence) -> Response<Body> {
+        let lease = Lease::start(&self.shared, self.scope, fence, &self.policy);
+        lease.release(oneshot::channel().0).await;
+        self.overloaded()
+    }
+
+    fn overloaded(&self) -> Response<Body> {
+        self.shared.stats.inc(|c| &c.overloaded);
+        let limit = self.shared.max_handlers;
+        tracing::warn!(limit, scope = %self.short_scope(), "too many idempotent handlers running: refusing the call");
+        self.answer("overloaded", status::overloaded(limit))
+    }
+
+    /// A call refused before it reached the store (counted as rejected).
+    fn refuse(&self, name: &'static str, status: Status) -> Response<Body> {
+        self.shared.stats.inc(|c| &c.rejected);
+        tracing::info!(code = ?status.code(), "{}", status.message());
+        self.answer(name, status)
+    }
+
+    fn answer(&self, name: &'static str, status: Status) -> Response<Body> {
+        outcome(name);
+        status.into_http()
+    }
+
+    fn short_scope(&self) -> String {
+        self.scope.to_hex()[..16].to_owned()
+    }
+}

@@ -1,0 +1,401 @@
+//! The handler's run under a claimed record: in a task of its own (a caller that goes
+//! away does not cancel it), its response forwarded to the caller as it is produced and
+//! collected for the record, then its outcome recorded.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{HeaderMap, Request, Response};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full};
+use idem_core::config::IdempotencyPolicy;
+use idem_core::deadline::{InboundScope, scope_inbound_deadline};
+use idem_store::{Fence, Store, StoredOutcome};
+use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
+use tonic::body::Body;
+use tonic::{Code, Status};
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::BoxError;
+use super::body::{ChannelBody, ReplayBody};
+use super::call::Call;
+use super::codec::{EncodedSize, StoredResponse};
+use super::decision::{self, IdemDecision, Origin};
+use super::lease::Lease;
+use super::status;
+
+/// The fence under which a protected handler runs, as a request extension. Pass it to
+/// downstream writes that can check it (a write carrying a lower fence than one already
+/// seen comes from a run whose lease was taken over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RecordFence(pub Fence);
+
+type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
+
+/// Runs the handler for `call` under the record it claimed with `fence`, and answers
+/// with the response as soon as it starts.
+///
+/// The lease's renewal starts here, before the handler's task is spawned, so it is
+/// queued where another worker can pick it up even if the handler blocks its thread.
+/// `permit` (one of the layer's handler runs) is held until the outcome is recorded.
+pub(crate) async fn execute<S, St, ResBody>(
+    call: Call<St>,
+    inner: S,
+    mut parts: http::request::Parts,
+    body: Bytes,
+    fence: Fence,
+    inbound: InboundScope,
+    permit: OwnedSemaphorePermit,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+    St: Store,
+{
+    let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
+    parts.extensions.insert(RecordFence(fence));
+    // The buffer moves into the request: once the service has read it, it is freed.
+    let req = Request::from_parts(parts, Body::new(Full::new(body)));
+    let (tx, rx) = oneshot::channel();
+    let run = run(call, inner, lease, req, inbound, tx);
+    tokio::spawn(
+        async move {
+            run.await;
+            drop(permit);
+        }
+        .instrument(tracing::Span::current()),
+    );
+    match rx.await {
+        Ok(r) => r,
+        Err(_) => Ok(status::handler_task_lost().into_http()),
+    }
+}
+
+/// The handler's task: produce (forwarding as it goes), record, deliver the rest.
+async fn run<S, St, ResBody>(
+    call: Call<St>,
+    inner: S,
+    lease: Lease<St>,
+    req: Request<Body>,
+    inbound: InboundScope,
+    reply: Reply<S::Error>,
+) where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+    St: Store,
+{
+    let Call { shared, policy, .. } = call;
+    let max = policy.max_response_bytes;
+    let mut out = Output {
+        forward: Forwarder::new(reply),
+        collected: None,
+    };
+    // A panic anywhere (the service's `call`, its future, its response stream) ends the
+    // response with INTERNAL and is recorded like any outcome, never left in flight.
+    let produced = AssertUnwindSafe(produce(inner, req, &mut out, max)).catch_unwind();
+    match scope_inbound_deadline(inbound, produced).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            // The service failed without a response: nothing is known to be done.
+            let (attempted, _) = oneshot::channel();
+            lease.release(attempted).await;
+            out.forward.fail_service(e);
+            return;
+        }
+        Err(_) => {
+            tracing::error!("idempotent handler panicked");
+            out.panicked(max);
+        }
+    }
+    let Output { forward, collected } = out;
+    let collected = collected.expect("a response head, or the panic's");
+    let trailers = collected.stored.trailers.clone();
+    let (attempted, on_attempted) = oneshot::channel();
+    let deliver = async move {
+        // Hold the end of the response back until the store has been asked once.
+        let _ = on_attempted.await;
+        forward.finish(trailers).await;
+    };
+    let record = record(&shared.stats, &policy, lease, collected, attempted);
+    tokio::join!(record, deliver);
+}
+
+/// Completes or releases the record by what the handler produced; `attempted` fires
+/// after the store's first answer.
+async fn record<St: Store>(
+    stats: &super::IdempotencyStats,
+    policy: &IdempotencyPolicy,
+    lease: Lease<St>,
+    collected: Collected,
+    attempted: oneshot::Sender<()>,
+) {
+    let origin = collected.origin();
+    let code = collected.code();
+    let cacheable = policy.cacheable_status_codes;
+    if !decision::keep(origin, code, collected.decision, cacheable) {
+        if origin == Origin::BeforeHandler {
+            tracing::info!("the service refused the request before its handler ran: released");
+        }
+        return lease.release(attempted).await;
+    }
+    let outcome = if collected.over_limit {
+        stats.inc(|c| &c.not_retained);
+        let max = policy.max_response_bytes;
+        tracing::warn!(
+            max,
+            "response over the size limit: recorded as not retained"
+        );
+        StoredOutcome::NotRetained
+    } else {
+        StoredOutcome::Response(collected.stored.encode())
+    };
+    drop(collected);
+    lease.complete(outcome, policy.record_ttl, attempted).await;
+}
+
+/// What the handler's task has produced so far. It lives outside the future that
+/// polls the handler, so it survives a panic there.
+struct Output<E> {
+    forward: Forwarder<E>,
+    collected: Option<Collected>,
+}
+
+impl<E> Output<E> {
+    /// Ends the response with INTERNAL: Trailers-Only before the head, trailers after.
+    fn panicked(&mut self, max: usize) {
+        match &mut self.collected {
+            Some(c) => {
+                let mut trailers = HeaderMap::new();
+                let _ = status::handler_panicked().add_header(&mut trailers);
+                c.trailers(trailers);
+            }
+            None => {
+                let (mut head, ()) = status::handler_panicked().into_http::<()>().into_parts();
+                self.collected = Some(Collected::new(&mut head, max));
+                self.forward.head = Some(head);
+            }
+        }
+    }
+}
+
+/// Calls the handler and reads its response to the end, forwarding and collecting it.
+async fn produce<S, ResBody>(
+    mut inner: S,
+    req: Request<Body>,
+    out: &mut Output<S::Error>,
+    max: usize,
+) -> Result<(), S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let resp = inner.call(req).await?;
+    let (mut head, mut body) = resp.map(Body::new).into_parts();
+    let Output { forward, collected } = out;
+    let collected = collected.insert(Collected::new(&mut head, max));
+    forward.head = Some(head);
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(f) => f,
+            Err(status) => {
+                tracing::warn!(error = %status, "idempotent handler's response body failed");
+                collected.broken = true;
+                forward.fail(status).await;
+                return Ok(());
+            }
+        };
+        match frame.into_data() {
+            Ok(data) => {
+                collected.data(&data);
+                forward.data(data).await;
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    collected.trailers(t);
+                    return Ok(());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The response as it will be stored, collected within the size limit.
+struct Collected {
+    stored: StoredResponse,
+    size: EncodedSize,
+    max: usize,
+    over_limit: bool,
+    decision: Option<IdemDecision>,
+    /// The body failed mid-way: no complete response exists.
+    broken: bool,
+}
+
+impl Collected {
+    /// Starts from the response head, taking the handler's decision out of it.
+    fn new(head: &mut http::response::Parts, max: usize) -> Self {
+        let from_extension = head.extensions.remove::<IdemDecision>();
+        let decision = decision::take_decision(&mut head.headers).or(from_extension);
+        let size = EncodedSize::of_head(&head.headers);
+        Collected {
+            stored: StoredResponse {
+                status: head.status,
+                headers: head.headers.clone(),
+                frames: Vec::new(),
+                trailers: None,
+            },
+            size,
+            max,
+            over_limit: size.bytes() > max,
+            decision,
+            broken: false,
+        }
+    }
+
+    fn data(&mut self, data: &Bytes) {
+        self.size.add_frame(data);
+        if !self.over_limit && self.size.bytes() > self.max {
+            self.over_limit = true;
+            self.stored.frames = Vec::new();
+        }
+        if !self.over_limit {
+            self.stored.frames.push(data.clone());
+        }
+    }
+
+    fn trailers(&mut self, mut t: HeaderMap) {
+        self.decision = decision::take_decision(&mut t).or(self.decision);
+        self.size.add_trailers(&t);
+        self.over_limit |= self.size.bytes() > self.max;
+        self.stored.trailers = Some(t);
+    }
+
+    /// The response's code: its trailers' `grpc-status`, else the Trailers-Only
+    /// head's; a response without one counts as UNKNOWN.
+    fn code(&self) -> Code {
+        let from_trailers = self
+            .stored
+            .trailers
+            .as_ref()
+            .and_then(decision::grpc_status);
+        from_trailers
+            .or_else(|| decision::grpc_status(&self.stored.headers))
+            .unwrap_or(Code::Unknown)
+    }
+
+    fn origin(&self) -> Origin {
+        let trailers_only =
+            self.stored.frames.is_empty() && !self.over_limit && self.stored.trailers.is_none();
+        if self.broken {
+            Origin::Broken
+        } else if trailers_only && decision::is_decode_refusal(&self.stored.headers) {
+            Origin::BeforeHandler
+        } else {
+            Origin::Handler
+        }
+    }
+}
+
+/// Sends the response to the caller as it is produced. The newest data frame is held
+/// back until the next one arrives, so the last one leaves with the trailers (and a
+/// unary response leaves whole, head included) after the outcome is recorded: a caller
+/// that saw the end of its response and retries finds the record completed, and the
+/// end goes out in one write, not a trailing small one that Nagle's algorithm would
+/// hold for the peer's delayed ACK.
+struct Forwarder<E> {
+    reply: Option<Reply<E>>,
+    /// The head, until the first frame is forwarded.
+    head: Option<http::response::Parts>,
+    tx: Option<mpsc::Sender<Result<Frame<Bytes>, Status>>>,
+    pending: Option<Bytes>,
+}
+
+impl<E> Forwarder<E> {
+    fn new(reply: Reply<E>) -> Self {
+        Forwarder {
+            reply: Some(reply),
+            head: None,
+            tx: None,
+            pending: None,
+        }
+    }
+
+    async fn data(&mut self, data: Bytes) {
+        if let Some(prev) = self.pending.replace(data) {
+            self.open();
+            self.send(Ok(Frame::data(prev))).await;
+        }
+    }
+
+    /// The body failed mid-way: the caller gets what came before, then the error.
+    async fn fail(&mut self, status: Status) {
+        self.open();
+        if let Some(prev) = self.pending.take() {
+            self.send(Ok(Frame::data(prev))).await;
+        }
+        self.send(Err(status)).await;
+    }
+
+    fn fail_service(mut self, e: E) {
+        if let Some(r) = self.reply.take() {
+            let _ = r.send(Err(e));
+        }
+    }
+
+    /// Sends the head with a body fed from here, once.
+    fn open(&mut self) {
+        if let Some(head) = self.head.take() {
+            let (tx, rx) = mpsc::channel(16);
+            self.tx = Some(tx);
+            self.respond(Response::from_parts(head, Body::new(ChannelBody { rx })));
+        }
+    }
+
+    fn respond(&mut self, resp: Response<Body>) {
+        if let Some(r) = self.reply.take() {
+            let _ = r.send(Ok(resp));
+        }
+    }
+
+    async fn send(&mut self, item: Result<Frame<Bytes>, Status>) {
+        if let Some(tx) = &self.tx
+            && tx.send(item).await.is_err()
+        {
+            // The caller went away: keep running, keep recording.
+            self.tx = None;
+        }
+    }
+
+    /// Delivers what was held back, once the outcome is recorded: the head too when no
+    /// frame was forwarded (a Trailers-Only or single-message response).
+    async fn finish(mut self, trailers: Option<HeaderMap>) {
+        if let Some(head) = self.head.take() {
+            let body = if self.pending.is_none() && trailers.is_none() {
+                Body::empty()
+            } else {
+                Body::new(ReplayBody {
+                    frames: self.pending.take().into_iter().collect::<VecDeque<_>>(),
+                    trailers,
+                })
+            };
+            self.respond(Response::from_parts(head, body));
+            return;
+        }
+        if let Some(last) = self.pending.take() {
+            self.send(Ok(Frame::data(last))).await;
+        }
+        if let Some(t) = trailers {
+            self.send(Ok(Frame::trailers(t))).await;
+        }
+    }
+}

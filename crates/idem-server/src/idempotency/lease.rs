@@ -1,0 +1,239 @@
+//! A claimed record's lease: kept alive by a task of its own while the handler runs and
+//! until the outcome is recorded, then given up by recording it (complete or release).
+//!
+//! The renewal task does not share the handler's task, so a handler that blocks its
+//! thread (a synchronous driver, a long computation) keeps its lease as long as the
+//! process runs. A completion or release the store refuses transiently is retried with
+//! backoff, the lease still renewed, for up to `completionRetryTimeout`: a duplicate
+//! waiting for the outcome gets it, instead of running the handler again when the lease
+//! ends.
+
+use std::future::Future;
+use std::time::Duration;
+
+use idem_core::config::IdempotencyPolicy;
+use idem_store::{Fence, Scope, Store, StoreError, StoredOutcome};
+use tokio::sync::oneshot;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::layer::Shared;
+use super::stats::IdempotencyStats;
+
+/// Backoff between attempts to record an outcome: 20 ms doubling to 1 s, ±20 % jitter.
+const FIRST_RETRY: Duration = Duration::from_millis(20);
+const MAX_RETRY: Duration = Duration::from_secs(1);
+
+/// The lease on a claimed record, renewed until this is consumed by
+/// [`complete`](Self::complete) or [`release`](Self::release), or dropped.
+pub(crate) struct Lease<St> {
+    store: St,
+    scope: Scope,
+    fence: Fence,
+    stats: IdempotencyStats,
+    retry_for: Duration,
+    _renewal: AbortOnDrop,
+}
+
+/// Stops the renewal task when the lease is done with, however that happens.
+struct AbortOnDrop(AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Why an outcome could not be recorded.
+enum Unrecorded {
+    /// Another claimant took the record over after this lease ended.
+    Fenced,
+    /// The store kept failing, or answered something else; the record is left to its
+    /// lease.
+    Failed(StoreError),
+}
+
+impl<St: Store> Lease<St> {
+    /// Starts renewing the lease held with `fence` every `leaseTtl / 3`, in a task of
+    /// its own.
+    pub(crate) fn start(
+        shared: &Shared<St>,
+        scope: Scope,
+        fence: Fence,
+        policy: &IdempotencyPolicy,
+    ) -> Self {
+        let renewal = renew(
+            shared.store.clone(),
+            scope,
+            fence,
+            policy.lease_ttl,
+            shared.stats.clone(),
+        );
+        let renewal = tokio::spawn(renewal.instrument(tracing::Span::current()));
+        Lease {
+            store: shared.store.clone(),
+            scope,
+            fence,
+            stats: shared.stats.clone(),
+            retry_for: policy.completion_retry_timeout,
+            _renewal: AbortOnDrop(renewal.abort_handle()),
+        }
+    }
+
+    /// Records the outcome, so duplicates replay it. A response the store has no room
+    /// for is recorded as not retained: a duplicate then learns that the call completed,
+    /// rather than running it again.
+    ///
+    /// `attempted` fires after the first attempt, landed or not, so the caller gets its
+    /// response then, while the retries go on.
+    pub(crate) async fn complete(
+        self,
+        outcome: StoredOutcome,
+        ttl: Duration,
+        attempted: oneshot::Sender<()>,
+    ) {
+        let (store, scope, fence) = (&self.store, &self.scope, self.fence);
+        let mut r = self
+            .settle(attempted, || {
+                store.complete(scope, fence, outcome.clone(), ttl)
+            })
+            .await;
+        if let Err(Unrecorded::Failed(StoreError::Full(e))) = &r
+            && matches!(outcome, StoredOutcome::Response(_))
+        {
+            self.stats.inc(|c| &c.not_retained);
+            tracing::warn!(error = %e, scope = %self.short_scope(), "no room in the store for the response: recorded as not retained");
+            let (attempted, _) = oneshot::channel();
+            r = self
+                .settle(attempted, || {
+                    store.complete(scope, fence, StoredOutcome::NotRetained, ttl)
+                })
+                .await;
+        }
+        self.report(r, "completion", |c| &c.stored);
+    }
+
+    /// Gives the record up (nothing was done), so the next claim runs the handler.
+    /// `attempted` as for [`complete`](Self::complete).
+    pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {
+        let (store, scope, fence) = (&self.store, &self.scope, self.fence);
+        let r = self.settle(attempted, || store.release(scope, fence)).await;
+        self.report(r, "release", |c| &c.released);
+    }
+
+    /// Runs `op` until it lands, retrying transient store failures with backoff for up
+    /// to `retry_for`; the renewal task keeps the lease meanwhile.
+    async fn settle<F, Fut>(
+        &self,
+        attempted: oneshot::Sender<()>,
+        mut op: F,
+    ) -> Result<(), Unrecorded>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(), StoreError>>,
+    {
+        let give_up = Instant::now() + self.retry_for;
+        let mut wait = FIRST_RETRY;
+        let mut attempted = Some(attempted);
+        loop {
+            let r = op().await;
+            if let Some(tx) = attempted.take() {
+                let _ = tx.send(());
+            }
+            match r {
+                Ok(()) => return Ok(()),
+                // The record holds this fence but is no longer in flight: an earlier
+                // attempt landed and only its reply was lost.
+                Err(StoreError::Fenced { presented, current }) if current == Some(presented) => {
+                    return Ok(());
+                }
+                Err(StoreError::Fenced { .. }) => return Err(Unrecorded::Fenced),
+                Err(StoreError::Unavailable(e)) => {
+                    self.stats.inc(|c| &c.store_errors);
+                    let jittered = jitter(wait);
+                    if Instant::now() + jittered > give_up {
+                        return Err(Unrecorded::Failed(StoreError::Unavailable(e)));
+                    }
+                    tracing::debug!(error = %e, "store refused to record the outcome; retrying");
+                    self.stats.inc(|c| &c.record_retries);
+                    tokio::time::sleep(jittered).await;
+                    wait = (wait * 2).min(MAX_RETRY);
+                }
+                Err(e) => return Err(Unrecorded::Failed(e)),
+            }
+        }
+    }
+
+    fn report(
+        &self,
+        r: Result<(), Unrecorded>,
+        what: &str,
+        landed: impl FnOnce(&super::stats::Counters) -> &std::sync::atomic::AtomicU64,
+    ) {
+        match r {
+            Ok(()) => self.stats.inc(landed),
+            Err(Unrecorded::Fenced) => {
+                self.stats.inc(|c| &c.stale_fence);
+                tracing::warn!(
+                    fence = self.fence,
+                    "{what} refused: the lease was taken over"
+                );
+            }
+            Err(Unrecorded::Failed(e)) => {
+                if !matches!(e, StoreError::Unavailable(_)) {
+                    self.stats.inc(|c| &c.store_errors);
+                }
+                self.stats.inc(|c| &c.unrecorded);
+                tracing::warn!(
+                    error = %e,
+                    scope = %self.short_scope(),
+                    fence = self.fence,
+                    "{what} could not be recorded within {:?}: the record stays in flight until its lease ends",
+                    self.retry_for,
+                );
+            }
+        }
+    }
+
+    fn short_scope(&self) -> String {
+        self.scope.to_hex()[..16].to_owned()
+    }
+}
+
+/// Renews the lease every `lease / 3` until aborted, or until the store says it is no
+/// longer this claimant's.
+async fn renew<St: Store>(
+    store: St,
+    scope: Scope,
+    fence: Fence,
+    lease: Duration,
+    stats: IdempotencyStats,
+) {
+    let period = (lease / 3).max(Duration::from_millis(1));
+    loop {
+        tokio::time::sleep(period).await;
+        match store.renew(&scope, fence, lease).await {
+            Ok(()) => {}
+            // Recorded (a renewal that raced the completion): nothing left to renew.
+            Err(StoreError::Fenced { presented, current }) if current == Some(presented) => {
+                return;
+            }
+            Err(StoreError::Fenced { .. }) => {
+                stats.inc(|c| &c.renew_failures);
+                tracing::warn!(fence, "lease lost: another claimant took the record over");
+                return;
+            }
+            Err(e) => {
+                stats.inc(|c| &c.renew_failures);
+                tracing::warn!(error = %e, fence, "could not renew the idempotency lease");
+            }
+        }
+    }
+}
+
+/// `d` × U(0.8, 1.2).
+fn jitter(d: Duration) -> Duration {
+    let u = f64::from(rand::random::<u32>()) / f64::from(u32::MAX);
+    d.mul_f64(0.8 + 0.4 * u)
+}

@@ -1,0 +1,165 @@
+//! Every status the layer itself makes (as opposed to the handler's).
+//!
+//! Each carries `google.rpc.ErrorInfo` with domain `idem` and a reason from
+//! [`idem_core::headers::reason`], so clients can tell them from handler errors.
+//! Messages name the problem and what the caller can do; what the store said goes to
+//! the logs, never to the caller.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use idem_core::headers::{self, reason};
+use idem_core::key::KEY_RULE;
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// The retry delay sent when the store or the layer is at its bound: long enough for
+/// in-progress calls to finish, short enough that a client's deadline usually covers it.
+pub(crate) const BUSY_RETRY_DELAY: Duration = Duration::from_secs(1);
+
+fn error_info(why: &str) -> ErrorDetails {
+    ErrorDetails::with_error_info(why, headers::ERROR_DOMAIN, HashMap::<String, String>::new())
+}
+
+pub(crate) fn idem_status(code: Code, message: impl Into<String>, why: &str) -> Status {
+    Status::with_error_details(code, message, error_info(why))
+}
+
+fn idem_status_retry_after(
+    code: Code,
+    message: impl Into<String>,
+    why: &str,
+    delay: Duration,
+) -> Status {
+    let mut details = error_info(why);
+    details.set_retry_info(Some(delay));
+    Status::with_error_details(code, message, details)
+}
+
+pub(crate) fn key_missing(header: &http::HeaderName) -> Status {
+    idem_status(
+        Code::InvalidArgument,
+        format!("missing idempotency key ({header}): {KEY_RULE}"),
+        reason::KEY_MISSING,
+    )
+}
+
+pub(crate) fn key_repeated(header: &http::HeaderName) -> Status {
+    idem_status(
+        Code::InvalidArgument,
+        format!("idempotency key ({header}) sent more than once: {KEY_RULE}"),
+        reason::KEY_INVALID,
+    )
+}
+
+pub(crate) fn key_invalid(e: impl std::fmt::Display) -> Status {
+    idem_status(Code::InvalidArgument, e.to_string(), reason::KEY_INVALID)
+}
+
+pub(crate) fn tenant_missing() -> Status {
+    idem_status(
+        Code::Unauthenticated,
+        "no tenant for an idempotent call: authenticate first",
+        reason::TENANT_MISSING,
+    )
+}
+
+pub(crate) fn request_too_large(max: usize) -> Status {
+    idem_status(
+        Code::ResourceExhausted,
+        format!("request body over the idempotency buffer limit of {max} bytes"),
+        reason::REQUEST_TOO_LARGE,
+    )
+}
+
+/// A request message that is not well-formed protobuf: the service could not decode it.
+pub(crate) fn request_malformed(what: impl std::fmt::Display) -> Status {
+    idem_status(
+        Code::InvalidArgument,
+        format!(
+            "request message is not valid protobuf ({what}); fix the request and send it again with the same key"
+        ),
+        reason::REQUEST_MALFORMED,
+    )
+}
+
+pub(crate) fn store_unavailable() -> Status {
+    idem_status(
+        Code::Unavailable,
+        "the idempotency store could not answer; retry the call with the same key",
+        reason::STORE_UNAVAILABLE,
+    )
+}
+
+pub(crate) fn store_full() -> Status {
+    idem_status_retry_after(
+        Code::ResourceExhausted,
+        "the idempotency store has no room for another call right now; retry the call with the same key after the delay",
+        reason::STORE_FULL,
+        BUSY_RETRY_DELAY,
+    )
+}
+
+pub(crate) fn overloaded(limit: usize) -> Status {
+    idem_status_retry_after(
+        Code::ResourceExhausted,
+        format!(
+            "the server is running as many idempotent calls as it allows ({limit}); retry the call with the same key after the delay"
+        ),
+        reason::OVERLOADED,
+        BUSY_RETRY_DELAY,
+    )
+}
+
+pub(crate) fn in_progress_aborted(retry_delay: Duration) -> Status {
+    idem_status_retry_after(
+        Code::Aborted,
+        "a call with this idempotency key is in progress",
+        reason::IN_PROGRESS,
+        retry_delay,
+    )
+}
+
+pub(crate) fn in_progress_past_deadline() -> Status {
+    idem_status(
+        Code::DeadlineExceeded,
+        "deadline reached while a call with this idempotency key was in progress",
+        reason::IN_PROGRESS,
+    )
+}
+
+pub(crate) fn response_not_retained() -> Status {
+    idem_status(
+        Code::FailedPrecondition,
+        "this key's call already completed, but its response was over the size limit and was not retained; it will not run again",
+        reason::RESPONSE_NOT_RETAINED,
+    )
+}
+
+pub(crate) fn key_reused() -> Status {
+    idem_status(
+        Code::FailedPrecondition,
+        "idempotency key reused with a different request",
+        reason::KEY_REUSED,
+    )
+}
+
+/// A stored response that does not decode: the store holds something the layer did
+/// not write (or a newer format).
+pub(crate) fn stored_response_unreadable() -> Status {
+    idem_status(
+        Code::Unavailable,
+        "the stored outcome of this key could not be read; retry the call with the same key",
+        reason::STORE_UNAVAILABLE,
+    )
+}
+
+/// The answer to a handler (or its response stream) that panicked. Not an idem error:
+/// it is the handler's outcome, stored like any INTERNAL.
+pub(crate) fn handler_panicked() -> Status {
+    Status::internal("handler panicked")
+}
+
+pub(crate) fn handler_task_lost() -> Status {
+    Status::internal("the idempotent handler's task ended without a response")
+}
