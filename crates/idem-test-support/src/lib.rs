@@ -5,6 +5,7 @@
 
 pub mod demo;
 pub mod net;
+pub mod postgres;
 pub mod redis;
 
 /// The generated code of `proto/shop/v1/orders.proto` (messages, client and server).
