@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sqlx::{Connection, PgConnection, Row};
+use sqlx::{Executor, PgConnection, Row};
 
 /// The schema version this crate writes and reads.
 pub const SCHEMA_VERSION: i32 = 1;
@@ -105,37 +105,47 @@ pub(crate) async fn ensure(
     prefix: &str,
     timeout: Duration,
 ) -> Result<(), SchemaError> {
-    let mut tx = conn.begin().await?;
+    conn.execute("BEGIN").await?;
+    let r = ensure_in_transaction(conn, prefix, timeout).await;
+    // On an error the transaction is rolled back; the connection is closed anyway.
+    conn.execute(if r.is_ok() { "COMMIT" } else { "ROLLBACK" })
+        .await?;
+    r
+}
+
+async fn ensure_in_transaction(
+    conn: &mut PgConnection,
+    prefix: &str,
+    timeout: Duration,
+) -> Result<(), SchemaError> {
     // The DDL may take longer than one store statement may.
-    sqlx::query(&format!(
+    let limit = format!(
         "SET LOCAL statement_timeout = {}",
         timeout.as_millis().max(1)
-    ))
-    .execute(&mut *tx)
-    .await?;
+    );
+    conn.execute(limit.as_str()).await?;
+    let lock_name = format!("idem-postgres schema {prefix}");
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-        .bind(format!("idem-postgres schema {prefix}"))
-        .execute(&mut *tx)
+        .bind(lock_name)
+        .execute(&mut *conn)
         .await?;
+    let table = format!("{prefix}schema_version");
     let exists: bool = sqlx::query("SELECT to_regclass($1) IS NOT NULL")
-        .bind(format!("{prefix}schema_version"))
-        .fetch_one(&mut *tx)
+        .bind(table)
+        .fetch_one(&mut *conn)
         .await?
         .try_get(0)?;
     if !exists {
-        sqlx::raw_sql(&render(SCHEMA_SQL, prefix))
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
+        let sql = render(SCHEMA_SQL, prefix);
+        conn.execute(sql.as_str()).await?;
         tracing::info!(target: "idem_postgres", prefix, version = SCHEMA_VERSION, "created the idempotency schema");
         return Ok(());
     }
-    let version: Option<i32> = sqlx::query(&format!("SELECT version FROM {prefix}schema_version"))
-        .fetch_optional(&mut *tx)
-        .await?
-        .map(|row| row.try_get(0))
-        .transpose()?;
-    tx.commit().await?;
+    let read = format!("SELECT version FROM {prefix}schema_version");
+    let version: Option<i32> = match sqlx::query(&read).fetch_optional(&mut *conn).await? {
+        Some(row) => Some(row.try_get(0)?),
+        None => None,
+    };
     match version {
         Some(SCHEMA_VERSION) => Ok(()),
         // Migrations from older versions go here, one step per version.
