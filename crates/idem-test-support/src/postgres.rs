@@ -47,7 +47,9 @@ pub struct PostgresServer {
 }
 
 fn has_server(dir: &Path) -> bool {
-    dir.join("initdb").is_file() && dir.join("postgres").is_file()
+    ["initdb", "postgres", "pg_ctl"]
+        .iter()
+        .all(|b| dir.join(b).is_file())
 }
 
 fn find_bin() -> Option<PathBuf> {
@@ -362,9 +364,13 @@ impl PostgresServer {
         let Some(mut c) = self.child.take() else {
             return;
         };
-        let _ = Command::new("kill")
-            .args(["-QUIT", &c.id().to_string()])
-            .stdin(Stdio::null())
+        // `pg_ctl kill` (as the server's user) rather than a `kill` binary, which a
+        // slim system may lack.
+        let _ = self
+            .install
+            .command("pg_ctl")
+            .args(["kill", "QUIT", &c.id().to_string()])
+            .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
         let started = Instant::now();
