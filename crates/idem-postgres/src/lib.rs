@@ -64,6 +64,7 @@
 //! | `renew` | `SELECT … FROM idem_renew(…)` | |
 //! | `complete` | `SELECT … FROM idem_complete(…)` | notifies when someone waits |
 //! | `release` | `SELECT … FROM idem_release(…)` | notifies when someone waits |
+//! | `commit_in` | `SELECT … FROM idem_commit(…)` | on the handler's own transaction; see below |
 //! | `get` | one `SELECT` on `idem_records` | |
 //! | `wait` | `idem_watch(…)`, then a plain `SELECT` per wake-up | see "Waiting" |
 //!
@@ -141,40 +142,47 @@
 //! With the records in the service's own database, a handler can commit its writes and
 //! the record's completion in one transaction, guarded by its fence: a crash at any point
 //! then leaves either nothing done (the next attempt runs the handler) or everything
-//! done (no attempt runs it again), instead of "written, but not recorded". Not built
-//! yet; the design:
+//! done (no attempt runs it again), instead of "written, but not recorded". The store's
+//! half is built ([`PostgresStore::commit_in`], tests in `tests/transactional.rs`); the
+//! server layer's half, handing the handler its record, is planned. The design:
 //!
-//! - **Store**: a fourth record state `'p'`, "committed, response pending", and one more
-//!   function, `idem_commit(scope, fence, lease)`, called by the handler *inside its own
-//!   transaction* through `PostgresStore::commit_in(&mut tx, &record, lease)` (taking
-//!   `&mut sqlx::PgConnection`, which a `sqlx::Transaction` derefs to). It locks the
-//!   record's row, checks that it is in flight with that fence (otherwise `Fenced`, and
-//!   the handler must roll back: a takeover happened, its run is stale), sets state
-//!   `'p'` and extends the lease. The row lock is held until the handler's `COMMIT`, so a
-//!   takeover cannot slip in between the check and the commit: it waits, then sees
-//!   `'p'`. Called last in the transaction, it holds that lock only briefly; the layer's
-//!   renewals meanwhile time out harmlessly and are retried.
+//! - **Store** (built): a fourth record state `'p'`, "in flight, the handler's writes
+//!   committed", and one more function, `idem_commit(scope, fence, lease, …)`, which the
+//!   handler calls *inside its own transaction*, after its writes, through
+//!   `PostgresStore::commit_in(&mut tx, &scope, fence, lease)` (a `sqlx::Transaction`
+//!   derefs to the `PgConnection` it takes). It locks the record's row, checks that it
+//!   is in flight with that fence (otherwise `Fenced`, and the handler rolls back: a
+//!   takeover happened, its run is stale), sets state `'p'` and extends the lease. The
+//!   row lock is held until the handler's `COMMIT`, so a takeover cannot slip in between
+//!   the check and the commit: it waits, then sees `'p'`. Called last in the
+//!   transaction, it holds that lock only briefly (the layer's renewals meanwhile may
+//!   time out, harmlessly, and are retried).
 //! - **After the commit**, the layer calls `complete` as today; `idem_complete` accepts
-//!   `'p'` with the same fence and stores the response. A `release` of a `'p'` record
-//!   (the handler committed, then returned a "nothing was done" code) is recorded as
-//!   completed with the response not retained: something was done.
+//!   `'p'` with the same fence and stores the response. `get` reports a `'p'` record as
+//!   in flight. A `release` of a `'p'` record (the handler committed, then returned a
+//!   "nothing was done" code) records it as completed with the response not retained:
+//!   something was done.
 //! - **Crash between the handler's commit and `complete`**: duplicates see `'p'` as in
-//!   flight while the lease lasts, then as `Claim::Completed(StoredOutcome::NotRetained)`:
-//!   a clear error, never a second execution. A later step lets the handler also write
-//!   the encoded response in the same transaction (the layer would lend it the encoder
-//!   for "OK with this message"), so even that case replays.
-//! - **Server layer**: the handler needs the record's identity, not a connection from
-//!   the layer. The layer already puts the fence in the request extensions
-//!   (`RecordFence`); it would put the scope digest beside it (a store-agnostic
-//!   `RecordRef { scope, fence }`, no sqlx type in `idem-server`). The handler holds a
-//!   clone of the same `PostgresStore` it gave the layer, opens its transaction on its
-//!   own pool (any pool on the same database), does its writes, calls `commit_in`, and
-//!   commits. The layer needs no transaction of its own and no new trait method; stores
-//!   without transactions simply have no `commit_in`.
-//! - **Tests**: a crash injected before `commit_in`, between it and `COMMIT`, between
-//!   `COMMIT` and `complete` (drop the store, kill the connection), asserting each time
-//!   that the handler's row and the record agree; a stale fence rolls the handler's
-//!   writes back; a takeover attempt during the handler's transaction waits for it.
+//!   flight while the lease lasts, then `Claim::Completed(StoredOutcome::NotRetained)`: a
+//!   clear error, never a second execution. A later step could let the handler also
+//!   write the encoded response in the same transaction (the layer would lend it the
+//!   encoder for "OK with this message"), so that even this case replays.
+//! - **Server layer** (planned): the handler needs its record's identity, not a
+//!   connection from the layer. The layer already puts the fence in the request
+//!   extensions (`RecordFence`); it would put the scope digest beside it (a
+//!   store-agnostic `RecordRef { scope, fence }`, so no sqlx type enters `idem-server`).
+//!   The handler holds a clone of the `PostgresStore` it gave the layer, opens its
+//!   transaction on its own pool (any pool on the same database), does its writes, calls
+//!   `commit_in`, and commits. The layer needs no transaction of its own and no new
+//!   `Store` method; stores without transactions simply have no `commit_in`. The fence
+//!   check then guards writes to this database exactly; writes to other systems still
+//!   need their own guard (the fence, or their own idempotency).
+//! - **Tests** (`tests/transactional.rs`): a crash before the handler's `COMMIT` leaves
+//!   no order and a record that is taken over; a crash after it leaves one order and a
+//!   record that answers "done" and never runs again; a stale fence rolls the handler's
+//!   writes back; a takeover attempt during the handler's transaction waits for it;
+//!   release after commit records "done". Still to test once the layer half exists: the
+//!   same through a real tonic server, with the process killed at each point.
 
 mod builder;
 mod error;

@@ -42,6 +42,7 @@ pub(crate) struct Queries {
     pub(crate) renew: String,
     pub(crate) complete: String,
     pub(crate) release: String,
+    pub(crate) commit: String,
     pub(crate) watch: String,
     pub(crate) peek: String,
     pub(crate) get: String,
@@ -61,6 +62,7 @@ impl Queries {
             renew: r("SELECT o_ok, o_current FROM idem_renew($1, $2, $3, $4)"),
             complete: r("SELECT o_ok, o_current FROM idem_complete($1, $2, $3, $4, $5)"),
             release: r("SELECT o_ok, o_current FROM idem_release($1, $2, $3)"),
+            commit: r("SELECT o_ok, o_current FROM idem_commit($1, $2, $3, $4)"),
             watch: r("SELECT o_state, o_fence, o_lease_left_us FROM idem_watch($1)"),
             peek: r(
                 "SELECT state, fence, greatest(0, ceil(extract(epoch FROM lease_until - \

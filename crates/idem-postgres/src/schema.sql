@@ -13,7 +13,8 @@ CREATE TABLE idem_schema_version (
 CREATE SEQUENCE idem_fence AS bigint;
 SELECT setval('idem_fence', (extract(epoch FROM clock_timestamp()) * 1000000)::bigint);
 
--- One row per record. state: 'i' in flight, 'c' completed, 'r' released (tombstone).
+-- One row per record. state: 'i' in flight, 'p' in flight with the handler's writes
+-- committed (its response not recorded yet), 'c' completed, 'r' released (tombstone).
 -- A row whose expires_at has passed counts as absent; the sweeper deletes it later.
 CREATE TABLE idem_records (
     scope        bytea       PRIMARY KEY,   -- 32-byte digest of (tenant, method, key)
@@ -78,8 +79,8 @@ BEGIN
         o_takeover := false;
         RETURN;
     END IF;
-    IF r.state NOT IN ('i', 'c') OR r.fence < 1 OR r.fingerprint IS NULL
-        OR length(r.fingerprint) <> 32 OR (r.state = 'i' AND r.lease_until IS NULL) THEN
+    IF r.state NOT IN ('i', 'p', 'c') OR r.fence < 1 OR r.fingerprint IS NULL
+        OR length(r.fingerprint) <> 32 OR (r.state <> 'c' AND r.lease_until IS NULL) THEN
         RAISE EXCEPTION 'idem: malformed record (state %, fence %)', r.state, r.fence
             USING ERRCODE = 'IC001';
     END IF;
@@ -109,6 +110,14 @@ BEGIN
         o_lease_left_us := ceil(extract(epoch FROM r.lease_until - t) * 1000000)::bigint;
         RETURN;
     END IF;
+    IF r.state = 'p' THEN
+        -- The handler's writes were committed, but its process ended before recording
+        -- the response: done, and never run again.
+        o_tag := 'C';
+        o_fence := r.fence;
+        o_outcome_kind := 'n';
+        RETURN;
+    END IF;
     -- The lease ended (a crash, a long pause): take over with a new fence.
     o_fence := nextval('idem_fence');
     UPDATE idem_records SET state = 'i', fence = o_fence, claimant = p_claimant,
@@ -136,7 +145,7 @@ BEGIN
         RETURN;
     END IF;
     o_current := r.fence;
-    IF r.state <> 'i' OR r.fence <> p_fence THEN
+    IF r.state NOT IN ('i', 'p') OR r.fence <> p_fence THEN
         RETURN;
     END IF;
     UPDATE idem_records SET lease_until = t + p_lease_us * interval '1 microsecond',
@@ -162,7 +171,7 @@ BEGIN
         RETURN;
     END IF;
     o_current := r.fence;
-    IF r.state <> 'i' OR r.fence <> p_fence THEN
+    IF r.state NOT IN ('i', 'p') OR r.fence <> p_fence THEN
         RETURN;
     END IF;
     UPDATE idem_records SET state = 'c', claimant = NULL, lease_until = NULL,
@@ -192,13 +201,21 @@ BEGIN
         RETURN;
     END IF;
     o_current := r.fence;
-    IF r.state <> 'i' OR r.fence <> p_fence THEN
+    IF r.state NOT IN ('i', 'p') OR r.fence <> p_fence THEN
         RETURN;
     END IF;
-    UPDATE idem_records SET state = 'r', fingerprint = NULL, claimant = NULL,
-        lease_until = NULL, watched = false,
-        expires_at = t + p_tombstone_us * interval '1 microsecond'
-    WHERE scope = p_scope;
+    IF r.state = 'p' THEN
+        -- Its writes were committed: something was done. Completed, response not kept.
+        UPDATE idem_records SET state = 'c', claimant = NULL, lease_until = NULL,
+            outcome_kind = 'n', outcome = NULL, watched = false,
+            expires_at = t + p_tombstone_us * interval '1 microsecond'
+        WHERE scope = p_scope;
+    ELSE
+        UPDATE idem_records SET state = 'r', fingerprint = NULL, claimant = NULL,
+            lease_until = NULL, watched = false,
+            expires_at = t + p_tombstone_us * interval '1 microsecond'
+        WHERE scope = p_scope;
+    END IF;
     IF r.watched THEN
         PERFORM pg_notify('idem_done', encode(p_scope, 'hex'));
     END IF;
@@ -213,11 +230,42 @@ CREATE FUNCTION idem_watch(
 LANGUAGE plpgsql AS $fn$
 BEGIN
     UPDATE idem_records SET watched = true
-    WHERE scope = p_scope AND state = 'i' AND NOT watched AND expires_at > clock_timestamp();
+    WHERE scope = p_scope AND state IN ('i', 'p') AND NOT watched AND expires_at > clock_timestamp();
     SELECT state, fence,
            greatest(0, ceil(extract(epoch FROM lease_until - clock_timestamp()) * 1000000))::bigint
       INTO o_state, o_fence, o_lease_left_us
       FROM idem_records WHERE scope = p_scope AND expires_at > clock_timestamp();
+END
+$fn$;
+
+-- Transactional completion: called by a handler inside its own transaction, after its
+-- writes. Checks the fence of the in-flight record and marks it 'p' (writes committed)
+-- with the lease extended; the row stays locked until that transaction ends, so the
+-- writes commit only with a current fence, and the mark only with the writes.
+CREATE FUNCTION idem_commit(
+    p_scope bytea, p_fence bigint, p_lease_us bigint, p_tombstone_us bigint,
+    OUT o_ok boolean, OUT o_current bigint)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    r idem_records%ROWTYPE;
+    t timestamptz;
+BEGIN
+    o_ok := false;
+    SELECT * INTO r FROM idem_records WHERE scope = p_scope FOR UPDATE;
+    t := clock_timestamp();
+    IF NOT FOUND OR r.expires_at <= t THEN
+        RETURN;
+    END IF;
+    o_current := r.fence;
+    IF r.state NOT IN ('i', 'p') OR r.fence <> p_fence THEN
+        RETURN;
+    END IF;
+    UPDATE idem_records SET state = 'p',
+        lease_until = greatest(lease_until, t + p_lease_us * interval '1 microsecond'),
+        expires_at = greatest(expires_at,
+                              t + (p_lease_us + p_tombstone_us) * interval '1 microsecond')
+    WHERE scope = p_scope;
+    o_ok := true;
 END
 $fn$;
 

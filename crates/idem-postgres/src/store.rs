@@ -116,21 +116,51 @@ impl PostgresStore {
         self.inner.sweep().await
     }
 
+    /// Marks the in-flight record held with `fence` as "the handler's writes are
+    /// committed", on `conn`, which must be in the handler's own transaction, after its
+    /// writes and just before its `COMMIT`. See the crate docs, "Transactional completion".
+    ///
+    /// The record's row stays locked until that transaction ends: the handler's writes
+    /// then commit only while `fence` is current, and the mark only with them. After the
+    /// commit, [`complete`](Store::complete) stores the response as usual; if the process
+    /// ends first, duplicates wait out the lease (extended here by `lease`) and then get
+    /// `Claim::Completed(StoredOutcome::NotRetained)`: never a second run. If the
+    /// transaction rolls back, nothing happened and the record is in flight as before.
+    ///
+    /// `conn` is the caller's, so only the client side of the statement timeout applies.
+    ///
+    /// # Errors
+    /// `StoreError::Fenced` when `fence` is no longer current (the lease ended and another
+    /// claimant took over, or the record is gone): roll the transaction back.
+    /// `StoreError::Unavailable` on a timeout or a connection error; `Corrupt` on a reply
+    /// of the wrong shape.
+    pub async fn commit_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        scope: &Scope,
+        fence: Fence,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let q = sqlx::query(&self.inner.sql.commit)
+            .bind(&scope.0[..])
+            .bind(fence_arg(fence))
+            .bind(us(lease))
+            .bind(us(self.inner.tombstone_ttl));
+        let limit = self.inner.statement_timeout;
+        let row = match tokio::time::timeout(limit, q.fetch_one(&mut *conn)).await {
+            Ok(r) => r.map_err(map_error)?,
+            Err(_) => return Err(timed_out(limit)),
+        };
+        fenced_reply(fence, &row)
+    }
+
     async fn fenced(
         &self,
         presented: Fence,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<(), StoreError> {
         let row = self.inner.fetch_one(query).await?;
-        let ok: bool = row.try_get(0).map_err(map_error)?;
-        if ok {
-            return Ok(());
-        }
-        let current: Option<i64> = row.try_get(1).map_err(map_error)?;
-        Err(StoreError::Fenced {
-            presented,
-            current: current.map(fence).transpose()?,
-        })
+        fenced_reply(presented, &row)
     }
 
     /// Reads the record's state, fence and lease; `watch` also marks it as watched, so
@@ -371,6 +401,19 @@ impl Store for PostgresStore {
     }
 }
 
+/// The reply of a fenced function: `(o_ok, o_current)`.
+fn fenced_reply(presented: Fence, row: &PgRow) -> Result<(), StoreError> {
+    let ok: bool = row.try_get(0).map_err(map_error)?;
+    if ok {
+        return Ok(());
+    }
+    let current: Option<i64> = row.try_get(1).map_err(map_error)?;
+    Err(StoreError::Fenced {
+        presented,
+        current: current.map(fence).transpose()?,
+    })
+}
+
 /// Longest duration sent to PostgreSQL: about 100 years, in microseconds. Longer ones are
 /// cut to it, so timestamps stay in range.
 const MAX_US: i64 = 100 * 365 * 24 * 3600 * 1_000_000;
@@ -401,7 +444,8 @@ fn micros(v: Option<i64>) -> Duration {
 
 fn state_of(s: &str) -> Result<State, StoreError> {
     match s {
-        "i" => Ok(State::InFlight),
+        // 'p': in flight, the handler's writes committed (see `commit_in`).
+        "i" | "p" => Ok(State::InFlight),
         "c" => Ok(State::Completed),
         "r" => Ok(State::Released),
         _ => Err(corrupt("unknown record state")),
