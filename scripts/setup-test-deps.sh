@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what idem's tests need on a fresh machine, and nothing when it is already there:
 # - redis-server (Debian package) for the Redis store tests;
+# - PostgreSQL server binaries (Debian package) for the PostgreSQL store tests, which
+#   start private servers of their own (the cluster the package creates is not started);
 # - cargo-deny, for CI's license/ban/source checks;
 # - a Python venv at .venv with grpcio, for the interop tests.
 # Idempotent; safe to run on every CI run.
@@ -21,6 +23,25 @@ if ! command -v redis-server >/dev/null 2>&1; then
   apt_install redis-server
 fi
 redis-server --version
+
+# Debian keeps initdb/postgres in /usr/lib/postgresql/<major>/bin, off PATH; the tests
+# look there (or in $PG_BIN).
+pg_bin() { { ls -d /usr/lib/postgresql/*/bin 2>/dev/null || true; } | sort -V | tail -n 1; }
+if [ -z "${PG_BIN:-}" ] && { [ -z "$(pg_bin)" ] || [ ! -x "$(pg_bin)/initdb" ]; }; then
+  echo "installing postgresql"
+  # Keep the package from starting its own cluster: a policy-rc.d that says no, only
+  # for this install, and only when none is there already.
+  policy=/usr/sbin/policy-rc.d
+  added_policy=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
+    $SUDO chmod +x "$policy"
+    added_policy=1
+  fi
+  apt_install postgresql
+  if [ -n "$added_policy" ]; then $SUDO rm -f "$policy"; fi
+fi
+"${PG_BIN:-$(pg_bin)}/postgres" --version
 
 if [ "${SKIP_CARGO_DENY:-}" = "" ] && ! cargo deny --version >/dev/null 2>&1; then
   echo "installing cargo-deny"

@@ -7,6 +7,7 @@ pub mod crash;
 pub mod demo;
 pub mod faulty_store;
 pub mod net;
+pub mod postgres;
 pub mod redis;
 
 /// The generated code of `proto/shop/v1/orders.proto` (messages, client and server).

@@ -1,0 +1,208 @@
+//! A PostgreSQL-backed idempotency [`Store`](idem_store::Store) for `idem-server`, so
+//! several instances of a service act as one, keeping their records in the database the
+//! service already runs.
+//!
+//! # When to use it
+//! The in-memory store (`idem_store::MemoryStore`) is right when one process serves a
+//! method. As soon as a service runs as two or more instances, a retry can land on
+//! another instance than its first attempt; point every instance at one shared store so
+//! a key runs once across all of them. Use [`PostgresStore`] when the service has a
+//! PostgreSQL database anyway (no Redis to run, records backed up with the data), and
+//! `idem-redis` when it has Redis. Records live in one table; each operation is one
+//! statement.
+//!
+//! # Setup
+//! ```no_run
+//! # async fn f() -> Result<(), idem_postgres::ConnectError> {
+//! use idem_postgres::PostgresStore;
+//! // Defaults: table prefix "idem_", statement timeout 500 ms, connect timeout 2 s,
+//! // a pool of 10 connections (plus one listener connection once something waits).
+//! let store = PostgresStore::connect("postgres://app@db:5432/shop").await?;
+//! // Then hand `store` to the server layer in place of the memory store.
+//! # let _ = store; Ok(()) }
+//! ```
+//! All settings, with their defaults: [`PostgresStoreBuilder`]. TLS: the store uses
+//! sqlx 0.8 without a TLS backend of its own; enable one (`tls-rustls`,
+//! `tls-native-tls`) on your own `sqlx = "0.8"` dependency and cargo gives it to the
+//! store too, then ask for it in the URL (`?sslmode=require`).
+//!
+//! # What it needs from PostgreSQL
+//! - **Version**: tested with PostgreSQL 15; it uses nothing newer than PostgreSQL 10
+//!   (PL/pgSQL, `ON CONFLICT`, `FOR UPDATE SKIP LOCKED`, `LISTEN`/`NOTIFY`).
+//! - **Privileges**: the first start creates the schema below, which needs `CREATE` on
+//!   the first schema of the role's `search_path` (PostgreSQL 15 no longer grants that on
+//!   `public` to everyone). Or create it yourself from [`schema_sql`] (as a migration, or
+//!   once as an owner role); the store then only checks its version, and the role it
+//!   connects as needs: `SELECT` on `idem_schema_version`; `SELECT, INSERT, UPDATE,
+//!   DELETE` on `idem_records`; `USAGE` on the sequence `idem_fence`; `EXECUTE` on the
+//!   functions (PostgreSQL grants that to everyone by default). `LISTEN` and `NOTIFY`
+//!   need no privilege. (Test `a_role_without_create_privilege_uses_an_existing_schema`
+//!   checks exactly this list.)
+//! - **Poolers**: a session-level connection. PgBouncer in transaction mode passes
+//!   neither `LISTEN` (use [`WaitStrategy::Poll`]) nor, before 1.21, prepared statements.
+//! - **Durability** is the database's: with `synchronous_commit = off` a crash can lose
+//!   the last records written, as it can lose the service's own rows; an asynchronous
+//!   replica promoted after a failover can lack the latest ones.
+//!
+//! # Schema
+//! Created by the first [`connect`](PostgresStoreBuilder::connect) in one transaction,
+//! under an advisory lock so instances starting together create it once; later starts
+//! read `idem_schema_version` and refuse a version they do not know
+//! ([`ConnectError::Schema`]). Every name carries the
+//! [table prefix](PostgresStoreBuilder::table_prefix) (`idem_` below; [`schema_sql`]
+//! renders it for another prefix). Unqualified, so the names land in the first schema
+//! of the `search_path` (set one per service with `?options=-csearch_path%3Dmyschema`).
+//!
+//! ```sql
+#![doc = include_str!("schema.sql")]
+//! ```
+//!
+//! # Operations and round trips
+//! | call | statement | notes |
+//! |------|-----------|-------|
+//! | `claim` | `SELECT … FROM idem_claim(…)` | a replay gets the stored response in the same row |
+//! | `renew` | `SELECT … FROM idem_renew(…)` | |
+//! | `complete` | `SELECT … FROM idem_complete(…)` | notifies when someone waits |
+//! | `release` | `SELECT … FROM idem_release(…)` | notifies when someone waits |
+//! | `commit_in` | `SELECT … FROM idem_commit(…)` | on the handler's own transaction; see below |
+//! | `get` | one `SELECT` on `idem_records` | |
+//! | `wait` | `idem_watch(…)`, then a plain `SELECT` per wake-up | see "Waiting" |
+//!
+//! A fresh protected call is 2 statements (claim, complete) and a replay 1 (claim),
+//! counted with `pg_stat_statements` by the test
+//! `a_fresh_call_is_two_statements_and_a_replay_one`. Each is one network round trip
+//! on a warm connection: sqlx prepares a statement the first time a pooled connection
+//! runs it (one more round trip, once per connection and statement), and tests a
+//! connection when it goes back to the pool (a protocol `Sync`, after the call has its
+//! answer). The layer renews the lease every `leaseTtl / 3` while a handler runs, one
+//! statement each.
+//!
+//! # Decisions
+//! - **Fences** come from one sequence, `idem_fence`, for every scope, so they grow across
+//!   release, takeover and expiry without depending on the row: a record created after an
+//!   earlier one of the same scope expired and was deleted still gets a higher fence, and a
+//!   claimant paused past the record TTL cannot complete its successor's run. The
+//!   sequence starts at the database clock in microseconds when the schema is created
+//!   (about 1.7e15 today, as the Redis store's first fences), so even a schema dropped and
+//!   created again hands out fences above the old ones: the sequence advances once per
+//!   claim, far slower than a million a second, and never catches up with the clock.
+//!   Sequences never go back, also not on a crash (they log ahead).
+//! - **Leases** are judged with `clock_timestamp()` on the database server, read after the
+//!   row lock is taken, so instances with skewed clocks agree on who holds a lease and a
+//!   claim that waited for a lock does not judge with a stale time.
+//! - **Atomicity**: each function locks the record's row (`SELECT … FOR UPDATE`); a claim
+//!   of a scope with no row inserts with `ON CONFLICT DO NOTHING` and, when a concurrent
+//!   claim won, answers from the winner's row. Same-claimant re-claims extend the lease
+//!   (never shorten it); renew after the lease ran out still succeeds while nobody took
+//!   over; a different fingerprint is a mismatch whatever the lease.
+//! - **Expiry**: completed records expire after the TTL given to `complete`; released
+//!   records, and in-flight records whose lease ended, after the
+//!   [tombstone TTL](PostgresStoreBuilder::tombstone_ttl) (24 h). An expired row counts
+//!   as absent to every function at once; a background task deletes them every
+//!   [sweep interval](PostgresStoreBuilder::sweep_interval) (60 s), at most 1000 per
+//!   `DELETE`, skipping rows others have locked, again after 1 s while batches come back
+//!   full. The task holds only a `Weak` reference and stops with the last clone of the
+//!   store.
+//! - **Tenants**: the tenant digest is stored with each record, but this store sets no
+//!   per-tenant bounds and never answers `StoreError::Full`; size the database instead.
+//!
+//! # Waiting
+//! [`wait`](idem_store::Store::wait) registers the waiter in memory, then calls
+//! `idem_watch`, which marks the in-flight record as watched and reads it.
+//! `idem_complete` and `idem_release` send `NOTIFY idem_done, '<scope hex>'` only for
+//! watched records: PostgreSQL serialises the commits of notifying transactions, so the
+//! store notifies only where someone listens. Each store opens one dedicated listener
+//! connection (outside the pool, on the first wait) that `LISTEN`s on `idem_done` and
+//! wakes the waiters of the scope named in each notification; waiters add no round trip
+//! of their own. While it listens, a waiter also reads the record every
+//! [`NOTIFY_SAFETY_POLL`] (1 s), in case the connection hangs without failing, and
+//! one millisecond past the lease end. If the listener connection is lost, every waiter
+//! is woken, reads the record, and polls (5 ms doubling to 100 ms) until the listener is
+//! back (it reconnects with backoff, 50 ms to 2 s). `wait` returns at `until` at the
+//! latest: its reads are bounded by the time left, and a read cut short by `until` is
+//! "look again", not an error. [`WaitStrategy::Poll`] skips the listener and only polls.
+//!
+//! # Errors and failure behaviour
+//! - Every statement is bounded twice: on the client by
+//!   [`statement_timeout`](PostgresStoreBuilder::statement_timeout) (taking a pooled
+//!   connection included), and on the server by the same `statement_timeout`, set on
+//!   every connection at start-up, so a statement the client gave up on does not hold
+//!   row locks. Either one, a lost or refused connection, a server shutting down or in
+//!   recovery, a missing schema or a serialisation failure is
+//!   `StoreError::Unavailable`: the layer fails closed (UNAVAILABLE) and the client
+//!   retries. A dead pooled connection fails one call and is closed; the pool connects
+//!   anew, so calls succeed again once the database is back (test
+//!   `a_database_that_goes_away_is_unavailable_then_recovers`).
+//! - A record that does not hold what the schema promises (an unknown state or outcome
+//!   kind, a fingerprint that is not 32 bytes, a fence below 1, a lease missing) is
+//!   `StoreError::Corrupt`, whether the function finds it (SQLSTATE `IC001`) or the client
+//!   does. Nothing the database returns can panic the store.
+//!
+//! # Transactional completion (planned)
+//! With the records in the service's own database, a handler can commit its writes and
+//! the record's completion in one transaction, guarded by its fence: a crash at any point
+//! then leaves either nothing done (the next attempt runs the handler) or everything
+//! done (no attempt runs it again), instead of "written, but not recorded". The store's
+//! half is built ([`PostgresStore::commit_in`], tests in `tests/transactional.rs`); the
+//! server layer's half, handing the handler its record, is planned. The design:
+//!
+//! - **Store** (built): a fourth record state `'p'`, "in flight, the handler's writes
+//!   committed", and one more function, `idem_commit(scope, fence, lease, …)`, which the
+//!   handler calls *inside its own transaction*, after its writes, through
+//!   `PostgresStore::commit_in(&mut tx, &scope, fence, lease)` (a `sqlx::Transaction`
+//!   derefs to the `PgConnection` it takes). It locks the record's row, checks that it
+//!   is in flight with that fence (otherwise `Fenced`, and the handler rolls back: a
+//!   takeover happened, its run is stale), sets state `'p'` and extends the lease. The
+//!   row lock is held until the handler's `COMMIT`, so a takeover cannot slip in between
+//!   the check and the commit: it waits, then sees `'p'`. Called last in the
+//!   transaction, it holds that lock only briefly (the layer's renewals meanwhile may
+//!   time out, harmlessly, and are retried).
+//! - **After the commit**, the layer calls `complete` as today; `idem_complete` accepts
+//!   `'p'` with the same fence and stores the response. `get` reports a `'p'` record as
+//!   in flight. A `release` of a `'p'` record (the handler committed, then returned a
+//!   "nothing was done" code) records it as completed with the response not retained:
+//!   something was done.
+//! - **Crash between the handler's commit and `complete`**: duplicates see `'p'` as in
+//!   flight while the lease lasts, then `Claim::Completed(StoredOutcome::NotRetained)`: a
+//!   clear error, never a second execution. A later step could let the handler also
+//!   write the encoded response in the same transaction (the layer would lend it the
+//!   encoder for "OK with this message"), so that even this case replays.
+//! - **Server layer** (planned): the handler needs its record's identity, not a
+//!   connection from the layer. The layer already puts the fence in the request
+//!   extensions (`RecordFence`); it would put the scope digest beside it (a
+//!   store-agnostic `RecordRef { scope, fence }`, so no sqlx type enters `idem-server`).
+//!   The handler holds a clone of the `PostgresStore` it gave the layer, opens its
+//!   transaction on its own pool (any pool on the same database), does its writes, calls
+//!   `commit_in`, and commits. The layer needs no transaction of its own and no new
+//!   `Store` method; stores without transactions simply have no `commit_in`. The fence
+//!   check then guards writes to this database exactly; writes to other systems still
+//!   need their own guard (the fence, or their own idempotency).
+//! - **Tests** (`tests/transactional.rs`): a crash before the handler's `COMMIT` leaves
+//!   no order and a record that is taken over; a crash after it leaves one order and a
+//!   record that answers "done" and never runs again; a stale fence rolls the handler's
+//!   writes back; a takeover attempt during the handler's transaction waits for it;
+//!   release after commit records "done". Still to test once the layer half exists: the
+//!   same through a real tonic server, with the process killed at each point.
+
+mod builder;
+mod error;
+mod listen;
+mod schema;
+mod store;
+mod sweep;
+
+pub use builder::{
+    ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_POLL_MAX,
+    DEFAULT_POLL_MIN, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL,
+    DEFAULT_TABLE_PREFIX, DEFAULT_TOMBSTONE_TTL, NOTIFY_SAFETY_POLL, PostgresStoreBuilder,
+    WaitStrategy,
+};
+pub use schema::SCHEMA_VERSION;
+pub use store::PostgresStore;
+
+/// The schema SQL for `prefix` (the schema in the crate docs with every `idem_` replaced),
+/// for creating it by hand or in a migration. `None` when `prefix` is not a valid table
+/// prefix (see [`PostgresStoreBuilder::table_prefix`]).
+pub fn schema_sql(prefix: &str) -> Option<String> {
+    schema::valid_prefix(prefix).then(|| schema::render(schema::SCHEMA_SQL, prefix))
+}
