@@ -1,8 +1,8 @@
 //! Chaos: the demo's workload, seeded and bounded, through the fault injector.
 //!
-//! Every intent must take effect exactly once with idem: on the in-memory store, on
-//! Redis shared by three instances, and when an instance is killed and restarted
-//! mid-run. The run without idem must show duplicates (the faults are real).
+//! Every intent must take effect exactly once with idem: on the in-memory store, on an
+//! in-memory store that blips (claims, completions and releases failing now and then),
+//! on Redis shared by three instances, and when an instance is redeployed mid-run. The run without idem must show duplicates (the faults are real).
 
 use idem_test_support::demo as harness;
 
@@ -68,6 +68,35 @@ async fn memory_store_2000_intents_exactly_once() {
         without.duplicates > 50,
         "10% lost responses must duplicate orders without idem: {without:?}"
     );
+}
+
+/// The store blips under the workload: claims, completions and releases fail now and
+/// then (some applied with their reply lost), and the layer must still record every
+/// outcome it produced: completions and releases are retried while the lease is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_blips_on_claim_complete_and_release_2000_intents_exactly_once() {
+    use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
+    let faulty = FaultyStore::new(MemoryStore::default());
+    faulty
+        .inject_randomly(Op::Claim, Fault::Unavailable, 0.03, 21)
+        .inject_randomly(Op::Complete, Fault::Unavailable, 0.05, 21)
+        .inject_randomly(Op::Release, Fault::ReplyLost, 0.05, 21);
+    let store = Store::Faulty(faulty.clone());
+    let o = options(1, 14);
+    let with = tokio::time::timeout(Duration::from_secs(120), run(&o, true, &config(), &store))
+        .await
+        .expect("run finished in time")
+        .expect("run");
+    assert!(
+        faulty.faulted(Op::Complete) > 10,
+        "completions were hit: {}",
+        faulty.faulted(Op::Complete)
+    );
+    assert!(faulty.faulted(Op::Claim) > 10, "claims were hit");
+    assert_eq!(with.duplicates, 0, "duplicate orders: {with:?}");
+    assert_eq!(with.ok_without_order, 0, "{with:?}");
+    assert_eq!(with.failed, 0, "intents that never got an OK: {with:?}");
+    assert_eq!(with.orders, with.intents as u64, "{with:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -323,6 +323,8 @@ pub enum Store {
     Memory(MemoryStore),
     /// Redis, shared by every instance.
     Redis(idem_redis::RedisStore),
+    /// An in-memory store behind a fault injector (store blips, lost replies).
+    Faulty(crate::faulty_store::FaultyStore<MemoryStore>),
 }
 
 /// One server instance: its address and the task serving it.
@@ -387,6 +389,7 @@ impl Fleet {
             match &self.store {
                 Store::Memory(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
                 Store::Redis(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
+                Store::Faulty(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
             }
         };
         Instance { addr, task }

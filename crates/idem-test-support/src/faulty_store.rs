@@ -64,6 +64,9 @@ pub const INTERNAL_DETAIL: &str = "OOM command not allowed (faulty store double)
 struct State {
     /// Per operation: the fault and how many more calls it hits.
     faults: Mutex<[Option<(Fault, usize)>; OPS]>,
+    /// Per operation: a fault that hits each call with a probability, drawn from `rng`.
+    random: Mutex<[Option<(Fault, f64)>; OPS]>,
+    rng: Mutex<Option<rand::rngs::StdRng>>,
     calls: [AtomicUsize; OPS],
     faulted: [AtomicUsize; OPS],
 }
@@ -92,9 +95,24 @@ impl<St> FaultyStore<St> {
         self
     }
 
+    /// Each call of `op` fails with `fault` with `probability`, drawn from a generator
+    /// seeded with `seed` (one generator for every operation of this double), on top of
+    /// what [`FaultyStore::inject`] set.
+    pub fn inject_randomly(&self, op: Op, fault: Fault, probability: f64, seed: u64) -> &Self {
+        use rand::SeedableRng;
+        self.state.random.lock().expect("not poisoned")[op.index()] = Some((fault, probability));
+        self.state
+            .rng
+            .lock()
+            .expect("not poisoned")
+            .get_or_insert_with(|| rand::rngs::StdRng::seed_from_u64(seed));
+        self
+    }
+
     /// Removes the faults of `op`.
     pub fn heal(&self, op: Op) -> &Self {
         self.state.faults.lock().expect("not poisoned")[op.index()] = None;
+        self.state.random.lock().expect("not poisoned")[op.index()] = None;
         self
     }
 
@@ -116,6 +134,20 @@ impl<St> FaultyStore<St> {
     /// Counts a call of `op` and takes the fault that hits it, if any.
     fn take(&self, op: Op) -> Option<Fault> {
         self.state.calls[op.index()].fetch_add(1, Ordering::SeqCst);
+        if let Some((fault, p)) = self.state.random.lock().expect("not poisoned")[op.index()] {
+            use rand::Rng;
+            let hit = self
+                .state
+                .rng
+                .lock()
+                .expect("not poisoned")
+                .as_mut()
+                .is_some_and(|rng| rng.random_bool(p));
+            if hit {
+                self.state.faulted[op.index()].fetch_add(1, Ordering::SeqCst);
+                return Some(fault);
+            }
+        }
         let mut faults = self.state.faults.lock().expect("not poisoned");
         let slot = &mut faults[op.index()];
         let (fault, left) = (*slot)?;
