@@ -347,3 +347,196 @@ impl Body for StreamBody {
 
     // No `size_hint`: unknown, so hyper adds no `content-length` (see `ReplayBody`).
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::body::{Read, ReplayBudget, read_ready};
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Wake;
+    use tokio::sync::mpsc;
+
+    /// The caller's request stream: chunks as they are sent, the end when the sender drops.
+    struct Feed(mpsc::UnboundedReceiver<Bytes>);
+    impl Body for Feed {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    struct Call {
+        replay: StreamReplay,
+        tx: Option<mpsc::UnboundedSender<Bytes>>,
+        budget: Arc<ReplayBudget>,
+    }
+
+    impl Call {
+        fn send(&self, chunk: &'static str) {
+            self.tx.as_ref().unwrap().send(Bytes::from(chunk)).unwrap();
+        }
+    }
+
+    fn call(cap: usize, total: usize) -> Call {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let budget = Arc::new(ReplayBudget::new(total));
+        let mut lease = Lease::new(budget.clone());
+        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
+            panic!("a stream with nothing ready yet is partial");
+        };
+        Call {
+            replay: StreamReplay::new(start, source, lease, cap, None),
+            tx: Some(tx),
+            budget,
+        }
+    }
+
+    async fn next(body: &mut StreamBody) -> Option<Result<String, String>> {
+        let frame = body.frame().await?;
+        Some(match frame {
+            Ok(f) => Ok(String::from_utf8(f.into_data().unwrap().to_vec()).unwrap()),
+            Err(e) => Err(e.to_string()),
+        })
+    }
+
+    fn ok(s: &str) -> Option<Result<String, String>> {
+        Some(Ok(s.to_owned()))
+    }
+
+    const SUPERSEDED: &str = "request stream taken over by a newer attempt";
+
+    #[tokio::test]
+    async fn a_retry_replays_what_was_sent_then_goes_on_live() {
+        let mut c = call(100, 100);
+        let mut first = c.replay.body();
+        c.send("a");
+        assert_eq!(next(&mut first).await, ok("a"));
+        c.send("bc");
+        assert_eq!(next(&mut first).await, ok("bc"));
+        assert_eq!(c.budget.held(), 3);
+        c.replay.retire();
+        assert_eq!(next(&mut first).await, Some(Err(SUPERSEDED.into())));
+        let mut second = c.replay.body();
+        assert_eq!(next(&mut second).await, ok("a"));
+        assert_eq!(next(&mut second).await, ok("bc"));
+        c.send("d");
+        assert_eq!(next(&mut second).await, ok("d"));
+        c.tx = None;
+        assert_eq!(next(&mut second).await, None);
+        assert!(second.is_end_stream());
+        // A third attempt sends the whole request, which has ended.
+        let third = c.replay.body();
+        assert_eq!(&third.collect().await.unwrap().to_bytes()[..], b"abcd");
+        assert_eq!(c.budget.held(), 4);
+        drop(c.replay);
+        assert_eq!(
+            c.budget.held(),
+            0,
+            "an uncommitted call frees its copy when it ends"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_commit_frees_the_copy_and_the_attempt_goes_on() {
+        let mut c = call(100, 100);
+        let mut first = c.replay.body();
+        c.send("a");
+        c.send("b");
+        assert_eq!(next(&mut first).await, ok("a"));
+        c.replay.retire();
+        // The retry has sent "a" of "a", "b" when its response headers come.
+        let mut second = c.replay.body();
+        assert_eq!(next(&mut second).await, ok("a"));
+        c.replay.commit();
+        assert_eq!(c.budget.held(), 0);
+        assert_eq!(c.replay.overflow(), None);
+        assert_eq!(next(&mut second).await, ok("b"));
+        c.send("c");
+        assert_eq!(next(&mut second).await, ok("c"));
+        assert_eq!(c.budget.held(), 0, "nothing is kept after the commit");
+        let tx = c.tx.take().unwrap();
+        drop(c);
+        tx.send(Bytes::from_static(b"d")).unwrap();
+        assert_eq!(
+            next(&mut second).await,
+            ok("d"),
+            "the committed attempt outlives the call loop"
+        );
+        drop(tx);
+        assert_eq!(next(&mut second).await, None);
+    }
+
+    #[tokio::test]
+    async fn past_a_limit_the_call_commits_and_the_attempt_goes_on() {
+        for (cap, total, why) in [(3, 100, Overflow::PerCall), (100, 3, Overflow::Budget)] {
+            let c = call(cap, total);
+            let mut first = c.replay.body();
+            c.send("ab");
+            c.send("cd");
+            c.send("ef");
+            assert_eq!(next(&mut first).await, ok("ab"));
+            assert_eq!(c.budget.held(), 2);
+            assert_eq!(next(&mut first).await, ok("cd"));
+            assert_eq!(c.replay.overflow(), Some(why));
+            assert!(!c.replay.can_resend());
+            assert_eq!(c.budget.held(), 0);
+            assert_eq!(next(&mut first).await, ok("ef"));
+            assert_eq!(c.budget.held(), 0);
+        }
+    }
+
+    #[test]
+    fn a_stale_body_waiting_on_the_caller_is_woken_and_fails() {
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let c = call(100, 100);
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut first = c.replay.body();
+        assert!(Pin::new(&mut first).poll_frame(&mut cx).is_pending());
+        let _second = c.replay.body();
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            1,
+            "woken, so the transport resets it"
+        );
+        let Poll::Ready(Some(Err(e))) = Pin::new(&mut first).poll_frame(&mut cx) else {
+            panic!("a superseded body fails");
+        };
+        assert_eq!(e.to_string(), SUPERSEDED);
+    }
+
+    #[tokio::test]
+    async fn an_attempt_never_sent_can_be_sent_again_even_over_the_limit() {
+        // Over the limit before the first attempt: nothing kept, but nothing sent either.
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(Bytes::from_static(b"abcdef")).unwrap();
+        let budget = Arc::new(ReplayBudget::new(100));
+        let mut lease = Lease::new(budget.clone());
+        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Read::Partial(start) = read_ready(&mut source, 3, &mut lease, None, &mut cx) else {
+            panic!("over the limit");
+        };
+        let replay = StreamReplay::new(start, source, lease, 3, None);
+        let _never_polled = replay.body();
+        assert!(replay.can_resend());
+        let mut again = replay.body();
+        assert_eq!(next(&mut again).await, ok("abcdef"));
+        assert!(!replay.can_resend());
+        drop(tx);
+        assert_eq!(next(&mut again).await, None);
+    }
+}
