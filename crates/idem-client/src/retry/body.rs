@@ -408,6 +408,38 @@ mod tests {
         assert_eq!(b.held(), 0);
     }
 
+    /// What tonic's generated clients send: `EncodeBody` over the caller's messages.
+    fn tonic_body<S>(messages: S) -> tonic::body::Body
+    where
+        S: tokio_stream::Stream<Item = Result<String, tonic::Status>> + Send + 'static,
+    {
+        use tonic::codec::{Codec, EncodeBody};
+        let encoder = tonic_prost::ProstCodec::<String, String>::default().encoder();
+        tonic::body::Body::new(EncodeBody::new_client(encoder, messages, None, None))
+    }
+
+    #[test]
+    fn a_tonic_unary_request_is_complete_and_a_client_stream_is_partial() {
+        let mut lease = Lease::new(budget(1 << 20));
+        // `Grpc::unary` and `Grpc::server_streaming`: one ready message.
+        let unary = tonic_body(tokio_stream::once(Ok("hi".to_owned())));
+        assert!(matches!(
+            read(unary, 1 << 20, &mut lease),
+            Read::Complete(_)
+        ));
+        // A client stream whose caller has sent one message so far.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(Ok("hi".to_owned())).unwrap();
+        let stream = tonic_body(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        let Read::Partial(p) = read(stream, 1 << 20, &mut lease) else {
+            panic!("a stream still open streams");
+        };
+        assert_eq!(concat(&p.read), b"\0\0\0\0\x04\x0a\x02hi");
+        // A client stream whose messages are all there is as good as complete.
+        let all = tonic_body(tokio_stream::iter([Ok("a".to_owned()), Ok("b".to_owned())]));
+        assert!(matches!(read(all, 1 << 20, &mut lease), Read::Complete(_)));
+    }
+
     #[test]
     fn a_message_over_the_request_limit_sends_nothing() {
         let fault = Arc::new(RequestFault::default());
