@@ -474,6 +474,30 @@ async fn bidi_trailers_only_failure_replays_then_ping_pong_goes_on() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_message_over_its_limit_ends_a_committed_bidi_call() {
+    let (server, mut events, addr) = serve().await;
+    let layer = builder().max_request_message_bytes(100).build().unwrap();
+    let mut client = client(addr, &layer);
+    let (tx, req) = streaming(&[]);
+    tx.send(number(1)).unwrap();
+    let mut answers = client.running(req).await.unwrap().into_inner();
+    assert_eq!(answers.message().await.unwrap(), Some(total(1, 1)));
+    // Committed; then a message over maxRequestMessageBytes: it is never sent, and the
+    // call ends with RESOURCE_EXHAUSTED.
+    tx.send(padded(2, 200)).unwrap();
+    let status = answers.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("maxRequestMessageBytes (100)"),
+        "{status:?}"
+    );
+    let report = CallReport::from_status(&status).unwrap();
+    assert_eq!(report.outcome, CallOutcome::MessageTooLarge);
+    events.until(received(0, 1)).await;
+    assert_eq!(server.log()[0].values, [1]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_deadline_holds_across_the_attempts_of_a_stream() {
     let (server, _events, addr) = serve().await;
     let layer = builder().build().unwrap();
