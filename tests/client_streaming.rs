@@ -7,8 +7,9 @@
 //!
 //! The commit rules of gRFC A6, as tested here:
 //! - response headers commit the call: `bidi_headers_then_an_error_is_not_retried`;
-//! - passing the per-call replay limit commits it:
-//!   `a_stream_over_the_per_call_limit_is_sent_once_and_not_retried`;
+//! - passing the per-call replay limit commits it (no retry; the call goes on):
+//!   `a_stream_over_the_per_call_limit_is_sent_once_and_not_retried`,
+//!   `a_bidi_call_committed_by_the_per_call_limit_goes_on_after_its_headers`;
 //! - passing what is left of the layer's budget commits it:
 //!   `concurrent_calls_share_the_layer_budget`;
 //! - before either, a retryable status replays the stream and goes on live:
@@ -69,6 +70,8 @@ struct Plan {
     headers_first: bool,
     /// `x-stall-attempt: K`: attempt K of `Running` sends headers, then nothing.
     stall: bool,
+    /// `x-headers-after: N`: `Running` reads N messages before it sends headers.
+    headers_after: usize,
 }
 
 #[derive(Clone)]
@@ -97,6 +100,7 @@ impl Tallies {
             fail_after: header(md, "x-fail-after").filter(|_| previous == 0),
             headers_first: md.contains_key("x-headers-first"),
             stall: header(md, "x-stall-attempt") == Some(previous),
+            headers_after: header(md, "x-headers-after").unwrap_or(0),
         };
         (log.len() - 1, plan)
     }
@@ -118,11 +122,24 @@ impl Tallies {
 
     /// `Running` after its headers: the running total for each number; or, with
     /// `fail_after`, UNAVAILABLE after that many numbers and no message.
-    fn answers(&self, attempt: usize, plan: Plan, mut input: Streaming<Number>) -> TotalStream {
+    async fn answers(
+        &self,
+        attempt: usize,
+        plan: Plan,
+        mut input: Streaming<Number>,
+    ) -> TotalStream {
         let (tx, rx) = mpsc::unbounded_channel();
+        let mut total = Total::default();
+        for _ in 0..plan.headers_after {
+            let Some(n) = self.next(attempt, &mut input).await else {
+                break;
+            };
+            total.sum += n.value;
+            total.count += 1;
+            let _ = tx.send(Ok(total));
+        }
         let server = self.clone();
         tokio::spawn(async move {
-            let mut total = Total::default();
             while let Some(n) = server.next(attempt, &mut input).await {
                 total.sum += n.value;
                 total.count += 1;
@@ -176,7 +193,7 @@ impl Tally for Tallies {
                 }
                 Err(self.fail(attempt))
             }
-            _ => Ok(Response::new(self.answers(attempt, plan, input))),
+            _ => Ok(Response::new(self.answers(attempt, plan, input).await)),
         }
     }
 }
@@ -363,6 +380,28 @@ async fn a_stream_over_the_per_call_limit_is_sent_once_and_not_retried() {
     let log = server.log();
     assert_eq!(log.len(), 1, "sent once");
     assert_eq!(log[0].values, [1, 2, 3]);
+    assert_eq!(layer.replay_bytes_held(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bidi_call_committed_by_the_per_call_limit_goes_on_after_its_headers() {
+    let (server, _events, addr) = serve().await;
+    let layer = builder().max_replay_bytes_per_call(1000).build().unwrap();
+    let mut client = client(addr, &layer);
+    // The server answers headers only after two messages; the second passes the limit.
+    let (tx, req) = streaming(&[("x-headers-after", "2")]);
+    tx.send(padded(1, 600)).unwrap();
+    tx.send(padded(2, 600)).unwrap();
+    let resp = client.running(req).await.unwrap();
+    assert_eq!(CallReport::from_response(&resp).unwrap().attempts, 1);
+    let mut answers = resp.into_inner();
+    assert_eq!(answers.message().await.unwrap(), Some(total(1, 1)));
+    assert_eq!(answers.message().await.unwrap(), Some(total(3, 2)));
+    tx.send(padded(3, 600)).unwrap();
+    assert_eq!(answers.message().await.unwrap(), Some(total(6, 3)));
+    drop(tx);
+    assert_eq!(answers.message().await.unwrap(), None);
+    assert_eq!(server.log()[0].values, [1, 2, 3]);
     assert_eq!(layer.replay_bytes_held(), 0);
 }
 

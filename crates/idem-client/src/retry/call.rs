@@ -137,8 +137,8 @@ enum NotReady {
     GiveUp(Attempt, CallOutcome),
 }
 
-/// `waitForReady`: the waits since the channel last failed to connect, and when a call
-/// without a deadline stops waiting.
+/// `waitForReady`: the waits since the channel failed to connect (reset once an attempt
+/// is sent), and when a call without a deadline stops waiting for it.
 #[derive(Debug, Default)]
 struct ReadyWait {
     waits: u32,
@@ -358,7 +358,7 @@ where
                 }
             }
         }
-        ready.waits = 0;
+        ready = ReadyWait::default();
         let attempted = attempt.observe();
         report.record(attempted.end, started.elapsed());
         if attempted.end == AttemptEnd::Committed {

@@ -247,9 +247,11 @@ impl RetryLayerBuilder {
         self.max_response_message_bytes = Some(bytes);
         self
     }
-    /// How long a `waitForReady` call that has no deadline waits for the channel before
-    /// it fails with UNAVAILABLE and [`CallOutcome::NotReady`](super::CallOutcome::NotReady)
-    /// (default 30 s). A call with a deadline waits until its deadline.
+    /// How long a `waitForReady` call that has no deadline waits for a channel that
+    /// cannot connect before it fails with UNAVAILABLE and
+    /// [`CallOutcome::NotReady`](super::CallOutcome::NotReady) (default 30 s; counted
+    /// from each attempt the channel could not send, so at most `maxAttempts` times per
+    /// call). A call with a deadline waits until its deadline.
     pub fn wait_for_ready_limit(mut self, d: Duration) -> Self {
         self.overrides.wait_for_ready_limit = d;
         self

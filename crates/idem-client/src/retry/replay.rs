@@ -74,6 +74,8 @@ struct State {
     /// Something read was dropped after it was sent: no attempt can send it again.
     drained: bool,
     keep: Keep,
+    /// Response headers came: the current attempt has the request for good.
+    committed: bool,
     kept: usize,
     cap: usize,
     lease: Lease,
@@ -91,6 +93,7 @@ impl std::fmt::Debug for State {
             .field("chunks", &self.chunks.len())
             .field("sent", &self.sent)
             .field("keep", &self.keep)
+            .field("committed", &self.committed)
             .field("kept", &self.kept)
             .field("attempt", &self.attempt)
             .finish_non_exhaustive()
@@ -123,6 +126,7 @@ impl StreamReplay {
             trailers_sent: false,
             drained: false,
             keep,
+            committed: false,
             kept: start.kept,
             cap,
             lease,
@@ -150,9 +154,11 @@ impl StreamReplay {
         lock(&self.state).next_attempt();
     }
 
-    /// Response headers came: the call is committed to the current attempt.
+    /// Response headers came: the call is committed to the current attempt, which goes
+    /// on when the call loop is done.
     pub(crate) fn commit(&self) {
         let mut s = lock(&self.state);
+        s.committed = true;
         if matches!(s.keep, Keep::Recording) {
             s.stop_keeping(Keep::Committed);
         }
@@ -179,7 +185,7 @@ impl StreamReplay {
 impl Drop for StreamReplay {
     fn drop(&mut self) {
         let mut s = lock(&self.state);
-        if matches!(s.keep, Keep::Committed) {
+        if s.committed {
             return;
         }
         // The call ended without committing (a final error, or the caller went away).
@@ -489,6 +495,14 @@ mod tests {
             assert_eq!(c.budget.held(), 0);
             assert_eq!(next(&mut first).await, ok("ef"));
             assert_eq!(c.budget.held(), 0);
+            // Its response headers come, and the call loop ends: the attempt goes on.
+            c.replay.commit();
+            drop(c.replay);
+            c.tx.as_ref()
+                .unwrap()
+                .send(Bytes::from_static(b"gh"))
+                .unwrap();
+            assert_eq!(next(&mut first).await, ok("gh"));
         }
     }
 
