@@ -1,6 +1,7 @@
-//! End-to-end tests of the client retry layer (`idem-client`, issue 3): a real tonic
-//! `Orders` server on 127.0.0.1 whose handler follows a script of faults and records what
-//! every attempt carried; the generated client drives `RetryLayer` over a `Channel`.
+//! End-to-end tests of the client retry layer (`idem-client`, docs/semantics.md section
+//! 2): a real tonic `Orders` server on 127.0.0.1 whose handler follows a script of faults
+//! and records what every attempt carried; the generated client drives `RetryLayer` over
+//! a `Channel`.
 //!
 //! Time-dependent tests run on tokio's paused clock: the server runs in the same runtime,
 //! so the gaps it records between attempts are exactly the waits the layer chose (loopback
@@ -826,4 +827,128 @@ async fn a_refused_connection_is_retried() {
         1,
         "only the attempt that reached the server is seen"
     );
+}
+
+#[tokio::test]
+async fn wait_for_ready_waits_for_a_server_that_comes_up_without_using_attempts() {
+    // A port nothing listens on yet.
+    let addr = {
+        let (addr, _incoming) = net::bind().await;
+        addr
+    };
+    let cfg = ServiceConfig::from_parts(
+        vec![
+            MethodConfig::empty()
+                .with_name("shop.v1.Orders", "CreateOrder")
+                .with_retry_policy(policy(
+                    2,
+                    Duration::from_millis(20),
+                    Duration::from_secs(1),
+                    2.0,
+                ))
+                .with_wait_for_ready(true)
+                .with_timeout(Duration::from_secs(10))
+                .with_idempotency(IdempotencyPolicy::default()),
+        ],
+        None,
+        IdemSettings::default(),
+    )
+    .unwrap();
+    let l = layer(&cfg);
+    let mut c = client(addr, l.clone());
+    let shop = Shop::default();
+    let server = {
+        let shop = shop.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            socket.set_reuseaddr(true).expect("reuseaddr");
+            socket.bind(addr).expect("rebind the port");
+            let listener = socket.listen(128).expect("listen");
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            tokio::spawn(
+                Server::builder()
+                    .add_service(OrdersServer::new(shop))
+                    .serve_with_incoming(incoming),
+            );
+        }
+    };
+    let start = std::time::Instant::now();
+    let (resp, ()) = tokio::join!(c.create_order(create(10)), server);
+    let resp = resp.unwrap();
+    assert!(start.elapsed() >= Duration::from_millis(300));
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, 1),
+        "waiting for the channel uses no attempt"
+    );
+    assert_eq!(shop.attempts(), 1);
+    let stats = l.stats().snapshot();
+    assert_eq!((stats.attempts, stats.retries), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn message_limits_from_the_config_apply_both_ways() {
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [
+          {"name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+           "maxRequestMessageBytes": 100,
+           "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.02s", "maxBackoff": "1s",
+                           "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}},
+          {"name": [{"service": "shop.v1.Orders", "method": "GetOrder"}],
+           "maxResponseMessageBytes": 8}
+        ]}"#,
+    )
+    .unwrap();
+    let shop = Shop::default();
+    let mut c = client(serve(shop.clone()).await, layer(&cfg));
+    // A request message over its limit never leaves the client.
+    let err = c.create_order(create(200)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("maxRequestMessageBytes (100)"),
+        "{err:?}"
+    );
+    let r = report_of(&err);
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::MessageTooLarge, 0));
+    assert_eq!(shop.attempts(), 0);
+    c.create_order(create(10)).await.unwrap();
+    assert_eq!(shop.attempts(), 1);
+    // A response message over its limit ends the call (here without a retry policy).
+    let err = c
+        .get_order(GetOrderRequest {
+            order_id: "o-9".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("maxResponseMessageBytes (8)"),
+        "{err:?}"
+    );
+    assert_eq!(report_of(&err).outcome, CallOutcome::MessageTooLarge);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_builder_without_a_config_keys_every_method() {
+    let shop = Shop::with([unavailable(), Fault::Ok]);
+    let l = RetryLayer::builder().seed(3).build().unwrap();
+    let mut c = client(serve(shop.clone()).await, l);
+    c.get_order(GetOrderRequest {
+        order_id: "o-9".into(),
+    })
+    .await
+    .unwrap();
+    let keys: Vec<_> = shop
+        .seen()
+        .iter()
+        .map(|s| s.header("x-idempotency-key"))
+        .collect();
+    assert_eq!(keys.len(), 2);
+    assert!(
+        keys[0].is_some(),
+        "an idem server would answer KEY_MISSING without it"
+    );
+    assert_eq!(keys[0], keys[1]);
 }

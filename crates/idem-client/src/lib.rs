@@ -35,27 +35,45 @@
 //!
 //! Without a config, [`RetryLayer::builder`] gives one policy for every method, with the
 //! defaults (maxAttempts 3, initialBackoff 20 ms, multiplier 2,
-//! maxBackoff 1 s, ±20 % jitter, codes `[UNAVAILABLE]`); [`RetryLayerBuilder`] lists every
-//! option with its default. [`RetryLayer::reload`] swaps the config at run time.
+//! maxBackoff 1 s, ±20 % jitter, codes `[UNAVAILABLE]`), and a key on every call (that
+//! policy retries every method, and an idem server needs the key to run a retried write
+//! once; [`RetryLayerBuilder::key_all_methods`]`(false)` turns it off);
+//! [`RetryLayerBuilder`] lists every option with its default. [`RetryLayer::reload`]
+//! swaps the config at run time.
 //!
 //! # What it does
 //! - **Which calls retry**: the method's config entry (exact `service/method`, else
 //!   `service`, else the default entry) decides; a method without a `retryPolicy` is
-//!   passed through once, without buffering.
-//! - **Commit**: an attempt whose response has real headers (not Trailers-Only) commits the
-//!   call and is passed through untouched. Only Trailers-Only responses (`grpc-status` among
-//!   the headers) with a code in `retryableStatusCodes` are retried, and transport errors
-//!   (connection refused: the channel fails before anything came back) as UNAVAILABLE.
+//!   passed through once, without buffering (unless it has `waitForReady`). Unary,
+//!   server-streaming, client-streaming and bidi methods alike.
+//! - **What is retried**: Trailers-Only responses (`grpc-status` among the headers) with a
+//!   code in `retryableStatusCodes`, and transport errors (connection refused: the channel
+//!   fails before anything came back) as UNAVAILABLE.
+//! - **Commit** (gRFC A6): once a call is committed it is never retried; the committed
+//!   attempt goes on, and its response is passed through untouched. A call commits when
+//!   1. an attempt's response has real headers (not Trailers-Only), or
+//!   2. keeping its request for a replay would pass `maxReplayBytesPerCall` (256 KiB), or
+//!      what the other calls of the layer leave of `maxReplayBytesTotal` (16 MiB).
+//!
+//!   When an attempt committed by a limit then fails with a retryable status, the caller
+//!   gets that status, and the report says why no retry came
+//!   ([`CallOutcome::BodyTooLarge`], [`CallOutcome::ReplayBudgetExhausted`]).
+//! - **Replay buffer**: each attempt streams the request as the caller produces it, and a
+//!   copy is kept until the call commits. A request whose frames are all ready when the
+//!   call starts (every unary and server-streaming call) is read whole first; each attempt
+//!   then gets refcounted `Bytes` clones of it. Anything else (a client or bidi stream the
+//!   caller is still producing) goes out message by message: the first message reaches the
+//!   server before the caller has produced the second, and the caller may wait for
+//!   responses before it sends more, on the first attempt and after a retry. A retry sends
+//!   the copy, then goes on with the live rest. The copy is freed when the call commits or
+//!   ends; dropping the response future before its headers ends the request (the attempt
+//!   is reset), so the budget of a layer returns to full.
 //! - **Attempts**: `maxAttempts` counts the first attempt; idem-core already clamps it to 5.
 //!   Retries carry `grpc-previous-rpc-attempts`.
 //! - **Backoff** ([`retry::backoff`]): retry `n` waits
 //!   `min(initialBackoff·multiplier^(n-1), maxBackoff) × U(0.8, 1.2)`, saturating. The RNG
 //!   is injectable ([`RetryLayerBuilder::jitter`], [`RetryLayerBuilder::seed`]); time is
 //!   `tokio::time`, so paused-clock tests are exact.
-//! - **Replay buffer**: the request body is read once, up to `maxReplayBytesPerCall`
-//!   (256 KiB), and each attempt gets refcounted `Bytes` clones. A larger body, or one that
-//!   does not fit in the layer's total budget (`maxReplayBytesTotal`, 16 MiB), is sent once
-//!   without retries: what was read is sent first, then the rest, nothing is lost.
 //! - **Deadline**: the earliest of the request's `grpc-timeout`, the inbound call's deadline
 //!   ([`idem_core::deadline::inbound_deadline`], set by the server layer) and the config
 //!   `timeout`. Each attempt's `grpc-timeout` is rewritten to the time left. A retry whose
@@ -75,13 +93,30 @@
 //!   deadline cannot be parked for hours, and it never retries sooner than asked.
 //! - **Throttling** ([`RetryThrottle`]): the A6 token bucket in milli-tokens, shared by all
 //!   clones of a layer, shareable across channels ([`RetryLayerBuilder::throttle`]), and
-//!   kept across [`RetryLayer::reload`].
+//!   kept across [`RetryLayer::reload`]. It logs when retries stop (`WARN`) and resume
+//!   (`INFO`), once per change; each call it stops says why in its report.
+//! - **`waitForReady`**: a call whose attempt the channel could not send (it could not
+//!   connect: [`tonic::ConnectError`], a refused connection) waits and sends the same
+//!   attempt again (100 ms, growing ×1.6 to 2 s, ±20 %) until its deadline, then ends with
+//!   DEADLINE_EXCEEDED; without a deadline, for
+//!   [`RetryLayerBuilder::wait_for_ready_limit`] (30 s), then UNAVAILABLE
+//!   ([`CallOutcome::NotReady`]). Those waits use no attempt of `maxAttempts` and no
+//!   throttle token. Without `waitForReady`, a connection failure is an attempt that
+//!   failed with UNAVAILABLE (fail fast).
+//! - **`maxRequestMessageBytes` / `maxResponseMessageBytes`**: read from each message's
+//!   5-byte gRPC frame header as the bytes stream (no message is held to check it). A
+//!   request message over its limit fails the call on the client with RESOURCE_EXHAUSTED:
+//!   before anything is sent when it is ready at the start, otherwise by resetting the
+//!   stream as it comes. A response message over its limit ends the response with
+//!   RESOURCE_EXHAUSTED trailers, after the messages before it
+//!   ([`CallOutcome::MessageTooLarge`]).
 //! - **Keys**: protected methods (config entry with `idempotency`), or all methods with
 //!   `keyAllMethods`, get `x-idempotency-key` (or `idem.keyHeader`): the caller's value is
 //!   kept ([`with_key`], [`RequestKeyExt`]: a typed request extension the layer writes
 //!   under its configured header; a value under the default name is moved, never replaced
-//!   by a fresh key); otherwise one random 128-bit key per call, the same on every attempt. [`IdempotencyKeyInterceptor`] does the same as a tonic
-//!   interceptor, above the retry layer. Key values are marked *sensitive*, so HPACK
+//!   by a fresh key); otherwise one random 128-bit key per call, the same on every attempt.
+//!   Without a config, every method gets a key. [`IdempotencyKeyInterceptor`] does the
+//!   same as a tonic interceptor, above the retry layer. Key values are marked *sensitive*, so HPACK
 //!   sends them as never-indexed literals: a key never repeats across calls, and
 //!   indexing each one would churn both ends' dynamic tables (measured in BENCHMARKS.md:
 //!   about 2 % of a call's CPU).
@@ -109,14 +144,22 @@
 //!   default), so the server layer can answer upstream with `grpc-retry-pushback-ms: -1`.
 //!
 //! # Where idem differs from grpc-go, and why
-//! - **The body is buffered before the first attempt**, up to the cap; grpc-go buffers as
-//!   it sends. Simpler and enough for unary and server-streaming calls. A client- or
-//!   bidi-streaming method whose request stream waits for responses would stall: give such
-//!   methods no `retryPolicy` (they are then passed through unbuffered).
-//! - **Transport errors count as attempts.** grpc-go retries streams that never reached the
-//!   server "transparently" (not counted); the layer cannot see that from a tonic
-//!   `Channel` error, so it treats every error before response headers as UNAVAILABLE,
-//!   which uses an attempt and a throttle token.
+//! - **Replay limits**: 256 KiB per call, as grpc-go (grpc-java: 1 MiB), and 16 MiB per
+//!   layer, as grpc-java (grpc-go has no channel-wide limit). A streaming call holds its
+//!   copy only until it commits, and the per-layer total bounds the memory of all of them.
+//! - **Transport errors count as attempts**, unless `waitForReady`. grpc-go retries
+//!   streams that never reached the server "transparently" (not counted); from a tonic
+//!   `Channel` error the layer can tell only a failed connection apart (nothing was
+//!   sent), so it treats every error before response headers as UNAVAILABLE, which uses
+//!   an attempt and a throttle token; with `waitForReady` a failed connection is waited
+//!   out instead, uncounted.
+//! - **`waitForReady` without a deadline** waits at most
+//!   [`RetryLayerBuilder::wait_for_ready_limit`]; grpc-go waits for ever. The channel is
+//!   not watched: the attempt is sent again after each wait, so a channel that comes up is
+//!   used within 2 s.
+//! - **Message limits read the framed length**: a compressed message is measured
+//!   compressed. grpc-go also checks the decompressed size of a response; tonic's own
+//!   `max_decoding_message_size` does that on the client.
 //! - **Success for the throttle** is a committed response (real headers) or a Trailers-Only
 //!   OK: the layer does not read trailers, so a committed call that fails in its trailers
 //!   counts as a success. Non-retryable codes count neither way (as grpc-go).
@@ -138,7 +181,9 @@
 //!   answers unary errors Trailers-Only, but a server-streaming handler that fails before
 //!   its first message sends headers first. With the opt-in the layer reads each
 //!   response's first body frame before handing the response on, and reshapes such a
-//!   response as Trailers-Only.
+//!   response as Trailers-Only. It does not for requests that stream (client or bidi
+//!   streams still being produced): their caller may wait for the response headers
+//!   before it sends the message the server waits for.
 //! - **Response bodies are [`tonic::body::Body`]**: the layer works on tonic's types (a
 //!   `Channel`'s body passes through without a new box; other bodies are boxed once).
 //! - An unparseable `grpc-status` is UNKNOWN. A non-200 HTTP response without

@@ -15,3 +15,10 @@ pub mod shop {
     #![allow(missing_docs, unreachable_pub, clippy::all)]
     tonic::include_proto!("shop.v1");
 }
+
+/// The generated code of `proto/stream/v1/stream.proto`: a client-streaming and a
+/// bidirectional method, for the client layer's streaming tests.
+pub mod stream {
+    #![allow(missing_docs, unreachable_pub, clippy::all)]
+    tonic::include_proto!("stream.v1");
+}

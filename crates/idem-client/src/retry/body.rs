@@ -1,6 +1,7 @@
-//! The replay buffer: the request body read once, then handed to every attempt as cheap
-//! `Bytes` clones; and the body of a call that did not fit, which streams what was read
-//! followed by the rest.
+//! The replay buffer of a request that is complete before the first attempt (every unary
+//! call): read once, then handed to every attempt as cheap `Bytes` clones; the per-layer
+//! budget every call's replay bytes are counted in; and the read that tells such a
+//! request from one that streams.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -9,11 +10,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
 
+use super::limit::RequestCheck;
 use crate::BoxError;
 
 /// Bytes held for replay across all calls of one layer (and its clones).
@@ -64,7 +65,7 @@ impl Lease {
     pub(crate) fn new(budget: Arc<ReplayBudget>) -> Self {
         Lease { budget, bytes: 0 }
     }
-    fn reserve(&mut self, n: usize) -> bool {
+    pub(crate) fn reserve(&mut self, n: usize) -> bool {
         if self.budget.try_reserve(n) {
             self.bytes += n;
             true
@@ -72,7 +73,7 @@ impl Lease {
             false
         }
     }
-    fn release_all(&mut self) {
+    pub(crate) fn release_all(&mut self) {
         self.budget.release(self.bytes);
         self.bytes = 0;
     }
@@ -164,144 +165,142 @@ impl Body for ReplayBody {
     // do not carry; the default (unknown) keeps the request as the bare channel sends it.
 }
 
-/// The body of a call that is sent once: what was read while trying to buffer it, then
-/// the rest of the original body (or the error that stopped the reading).
-pub(crate) struct PartialBody<B> {
-    read: VecDeque<Bytes>,
-    error: Option<BoxError>,
-    rest: Option<B>,
-}
-
-impl<B> Body for PartialBody<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(chunk) = self.read.pop_front() {
-            return Poll::Ready(Some(Ok(Frame::data(chunk))));
-        }
-        if let Some(e) = self.error.take() {
-            self.rest = None;
-            return Poll::Ready(Some(Err(e)));
-        }
-        match self.rest.as_mut() {
-            Some(rest) => Pin::new(rest).poll_frame(cx).map_err(Into::into),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.read.is_empty()
-            && self.error.is_none()
-            && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
-    }
-}
-
-/// The result of reading a request body for replay.
-pub(crate) enum Buffered<B> {
-    /// The whole body, within the per-call cap and the channel's budget.
+/// What the layer could read of a request body without waiting for the caller.
+pub(crate) enum Read {
+    /// The whole body, within the limits: every attempt gets a copy of it.
     Complete(Replay),
-    /// The body did not fit (or failed): send it once.
-    Partial(PartialBody<B>, Overflow),
+    /// The caller has more to send (or the body did not fit, or failed): the attempt
+    /// streams it ([`StreamReplay`](super::replay::StreamReplay)).
+    Partial(Partial),
+    /// A request message over `maxRequestMessageBytes`: nothing is sent.
+    TooLarge,
 }
 
-/// Why a body is sent once.
+/// The start of a body that streams: what was read of it.
+pub(crate) struct Partial {
+    pub(crate) read: VecDeque<Bytes>,
+    /// Bytes of `read` reserved in the lease (0 when they are not kept for replay).
+    pub(crate) kept: usize,
+    pub(crate) trailers: Option<HeaderMap>,
+    /// The caller's body failed after `read`: nothing more comes from it.
+    pub(crate) error: Option<BoxError>,
+    /// Why `read` is not kept for replay, if it is not.
+    pub(crate) overflow: Option<Overflow>,
+}
+
+/// Why a call's request is not kept for replay (the call is committed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Overflow {
+    /// It passed `maxReplayBytesPerCall`.
     PerCall,
+    /// It passed what is left of `maxReplayBytesTotal`.
     Budget,
+    /// Reading the caller's body failed.
     Error,
 }
 
-/// Reads `body` up to `cap` bytes, reserving them in `lease`. Nothing read is lost: on
-/// overflow the chunks read so far go first in the [`PartialBody`].
-///
-/// `B: Unpin` (the caller passes a [`tonic::body::Body`], which is): the body is read in
-/// place, without a `Box::pin` per call.
-pub(crate) async fn buffer<B>(mut body: B, cap: usize, lease: &mut Lease) -> Buffered<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+/// Why [`read_ready`] stopped.
+enum Stop {
+    End,
+    Pending,
+    Overflow(Overflow),
+    Failed(BoxError),
+}
+
+/// Reads `body` while its frames are ready, up to `cap` bytes reserved in `lease`,
+/// without waiting: a unary request (one ready frame, then the end) is read whole here,
+/// so it never pays for streaming; a request whose caller has not produced everything
+/// yet is handed on as [`Read::Partial`] at the first `Pending`, so its first message is
+/// sent at once. `check` applies `maxRequestMessageBytes` to every frame read.
+pub(crate) fn read_ready(
+    body: &mut tonic::body::Body,
+    cap: usize,
+    lease: &mut Lease,
+    mut check: Option<&mut RequestCheck>,
+    cx: &mut Context<'_>,
+) -> Read {
     // The first chunk apart: a one-chunk body (every unary call) needs no `Vec`.
     let mut first: Option<Bytes> = None;
     let mut more: Vec<Bytes> = Vec::new();
     let mut total = 0usize;
     let mut trailers: Option<HeaderMap> = None;
-    loop {
+    let stop = loop {
         if body.is_end_stream() {
-            break;
+            break Stop::End;
         }
-        let overflow = match body.frame().await {
-            None => break,
-            Some(Err(e)) => Some((Overflow::Error, Some(e.into()))),
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(mut data) => {
-                    let chunk = data.copy_to_bytes(data.remaining());
-                    let len = chunk.len();
-                    if first.is_none() {
-                        first = Some(chunk);
-                    } else {
-                        more.push(chunk);
-                    }
-                    if total.saturating_add(len) > cap {
-                        Some((Overflow::PerCall, None))
-                    } else if !lease.reserve(len) {
-                        Some((Overflow::Budget, None))
-                    } else {
-                        total += len;
-                        None
-                    }
-                }
-                Err(frame) => {
-                    if let Ok(t) = frame.into_trailers() {
-                        match trailers.as_mut() {
-                            Some(all) => all.extend(t),
-                            None => trailers = Some(t),
-                        }
-                    }
-                    None
-                }
-            },
+        let frame = match Pin::new(&mut *body).poll_frame(cx) {
+            Poll::Pending => break Stop::Pending,
+            Poll::Ready(None) => break Stop::End,
+            Poll::Ready(Some(Err(e))) => break Stop::Failed(e.into()),
+            Poll::Ready(Some(Ok(frame))) => frame,
         };
-        if let Some((why, error)) = overflow {
-            lease.release_all();
-            // Request trailers seen before the overflow are dropped: gRPC requests carry
-            // none, and an attempt sent once streams the rest of the original body.
-            return Buffered::Partial(
-                PartialBody {
-                    read: first.into_iter().chain(more).collect(),
-                    error,
-                    rest: Some(body),
-                },
-                why,
-            );
+        let chunk = match frame.into_data() {
+            Ok(chunk) => chunk,
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    match trailers.as_mut() {
+                        Some(all) => all.extend(t),
+                        None => trailers = Some(t),
+                    }
+                }
+                continue;
+            }
+        };
+        if check.as_mut().is_some_and(|c| c.check(&chunk).is_err()) {
+            return Read::TooLarge;
         }
+        let len = chunk.len();
+        if first.is_none() {
+            first = Some(chunk);
+        } else {
+            more.push(chunk);
+        }
+        if total.saturating_add(len) > cap {
+            break Stop::Overflow(Overflow::PerCall);
+        }
+        if !lease.reserve(len) {
+            break Stop::Overflow(Overflow::Budget);
+        }
+        total += len;
+    };
+    let (overflow, error) = match stop {
+        Stop::End => {
+            return Read::Complete(Replay {
+                chunks: Chunks::new(first, more),
+                trailers,
+            });
+        }
+        Stop::Pending => (None, None),
+        Stop::Overflow(why) => (Some(why), None),
+        Stop::Failed(e) => (Some(Overflow::Error), Some(e)),
+    };
+    if overflow.is_some() {
+        lease.release_all();
+        total = 0;
     }
-    Buffered::Complete(Replay {
-        chunks: Chunks::new(first, more),
+    Read::Partial(Partial {
+        read: first.into_iter().chain(more).collect(),
+        kept: total,
         trailers,
+        error,
+        overflow,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::limit::RequestFault;
     use http_body_util::{BodyExt, Full};
+    use std::task::Waker;
 
     fn budget(limit: usize) -> Arc<ReplayBudget> {
         Arc::new(ReplayBudget::new(limit))
     }
 
-    /// A body that yields one frame per part (with `Pending` never needed).
-    struct Chunked(VecDeque<Bytes>);
+    /// A body that yields one frame per part, then `Pending` if `more` (the caller is
+    /// still producing), else the end.
+    struct Chunked(VecDeque<Bytes>, bool);
     impl Body for Chunked {
         type Data = Bytes;
         type Error = Infallible;
@@ -309,20 +308,33 @@ mod tests {
             mut self: Pin<&mut Self>,
             _: &mut Context<'_>,
         ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-            Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+            match self.0.pop_front() {
+                Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                None if self.1 => Poll::Pending,
+                None => Poll::Ready(None),
+            }
         }
     }
-    fn chunked(parts: &[&'static [u8]]) -> Chunked {
-        Chunked(parts.iter().map(|p| Bytes::from_static(p)).collect())
+    fn chunked(parts: &[&'static [u8]], more: bool) -> tonic::body::Body {
+        let parts = parts.iter().map(|p| Bytes::from_static(p)).collect();
+        tonic::body::Body::new(Chunked(parts, more))
+    }
+
+    fn read(mut body: tonic::body::Body, cap: usize, lease: &mut Lease) -> Read {
+        let mut cx = Context::from_waker(Waker::noop());
+        read_ready(&mut body, cap, lease, None, &mut cx)
+    }
+
+    fn concat(read: &VecDeque<Bytes>) -> Vec<u8> {
+        read.iter().flat_map(|b| b.iter().copied()).collect()
     }
 
     #[tokio::test]
-    async fn replays_the_same_bytes_every_time() {
+    async fn a_complete_body_replays_the_same_bytes_every_time() {
         let b = budget(1 << 20);
         let mut lease = Lease::new(b.clone());
-        let Buffered::Complete(replay) = buffer(chunked(&[b"ab", b"cd"]), 10, &mut lease).await
-        else {
-            panic!("should fit");
+        let Read::Complete(replay) = read(chunked(&[b"ab", b"cd"], false), 10, &mut lease) else {
+            panic!("should be complete");
         };
         assert_eq!(b.held(), 4);
         for _ in 0..3 {
@@ -338,8 +350,8 @@ mod tests {
         // hyper turns an exact size hint into a `content-length` header on every attempt.
         let mut lease = Lease::new(budget(1 << 20));
         for parts in [&[&b"abcd"[..]][..], &[b"ab", b"cd"]] {
-            let Buffered::Complete(replay) = buffer(chunked(parts), 10, &mut lease).await else {
-                panic!("should fit");
+            let Read::Complete(replay) = read(chunked(parts, false), 10, &mut lease) else {
+                panic!("should be complete");
             };
             let body = replay.body();
             assert_eq!(body.size_hint().exact(), None);
@@ -348,38 +360,100 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn overflow_keeps_every_byte() {
+    #[test]
+    fn a_body_still_coming_is_partial_and_keeps_what_was_read() {
         let b = budget(1 << 20);
         let mut lease = Lease::new(b.clone());
-        let Buffered::Partial(partial, why) =
-            buffer(chunked(&[b"ab", b"cd", b"ef", b"gh"]), 3, &mut lease).await
+        let Read::Partial(p) = read(chunked(&[b"ab"], true), 10, &mut lease) else {
+            panic!("should be partial");
+        };
+        assert_eq!(
+            (concat(&p.read), p.kept, p.overflow),
+            (b"ab".to_vec(), 2, None)
+        );
+        assert_eq!(b.held(), 2);
+        let Read::Partial(p) = read(chunked(&[], true), 10, &mut lease) else {
+            panic!("nothing ready yet is partial too");
+        };
+        assert!(p.read.is_empty());
+    }
+
+    #[test]
+    fn an_overflow_keeps_every_byte_read_and_frees_the_budget() {
+        let b = budget(1 << 20);
+        let mut lease = Lease::new(b.clone());
+        let Read::Partial(p) = read(chunked(&[b"ab", b"cd", b"ef", b"gh"], false), 3, &mut lease)
         else {
             panic!("should overflow");
         };
-        assert_eq!(why, Overflow::PerCall);
+        assert_eq!(p.overflow, Some(Overflow::PerCall));
+        assert_eq!((concat(&p.read), p.kept), (b"abcd".to_vec(), 0));
         assert_eq!(b.held(), 0);
-        let got = partial.collect().await.unwrap().to_bytes();
-        assert_eq!(&got[..], b"abcdefgh");
     }
 
-    #[tokio::test]
-    async fn budget_is_shared() {
+    #[test]
+    fn the_budget_is_shared() {
         let b = budget(5);
         let mut first = Lease::new(b.clone());
-        assert!(matches!(
-            buffer(Full::new(Bytes::from_static(b"1234")), 10, &mut first).await,
-            Buffered::Complete(_)
-        ));
+        let body = tonic::body::Body::new(Full::new(Bytes::from_static(b"1234")));
+        assert!(matches!(read(body, 10, &mut first), Read::Complete(_)));
         let mut second = Lease::new(b.clone());
-        let Buffered::Partial(partial, why) =
-            buffer(Full::new(Bytes::from_static(b"5678")), 10, &mut second).await
-        else {
+        let body = tonic::body::Body::new(Full::new(Bytes::from_static(b"5678")));
+        let Read::Partial(p) = read(body, 10, &mut second) else {
             panic!("budget should be full");
         };
-        assert_eq!(why, Overflow::Budget);
-        assert_eq!(&partial.collect().await.unwrap().to_bytes()[..], b"5678");
+        assert_eq!(p.overflow, Some(Overflow::Budget));
+        assert_eq!(concat(&p.read), b"5678");
         drop(first);
         assert_eq!(b.held(), 0);
+    }
+
+    /// What tonic's generated clients send: `EncodeBody` over the caller's messages.
+    fn tonic_body<S>(messages: S) -> tonic::body::Body
+    where
+        S: tokio_stream::Stream<Item = Result<String, tonic::Status>> + Send + 'static,
+    {
+        use tonic::codec::{Codec, EncodeBody};
+        let encoder = tonic_prost::ProstCodec::<String, String>::default().encoder();
+        tonic::body::Body::new(EncodeBody::new_client(encoder, messages, None, None))
+    }
+
+    #[test]
+    fn a_tonic_unary_request_is_complete_and_a_client_stream_is_partial() {
+        let mut lease = Lease::new(budget(1 << 20));
+        // `Grpc::unary` and `Grpc::server_streaming`: one ready message.
+        let unary = tonic_body(tokio_stream::once(Ok("hi".to_owned())));
+        assert!(matches!(
+            read(unary, 1 << 20, &mut lease),
+            Read::Complete(_)
+        ));
+        // A client stream whose caller has sent one message so far.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(Ok("hi".to_owned())).unwrap();
+        let stream = tonic_body(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        let Read::Partial(p) = read(stream, 1 << 20, &mut lease) else {
+            panic!("a stream still open streams");
+        };
+        assert_eq!(concat(&p.read), b"\0\0\0\0\x04\x0a\x02hi");
+        // A client stream whose messages are all there is as good as complete.
+        let all = tonic_body(tokio_stream::iter([Ok("a".to_owned()), Ok("b".to_owned())]));
+        assert!(matches!(read(all, 1 << 20, &mut lease), Read::Complete(_)));
+    }
+
+    #[test]
+    fn a_message_over_the_request_limit_sends_nothing() {
+        let fault = Arc::new(RequestFault::default());
+        let mut check = RequestCheck::new(3, fault.clone());
+        let mut body = chunked(&[b"\0\0\0\0\x02hi", b"\0\0\0\0\x04long"], false);
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut lease = Lease::new(budget(1 << 20));
+        let read = read_ready(&mut body, 1 << 20, &mut lease, Some(&mut check), &mut cx);
+        assert!(matches!(read, Read::TooLarge));
+        let status = fault.status().unwrap();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(
+            status.message(),
+            "request message of 4 bytes is over maxRequestMessageBytes (3)"
+        );
     }
 }

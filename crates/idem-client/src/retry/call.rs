@@ -1,212 +1,148 @@
-//! The mechanism of a retrying call: read the body, send an attempt, ask
-//! [`policy::decide`](super::policy::decide), wait, repeat; then answer the caller.
+//! The mechanism of a retrying call: read what is ready of the body, send an attempt,
+//! ask [`policy::decide`](super::policy::decide), wait, repeat; then answer the caller.
 //!
 //! Everything A6 decides lives in [`policy`](super::policy); this file does the I/O,
 //! the clock, the counters and the tracing around it.
 
 use std::future::{Future, poll_fn};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderValue;
 use http::request::Parts;
 use idem_core::config::RetryPolicy;
-use idem_core::deadline::{ExhaustedMarker, earliest, encode_grpc_timeout};
-use idem_core::headers::{DOWNSTREAM_EXHAUSTED, GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
+use idem_core::deadline::{earliest, encode_grpc_timeout};
+use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use tokio::time::Instant;
-use tonic::Code;
 use tower_service::Service;
 
-use super::body::{self, Buffered, Lease, Overflow};
-use super::config::{Settings, Shared};
-use super::deadline;
+use super::body::{self, Lease, Overflow, Read};
+use super::config::Settings;
+use super::context::{Attempt, CallContext};
+use super::limit::RequestCheck;
 use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::{self, Resp, early_code};
-use super::policy::{Attempted, CallState, Decision, Limits, decide};
-use super::pushback::{Pushback, pushback, retry_info_delay};
+use super::policy::{self, Attempted, CallState, Decision, Limits, decide};
+use super::replay::StreamReplay;
+use super::throttle::RetryThrottle;
 use crate::BoxError;
 
-/// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
-/// (static for generated tonic clients), so cloning it out of the request is free.
-#[derive(Debug, Clone)]
-pub(crate) struct CallPath(Option<http::uri::PathAndQuery>);
-
-impl CallPath {
-    pub(crate) fn of(uri: &http::Uri) -> Self {
-        CallPath(uri.path_and_query().cloned())
-    }
-    pub(crate) fn as_str(&self) -> &str {
-        self.0.as_ref().map_or("", http::uri::PathAndQuery::path)
-    }
-}
-
-impl std::fmt::Display for CallPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What every call needs to answer its caller, with or without retries.
-#[derive(Debug)]
-pub(crate) struct CallContext {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) path: CallPath,
-    pub(crate) deadline: Option<Instant>,
-    /// The inbound call's marker, when this call is made while serving one.
-    pub(crate) marker: Option<ExhaustedMarker>,
-}
-
-/// How one attempt ended, with what it left for the caller.
-pub(crate) enum Attempt<E> {
-    Response(Resp),
-    Error(E),
-    /// `perAttemptRecvTimeout` passed before response headers.
-    RecvTimeout,
-    /// The call's deadline passed before response headers.
-    Deadline,
-}
-
-impl<E> Attempt<E> {
-    /// The inner service's result, as of `now`: an error once the deadline has passed is
-    /// the deadline's doing (tonic's channel timeout fires at the `grpc-timeout` the layer
-    /// wrote), not a transport failure.
-    pub(crate) fn of<RB>(result: Result<http::Response<RB>, E>, deadline: Option<Instant>) -> Self
-    where
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<BoxError>,
-    {
-        match result {
-            Ok(resp) => Attempt::Response(resp.map(tonic::body::Body::new)),
-            Err(_) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
-            Err(e) => Attempt::Error(e),
-        }
-    }
-
-    /// What the decision needs to know about this attempt.
-    pub(crate) fn observe(&self) -> Attempted {
-        let (end, headers) = match self {
-            Attempt::Response(r) => match early_code(r) {
-                None => (AttemptEnd::Committed, None),
-                Some(code) => (AttemptEnd::Status(code), Some(r.headers())),
-            },
-            Attempt::Error(_) => (AttemptEnd::TransportError, None),
-            Attempt::RecvTimeout => (AttemptEnd::RecvTimeout, None),
-            Attempt::Deadline => (AttemptEnd::Deadline, None),
-        };
-        Attempted {
-            end,
-            pushback: headers.map_or(Pushback::Absent, pushback),
-            retry_info: headers.and_then(retry_info_delay),
-        }
-    }
-}
-
-impl CallContext {
-    /// The caller's response: the attempt's own, or for a failure without one a
-    /// Trailers-Only status (a transport error becomes the status tonic would make of it),
-    /// so every failure carries the report. Records the report (counters, hook, span),
-    /// attaches it, and bounds the body by the deadline.
-    pub(crate) fn finish<E: Into<BoxError>>(
-        &self,
-        attempt: Attempt<E>,
-        mut report: CallReport,
-    ) -> Resp {
-        let mut resp = match attempt {
-            Attempt::Response(r) => r,
-            Attempt::Error(e) => self.error_status(e.into(), report.outcome).into_http(),
-            Attempt::RecvTimeout => {
-                tonic::Status::cancelled("perAttemptRecvTimeout exceeded").into_http()
-            }
-            Attempt::Deadline => tonic::Status::deadline_exceeded("deadline exceeded").into_http(),
-        };
-        report.last_code = early_code(&resp);
-        self.shared.report(self.path.as_str(), &report);
-        // The `idem_retry` span is a `debug` span: skip the lookup when nothing listens.
-        if tracing::level_enabled!(tracing::Level::DEBUG) {
-            let span = tracing::Span::current();
-            span.record("attempts", report.attempts);
-            span.record("outcome", report.outcome.as_str());
-        }
-        if report.last_code.is_some_and(|c| c != Code::Ok) {
-            report.write_headers(resp.headers_mut());
-            // Retry at one layer only: the server layer swaps this marker for
-            // `grpc-retry-pushback-ms: -1` upstream.
-            if let Some(m) = self.marker.filter(|_| report.outcome.retries_gave_up()) {
-                resp.headers_mut()
-                    .insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
-            }
-        }
-        resp.extensions_mut().insert(report);
-        deadline::bound(resp, self.deadline, report)
-    }
-}
-
-impl CallContext {
-    /// The status of a transport error: tonic's classification, with what tonic leaves
-    /// UNKNOWN (a connection reset, a refused stream) as UNAVAILABLE, as gRPC clients
-    /// report a channel that failed before any response; a give-up under an inbound call
-    /// says so, for the handler's logs upstream.
-    fn error_status(&self, e: BoxError, outcome: CallOutcome) -> tonic::Status {
-        let status = tonic::Status::from_error(e);
-        let status = match status.code() {
-            Code::Unknown => tonic::Status::unavailable(status.message()),
-            _ => status,
-        };
-        if self.marker.is_some() && outcome.retries_gave_up() {
-            let message = format!(
-                "downstream call failed on every attempt: {}",
-                status.message()
-            );
-            return tonic::Status::new(status.code(), message);
-        }
-        status
-    }
-}
-
-/// What one retrying call needs.
+/// What one call through the loop needs.
 pub(crate) struct Call {
     pub(crate) cx: CallContext,
     pub(crate) settings: Arc<Settings>,
-    pub(crate) policy: RetryPolicy,
+    /// `None`: one attempt (a method without a retry policy, here for `waitForReady`).
+    pub(crate) policy: Option<RetryPolicy>,
+    pub(crate) wait_for_ready: bool,
 }
 
 /// The request body each attempt sends.
 enum AttemptBody {
-    /// Buffered: every attempt gets a copy.
-    Replay(body::Replay),
-    /// Did not fit: sent once, and the call reports `outcome` if it would have retried.
-    Once(Option<tonic::body::Body>, CallOutcome),
+    /// Complete before the first attempt (every unary call): each attempt gets a copy;
+    /// its bytes stay in the budget until the call ends.
+    Replay { replay: body::Replay, _lease: Lease },
+    /// Still coming from the caller: each message goes out as it comes, and a copy is
+    /// kept until the call commits.
+    Stream(StreamReplay),
 }
 
 impl AttemptBody {
-    fn of(buffered: Buffered<tonic::body::Body>) -> Self {
-        match buffered {
-            Buffered::Complete(replay) => AttemptBody::Replay(replay),
-            Buffered::Partial(partial, why) => {
-                let outcome = match why {
-                    Overflow::PerCall => CallOutcome::BodyTooLarge,
-                    Overflow::Budget => CallOutcome::ReplayBudgetExhausted,
-                    Overflow::Error => CallOutcome::BodyError,
-                };
-                AttemptBody::Once(Some(tonic::body::Body::new(partial)), outcome)
+    /// Reads what the caller has ready, without waiting for more. `Err` with the status
+    /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
+    async fn read(mut source: tonic::body::Body, call: &Call) -> Result<Self, tonic::Status> {
+        let mut lease = Lease::new(call.cx.shared.budget.clone());
+        let mut check = call
+            .cx
+            .limits
+            .request
+            .zip(call.cx.fault.clone())
+            .map(|(limit, fault)| RequestCheck::new(limit, fault));
+        let cap = call.settings.max_replay_bytes_per_call();
+        let read = poll_fn(|cx| {
+            Poll::Ready(body::read_ready(
+                &mut source,
+                cap,
+                &mut lease,
+                check.as_mut(),
+                cx,
+            ))
+        })
+        .await;
+        Ok(match read {
+            Read::TooLarge => {
+                return Err(call.cx.request_fault().unwrap_or_else(|| {
+                    tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
+                }));
             }
-        }
+            Read::Complete(replay) => AttemptBody::Replay {
+                replay,
+                _lease: lease,
+            },
+            Read::Partial(start) => {
+                AttemptBody::Stream(StreamReplay::new(start, source, lease, cap, check))
+            }
+        })
     }
 
-    fn next(&mut self) -> tonic::body::Body {
+    fn next(&self) -> tonic::body::Body {
         match self {
-            AttemptBody::Replay(replay) => tonic::body::Body::new(replay.body()),
-            AttemptBody::Once(body, _) => body.take().unwrap_or_default(),
+            AttemptBody::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
+            AttemptBody::Stream(stream) => tonic::body::Body::new(stream.body()),
         }
     }
 
+    /// The attempt got response headers: the call is committed.
+    fn commit(&self) {
+        if let AttemptBody::Stream(stream) = self {
+            stream.commit();
+        }
+    }
+
+    /// The attempt failed: a streaming body stops feeding it.
+    fn retire(&self) {
+        if let AttemptBody::Stream(stream) = self {
+            stream.retire();
+        }
+    }
+
+    /// Whether the next attempt would send the whole request.
+    fn can_resend(&self) -> bool {
+        match self {
+            AttemptBody::Replay { .. } => true,
+            AttemptBody::Stream(stream) => stream.can_resend(),
+        }
+    }
+
+    /// Set when the request was not kept for replay: the outcome if a retry would
+    /// otherwise be made.
     fn sent_once(&self) -> Option<CallOutcome> {
-        match self {
-            AttemptBody::Replay(_) => None,
-            AttemptBody::Once(_, outcome) => Some(*outcome),
-        }
+        let AttemptBody::Stream(stream) = self else {
+            return None;
+        };
+        Some(match stream.overflow()? {
+            Overflow::PerCall => CallOutcome::BodyTooLarge,
+            Overflow::Budget => CallOutcome::ReplayBudgetExhausted,
+            Overflow::Error => CallOutcome::BodyError,
+        })
     }
+}
+
+/// What `waitForReady` does after an attempt the channel could not send.
+enum NotReady {
+    /// Send it again after this wait.
+    Wait(Duration),
+    /// Stop waiting: the caller gets this, with this outcome.
+    GiveUp(Attempt, CallOutcome),
+}
+
+/// `waitForReady`: the waits since the channel failed to connect (reset once an attempt
+/// is sent), and when a call without a deadline stops waiting for it.
+#[derive(Debug, Default)]
+struct ReadyWait {
+    waits: u32,
+    until: Option<Instant>,
 }
 
 impl Call {
@@ -234,16 +170,18 @@ impl Call {
 
     /// Awaits one attempt's response headers (and, with `peek`, its first body frame),
     /// cut short by the deadline or the receive timeout.
-    async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt<E>
+    async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
     where
         F: Future<Output = Result<http::Response<RB>, E>>,
         RB: http_body::Body<Data = Bytes> + Send + 'static,
         RB::Error: Into<BoxError>,
+        E: Into<BoxError>,
     {
         let deadline = self.cx.deadline;
         let recv_timeout = self
             .policy
-            .per_attempt_recv_timeout()
+            .as_ref()
+            .and_then(RetryPolicy::per_attempt_recv_timeout)
             .and_then(|t| Instant::now().checked_add(t));
         let response = async {
             match Attempt::of(fut.await, deadline) {
@@ -263,30 +201,80 @@ impl Call {
         }
     }
 
-    /// Before attempt `attempts + 1`: a passed deadline, or an inner service that fails
-    /// to become ready for a retry, ends the call.
+    /// Before an attempt: a passed deadline ends the call; so does an inner service that
+    /// fails to become ready when it is asked again (`poll`: not the first send).
     async fn before_attempt<S, Req>(
         &self,
         svc: &mut S,
-        attempts: u32,
-    ) -> Option<(Attempt<S::Error>, CallOutcome)>
+        poll: bool,
+        ready: &ReadyWait,
+    ) -> Option<(Attempt, CallOutcome)>
     where
         S: Service<Req>,
+        S::Error: Into<BoxError>,
     {
         if self.cx.deadline.is_some_and(|d| d <= Instant::now()) {
-            return Some((Attempt::Deadline, CallOutcome::Deadline));
+            let attempt = match ready.waits {
+                0 => Attempt::Deadline,
+                _ => Attempt::Local(tonic::Status::deadline_exceeded(
+                    "deadline exceeded while waiting for the channel to become ready",
+                )),
+            };
+            return Some((attempt, CallOutcome::Deadline));
         }
-        if attempts > 0
-            && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await
-        {
-            return Some((Attempt::Error(e), CallOutcome::ServiceError));
+        if poll && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await {
+            return Some((Attempt::Error(e.into()), CallOutcome::ServiceError));
         }
         None
     }
 
-    fn limits<'a>(&'a self, body: &AttemptBody) -> Limits<'a> {
-        Limits {
-            policy: &self.policy,
+    /// `waitForReady` after an attempt the channel could not send: the wait before sending
+    /// it again, or how the call ends (at its deadline, or after the layer's limit
+    /// without one).
+    fn not_ready(&self, ready: &mut ReadyWait, attempt: Attempt) -> NotReady {
+        let now = Instant::now();
+        let limit = self.settings.wait_for_ready_limit();
+        let end = match self.cx.deadline {
+            Some(deadline) => deadline,
+            None => *ready
+                .until
+                .get_or_insert_with(|| now.checked_add(limit).unwrap_or(now)),
+        };
+        let left = end.saturating_duration_since(now);
+        if let Some(wait) = policy::ready_wait(ready.waits, left, self.cx.shared.jitter.as_ref()) {
+            ready.waits += 1;
+            return NotReady::Wait(wait);
+        }
+        if self.cx.deadline.is_some() {
+            let status = tonic::Status::deadline_exceeded(
+                "deadline exceeded while waiting for the channel to become ready",
+            );
+            return NotReady::GiveUp(Attempt::Local(status), CallOutcome::Deadline);
+        }
+        let cause = match attempt {
+            Attempt::Error(e) => tonic::Status::from_error(e).message().to_owned(),
+            _ => String::new(),
+        };
+        let status = tonic::Status::unavailable(format!(
+            "the channel did not become ready within {limit:?} (waitForReady): {cause}"
+        ));
+        NotReady::GiveUp(Attempt::Local(status), CallOutcome::NotReady)
+    }
+
+    /// What follows an attempt: A6's decision for a call with a retry policy, one
+    /// attempt without.
+    fn decide(
+        &self,
+        state: &mut CallState,
+        attempted: &Attempted,
+        body: &AttemptBody,
+        throttle: Option<&RetryThrottle>,
+    ) -> Decision {
+        let Some(policy) = &self.policy else {
+            return Decision::Done(CallOutcome::without_policy(attempted.end));
+        };
+        let limits = Limits {
+            policy,
             sent_once: body.sent_once(),
             time_left: self
                 .cx
@@ -295,7 +283,10 @@ impl Call {
             min_attempt_time: self.settings.min_attempt_time(),
             max_retry_delay: self.settings.max_retry_delay(),
             jitter: self.cx.shared.jitter.as_ref(),
-        }
+        };
+        decide(state, attempted, &limits, || {
+            throttle.is_none_or(RetryThrottle::record_failure)
+        })
     }
 }
 
@@ -314,32 +305,68 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let mut lease = Lease::new(call.cx.shared.budget.clone());
     // A tonic client's body already is a `tonic::body::Body` (no new box; other bodies are
-    // boxed once), which is `Unpin`: `buffer` reads it in place.
-    let cap = call.settings.max_replay_bytes_per_call();
-    let buffered = body::buffer(tonic::body::Body::new(body), cap, &mut lease).await;
-    let mut body = AttemptBody::of(buffered);
-    let peek = call.settings.peek_early_trailers() && body.sent_once().is_none();
+    // boxed once), which is `Unpin`: it is read in place.
+    let body = match AttemptBody::read(tonic::body::Body::new(body), &call).await {
+        Ok(body) => body,
+        Err(status) => {
+            let report = CallReport::new(CallOutcome::MessageTooLarge);
+            return Ok(call.cx.finish(Attempt::Local(status), report));
+        }
+    };
+    // Peeking at the response for a streaming request would hold its headers back from a
+    // caller that may wait for them before it sends more.
+    let peek = call.settings.peek_early_trailers() && matches!(body, AttemptBody::Replay { .. });
     let throttle = call.cx.shared.throttle();
     let mut state = CallState::default();
+    let mut ready = ReadyWait::default();
     let mut report = CallReport::new(CallOutcome::Committed);
     loop {
-        if let Some((attempt, outcome)) = call.before_attempt(&mut svc, state.attempts).await {
+        let resend = ready.waits > 0;
+        let poll = state.attempts > 0 || resend;
+        if let Some((attempt, outcome)) = call.before_attempt(&mut svc, poll, &ready).await {
             report.outcome = outcome;
             return Ok(call.cx.finish(attempt, report));
         }
-        state.attempts += 1;
-        call.cx.shared.stats.attempt(state.attempts == 1);
+        if !resend {
+            state.attempts += 1;
+            call.cx.shared.stats.attempt(state.attempts == 1);
+        }
         let started = Instant::now();
         let req = call.request(&parts, body.next(), state.attempts);
         let attempt = call.send(svc.call(req), peek).await;
+        if call.cx.request_fault().is_some() {
+            // A request message was over its limit: the stream was reset, and the rest of
+            // the request must never be replayed as if it were complete.
+            report.record(attempt.observe().end, started.elapsed());
+            return Ok(call.cx.finish(attempt, report));
+        }
+        if call.wait_for_ready && attempt.never_sent() && body.can_resend() {
+            body.retire();
+            match call.not_ready(&mut ready, attempt) {
+                NotReady::Wait(wait) => {
+                    tracing::debug!(
+                        wait_ms = millis(wait),
+                        "waiting for the channel to be ready"
+                    );
+                    sleep(wait).await;
+                    continue;
+                }
+                NotReady::GiveUp(answer, outcome) => {
+                    report.outcome = outcome;
+                    return Ok(call.cx.finish(answer, report));
+                }
+            }
+        }
+        ready = ReadyWait::default();
         let attempted = attempt.observe();
         report.record(attempted.end, started.elapsed());
-        let count_failure = || throttle.as_ref().is_none_or(|t| t.record_failure());
-        match decide(&mut state, &attempted, &call.limits(&body), count_failure) {
+        if attempted.end == AttemptEnd::Committed {
+            body.commit();
+        }
+        match call.decide(&mut state, &attempted, &body, throttle.as_ref()) {
             Decision::Done(outcome) => {
-                if let Some(t) = throttle.as_ref().filter(|_| outcome.is_success()) {
+                if let Some(t) = throttle.as_ref().filter(|_| attempted.end.is_success()) {
                     t.record_success();
                 }
                 report.outcome = outcome;
@@ -350,14 +377,19 @@ where
                 tracing::debug!(
                     attempt = state.attempts,
                     end = %attempted.end,
-                    wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                    wait_ms = millis(wait),
                     "retrying"
                 );
                 drop(attempt);
+                body.retire();
                 sleep(wait).await;
             }
         }
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 async fn sleep(wait: Duration) {

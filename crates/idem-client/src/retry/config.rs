@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use http::HeaderName;
 use idem_core::ServiceConfig;
-use idem_core::config::{ClientSettings, IdemSettings, RetryPolicy};
+use idem_core::config::{ClientSettings, IdemSettings, MethodConfig, RetryPolicy};
 use idem_core::deadline::InboundScope;
 
 use super::backoff::Jitter;
@@ -25,16 +25,17 @@ use super::throttle::RetryThrottle;
 /// The default of [`RetryLayerBuilder::max_retry_delay`](super::RetryLayerBuilder::max_retry_delay).
 pub(crate) const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
+/// The default of
+/// [`RetryLayerBuilder::wait_for_ready_limit`](super::RetryLayerBuilder::wait_for_ready_limit).
+pub(crate) const DEFAULT_WAIT_FOR_READY_LIMIT: Duration = Duration::from_secs(30);
+
 /// Where per-method policies come from.
 #[derive(Debug)]
 pub(crate) enum PolicySource {
     /// A service config: `lookup_path` per call.
     Config(Box<ServiceConfig>),
-    /// One policy for every method (the builder without a config).
-    Fixed {
-        retry: RetryPolicy,
-        timeout: Option<Duration>,
-    },
+    /// One method config for every method (the builder without a config).
+    Fixed(Box<MethodConfig>),
 }
 
 /// What applies to one call.
@@ -43,6 +44,32 @@ pub(crate) struct CallPolicy {
     pub(crate) retry: Option<RetryPolicy>,
     pub(crate) timeout: Option<Duration>,
     pub(crate) add_key: bool,
+    /// `waitForReady`: a channel that cannot connect is waited for.
+    pub(crate) wait_for_ready: bool,
+    pub(crate) limits: MessageLimits,
+}
+
+/// `maxRequestMessageBytes` and `maxResponseMessageBytes` of one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct MessageLimits {
+    pub(crate) request: Option<u64>,
+    pub(crate) response: Option<u64>,
+}
+
+impl CallPolicy {
+    /// The policy of a method config entry (`None`: no entry matched).
+    fn of(entry: Option<&MethodConfig>, add_key: bool) -> Self {
+        CallPolicy {
+            retry: entry.and_then(|mc| mc.retry_policy().cloned()),
+            timeout: entry.and_then(MethodConfig::timeout),
+            add_key: add_key || entry.is_some_and(|mc| mc.idempotency().is_some()),
+            wait_for_ready: entry.and_then(MethodConfig::wait_for_ready) == Some(true),
+            limits: MessageLimits {
+                request: entry.and_then(MethodConfig::max_request_message_bytes),
+                response: entry.and_then(MethodConfig::max_response_message_bytes),
+            },
+        }
+    }
 }
 
 /// Builder values. The `Option`s win over the config's `idem` object on every reload;
@@ -57,6 +84,7 @@ pub(crate) struct Overrides {
     pub(crate) retry_exhausted_pushback: Option<bool>,
     pub(crate) no_retry_under_retried_inbound: Option<bool>,
     pub(crate) max_retry_delay: Duration,
+    pub(crate) wait_for_ready_limit: Duration,
     pub(crate) peek_early_trailers: bool,
 }
 
@@ -71,6 +99,7 @@ impl Default for Overrides {
             retry_exhausted_pushback: None,
             no_retry_under_retried_inbound: None,
             max_retry_delay: DEFAULT_MAX_RETRY_DELAY,
+            wait_for_ready_limit: DEFAULT_WAIT_FOR_READY_LIMIT,
             peek_early_trailers: false,
         }
     }
@@ -104,21 +133,31 @@ pub(crate) struct Settings {
     key_header: HeaderName,
     client: ClientSettings,
     max_retry_delay: Duration,
+    wait_for_ready_limit: Duration,
     peek_early_trailers: bool,
 }
 
 impl Settings {
     /// Merges the builder's `overrides` over the config's `idem` object: the one place
     /// this happens, for the first build and every reload.
+    ///
+    /// Without a service config every method gets a key unless the builder says
+    /// otherwise: the builder's policy retries every method, and a key is what lets an
+    /// idem server run a retried write once (a server without idem ignores the header).
     pub(crate) fn new(source: PolicySource, idem: &IdemSettings, overrides: &Overrides) -> Self {
+        let mut client = overrides.client(&idem.client);
+        if matches!(source, PolicySource::Fixed(_)) {
+            client.key_all_methods = overrides.key_all_methods.unwrap_or(true);
+        }
         Settings {
             source,
             key_header: overrides
                 .key_header
                 .clone()
                 .unwrap_or_else(|| idem.key_header.clone()),
-            client: overrides.client(&idem.client),
+            client,
             max_retry_delay: overrides.max_retry_delay,
+            wait_for_ready_limit: overrides.wait_for_ready_limit,
             peek_early_trailers: overrides.peek_early_trailers,
         }
     }
@@ -127,23 +166,8 @@ impl Settings {
     pub(crate) fn resolve(&self, path: &str, inbound: Option<InboundScope>) -> CallPolicy {
         let key_all = self.client.key_all_methods;
         let mut policy = match &self.source {
-            PolicySource::Config(cfg) => match cfg.lookup_path(path) {
-                Some(mc) => CallPolicy {
-                    retry: mc.retry_policy().cloned(),
-                    timeout: mc.timeout(),
-                    add_key: key_all || mc.idempotency().is_some(),
-                },
-                None => CallPolicy {
-                    retry: None,
-                    timeout: None,
-                    add_key: key_all,
-                },
-            },
-            PolicySource::Fixed { retry, timeout } => CallPolicy {
-                retry: Some(retry.clone()),
-                timeout: *timeout,
-                add_key: key_all,
-            },
+            PolicySource::Config(cfg) => CallPolicy::of(cfg.lookup_path(path), key_all),
+            PolicySource::Fixed(mc) => CallPolicy::of(Some(mc), key_all),
         };
         if self.client.no_retry_under_retried_inbound
             && inbound.is_some_and(|s| s.previous_attempts > 0)
@@ -173,6 +197,10 @@ impl Settings {
     /// The longest wait a server may ask for.
     pub(crate) fn max_retry_delay(&self) -> Duration {
         self.max_retry_delay
+    }
+    /// How long a `waitForReady` call without a deadline waits for the channel.
+    pub(crate) fn wait_for_ready_limit(&self) -> Duration {
+        self.wait_for_ready_limit
     }
     /// Opt-in: retry "headers, then error trailers with no message".
     pub(crate) fn peek_early_trailers(&self) -> bool {
@@ -324,6 +352,7 @@ mod tests {
             .retry_exhausted_pushback(d.retry_exhausted_pushback)
             .no_retry_under_retried_inbound(d.no_retry_under_retried_inbound)
             .max_retry_delay(Duration::from_secs(17))
+            .wait_for_ready_limit(Duration::from_secs(19))
             .retry_headers_then_error(true)
             .build()
             .unwrap();
@@ -341,8 +370,72 @@ mod tests {
             assert_eq!(s.client, expected, "after reload {reload:?}");
             assert_eq!(s.key_header, "x-from-builder");
             assert_eq!(s.max_retry_delay, Duration::from_secs(17));
+            assert_eq!(s.wait_for_ready_limit, Duration::from_secs(19));
             assert!(s.peek_early_trailers);
         }
+    }
+
+    #[test]
+    fn without_a_config_every_method_gets_a_key_unless_the_builder_says_not() {
+        let resolve = |layer: RetryLayer| layer.shared.settings().resolve("/a.B/C", None);
+        let keyed = resolve(RetryLayer::builder().build().unwrap());
+        assert!(keyed.add_key && keyed.retry.is_some());
+        let unkeyed = resolve(
+            RetryLayer::builder()
+                .key_all_methods(false)
+                .build()
+                .unwrap(),
+        );
+        assert!(!unkeyed.add_key);
+        // With a config, only protected methods (or `keyAllMethods`), as before.
+        let layer = RetryLayer::from_config(&ServiceConfig::default());
+        assert!(!resolve(layer.clone()).add_key);
+        // A reload from the builder's fixed policy to a config follows the config.
+        let layer = RetryLayer::builder().build().unwrap();
+        layer.reload(&ServiceConfig::default());
+        assert!(!resolve(layer).add_key);
+    }
+
+    #[test]
+    fn per_method_settings_come_from_the_method_entry_or_the_builder() {
+        let cfg = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "a.B"}], "waitForReady": true,
+                "maxRequestMessageBytes": 10, "maxResponseMessageBytes": 20}]}"#,
+        )
+        .unwrap();
+        let p = RetryLayer::from_config(&cfg)
+            .shared
+            .settings()
+            .resolve("/a.B/C", None);
+        assert!(p.wait_for_ready && p.retry.is_none());
+        assert_eq!(
+            p.limits,
+            MessageLimits {
+                request: Some(10),
+                response: Some(20)
+            }
+        );
+        let other = RetryLayer::from_config(&cfg)
+            .shared
+            .settings()
+            .resolve("/x.Y/Z", None);
+        assert!(!other.wait_for_ready);
+        assert_eq!(other.limits, MessageLimits::default());
+        let layer = RetryLayer::builder()
+            .wait_for_ready(true)
+            .max_request_message_bytes(1)
+            .max_response_message_bytes(2)
+            .build()
+            .unwrap();
+        let p = layer.shared.settings().resolve("/x.Y/Z", None);
+        assert!(p.wait_for_ready && p.retry.is_some());
+        assert_eq!(
+            p.limits,
+            MessageLimits {
+                request: Some(1),
+                response: Some(2)
+            }
+        );
     }
 
     #[test]

@@ -11,7 +11,6 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
@@ -44,17 +43,6 @@ pub(crate) fn bound(resp: Resp, deadline: Option<Instant>, report: CallReport) -
     }
 }
 
-/// The trailers of a response cut by the deadline.
-pub(crate) fn deadline_trailers(mut report: CallReport, message: &str) -> HeaderMap {
-    report.outcome = CallOutcome::Deadline;
-    report.last_code = Some(tonic::Code::DeadlineExceeded);
-    let mut trailers = HeaderMap::new();
-    // `add_header` fails only on a message it cannot encode; ours is plain ASCII.
-    let _ = tonic::Status::deadline_exceeded(message).add_header(&mut trailers);
-    report.write_headers(&mut trailers);
-    trailers
-}
-
 impl Body for DeadlineBody {
     type Data = Bytes;
     type Error = tonic::Status;
@@ -78,10 +66,9 @@ impl Body for DeadlineBody {
         }
         // Dropping the body resets the stream: the server stops sending.
         *this.inner = None;
-        let trailers = deadline_trailers(
-            *this.report,
-            "deadline exceeded while receiving the response",
-        );
+        let status =
+            tonic::Status::deadline_exceeded("deadline exceeded while receiving the response");
+        let trailers = this.report.trailers(CallOutcome::Deadline, &status);
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
     }
 

@@ -1,11 +1,11 @@
 //! [`ResponseFuture`]: the future of a [`Retry`](super::Retry) call.
 //!
-//! Calls of methods without a retry policy use a hand-written pass-through state (no
-//! allocation beyond a deadline timer). Calls that may retry run the `async` loop of
-//! the call module (`call::run`) in a box: it must await the request body, the inner
-//! service's readiness for each retry, backoff sleeps and per-attempt timers, and a
-//! retrying call allocates its replay buffer anyway, so one more allocation buys a loop
-//! that reads like A6's prose instead of a six-state machine.
+//! Calls of methods without a retry policy (nor `waitForReady`) use a hand-written
+//! pass-through state (no allocation beyond a deadline timer). Calls that may send more
+//! than once run the `async` loop of the call module (`call::run`) in a box: it must
+//! await the inner service's readiness for each retry, backoff sleeps and per-attempt
+//! timers, and such a call allocates its replay buffer anyway, so one more allocation
+//! buys a loop that reads like A6's prose instead of a six-state machine.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -18,8 +18,9 @@ use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::call::{self, Attempt, Call, CallContext};
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
+use super::call::{self, Call};
+use super::context::{Attempt, CallContext};
+use super::outcome::{CallOutcome, CallReport};
 use super::peek::Resp;
 use crate::BoxError;
 
@@ -166,23 +167,11 @@ where
 }
 
 /// Answers a passed-through call: its one attempt, with a report.
-fn pass_through<E: Into<BoxError>>(
-    cx: &CallContext,
-    attempt: Attempt<E>,
-    took: std::time::Duration,
-) -> Resp {
-    let attempted = attempt.observe();
-    let outcome = match attempted.end {
-        AttemptEnd::Deadline => CallOutcome::Deadline,
-        _ => CallOutcome::NoRetryPolicy,
-    };
-    let mut report = CallReport::new(outcome);
-    report.record(attempted.end, took);
-    let success = matches!(
-        attempted.end,
-        AttemptEnd::Committed | AttemptEnd::Status(tonic::Code::Ok)
-    );
-    if let Some(t) = cx.shared.throttle().filter(|_| success) {
+fn pass_through(cx: &CallContext, attempt: Attempt, took: std::time::Duration) -> Resp {
+    let end = attempt.observe().end;
+    let mut report = CallReport::new(CallOutcome::without_policy(end));
+    report.record(end, took);
+    if let Some(t) = cx.shared.throttle().filter(|_| end.is_success()) {
         t.record_success();
     }
     cx.finish(attempt, report)

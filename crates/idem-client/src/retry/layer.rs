@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::HeaderName;
 use idem_core::ServiceConfig;
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{InvalidRetryPolicy, RetryPolicy, RetryThrottling};
+use idem_core::config::{InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling};
 
 use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
 use super::config::{self, Overrides, PolicySource, Shared};
@@ -99,6 +99,9 @@ pub enum BuildError {
 /// | [`retryable_status_codes`](Self::retryable_status_codes) | `[UNAVAILABLE]` |
 /// | [`per_attempt_recv_timeout`](Self::per_attempt_recv_timeout) | none |
 /// | [`timeout`](Self::timeout) | none (the caller's `grpc-timeout` or inbound deadline only) |
+/// | [`wait_for_ready`](Self::wait_for_ready) | false (fail fast when the channel cannot connect) |
+/// | [`max_request_message_bytes`](Self::max_request_message_bytes) | none |
+/// | [`max_response_message_bytes`](Self::max_response_message_bytes) | none |
 ///
 /// Settings that apply with or without a config (with a config, an explicit call here
 /// wins over the config's `idem.client` object):
@@ -108,12 +111,13 @@ pub enum BuildError {
 /// | [`max_replay_bytes_per_call`](Self::max_replay_bytes_per_call) | 262144 (256 KiB) |
 /// | [`max_replay_bytes_total`](Self::max_replay_bytes_total) | 16777216 (16 MiB) per layer |
 /// | [`min_attempt_time`](Self::min_attempt_time) | 0 |
-/// | [`key_all_methods`](Self::key_all_methods) | false (with a config: only methods with an `idempotency` object get a key; without one: no method) |
+/// | [`key_all_methods`](Self::key_all_methods) | without a config: true (the builder's policy retries every method, so every call carries a key); with a config: `idem.client.keyAllMethods` (false: only methods with an `idempotency` object get a key) |
 /// | [`key_header`](Self::key_header) | `x-idempotency-key` (with a config: `idem.keyHeader`) |
 /// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
 /// | [`on_outcome`](Self::on_outcome) | none |
 /// | [`retry_headers_then_error`](Self::retry_headers_then_error) | false |
 /// | [`max_retry_delay`](Self::max_retry_delay) | 30 s (a longer server-requested wait stops the retries) |
+/// | [`wait_for_ready_limit`](Self::wait_for_ready_limit) | 30 s (how long a `waitForReady` call without a deadline waits) |
 /// | [`retry_exhausted_pushback`](Self::retry_exhausted_pushback) | true (with a config: `idem.client.retryExhaustedPushback`) |
 /// | [`no_retry_under_retried_inbound`](Self::no_retry_under_retried_inbound) | false (with a config: `idem.client.noRetryUnderRetriedInbound`) |
 pub struct RetryLayerBuilder {
@@ -125,6 +129,9 @@ pub struct RetryLayerBuilder {
     codes: CodeSet,
     per_attempt_recv_timeout: Option<Duration>,
     timeout: Option<Duration>,
+    wait_for_ready: bool,
+    max_request_message_bytes: Option<u32>,
+    max_response_message_bytes: Option<u32>,
     overrides: Overrides,
     throttle: Option<RetryThrottle>,
     throttling: Option<RetryThrottling>,
@@ -156,6 +163,9 @@ impl Default for RetryLayerBuilder {
             codes: CodeSet::of(Code::Unavailable),
             per_attempt_recv_timeout: None,
             timeout: None,
+            wait_for_ready: false,
+            max_request_message_bytes: None,
+            max_response_message_bytes: None,
             overrides: Overrides::default(),
             throttle: None,
             throttling: None,
@@ -167,7 +177,9 @@ impl Default for RetryLayerBuilder {
 
 impl RetryLayerBuilder {
     /// Take per-method policies, timeouts, throttling and client settings from a service
-    /// config. The builder's own retry-policy options are then ignored.
+    /// config. The builder's per-method options (the retry policy, `timeout`,
+    /// `wait_for_ready`, the message limits) are then ignored: the config's method
+    /// entries say them.
     pub fn service_config(mut self, config: ServiceConfig) -> Self {
         self.config = Some(config);
         self
@@ -209,12 +221,49 @@ impl RetryLayerBuilder {
         self.timeout = Some(d);
         self
     }
-    /// Largest request body buffered for replay; larger ones are sent once (default 256 KiB).
+    /// Wait for a channel that cannot connect instead of failing at once, as gRPC's
+    /// `waitForReady` (default false; with a config, the method's `waitForReady`). A call
+    /// whose attempt fails to connect (nothing was sent) sends the same attempt again
+    /// after a short backoff (100 ms growing ×1.6 to 2 s, ±20 %), until its deadline, or
+    /// for [`wait_for_ready_limit`](Self::wait_for_ready_limit) without one. These waits
+    /// use no attempt of `maxAttempts` and no throttle token.
+    pub fn wait_for_ready(mut self, yes: bool) -> Self {
+        self.wait_for_ready = yes;
+        self
+    }
+    /// Fail a call whose request message is larger than this with RESOURCE_EXHAUSTED,
+    /// on the client (default none; with a config, the method's
+    /// `maxRequestMessageBytes`). The length is read from each message's gRPC frame
+    /// header (the compressed length for a compressed message).
+    pub fn max_request_message_bytes(mut self, bytes: u32) -> Self {
+        self.max_request_message_bytes = Some(bytes);
+        self
+    }
+    /// End a call whose response carries a message larger than this with
+    /// RESOURCE_EXHAUSTED (default none; with a config, the method's
+    /// `maxResponseMessageBytes`). Checked on each message's gRPC frame header as the
+    /// response streams; the messages before it are delivered.
+    pub fn max_response_message_bytes(mut self, bytes: u32) -> Self {
+        self.max_response_message_bytes = Some(bytes);
+        self
+    }
+    /// How long a `waitForReady` call that has no deadline waits for a channel that
+    /// cannot connect before it fails with UNAVAILABLE and
+    /// [`CallOutcome::NotReady`](super::CallOutcome::NotReady) (default 30 s; counted
+    /// from each attempt the channel could not send, so at most `maxAttempts` times per
+    /// call). A call with a deadline waits until its deadline.
+    pub fn wait_for_ready_limit(mut self, d: Duration) -> Self {
+        self.overrides.wait_for_ready_limit = d;
+        self
+    }
+    /// Request bytes one call keeps for replay (default 256 KiB). A call that sends more
+    /// before it commits is committed there: it goes on, but is not retried.
     pub fn max_replay_bytes_per_call(mut self, n: usize) -> Self {
         self.overrides.max_replay_bytes_per_call = Some(n);
         self
     }
-    /// Bytes buffered for replay by all calls of this layer together (default 16 MiB).
+    /// Request bytes kept for replay by all calls of this layer together (default 16 MiB);
+    /// a call that would pass it is committed, as over the per-call limit.
     pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
         self.overrides.max_replay_bytes_total = Some(n);
         self
@@ -224,7 +273,11 @@ impl RetryLayerBuilder {
         self.overrides.min_attempt_time = Some(d);
         self
     }
-    /// Add a key to every method, not only protected ones (default false).
+    /// Add a key to every method, not only protected ones (default: true without a
+    /// service config, whose one policy retries every method; with a config, its
+    /// `idem.client.keyAllMethods`, false by default, so only methods with an
+    /// `idempotency` object get one). Set false to send no key without a config: an
+    /// idem server then answers calls to its protected methods with `KEY_MISSING`.
     pub fn key_all_methods(mut self, yes: bool) -> Self {
         self.overrides.key_all_methods = Some(yes);
         self
@@ -310,14 +363,26 @@ impl RetryLayerBuilder {
             self.codes,
         )?;
         let retry = retry.with_per_attempt_recv_timeout(self.per_attempt_recv_timeout);
-        Ok(self.finish(Some(retry)))
+        let mut method = MethodConfig::empty()
+            .with_retry_policy(retry)
+            .with_wait_for_ready(self.wait_for_ready);
+        if let Some(t) = self.timeout {
+            method = method.with_timeout(t);
+        }
+        if let Some(n) = self.max_request_message_bytes {
+            method = method.with_max_request_message_bytes(n);
+        }
+        if let Some(n) = self.max_response_message_bytes {
+            method = method.with_max_response_message_bytes(n);
+        }
+        Ok(self.finish(Some(method)))
     }
 
     fn build_unchecked(self) -> RetryLayer {
         self.finish(None)
     }
 
-    fn finish(self, retry: Option<RetryPolicy>) -> RetryLayer {
+    fn finish(self, method: Option<MethodConfig>) -> RetryLayer {
         let throttle = match self.throttle {
             Some(pinned) => (Some(pinned), true),
             None => {
@@ -333,12 +398,9 @@ impl RetryLayerBuilder {
             .as_ref()
             .map(|c| c.settings().clone())
             .unwrap_or_default();
-        let source = match (self.config, retry) {
+        let source = match (self.config, method) {
             (Some(cfg), _) => PolicySource::Config(Box::new(cfg)),
-            (None, Some(retry)) => PolicySource::Fixed {
-                retry,
-                timeout: self.timeout,
-            },
+            (None, Some(method)) => PolicySource::Fixed(Box::new(method)),
             (None, None) => PolicySource::Config(Box::default()),
         };
         RetryLayer {

@@ -6,13 +6,16 @@ pub mod backoff;
 mod body;
 mod call;
 mod config;
+mod context;
 mod deadline;
 pub mod future;
 mod layer;
+mod limit;
 pub mod outcome;
 mod peek;
 mod policy;
 mod pushback;
+mod replay;
 mod service;
 mod throttle;
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use http::HeaderValue;
+use http::{HeaderMap, HeaderValue};
 use idem_core::code::code_name;
 use idem_core::config::MAX_ATTEMPTS_LIMIT;
 use idem_core::headers::{RETRY_ATTEMPTS, RETRY_OUTCOME};
@@ -82,6 +82,14 @@ call_outcomes! {
     BodyError => "body_error", "sent once: reading the request body failed";
     /// The inner service failed to become ready for a retry.
     ServiceError => "service_error", "stopped: the inner service was not ready";
+    /// A request message was over `maxRequestMessageBytes` (the call failed on the client
+    /// with RESOURCE_EXHAUSTED), or a response message over `maxResponseMessageBytes`
+    /// (the response ended with RESOURCE_EXHAUSTED; its trailers carry this outcome).
+    MessageTooLarge => "message_too_large", "stopped: a message was over the method's size limit";
+    /// `waitForReady`: the channel could not connect for the whole of
+    /// [`wait_for_ready_limit`](crate::RetryLayerBuilder::wait_for_ready_limit) (calls
+    /// without a deadline; with one, the call ends as [`Deadline`](Self::Deadline)).
+    NotReady => "not_ready", "gave up: the channel did not become ready (waitForReady)";
 }
 
 impl CallOutcome {
@@ -97,14 +105,38 @@ impl CallOutcome {
     pub fn retries_gave_up(self) -> bool {
         matches!(
             self,
-            CallOutcome::AttemptsExhausted | CallOutcome::Throttled | CallOutcome::PushbackStop
+            CallOutcome::AttemptsExhausted
+                | CallOutcome::Throttled
+                | CallOutcome::PushbackStop
+                | CallOutcome::NotReady
         )
     }
 
-    /// Whether the call ended well for the A6 throttle (a committed response or a
-    /// Trailers-Only OK).
-    pub(crate) fn is_success(self) -> bool {
-        matches!(self, CallOutcome::Ok | CallOutcome::Committed)
+    /// Why the layer stopped, for outcomes whose cause is not on the call itself: the
+    /// report's `Display` ends with it.
+    fn explanation(self) -> Option<&'static str> {
+        Some(match self {
+            CallOutcome::Throttled => {
+                "retry throttle: the token bucket is at or below half; failures elsewhere on \
+                 this channel spend tokens"
+            }
+            CallOutcome::BodyTooLarge => {
+                "a call keeps at most maxReplayBytesPerCall request bytes for replay until it \
+                 commits"
+            }
+            CallOutcome::ReplayBudgetExhausted => {
+                "maxReplayBytesTotal is shared by every call of the layer"
+            }
+            _ => return None,
+        })
+    }
+
+    /// The outcome of a call without a retry policy whose one attempt ended as `end`.
+    pub(crate) fn without_policy(end: AttemptEnd) -> Self {
+        match end {
+            AttemptEnd::Deadline => CallOutcome::Deadline,
+            _ => CallOutcome::NoRetryPolicy,
+        }
     }
 }
 
@@ -132,6 +164,12 @@ pub enum AttemptEnd {
 }
 
 impl AttemptEnd {
+    /// Whether the attempt ended well for the A6 throttle: a committed response or a
+    /// Trailers-Only OK.
+    pub(crate) fn is_success(self) -> bool {
+        matches!(self, AttemptEnd::Committed | AttemptEnd::Status(Code::Ok))
+    }
+
     fn token(self) -> String {
         match self {
             AttemptEnd::Committed => "c".to_owned(),
@@ -269,6 +307,18 @@ impl CallReport {
         Some(report)
     }
 
+    /// The trailers that end a response the layer cuts short: `status`, and this report
+    /// with `outcome` in the local report headers.
+    pub(crate) fn trailers(mut self, outcome: CallOutcome, status: &tonic::Status) -> HeaderMap {
+        self.outcome = outcome;
+        self.last_code = Some(status.code());
+        let mut trailers = HeaderMap::new();
+        // `add_header` fails only on a message it cannot encode; ours are plain ASCII.
+        let _ = status.add_header(&mut trailers);
+        self.write_headers(&mut trailers);
+        trailers
+    }
+
     /// Writes the local report headers: the outcome, and the attempts with their
     /// history (`3 14:12000+20000,t:3000+40000,14:5000`: code or kind, µs taken, µs
     /// waited).
@@ -310,6 +360,9 @@ impl fmt::Display for CallReport {
             if let Some(w) = r.wait_after {
                 write!(f, ", then waited {w:?}")?;
             }
+        }
+        if let Some(why) = self.outcome.explanation() {
+            write!(f, " ({why})")?;
         }
         Ok(())
     }

@@ -132,6 +132,26 @@ fn wait(exponent: u32, attempted: &Attempted, limits: &Limits<'_>) -> (Option<Du
     (Some(wait), exponent)
 }
 
+/// `waitForReady`'s wait before sending again to a channel that could not connect:
+/// 100 ms, growing ×1.6 per wait up to 2 s (the shape of gRPC's connection backoff, kept
+/// short because the channel reconnects on each send), ±20 % jitter.
+const READY_INITIAL: Duration = Duration::from_millis(100);
+const READY_MULTIPLIER: f64 = 1.6;
+const READY_MAX: Duration = Duration::from_secs(2);
+
+/// The wait before sending again to a channel that could not connect, after `waits`
+/// such waits, with `left` until the call stops waiting (its deadline, or the layer's
+/// limit without one). The last wait is cut to end there, so a channel that connects at
+/// the last moment still gets the call; `None` once nothing is left.
+pub(crate) fn ready_wait(waits: u32, left: Duration, jitter: &dyn Jitter) -> Option<Duration> {
+    if left.is_zero() {
+        return None;
+    }
+    let n = waits.saturating_add(1);
+    let base = backoff::base_backoff(READY_INITIAL, READY_MULTIPLIER, READY_MAX, n);
+    Some(backoff::jittered(base, jitter.unit()).min(left))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,6 +264,24 @@ mod tests {
                     prop_assert_eq!(wait, base.max(min));
                 }
                 None => prop_assert_eq!(wait, base),
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn ready_waits_are_short_positive_and_never_past_the_end(
+            waits in prop_oneof![0u32..20, Just(u32::MAX)],
+            left in durations(),
+            u in 0.0f64..1.0,
+        ) {
+            match ready_wait(waits, left, &FixedJitter(u)) {
+                None => prop_assert!(left.is_zero()),
+                Some(wait) => {
+                    prop_assert!(!wait.is_zero() && wait <= left);
+                    prop_assert!(wait <= READY_MAX.mul_f64(1.2));
+                    prop_assert!(wait >= READY_INITIAL.mul_f64(0.8).min(left));
+                }
             }
         }
     }

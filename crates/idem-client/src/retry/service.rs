@@ -15,10 +15,12 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::field::Empty;
 
-use super::call::{Attempt, Call, CallContext, CallPath};
+use super::call::Call;
 use super::config::Shared;
+use super::context::{Attempt, CallContext, CallPath};
 use super::future::ResponseFuture;
 use super::layer::RetryLayer;
+use super::limit::{CheckedBody, RequestCheck, RequestFault};
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
 use crate::key::place_key;
@@ -117,6 +119,11 @@ where
                 .and_then(|s| s.marker())
                 .filter(|_| settings.mark_exhausted()),
             path,
+            limits: policy.limits,
+            fault: policy
+                .limits
+                .request
+                .map(|_| Arc::new(RequestFault::default())),
         };
         let span = tracing::debug_span!(
             "idem_retry",
@@ -124,9 +131,9 @@ where
             attempts = Empty,
             outcome = Empty,
         );
-        let Some(retry) = policy.retry else {
+        if policy.retry.is_none() && !policy.wait_for_ready {
             return self.pass_through(req, cx, span);
-        };
+        }
         // The ready service goes into the future; a clone stays for the next call.
         let clone = self.inner.clone();
         let svc = mem::replace(&mut self.inner, clone);
@@ -134,14 +141,16 @@ where
         let call = Call {
             cx,
             settings,
-            policy: retry,
+            policy: policy.retry,
+            wait_for_ready: policy.wait_for_ready,
         };
         ResponseFuture::retrying(svc, parts, body, call, span)
     }
 }
 
 impl<S> Retry<S> {
-    /// Sends a call without a retry policy once, with `grpc-timeout` set to the time left.
+    /// Sends a call without a retry policy once, with `grpc-timeout` set to the time left
+    /// and its request messages checked against `maxRequestMessageBytes` as they stream.
     fn pass_through<B, RB>(
         &mut self,
         mut req: http::Request<B>,
@@ -158,13 +167,23 @@ impl<S> Retry<S> {
             let now = Instant::now();
             if d <= now {
                 let report = CallReport::new(CallOutcome::Deadline);
-                return ResponseFuture::ready(cx.finish(Attempt::<S::Error>::Deadline, report));
+                return ResponseFuture::ready(cx.finish(Attempt::Deadline, report));
             }
             req.headers_mut()
                 .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));
         }
         self.shared.stats.attempt(true);
-        let fut = self.inner.call(req.map(tonic::body::Body::new));
+        let check = cx.limits.request.zip(cx.fault.clone());
+        let req = req.map(|body| {
+            let body = tonic::body::Body::new(body);
+            match check {
+                Some((limit, fault)) => {
+                    tonic::body::Body::new(CheckedBody::new(body, RequestCheck::new(limit, fault)))
+                }
+                None => body,
+            }
+        });
+        let fut = self.inner.call(req);
         ResponseFuture::passthrough(fut, cx, span)
     }
 }

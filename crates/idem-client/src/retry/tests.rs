@@ -29,6 +29,8 @@ enum Step {
     Hang,
     /// A transport error before anything came back.
     Refused,
+    /// What tonic's channel says when it cannot connect: nothing was sent.
+    NotConnected,
     /// What tonic's channel does with `grpc-timeout`: an error when it runs out.
     TimeoutExpired,
     /// Real headers, one message, then nothing for ever.
@@ -94,6 +96,9 @@ impl Script {
                     Step::Ok => Ok(http::Response::new(Body::empty())),
                     Step::Hang => std::future::pending().await,
                     Step::Refused => Err::<_, BoxError>("connection refused".into()),
+                    Step::NotConnected => Err(Box::new(tonic::ConnectError(
+                        "tcp connect error: Connection refused".into(),
+                    )) as BoxError),
                     Step::TimeoutExpired => {
                         let timeout = parts
                             .headers
@@ -1060,4 +1065,236 @@ async fn a_finished_response_future_panics_when_polled_again() {
         std::task::Poll::Ready(std::future::Future::poll(fut.as_mut(), cx))
     })
     .await;
+}
+
+// ---------------------------------------------------------------- waitForReady
+
+fn throttled_builder() -> RetryLayerBuilder {
+    builder().retry_throttling(RetryThrottling {
+        max_milli_tokens: 10_000,
+        token_ratio_milli: 100,
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_ready_sends_again_without_using_attempts_or_tokens() {
+    let script = Script::new([
+        Step::NotConnected,
+        Step::NotConnected,
+        Step::NotConnected,
+        unavailable(),
+        Step::Ok,
+    ]);
+    let layer = throttled_builder()
+        .max_attempts(2)
+        .wait_for_ready(true)
+        .build()
+        .unwrap();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
+    let r = report(&resp);
+    assert_eq!(
+        r.history().map(|a| a.end).collect::<Vec<_>>(),
+        [AttemptEnd::Status(Code::Unavailable), AttemptEnd::Committed]
+    );
+    // The waits: 100, 160, 256 ms (jitter at its midpoint), then the policy's 20 ms.
+    let ms = |n| Duration::from_millis(n);
+    assert_eq!(script.gaps(), [ms(100), ms(160), ms(256), ms(20)]);
+    let seen = script.seen();
+    assert!(seen.iter().all(|s| &s.body[..] == b"\0\0\0\0\x02hi"));
+    let previous: Vec<_> = seen
+        .iter()
+        .map(|s| s.headers.get("grpc-previous-rpc-attempts").cloned())
+        .collect();
+    assert_eq!(previous[..4], [None, None, None, None]);
+    assert_eq!(previous[4].as_ref().unwrap(), "1");
+    // One token for the one UNAVAILABLE, a tenth back for the success.
+    assert_eq!(layer.throttle().unwrap().milli_tokens(), 9_100);
+    let stats = layer.stats().snapshot();
+    assert_eq!((stats.attempts, stats.retries), (2, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_wait_for_ready_a_connect_failure_is_an_attempt() {
+    let script = Script::new([Step::NotConnected, Step::NotConnected, Step::Ok]);
+    let layer = builder().max_attempts(2).build().unwrap();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(
+        summary(&resp),
+        (CallOutcome::AttemptsExhausted, 2, Some(Code::Unavailable))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_ready_waits_until_the_deadline_and_ends_with_deadline_exceeded() {
+    let script = Script::new(std::iter::repeat_n(Step::NotConnected, 100));
+    let layer = builder().wait_for_ready(true).build().unwrap();
+    let start = Instant::now();
+    let resp = send(&mut layer.layer(script.service()), with_timeout(PATH, "1S"))
+        .await
+        .unwrap();
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+    assert_eq!(
+        status.message(),
+        "deadline exceeded while waiting for the channel to become ready"
+    );
+    assert_eq!(
+        summary(&resp),
+        (CallOutcome::Deadline, 0, Some(Code::DeadlineExceeded))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_ready_without_a_deadline_gives_up_after_its_limit() {
+    let script = Script::new(std::iter::repeat_n(Step::NotConnected, 100));
+    let layer = builder()
+        .wait_for_ready(true)
+        .wait_for_ready_limit(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(start.elapsed(), Duration::from_secs(5));
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert_eq!(
+        status.message(),
+        "the channel did not become ready within 5s (waitForReady): tcp connect error: \
+         Connection refused"
+    );
+    let r = CallReport::from_status(&status).unwrap();
+    assert_eq!((r.outcome, r.attempts), (CallOutcome::NotReady, 0));
+    assert!(r.outcome.retries_gave_up());
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_ready_applies_to_methods_without_a_retry_policy() {
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "waitForReady": true}]}"#,
+    )
+    .unwrap();
+    let script = Script::new([Step::NotConnected, Step::NotConnected, unavailable()]);
+    let layer = RetryLayer::from_config(&cfg);
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    // Sent once it connected; its UNAVAILABLE is not retried (no retry policy).
+    assert_eq!(
+        summary(&resp),
+        (CallOutcome::NoRetryPolicy, 1, Some(Code::Unavailable))
+    );
+    assert_eq!(script.seen().len(), 3);
+}
+
+// ---------------------------------------------------------------- message limits
+
+#[tokio::test(start_paused = true)]
+async fn a_request_message_over_the_limit_fails_before_anything_is_sent() {
+    let script = Script::new([Step::Ok]);
+    let layer = builder().max_request_message_bytes(1).build().unwrap();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(
+        status.message(),
+        "request message of 2 bytes is over maxRequestMessageBytes (1)"
+    );
+    assert_eq!(
+        summary(&resp),
+        (
+            CallOutcome::MessageTooLarge,
+            0,
+            Some(Code::ResourceExhausted)
+        )
+    );
+    assert!(script.seen().is_empty());
+    // At the limit it goes.
+    let layer = builder().max_request_message_bytes(2).build().unwrap();
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(report(&resp).outcome, CallOutcome::Committed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_retry_policy_the_request_limit_is_checked_as_the_body_streams() {
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "maxRequestMessageBytes": 1}]}"#,
+    )
+    .unwrap();
+    let script = Script::new([Step::Ok]);
+    let layer = RetryLayer::from_config(&cfg);
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(report(&resp).outcome, CallOutcome::MessageTooLarge);
+    // The server saw the stream fail, not the message.
+    assert!(script.seen()[0].body.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_response_message_over_the_limit_ends_the_body_after_the_ones_before_it() {
+    for layer in [
+        builder().max_response_message_bytes(3).build().unwrap(),
+        RetryLayer::from_config(
+            &ServiceConfig::from_json(
+                r#"{"methodConfig": [{"name": [{}], "maxResponseMessageBytes": 3}]}"#,
+            )
+            .unwrap(),
+        ),
+    ] {
+        // Two small messages and the start of a large one's header in one chunk, the rest
+        // in the next: the small ones arrive, then RESOURCE_EXHAUSTED, and nothing of the
+        // large one but the header bytes that came before its length was known (tonic,
+        // like any gRPC client, takes the status from the trailers).
+        let (_, svc) = scripted_responses(vec![headers_then(
+            &[b"\0\0\0\0\x01a\0\0\0\0\x03abc\0\0\0", b"\0\x04abcd"],
+            &[("grpc-status", "0")],
+        )]);
+        let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+        let collected = resp.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned().unwrap();
+        assert_eq!(
+            &collected.to_bytes()[..],
+            b"\0\0\0\0\x01a\0\0\0\0\x03abc\0\0\0"
+        );
+        let status = tonic::Status::from_header_map(&trailers).unwrap();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(
+            status.message(),
+            "response message of 4 bytes is over maxResponseMessageBytes (3)"
+        );
+        let r = CallReport::from_status(&status).unwrap();
+        assert_eq!((r.outcome, r.attempts), (CallOutcome::MessageTooLarge, 1));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_throttled_call_says_why() {
+    let bucket = RetryThrottle::new(RetryThrottling {
+        max_milli_tokens: 2_000,
+        token_ratio_milli: 1_000,
+    });
+    let layer = builder().throttle(bucket).build().unwrap();
+    let script = Script::new([unavailable()]);
+    let resp = send(&mut layer.layer(script.service()), request(PATH))
+        .await
+        .unwrap();
+    assert_eq!(
+        report(&resp).to_string(),
+        "gave up: retries throttled after 1 attempt: UNAVAILABLE in 0ns (retry throttle: the \
+         token bucket is at or below half; failures elsewhere on this channel spend tokens)"
+    );
 }

@@ -9,6 +9,58 @@ use idem_core::config::RetryThrottling;
 struct Bucket {
     tokens: u32,
     settings: RetryThrottling,
+    /// Retries are refused (tokens at or below half): logged once per change.
+    throttling: bool,
+}
+
+impl Bucket {
+    fn allows(&self) -> bool {
+        self.tokens > self.settings.max_milli_tokens / 2
+    }
+
+    /// Notes whether retries are allowed now; `Some` when that changed.
+    fn transition(&mut self) -> Option<Transition> {
+        let throttling = !self.allows();
+        if throttling == self.throttling {
+            return None;
+        }
+        self.throttling = throttling;
+        Some(Transition {
+            throttling,
+            milli_tokens: self.tokens,
+            max_milli_tokens: self.settings.max_milli_tokens,
+        })
+    }
+}
+
+/// The bucket crossed its threshold: logged (after the lock is released).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Transition {
+    throttling: bool,
+    milli_tokens: u32,
+    max_milli_tokens: u32,
+}
+
+impl Transition {
+    fn log(self) {
+        let tokens = f64::from(self.milli_tokens) / 1000.0;
+        let max_tokens = f64::from(self.max_milli_tokens) / 1000.0;
+        if self.throttling {
+            tracing::warn!(
+                tokens,
+                max_tokens,
+                "retry throttle engaged: the token bucket is at or below half; retries stop \
+                 until successful calls refill it (failures of any call on this channel \
+                 spend tokens)"
+            );
+        } else {
+            tracing::info!(
+                tokens,
+                max_tokens,
+                "retry throttle released: the token bucket is above half again; retries resume"
+            );
+        }
+    }
 }
 
 /// A shared A6 retry-throttling bucket.
@@ -18,6 +70,10 @@ struct Bucket {
 /// every successful call gives back `tokenRatio`, up to `maxTokens`. Retries are allowed
 /// only while more than `maxTokens / 2` tokens are left (checked after the failure is
 /// counted, as grpc-go does).
+///
+/// The bucket logs when it crosses that threshold, not per call: a `WARN` when retries
+/// stop, an `INFO` when they resume. Each call the throttle stops says so in its
+/// [`CallReport`](crate::CallReport) ([`CallOutcome::Throttled`](crate::CallOutcome::Throttled)).
 ///
 /// Cloning shares the bucket: every clone of a [`RetryLayer`](crate::RetryLayer) uses the
 /// same one, and the same handle can be given to layers on several channels to one target
@@ -53,6 +109,7 @@ impl RetryThrottle {
         RetryThrottle(Arc::new(Mutex::new(Bucket {
             tokens: settings.max_milli_tokens,
             settings,
+            throttling: false,
         })))
     }
 
@@ -63,24 +120,35 @@ impl RetryThrottle {
     /// Counts a failed attempt (−1000 milli-tokens) and says whether a retry is still
     /// allowed (tokens left > `maxTokens / 2`).
     pub fn record_failure(&self) -> bool {
-        let mut b = self.lock();
-        b.tokens = b.tokens.saturating_sub(1000);
-        b.tokens > b.settings.max_milli_tokens / 2
+        let (allowed, change) = {
+            let mut b = self.lock();
+            b.tokens = b.tokens.saturating_sub(1000);
+            (b.allows(), b.transition())
+        };
+        if let Some(t) = change {
+            t.log();
+        }
+        allowed
     }
 
     /// Counts a successful call (+`tokenRatio`, capped at `maxTokens`).
     pub fn record_success(&self) {
-        let mut b = self.lock();
-        b.tokens = b
-            .tokens
-            .saturating_add(b.settings.token_ratio_milli)
-            .min(b.settings.max_milli_tokens);
+        let change = {
+            let mut b = self.lock();
+            b.tokens = b
+                .tokens
+                .saturating_add(b.settings.token_ratio_milli)
+                .min(b.settings.max_milli_tokens);
+            b.transition()
+        };
+        if let Some(t) = change {
+            t.log();
+        }
     }
 
     /// Whether retries are currently allowed.
     pub fn is_retry_allowed(&self) -> bool {
-        let b = self.lock();
-        b.tokens > b.settings.max_milli_tokens / 2
+        self.lock().allows()
     }
 
     /// Tokens left, in milli-tokens.
@@ -96,24 +164,86 @@ impl RetryThrottle {
     /// Applies new settings and keeps the bucket's fill ratio (as C-core does when a
     /// service config update changes `retryThrottling`): a half-full bucket stays half full.
     pub fn reconfigure(&self, settings: RetryThrottling) {
-        let mut b = self.lock();
-        if b.settings == settings {
-            return;
+        let change = {
+            let mut b = self.lock();
+            if b.settings == settings {
+                return;
+            }
+            let old_max = u64::from(b.settings.max_milli_tokens);
+            let new_max = u64::from(settings.max_milli_tokens);
+            b.tokens = (u64::from(b.tokens) * new_max)
+                .checked_div(old_max)
+                .map_or(settings.max_milli_tokens, |t| {
+                    u32::try_from(t).unwrap_or(u32::MAX)
+                });
+            b.settings = settings;
+            b.transition()
+        };
+        if let Some(t) = change {
+            t.log();
         }
-        let old_max = u64::from(b.settings.max_milli_tokens);
-        let new_max = u64::from(settings.max_milli_tokens);
-        b.tokens = (u64::from(b.tokens) * new_max)
-            .checked_div(old_max)
-            .map_or(settings.max_milli_tokens, |t| {
-                u32::try_from(t).unwrap_or(u32::MAX)
-            });
-        b.settings = settings;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
+
+    /// Log lines written while `f` runs.
+    fn logs(f: impl FnOnce()) -> Vec<String> {
+        #[derive(Clone, Default)]
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl Write for Sink {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().write(buf)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        text.lines().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn logs_once_when_retries_stop_and_once_when_they_resume() {
+        let t = RetryThrottle::new(RetryThrottling {
+            max_milli_tokens: 4_000,
+            token_ratio_milli: 1_000,
+        });
+        let lines = logs(|| {
+            // 4 → 3 (allowed), 3 → 2 (at half: stops), then more failures: still stopped.
+            for _ in 0..5 {
+                t.record_failure();
+            }
+            // 0 → 1 → 2 (still at half) → 3: resumes; more successes log nothing.
+            for _ in 0..6 {
+                t.record_success();
+            }
+            t.record_failure();
+            t.record_failure();
+        });
+        let warn: Vec<_> = lines.iter().filter(|l| l.contains("WARN")).collect();
+        let info: Vec<_> = lines.iter().filter(|l| l.contains("INFO")).collect();
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert_eq!(warn.len(), 2);
+        assert_eq!(info.len(), 1);
+        assert!(warn[0].contains("retry throttle engaged: the token bucket is at or below half"));
+        assert!(warn[0].contains("tokens=2.0 max_tokens=4.0"), "{}", warn[0]);
+        assert!(info[0].contains("retry throttle released"));
+        assert!(
+            lines[0].contains("WARN") && lines[1].contains("INFO") && lines[2].contains("WARN")
+        );
+    }
 
     #[test]
     fn threshold_is_half_after_the_failure() {

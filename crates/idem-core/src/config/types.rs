@@ -439,6 +439,21 @@ impl MethodConfig {
         self.timeout = Some(timeout);
         self
     }
+    /// This entry with `waitForReady`.
+    pub fn with_wait_for_ready(mut self, wait: bool) -> Self {
+        self.wait_for_ready = Some(wait);
+        self
+    }
+    /// This entry with `maxRequestMessageBytes`.
+    pub fn with_max_request_message_bytes(mut self, bytes: u32) -> Self {
+        self.max_request_message_bytes = Some(u64::from(bytes));
+        self
+    }
+    /// This entry with `maxResponseMessageBytes`.
+    pub fn with_max_response_message_bytes(mut self, bytes: u32) -> Self {
+        self.max_response_message_bytes = Some(u64::from(bytes));
+        self
+    }
     /// The names this entry applies to.
     pub fn names(&self) -> &[MethodName] {
         &self.names
@@ -447,15 +462,18 @@ impl MethodConfig {
     pub fn timeout(&self) -> Option<Duration> {
         self.timeout
     }
-    /// `waitForReady` (parsed, informational).
+    /// `waitForReady`: a call that finds the channel unable to connect waits for it
+    /// (until its deadline) instead of failing at once. The client layer applies it.
     pub fn wait_for_ready(&self) -> Option<bool> {
         self.wait_for_ready
     }
-    /// `maxRequestMessageBytes` (parsed, informational).
+    /// `maxRequestMessageBytes`: a larger request message fails on the client with
+    /// RESOURCE_EXHAUSTED before it is sent. The client layer applies it.
     pub fn max_request_message_bytes(&self) -> Option<u64> {
         self.max_request_message_bytes
     }
-    /// `maxResponseMessageBytes` (parsed, informational).
+    /// `maxResponseMessageBytes`: a larger response message ends the call with
+    /// RESOURCE_EXHAUSTED on the client. The client layer applies it.
     pub fn max_response_message_bytes(&self) -> Option<u64> {
         self.max_response_message_bytes
     }

@@ -1,0 +1,216 @@
+//! What every call carries, with or without retries, and how it answers its caller: the
+//! attempt's own response, or a Trailers-Only status with the report, bounded by the
+//! deadline and the response message limit.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use idem_core::deadline::ExhaustedMarker;
+use idem_core::headers::DOWNSTREAM_EXHAUSTED;
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::config::{MessageLimits, Shared};
+use super::deadline;
+use super::limit::{self, RequestFault};
+use super::outcome::{AttemptEnd, CallOutcome, CallReport};
+use super::peek::{Resp, early_code};
+use super::policy::Attempted;
+use super::pushback::{Pushback, pushback, retry_info_delay};
+use crate::BoxError;
+
+/// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
+/// (static for generated tonic clients), so cloning it out of the request is free.
+#[derive(Debug, Clone)]
+pub(crate) struct CallPath(Option<http::uri::PathAndQuery>);
+
+impl CallPath {
+    pub(crate) fn of(uri: &http::Uri) -> Self {
+        CallPath(uri.path_and_query().cloned())
+    }
+    pub(crate) fn as_str(&self) -> &str {
+        self.0.as_ref().map_or("", http::uri::PathAndQuery::path)
+    }
+}
+
+impl std::fmt::Display for CallPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What every call needs to answer its caller, with or without retries.
+#[derive(Debug)]
+pub(crate) struct CallContext {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) path: CallPath,
+    pub(crate) deadline: Option<Instant>,
+    /// The inbound call's marker, when this call is made while serving one.
+    pub(crate) marker: Option<ExhaustedMarker>,
+    pub(crate) limits: MessageLimits,
+    /// Set when a request message is over `maxRequestMessageBytes` (only with a limit).
+    pub(crate) fault: Option<Arc<RequestFault>>,
+}
+
+/// How one attempt ended, with what it left for the caller.
+pub(crate) enum Attempt {
+    Response(Resp),
+    Error(BoxError),
+    /// `perAttemptRecvTimeout` passed before response headers.
+    RecvTimeout,
+    /// The call's deadline passed before response headers.
+    Deadline,
+    /// The layer's own answer, for a call no server answered: the end of a
+    /// `waitForReady` wait.
+    Local(tonic::Status),
+}
+
+impl Attempt {
+    /// The inner service's result, as of `now`: an error once the deadline has passed is
+    /// the deadline's doing (tonic's channel timeout fires at the `grpc-timeout` the layer
+    /// wrote), not a transport failure.
+    pub(crate) fn of<RB, E>(
+        result: Result<http::Response<RB>, E>,
+        deadline: Option<Instant>,
+    ) -> Self
+    where
+        RB: http_body::Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
+        E: Into<BoxError>,
+    {
+        match result {
+            Ok(resp) => Attempt::Response(resp.map(tonic::body::Body::new)),
+            Err(_) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
+            Err(e) => Attempt::Error(e.into()),
+        }
+    }
+
+    /// What the decision needs to know about this attempt.
+    pub(crate) fn observe(&self) -> Attempted {
+        let (end, headers) = match self {
+            Attempt::Response(r) => match early_code(r) {
+                None => (AttemptEnd::Committed, None),
+                Some(code) => (AttemptEnd::Status(code), Some(r.headers())),
+            },
+            Attempt::Error(_) => (AttemptEnd::TransportError, None),
+            Attempt::RecvTimeout => (AttemptEnd::RecvTimeout, None),
+            Attempt::Deadline => (AttemptEnd::Deadline, None),
+            Attempt::Local(s) => (AttemptEnd::Status(s.code()), None),
+        };
+        Attempted {
+            end,
+            pushback: headers.map_or(Pushback::Absent, pushback),
+            retry_info: headers.and_then(retry_info_delay),
+        }
+    }
+
+    /// Whether the attempt failed before anything was sent: the channel could not
+    /// connect (tonic's [`tonic::ConnectError`], or a refused connection).
+    pub(crate) fn never_sent(&self) -> bool {
+        let Attempt::Error(e) = self else {
+            return false;
+        };
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
+        while let Some(err) = cause {
+            if err.is::<tonic::ConnectError>() {
+                return true;
+            }
+            if let Some(io) = err.downcast_ref::<std::io::Error>()
+                && io.kind() == std::io::ErrorKind::ConnectionRefused
+            {
+                return true;
+            }
+            cause = err.source();
+        }
+        false
+    }
+}
+
+impl CallContext {
+    /// The caller's response: the attempt's own, or for a failure without one a
+    /// Trailers-Only status (a transport error becomes the status tonic would make of it),
+    /// so every failure carries the report. A request message over its limit makes it
+    /// RESOURCE_EXHAUSTED, whatever the attempt was. Records the report (counters, hook,
+    /// span), attaches it, and bounds the body by the deadline and the response limit.
+    pub(crate) fn finish(&self, attempt: Attempt, mut report: CallReport) -> Resp {
+        let attempt = match self.request_fault() {
+            Some(status) => {
+                report.outcome = CallOutcome::MessageTooLarge;
+                Attempt::Local(status)
+            }
+            None => attempt,
+        };
+        let mut resp = match attempt {
+            Attempt::Response(r) => r,
+            Attempt::Error(e) => self.error_status(e, report.outcome).into_http(),
+            Attempt::RecvTimeout => {
+                tonic::Status::cancelled("perAttemptRecvTimeout exceeded").into_http()
+            }
+            Attempt::Deadline => tonic::Status::deadline_exceeded("deadline exceeded").into_http(),
+            Attempt::Local(status) => status.into_http(),
+        };
+        report.last_code = early_code(&resp);
+        self.shared.report(self.path.as_str(), &report);
+        // The `idem_retry` span is a `debug` span: skip the lookup when nothing listens.
+        if tracing::level_enabled!(tracing::Level::DEBUG) {
+            let span = tracing::Span::current();
+            span.record("attempts", report.attempts);
+            span.record("outcome", report.outcome.as_str());
+        }
+        if report.last_code.is_some_and(|c| c != Code::Ok) {
+            report.write_headers(resp.headers_mut());
+            // Retry at one layer only: the server layer swaps this marker for
+            // `grpc-retry-pushback-ms: -1` upstream.
+            if let Some(m) = self.marker.filter(|_| report.outcome.retries_gave_up()) {
+                resp.headers_mut()
+                    .insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
+            }
+        }
+        resp.extensions_mut().insert(report);
+        let resp = limit::bound(resp, self.limits.response, self.fault.clone(), report);
+        deadline::bound(resp, self.deadline, report)
+    }
+
+    /// RESOURCE_EXHAUSTED, once a request message was over its limit.
+    pub(crate) fn request_fault(&self) -> Option<tonic::Status> {
+        self.fault.as_ref()?.status()
+    }
+
+    /// The status tonic would make of a transport error; a give-up under an inbound call
+    /// says so, for the handler's logs upstream.
+    fn error_status(&self, e: BoxError, outcome: CallOutcome) -> tonic::Status {
+        let status = tonic::Status::from_error(e);
+        // What tonic leaves UNKNOWN (a connection reset, a refused stream) is a channel
+        // that failed before any response: UNAVAILABLE, as gRPC clients report it.
+        let status = match status.code() {
+            tonic::Code::Unknown => tonic::Status::unavailable(status.message()),
+            _ => status,
+        };
+        if self.marker.is_some() && outcome.retries_gave_up() {
+            let message = format!(
+                "downstream call failed on every attempt: {}",
+                status.message()
+            );
+            return tonic::Status::new(status.code(), message);
+        }
+        status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_connect_failures_are_never_sent() {
+        let connect: BoxError = Box::new(tonic::ConnectError("tcp connect error".into()));
+        assert!(Attempt::Error(connect).never_sent());
+        let refused: BoxError =
+            Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(Attempt::Error(refused).never_sent());
+        let reset: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!Attempt::Error(reset).never_sent());
+        assert!(!Attempt::Error("connection refused".into()).never_sent());
+        assert!(!Attempt::Deadline.never_sent());
+    }
+}
