@@ -38,3 +38,8 @@ pub use idem_core::{ConfigError, ServiceConfig};
 /// (`docs/semantics.md` in the repository).
 #[doc = include_str!("../docs/semantics.md")]
 pub mod semantics {}
+
+/// The README's Rust snippets, compiled as doctests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeSnippets;
