@@ -15,6 +15,7 @@ pub mod config;
 pub mod deadline;
 pub mod headers;
 pub mod key;
+mod macros;
 
 pub use code::CodeSet;
 pub use config::{ConfigError, MethodConfig, ServiceConfig};

@@ -60,20 +60,7 @@ impl<S> Retry<S> {
         RetryLayer::from_config(config)
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    idem_core::define_inner_service_accessors!(inner);
 }
 
 impl<S, B, RB> Service<http::Request<B>> for Retry<S>

@@ -63,20 +63,7 @@ impl<S, St: Store> Idempotency<S, St> {
         IdempotencyLayer::new(store, config)
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    idem_core::define_inner_service_accessors!(inner);
 }
 
 /// What `call` decided before any I/O.

@@ -29,20 +29,7 @@ impl<S> Inbound<S> {
         InboundLayer::new()
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    idem_core::define_inner_service_accessors!(inner);
 }
 
 /// The scope of the call whose request headers these are. Malformed values
