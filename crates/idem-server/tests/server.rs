@@ -1134,19 +1134,23 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
             .insert("x-idempotency-key", key.parse().unwrap());
         r
     };
-    // Unset: protected calls fail closed.
+    // Unset: the layer fails its check, and (unchecked) protected calls fail closed as
+    // a misconfigured server, not as an unauthenticated caller.
     let store = MemoryStore::default();
-    let srv = serve(IdempotencyLayer::new(
-        store.clone(),
-        &with(TenantSource::Unset),
-    ))
-    .await;
+    let unset = IdempotencyLayer::new(store.clone(), &with(TenantSource::Unset));
+    assert!(unset.clone().check().is_err());
+    let srv = serve(unset).await;
     let err = srv
         .client()
-        .create_order(keyed_only(KEY))
+        .create_order(keyed(create("ok"), KEY, "t1"))
         .await
         .unwrap_err();
-    assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
+    assert_idem_error(
+        &err,
+        Code::FailedPrecondition,
+        reason::TENANT_SOURCE_MISSING,
+    );
+    assert_eq!(srv.shop.runs(), 0);
     // Single tenant.
     let srv = serve(IdempotencyLayer::new(
         store.clone(),

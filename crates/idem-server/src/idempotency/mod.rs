@@ -174,6 +174,7 @@ mod call;
 mod codec;
 mod decision;
 mod digest;
+mod error;
 mod fingerprint;
 mod future;
 mod handler;
@@ -190,6 +191,7 @@ mod tests;
 
 pub use decision::{DECISION_HEADER, IdemDecision};
 pub use digest::{scope_for, tenant_id};
+pub use error::NoTenantSource;
 pub use future::ResponseFuture;
 pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};
