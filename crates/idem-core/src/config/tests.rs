@@ -1320,10 +1320,8 @@ fn idempotency_timings_must_work_together() {
     assert_eq!(p.lease_ttl, Duration::from_millis(1));
 
     // A record must outlive its lease: reported on the field that was written.
-    let record_below_lease = format!(
-        "recordTtl (5s) must be at least leaseTtl (10s): a record must not expire while its \
-         handler still holds the lease"
-    );
+    let record_below_lease = "recordTtl (5s) must be at least leaseTtl (10s): a record must \
+                              not expire while its handler still holds the lease";
     assert_eq!(
         idempotency(json!({"recordTtl": "5s"})),
         Err(vec![format!("{IP_PATH}.recordTtl: {record_below_lease}")])

@@ -131,8 +131,10 @@ impl TenantResolver for FromHeader {
     }
 }
 
-/// Refuses every call: what applies when neither the config (`idem.tenant`) nor the
-/// builder chose a source, so protected calls fail closed (UNAUTHENTICATED).
+/// Refuses every call as unauthenticated (UNAUTHENTICATED), e.g. to switch protected
+/// calls off while keeping the layer. A layer with no source at all does not use it: it
+/// fails [`check`](super::IdempotencyLayer::check) and refuses protected calls as
+/// misconfigured (FAILED_PRECONDITION).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoTenant;
 
