@@ -17,7 +17,6 @@ use idem::core::ServiceConfig;
 use idem::redis::RedisStore;
 use idem::server::idempotency::RecordFence;
 use idem::server::{IdempotencyLayer, InboundLayer};
-use idem::store::MemoryStore;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -128,16 +127,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let store = RedisStore::connect(url.clone()).await?;
             Server::builder()
                 .layer(InboundLayer::new())
-                .layer(IdempotencyLayer::new(store, &config))
+                .layer(IdempotencyLayer::new(store, &config).check()?)
                 .add_service(shop)
                 .serve(addr)
                 .await?;
         }
         None => {
-            let store = MemoryStore::new(config.settings().memory_store.clone());
+            // A `MemoryStore` bounded by the config's `idem.memoryStore`.
             Server::builder()
                 .layer(InboundLayer::new())
-                .layer(IdempotencyLayer::new(store, &config))
+                .layer(IdempotencyLayer::from_config(&config).check()?)
                 .add_service(shop)
                 .serve(addr)
                 .await?;

@@ -9,8 +9,8 @@ use std::process::ExitCode;
 
 use idem_core::code::code_name;
 use idem_core::config::{
-    ConfigError, Diagnostic, InFlightPolicy, MethodConfig, Parsed, ServiceConfig, TenantSource,
-    format_duration,
+    ConfigError, Diagnostic, InFlightPolicy, MemoryStoreSettings, MethodConfig, Parsed,
+    ServiceConfig, TenantSource, format_duration,
 };
 
 const USAGE: &str = "\
@@ -129,8 +129,9 @@ fn notes(config: &ServiceConfig) -> String {
         .any(|m| m.idempotency().is_some());
     if protected && config.settings().tenant == TenantSource::Unset {
         "note: idem.tenant is not set and methods are protected: the server must be given a \
-         tenant resolver in code (IdempotencyLayer::tenant), or every protected call is refused \
-         with UNAUTHENTICATED; set {\"single\": \"name\"} for a one-tenant service\n"
+         tenant resolver in code (IdempotencyLayer::tenant), or IdempotencyLayer::check fails \
+         and every protected call is refused with FAILED_PRECONDITION; set \
+         {\"single\": \"name\"} for a one-tenant service\n"
             .to_owned()
     } else {
         String::new()
@@ -197,7 +198,10 @@ fn report(name: &str, parsed: &Parsed) -> String {
                 "IN-FLIGHT",
                 "CACHED",
                 "MAX REQUEST",
+                "MAX FRAMES",
+                "COMPRESSED",
                 "MAX RESPONSE",
+                "COMPLETION RETRY",
                 "STORE DOWN",
             ],
             &protected,
@@ -222,11 +226,15 @@ fn report(name: &str, parsed: &Parsed) -> String {
     };
     let redis = match &s.redis {
         Some(r) => format!(
-            "{} (keyPrefix {:?}, commandTimeout {}, connectTimeout {})",
+            "{} (keyPrefix {:?}, commandTimeout {}, connectTimeout {}, maxInFlightPerTenant {})",
             r.url,
             r.key_prefix,
             format_duration(r.command_timeout),
-            format_duration(r.connect_timeout)
+            format_duration(r.connect_timeout),
+            r.max_in_flight_per_tenant
+                .map_or("none (no bound)".to_owned(), |n| format!(
+                    "{n} across instances"
+                )),
         ),
         None => "not configured (in-memory store)".to_owned(),
     };
@@ -234,13 +242,17 @@ fn report(name: &str, parsed: &Parsed) -> String {
     let c = &s.client;
     text.push_str(&format!(
         "idem.keyHeader: {}\nidem.tenant: {tenant}\n\
-         idem.memoryStore: maxEntries {}, maxBytes {}, sweepInterval {}\nidem.redis: {redis}\n\
+         idem.maxHandlersInFlight: {} (per server layer)\n\
+         idem.memoryStore: maxEntries {}, maxBytes {}, sweepInterval {}\n\
+         idem.memoryStore per tenant: {}\nidem.redis: {redis}\n\
          idem.client: keyAllMethods {}, maxReplayBytesPerCall {}, maxReplayBytesTotal {}, \
          minAttemptTime {}, retryExhaustedPushback {}, noRetryUnderRetriedInbound {}\n",
         s.key_header,
+        s.max_handlers_in_flight,
         m.max_entries,
         m.max_bytes,
         format_duration(m.sweep_interval),
+        tenant_bounds(m),
         c.key_all_methods,
         c.max_replay_bytes_per_call,
         c.max_replay_bytes_total,
@@ -249,6 +261,33 @@ fn report(name: &str, parsed: &Parsed) -> String {
         c.no_retry_under_retried_inbound,
     ));
     text
+}
+
+/// The memory store's effective per-tenant bounds, saying where each comes from.
+fn tenant_bounds(m: &MemoryStoreSettings) -> String {
+    let origin = |given: Option<usize>, effective: usize, default: &str| match given {
+        None => format!("{effective} (default: {default})"),
+        Some(g) if g > effective => format!("{effective} (cut to the store-wide bound)"),
+        Some(_) => effective.to_string(),
+    };
+    format!(
+        "maxInFlightPerTenant {}, maxEntriesPerTenant {}, maxBytesPerTenant {}",
+        origin(
+            m.max_in_flight_per_tenant,
+            m.tenant_in_flight_bound(),
+            "maxEntries / 16"
+        ),
+        origin(
+            m.max_entries_per_tenant,
+            m.tenant_entries_bound(),
+            "maxEntries / 4"
+        ),
+        origin(
+            m.max_bytes_per_tenant,
+            m.tenant_bytes_bound(),
+            "maxBytes / 4"
+        ),
+    )
 }
 
 fn policy_row(name: &str, mc: &MethodConfig, throttling: Option<&str>) -> Vec<String> {
@@ -326,7 +365,18 @@ fn idempotency_row(name: &str, mc: &MethodConfig) -> Vec<String> {
             cached
         },
         p.max_request_bytes.to_string(),
+        p.max_request_frames.to_string(),
+        if p.accept_compressed.is_empty() {
+            "-".to_owned()
+        } else {
+            p.accept_compressed
+                .iter()
+                .map(|c| c.name())
+                .collect::<Vec<_>>()
+                .join(",")
+        },
         p.max_response_bytes.to_string(),
+        format_duration(p.completion_retry_timeout),
         if p.fail_open {
             "fail open"
         } else {

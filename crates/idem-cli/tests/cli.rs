@@ -128,7 +128,10 @@ fn valid_example_prints_the_effective_table() {
             "WAIT",
             "OK,UNKNOWN,DEADLINE_EXCEEDED,INTERNAL,DATA_LOSS",
             "1048576",
+            "65536",
+            "-",
             "262144",
+            "60s",
             "fail closed"
         ]
     );
@@ -137,6 +140,66 @@ fn valid_example_prints_the_effective_table() {
         "{out}"
     );
     assert!(out.contains("idem.tenant: single \"shop\""), "{out}");
+    assert!(
+        out.contains("idem.maxHandlersInFlight: 1024 (per server layer)\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "idem.memoryStore per tenant: maxInFlightPerTenant 6250 (default: maxEntries / 16), \
+             maxEntriesPerTenant 25000 (default: maxEntries / 4), maxBytesPerTenant 67108864 \
+             (default: maxBytes / 4)\n"
+        ),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_newer_settings_are_printed() {
+    let doc = br#"{
+      "methodConfig": [{"name": [{"service": "a.v1.B"}], "idempotency": {
+        "acceptCompressed": ["deflate", "gzip"], "maxRequestFrames": 9,
+        "completionRetryTimeout": "30s"}}],
+      "idem": {
+        "tenant": {"single": "t"},
+        "maxHandlersInFlight": 7,
+        "memoryStore": {"maxEntries": 10, "maxEntriesPerTenant": 20, "maxInFlightPerTenant": 3},
+        "redis": {"url": "redis://redis:6379/0", "maxInFlightPerTenant": 50}
+      }
+    }"#;
+    let o = idem(&["check-config", "-"], Some(doc));
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let protected: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("PROTECTED"))
+        .collect();
+    assert_eq!(
+        row(protected[0], "PROTECTED")[7..10],
+        ["MAX FRAMES", "COMPRESSED", "MAX RESPONSE"]
+    );
+    let r = row(protected[1], "a.v1.B/*");
+    assert_eq!(
+        (r[7].as_str(), r[8].as_str(), r[10].as_str()),
+        ("9", "gzip,deflate", "30s"),
+        "{out}"
+    );
+    for line in [
+        "idem.maxHandlersInFlight: 7 (per server layer)",
+        "idem.memoryStore: maxEntries 10, maxBytes 268435456, sweepInterval 1s",
+        "idem.memoryStore per tenant: maxInFlightPerTenant 3, maxEntriesPerTenant 10 (cut to \
+         the store-wide bound), maxBytesPerTenant 67108864 (default: maxBytes / 4)",
+        "idem.redis: redis://redis:6379/0 (keyPrefix \"idem:\", commandTimeout 0.5s, \
+         connectTimeout 2s, maxInFlightPerTenant 50 across instances)",
+    ] {
+        assert!(out.lines().any(|l| l == line), "{line:?} in:\n{out}");
+    }
+    let no_bound = br#"{"idem": {"redis": {"url": "redis://r:1/0", "maxInFlightPerTenant": 0}}}"#;
+    let out = stdout(&idem(&["check-config", "-"], Some(no_bound)));
+    assert!(
+        out.contains("maxInFlightPerTenant none (no bound))"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -50,6 +50,9 @@ pub mod reason {
     pub const STORE_UNAVAILABLE: &str = "STORE_UNAVAILABLE";
     /// No tenant could be resolved for a protected call (UNAUTHENTICATED).
     pub const TENANT_MISSING: &str = "TENANT_MISSING";
+    /// The server layer has no tenant source configured, so it refuses every protected
+    /// call (FAILED_PRECONDITION): a server misconfiguration, nothing the caller can fix.
+    pub const TENANT_SOURCE_MISSING: &str = "TENANT_SOURCE_MISSING";
     /// The request body is over the method's buffering limit (RESOURCE_EXHAUSTED).
     pub const REQUEST_TOO_LARGE: &str = "REQUEST_TOO_LARGE";
     /// The call completed but its response was over the size limit and was not kept

@@ -13,7 +13,7 @@ pub mod idempotency;
 pub mod inbound;
 
 pub use idempotency::{
-    IdemDecision, Idempotency, IdempotencyLayer, IdempotencyStats, RecordFence, StatsSnapshot,
-    scope_for, tenant,
+    IdemDecision, Idempotency, IdempotencyLayer, IdempotencyStats, NoTenantSource, RecordFence,
+    StatsSnapshot, scope_for, tenant,
 };
 pub use inbound::{Inbound, InboundLayer};

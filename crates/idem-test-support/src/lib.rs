@@ -9,6 +9,7 @@ pub mod faulty_store;
 pub mod net;
 pub mod postgres;
 pub mod redis;
+pub mod shop_fake;
 
 /// The generated code of `proto/shop/v1/orders.proto` (messages, client and server).
 pub mod shop {

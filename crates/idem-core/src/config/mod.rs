@@ -66,8 +66,14 @@
 //! [`Parsed::warnings`]): clamps; retryable codes that mean retrying cannot help
 //! (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNAUTHENTICATED, FAILED_PRECONDITION,
 //! UNIMPLEMENTED, DATA_LOSS, OK); a retry policy whose backoffs alone (each at its
-//! maximum, × 1.2 jitter) exceed the entry's `timeout`; unknown fields inside objects
-//! idem reads; and forms that idem reads but another gRPC stack would not (below).
+//! maximum, × 1.2 jitter) exceed the entry's `timeout`; a `completionRetryTimeout`
+//! shorter than the `leaseTtl`; unknown fields inside objects idem reads; and forms that
+//! idem reads but another gRPC stack would not (below).
+//!
+//! Values that cannot work are errors too: a `leaseTtl` or `memoryStore.sweepInterval`
+//! below `"0.001s"` (tokio's timer resolution), a `recordTtl` shorter than the
+//! `leaseTtl`, a `memoryStore.maxEntries` above 2^32 or a `memoryStore.maxBytes` above
+//! the address space of a process (2^48 on 64-bit targets).
 //!
 //! # Where gRPC implementations disagree, and what idem does
 //!

@@ -235,6 +235,20 @@ impl<'a> Obj<'a> {
     }
 }
 
+/// The shortest lease or sweep interval: tokio's timers have millisecond resolution.
+const MIN_TIMER: Duration = Duration::from_millis(1);
+
+/// The most records a memory store may be configured for (2^32): far beyond what fits
+/// in any machine's memory at the per-record overhead.
+const MAX_MEMORY_ENTRIES: u64 = 1 << 32;
+
+/// The most bytes a memory store may be configured for: the user address space of a
+/// 64-bit process (2^48, x86-64 and aarch64 with 4-level page tables), or all of it on
+/// smaller targets.
+fn max_memory_bytes() -> usize {
+    usize::try_from(1u64 << 48).unwrap_or(isize::MAX.unsigned_abs())
+}
+
 /// Whether a duration may be zero.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Zero {
@@ -906,14 +920,10 @@ impl Validator {
         }
         let errors_before = self.errors.len();
         set!(p.key_required, self.boolean(&o, "keyRequired"));
-        set!(
-            p.record_ttl,
-            self.duration_field(&o, "recordTtl", Zero::Refused)
-        );
-        set!(
-            p.lease_ttl,
-            self.duration_field(&o, "leaseTtl", Zero::Refused)
-        );
+        let record_ttl = self.duration_field(&o, "recordTtl", Zero::Refused);
+        set!(p.record_ttl, record_ttl);
+        let lease_ttl = self.duration_field(&o, "leaseTtl", Zero::Refused);
+        set!(p.lease_ttl, lease_ttl);
         set!(
             p.abort_retry_delay,
             self.duration_field(&o, "abortRetryDelay", Zero::Allowed)
@@ -938,10 +948,18 @@ impl Validator {
             self.compressions(&o, "acceptCompressed")
         );
         set!(p.fail_open, self.boolean(&o, "failOpen"));
-        set!(
-            p.completion_retry_timeout,
-            self.duration_field(&o, "completionRetryTimeout", Zero::Allowed)
-        );
+        let completion_retry_timeout =
+            self.duration_field(&o, "completionRetryTimeout", Zero::Allowed);
+        set!(p.completion_retry_timeout, completion_retry_timeout);
+        // Compare only values that were read (or defaulted): a field with an error of
+        // its own says nothing about the others.
+        let read = |key: &str, v: Option<Duration>| o.get(key).is_none() || v.is_some();
+        if read("recordTtl", record_ttl)
+            && read("leaseTtl", lease_ttl)
+            && read("completionRetryTimeout", completion_retry_timeout)
+        {
+            self.idempotency_timings(&o, &p);
+        }
 
         let cacheable = self.codes_field(&o, "cacheableStatusCodes", false);
         let release = self.codes_field(&o, "releaseStatusCodes", false);
@@ -993,6 +1011,44 @@ impl Validator {
             );
         }
         (self.errors.len() == errors_before).then_some(p)
+    }
+
+    /// The durations of one policy against each other: a lease that can be renewed, a
+    /// record that outlives its lease, a completion retried for at least a lease.
+    fn idempotency_timings(&mut self, o: &Obj<'_>, p: &IdempotencyPolicy) {
+        // The field the user wrote, when only one of the two was written.
+        let given = |a: &'static str, b: &'static str| if o.get(a).is_some() { a } else { b };
+        if p.lease_ttl < MIN_TIMER {
+            self.error(
+                o.path("leaseTtl"),
+                "must be at least 0.001s: a shorter lease ends before it can be renewed",
+            );
+            return;
+        }
+        let (lease, record) = (format_duration(p.lease_ttl), format_duration(p.record_ttl));
+        if p.record_ttl < p.lease_ttl {
+            let key = given("recordTtl", "leaseTtl");
+            self.error(
+                o.path(key),
+                format!(
+                    "recordTtl ({record}) must be at least leaseTtl ({lease}): a record must \
+                     not expire while its handler still holds the lease"
+                ),
+            );
+        }
+        if p.completion_retry_timeout < p.lease_ttl {
+            let key = given("completionRetryTimeout", "leaseTtl");
+            self.warn(
+                o.path(key),
+                format!(
+                    "completionRetryTimeout ({}) is shorter than leaseTtl ({lease}): the \
+                     lease keeps the record in flight while the outcome is retried and until \
+                     it ends, so giving up sooner frees nothing and rides out shorter store \
+                     outages",
+                    format_duration(p.completion_retry_timeout)
+                ),
+            );
+        }
     }
 
     /// `acceptCompressed`: an array of the `grpc-encoding` names idem decodes.
@@ -1153,15 +1209,40 @@ impl Validator {
         let mut m = MemoryStoreSettings::default();
         let errors_before = self.errors.len();
         if let Some(x) = self.size_field(&o, "maxEntries") {
+            if u64::try_from(x).is_ok_and(|x| x > MAX_MEMORY_ENTRIES) {
+                self.error(
+                    o.path("maxEntries"),
+                    format!(
+                        "must be at most {MAX_MEMORY_ENTRIES}: a bound no process can reach \
+                         bounds nothing"
+                    ),
+                );
+            }
             m.max_entries = x;
         }
         if let Some(x) = self.size_field(&o, "maxBytes") {
+            let max = max_memory_bytes();
+            if x > max {
+                self.error(
+                    o.path("maxBytes"),
+                    format!(
+                        "must be at most {max} (the address space of this machine's \
+                         processes): a bound no process can reach bounds nothing"
+                    ),
+                );
+            }
             m.max_bytes = x;
         }
         m.max_in_flight_per_tenant = self.size_field(&o, "maxInFlightPerTenant");
         m.max_entries_per_tenant = self.size_field(&o, "maxEntriesPerTenant");
         m.max_bytes_per_tenant = self.size_field(&o, "maxBytesPerTenant");
         if let Some(d) = self.duration_field(&o, "sweepInterval", Zero::Refused) {
+            if d < MIN_TIMER {
+                self.error(
+                    o.path("sweepInterval"),
+                    "must be at least 0.001s: tokio's timers tick in milliseconds",
+                );
+            }
             m.sweep_interval = d;
         }
         if o.get("tombstoneTtl").is_some() {

@@ -1307,6 +1307,74 @@ fn idempotency_fields() {
 }
 
 #[test]
+fn idempotency_timings_must_work_together() {
+    // A lease shorter than a millisecond cannot be renewed in time.
+    assert_eq!(
+        idempotency(json!({"leaseTtl": "0.000999s"})),
+        Err(vec![format!(
+            "{IP_PATH}.leaseTtl: must be at least 0.001s: a shorter lease ends before it can \
+             be renewed"
+        )])
+    );
+    let p = idempotency(json!({"leaseTtl": "0.001s", "completionRetryTimeout": "1s"})).unwrap();
+    assert_eq!(p.lease_ttl, Duration::from_millis(1));
+
+    // A record must outlive its lease: reported on the field that was written.
+    let record_below_lease = "recordTtl (5s) must be at least leaseTtl (10s): a record must \
+                              not expire while its handler still holds the lease";
+    assert_eq!(
+        idempotency(json!({"recordTtl": "5s"})),
+        Err(vec![format!("{IP_PATH}.recordTtl: {record_below_lease}")])
+    );
+    assert_eq!(
+        idempotency(json!({"recordTtl": "5s", "leaseTtl": "10s"})),
+        Err(vec![format!("{IP_PATH}.recordTtl: {record_below_lease}")])
+    );
+    let lease_above_record = "recordTtl (86400s) must be at least leaseTtl (90000s): a record \
+                              must not expire while its handler still holds the lease";
+    let text = with(
+        IP,
+        Some(json!({"leaseTtl": "90000s", "completionRetryTimeout": "90000s"})),
+    );
+    assert_eq!(
+        errors(&text),
+        vec![format!("{IP_PATH}.leaseTtl: {lease_above_record}")]
+    );
+    assert!(idempotency(json!({"recordTtl": "10s", "leaseTtl": "10s"})).is_ok());
+
+    // Retrying a completion for less than a lease frees nothing sooner: a warning.
+    let warned = |fields: Value| warnings(&ok(&with(IP, Some(fields))));
+    assert_eq!(
+        warned(json!({"completionRetryTimeout": "5s"})),
+        vec![format!(
+            "{IP_PATH}.completionRetryTimeout: completionRetryTimeout (5s) is shorter than \
+             leaseTtl (10s): the lease keeps the record in flight while the outcome is \
+             retried and until it ends, so giving up sooner frees nothing and rides out \
+             shorter store outages"
+        )]
+    );
+    assert_eq!(
+        warned(json!({"leaseTtl": "120s"})),
+        vec![format!(
+            "{IP_PATH}.leaseTtl: completionRetryTimeout (60s) is shorter than leaseTtl \
+             (120s): the lease keeps the record in flight while the outcome is retried and \
+             until it ends, so giving up sooner frees nothing and rides out shorter store \
+             outages"
+        )]
+    );
+    assert!(warned(json!({"completionRetryTimeout": "10s"})).is_empty());
+
+    // A field with an error of its own is not compared with the others.
+    assert_eq!(
+        idempotency(json!({"recordTtl": "1s", "leaseTtl": "ten"})),
+        Err(vec![format!(
+            "{IP_PATH}.leaseTtl: must be a proto3 JSON duration such as \"1.5s\": {}",
+            parse_duration("ten").unwrap_err()
+        )])
+    );
+}
+
+#[test]
 fn idempotency_request_framing() {
     let p = idempotency(json!({})).unwrap();
     assert_eq!(p.accept_compressed, CompressionSet::EMPTY, "identity only");
@@ -1587,6 +1655,12 @@ fn idem_memory_store() {
         s.memory_store.max_bytes,
         MemoryStoreSettings::default().max_bytes
     );
+    // The largest bounds that can be allocated are accepted.
+    let (s, _) = settings(json!({"memoryStore": {"maxEntries": 4_294_967_296_u64,
+        "maxBytes": 281_474_976_710_656_u64, "sweepInterval": "0.001s"}}))
+    .unwrap();
+    assert_eq!(s.memory_store.max_entries, 1 << 32);
+    assert_eq!(s.memory_store.sweep_interval, Duration::from_millis(1));
     let bad = [
         (
             json!({"maxEntries": 0}),
@@ -1599,6 +1673,21 @@ fn idem_memory_store() {
         (
             json!({"sweepInterval": "0s"}),
             "idem.memoryStore.sweepInterval: must be a duration > 0",
+        ),
+        (
+            json!({"sweepInterval": "0.0005s"}),
+            "idem.memoryStore.sweepInterval: must be at least 0.001s: tokio's timers tick in \
+             milliseconds",
+        ),
+        (
+            json!({"maxEntries": 4_294_967_297_u64}),
+            "idem.memoryStore.maxEntries: must be at most 4294967296: a bound no process can \
+             reach bounds nothing",
+        ),
+        (
+            json!({"maxBytes": 281_474_976_710_657_u64}),
+            "idem.memoryStore.maxBytes: must be at most 281474976710656 (the address space \
+             of this machine's processes): a bound no process can reach bounds nothing",
         ),
     ];
     for (value, message) in bad {

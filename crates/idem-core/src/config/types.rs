@@ -313,6 +313,10 @@ impl FromIterator<Compression> for CompressionSet {
 /// | `acceptCompressed` | `[]` (identity only, as a tonic service without `accept_compressed`) |
 /// | `failOpen` | `false` |
 /// | `completionRetryTimeout` | `"60s"` |
+///
+/// # Rules between fields
+/// `leaseTtl` is at least `"0.001s"` and `recordTtl` at least `leaseTtl` (errors); a
+/// `completionRetryTimeout` shorter than `leaseTtl` is a warning.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyPolicy {
     /// A call without a key is refused (INVALID_ARGUMENT) when true; passed through

@@ -1,36 +1,136 @@
 //! [`IdempotencyLayer`].
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
 use idem_core::ServiceConfig;
 use idem_core::config::TenantSource;
+use idem_store::{MemoryStore, Store};
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
 use super::Idempotency;
+use super::error::NoTenantSource;
 use super::stats::IdempotencyStats;
-use super::tenant::{FromHeader, NoTenant, SingleTenant, TenantResolver};
-use idem_store::Store;
+use super::tenant::{FromHeader, SingleTenant, TenantResolver};
 
 /// A per-method fingerprint hook: maps the request's (decompressed) messages to the
 /// canonical bytes that are digested instead of the messages themselves, e.g. the
 /// message re-encoded with a client timestamp field cleared.
 pub type FingerprintHook = Arc<dyn Fn(&[Bytes]) -> Vec<u8> + Send + Sync>;
 
+/// One generation of what a reload replaces, read whole by each call when it starts:
+/// a call keeps the policy and tenant it was routed with.
+pub(crate) struct Current {
+    pub(crate) config: Arc<ServiceConfig>,
+    /// `None`: neither the config nor the builder chose a source.
+    pub(crate) tenant: Option<Arc<dyn TenantResolver>>,
+}
+
+impl Current {
+    /// The resolver given in code wins over the config's `idem.tenant`, at build time
+    /// and on every reload.
+    fn new(config: Arc<ServiceConfig>, code: Option<&Arc<dyn TenantResolver>>) -> Self {
+        let tenant = code.cloned().or_else(|| config_tenant(&config));
+        Current { config, tenant }
+    }
+
+    /// `Err` when a method is protected but no tenant can ever be found for it.
+    fn check(&self) -> Result<(), NoTenantSource> {
+        if self.tenant.is_some() {
+            return Ok(());
+        }
+        match first_protected(&self.config) {
+            Some(method) => Err(NoTenantSource { method }),
+            None => Ok(()),
+        }
+    }
+}
+
+fn config_tenant(config: &ServiceConfig) -> Option<Arc<dyn TenantResolver>> {
+    match &config.settings().tenant {
+        TenantSource::Unset => None,
+        TenantSource::Single(t) => Some(Arc::new(SingleTenant::new(t.clone()))),
+        TenantSource::Header(h) => Some(Arc::new(FromHeader::new(h.clone()))),
+    }
+}
+
+fn first_protected(config: &ServiceConfig) -> Option<String> {
+    config
+        .method_configs()
+        .iter()
+        .filter(|m| m.idempotency().is_some())
+        .find_map(|m| m.names().first())
+        .map(|n| n.to_string())
+}
+
 /// What every clone of the layer and its services share.
-#[derive(Clone)]
 pub(crate) struct Shared<St> {
     pub(crate) store: St,
-    pub(crate) config: Arc<ServiceConfig>,
-    pub(crate) tenant: Arc<dyn TenantResolver>,
+    current: RwLock<Arc<Current>>,
+    /// The resolver set with [`IdempotencyLayer::tenant`]; kept across reloads.
+    code_tenant: Option<Arc<dyn TenantResolver>>,
     pub(crate) hooks: HashMap<String, FingerprintHook>,
     pub(crate) stats: IdempotencyStats,
     /// One permit per handler run in progress (including runs whose caller went away).
     pub(crate) handlers: Arc<Semaphore>,
     pub(crate) max_handlers: usize,
+    /// `max_handlers` came from the builder, not the config.
+    max_handlers_pinned: bool,
+    /// The missing tenant source was logged when the layer wrapped a service / when a
+    /// call was refused for it (once each, so a misconfigured server does not flood).
+    logged_at_layer: AtomicBool,
+    logged_at_call: AtomicBool,
+}
+
+impl<St: Clone> Clone for Shared<St> {
+    /// A copy for a builder method on a layer whose `Arc` is shared: it starts from the
+    /// current generation and is reloaded on its own from then on.
+    fn clone(&self) -> Self {
+        Shared {
+            store: self.store.clone(),
+            current: RwLock::new(self.current()),
+            code_tenant: self.code_tenant.clone(),
+            hooks: self.hooks.clone(),
+            stats: self.stats.clone(),
+            handlers: self.handlers.clone(),
+            max_handlers: self.max_handlers,
+            max_handlers_pinned: self.max_handlers_pinned,
+            logged_at_layer: AtomicBool::new(false),
+            logged_at_call: AtomicBool::new(false),
+        }
+    }
+}
+
+impl<St> Shared<St> {
+    /// The generation a call starting now uses.
+    pub(crate) fn current(&self) -> Arc<Current> {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_current(&self, current: Current) {
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(current);
+    }
+
+    /// Logs, once per layer, that protected calls are refused for want of a tenant
+    /// source (called when a call is refused for it).
+    pub(crate) fn log_no_tenant_source(&self, path: &str) {
+        if !self.logged_at_call.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                method = path,
+                "idempotency layer misconfigured: no tenant source (set idem.tenant or \
+                 IdempotencyLayer::tenant); every protected call is refused with \
+                 FAILED_PRECONDITION"
+            );
+        }
+    }
 }
 
 /// Applies [`Idempotency`] to a tonic server. Cheap to clone (one `Arc`); does no I/O.
@@ -53,28 +153,49 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
         f.debug_struct("IdempotencyLayer")
             .field("store", &self.shared.store)
             .field("hooks", &self.shared.hooks.keys().collect::<Vec<_>>())
+            .field("max_handlers", &self.shared.max_handlers)
             .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer<MemoryStore> {
+    /// A layer over a [`MemoryStore`] with the config's `idem.memoryStore` bounds: the
+    /// usual start for a single-process server.
+    ///
+    /// ```
+    /// # use idem_core::ServiceConfig;
+    /// # use idem_server::IdempotencyLayer;
+    /// let config = ServiceConfig::from_json(r#"{
+    ///   "methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "idempotency": {}}],
+    ///   "idem": {"tenant": {"single": "acme"}, "memoryStore": {"maxEntries": 10}}
+    /// }"#).unwrap();
+    /// let layer = IdempotencyLayer::from_config(&config).check().unwrap();
+    /// assert_eq!(layer.store().settings().max_entries, 10);
+    /// ```
+    pub fn from_config(config: &ServiceConfig) -> Self {
+        let store = MemoryStore::new(config.settings().memory_store.clone());
+        Self::new(store, config)
     }
 }
 
 impl<St: Store> IdempotencyLayer<St> {
     /// A layer protecting the methods whose entry in `config` has an `idempotency`
-    /// object, keeping records in `store`.
+    /// object, keeping records in `store`. With a [`MemoryStore`],
+    /// [`from_config`](IdempotencyLayer::from_config) builds the store from the config
+    /// too; a `MemoryStore` whose bounds differ from the config's `idem.memoryStore` is
+    /// kept as given, with a warning.
     ///
     /// The tenant source is the config's `idem.tenant` (`single` → [`SingleTenant`],
-    /// `header` → [`FromHeader`]); when the config leaves it unset, every protected call
-    /// is refused (UNAUTHENTICATED) until [`tenant`](Self::tenant) sets a resolver.
+    /// `header` → [`FromHeader`]), unless [`tenant`](Self::tenant) sets a resolver.
+    /// Call [`check`](Self::check) once built: with no source at all, every protected
+    /// call would be refused.
     pub fn new(store: St, config: &ServiceConfig) -> Self {
         Self::from_arc(store, Arc::new(config.clone()))
     }
 
     /// [`new`](Self::new) with a shared config.
     pub fn from_arc(store: St, config: Arc<ServiceConfig>) -> Self {
-        let tenant: Arc<dyn TenantResolver> = match &config.settings().tenant {
-            TenantSource::Unset => Arc::new(NoTenant),
-            TenantSource::Single(t) => Arc::new(SingleTenant::new(t.clone())),
-            TenantSource::Header(h) => Arc::new(FromHeader::new(h.clone())),
-        };
+        warn_if_memory_store_differs(&store, &config);
         let max_handlers = config
             .settings()
             .max_handlers_in_flight
@@ -82,12 +203,15 @@ impl<St: Store> IdempotencyLayer<St> {
         IdempotencyLayer {
             shared: Arc::new(Shared {
                 store,
-                config,
-                tenant,
+                current: RwLock::new(Arc::new(Current::new(config, None))),
+                code_tenant: None,
                 hooks: HashMap::new(),
                 stats: IdempotencyStats::default(),
                 handlers: Arc::new(Semaphore::new(max_handlers)),
                 max_handlers,
+                max_handlers_pinned: false,
+                logged_at_layer: AtomicBool::new(false),
+                logged_at_call: AtomicBool::new(false),
             }),
         }
     }
@@ -97,11 +221,16 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
-    /// Resolves tenants with `resolver` (replacing the config's source), e.g.
-    /// [`FromExtension`](super::tenant::FromExtension) after an auth layer.
+    /// Resolves tenants with `resolver` (replacing the config's source, also across
+    /// [`reload`](Self::reload)s), e.g. [`FromExtension`](super::tenant::FromExtension)
+    /// after an auth layer.
     pub fn tenant(self, resolver: impl TenantResolver) -> Self {
         let r: Arc<dyn TenantResolver> = Arc::new(resolver);
-        self.edit(|s| s.tenant = r)
+        self.edit(|s| {
+            let config = s.current().config.clone();
+            s.set_current(Current::new(config, Some(&r)));
+            s.code_tenant = Some(r);
+        })
     }
 
     /// Fingerprints requests of `method_path` (`/shop.v1.Orders/CreateOrder`) with
@@ -131,7 +260,52 @@ impl<St: Store> IdempotencyLayer<St> {
         self.edit(|s| {
             s.handlers = handlers;
             s.max_handlers = max;
+            s.max_handlers_pinned = true;
         })
+    }
+
+    /// Checks that the layer can serve the methods it protects, and returns it: call it
+    /// after the builder methods, before serving.
+    ///
+    /// # Errors
+    /// [`NoTenantSource`] when the config protects a method but neither its
+    /// `idem.tenant` nor [`tenant`](Self::tenant) chose where tenants come from (every
+    /// protected call would be refused).
+    pub fn check(self) -> Result<Self, NoTenantSource> {
+        self.shared.current().check()?;
+        Ok(self)
+    }
+
+    /// Replaces the service config for every clone of this layer and every service
+    /// made from it: which methods are protected, their policies, the key header and
+    /// the config's tenant source (a resolver set with [`tenant`](Self::tenant) stays).
+    /// Calls already running keep the policy and tenant they started with; records,
+    /// counters and handler runs in progress are kept.
+    ///
+    /// Read once, at build: the store's settings (`idem.memoryStore`, `idem.redis`) and
+    /// `idem.maxHandlersInFlight`. A reload that changes them logs a warning and leaves
+    /// them as they are.
+    ///
+    /// # Errors
+    /// [`NoTenantSource`] when the new config protects a method and no tenant source
+    /// would be left; the layer then keeps its current config.
+    pub fn reload(&self, config: &ServiceConfig) -> Result<(), NoTenantSource> {
+        let shared = &self.shared;
+        let next = Current::new(Arc::new(config.clone()), shared.code_tenant.as_ref());
+        next.check()?;
+        let settings = config.settings();
+        if !shared.max_handlers_pinned
+            && settings.max_handlers_in_flight.min(Semaphore::MAX_PERMITS) != shared.max_handlers
+        {
+            tracing::warn!(
+                configured = settings.max_handlers_in_flight,
+                in_use = shared.max_handlers,
+                "idem.maxHandlersInFlight is read at build: the reload leaves it unchanged"
+            );
+        }
+        warn_if_memory_store_differs(&shared.store, config);
+        shared.set_current(next);
+        Ok(())
     }
 
     /// The layer's counters (shared by every service it makes).
@@ -143,12 +317,44 @@ impl<St: Store> IdempotencyLayer<St> {
     pub fn store(&self) -> &St {
         &self.shared.store
     }
+
+    /// The service config calls starting now are routed with (the last one given to
+    /// [`new`](Self::new) or [`reload`](Self::reload)).
+    pub fn config(&self) -> Arc<ServiceConfig> {
+        self.shared.current().config.clone()
+    }
+}
+
+/// A `MemoryStore` built with other bounds than the config's `idem.memoryStore` is kept
+/// as given; say so, since the config reads as if it applied.
+fn warn_if_memory_store_differs<St: Any>(store: &St, config: &ServiceConfig) {
+    let Some(memory) = (store as &dyn Any).downcast_ref::<MemoryStore>() else {
+        return;
+    };
+    let configured = &config.settings().memory_store;
+    if memory.settings() != configured {
+        tracing::warn!(
+            store = ?memory.settings(),
+            config = ?configured,
+            "the MemoryStore's settings differ from the config's idem.memoryStore, which \
+             does not apply to a store built apart: build it with \
+             MemoryStore::new(config.settings().memory_store.clone()) or use \
+             IdempotencyLayer::from_config"
+        );
+    }
 }
 
 impl<S, St> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        if let Err(e) = self.shared.current().check()
+            && !self.shared.logged_at_layer.swap(true, Ordering::Relaxed)
+        {
+            tracing::error!(
+                "idempotency layer misconfigured: {e}; every protected call will be refused"
+            );
+        }
         Idempotency {
             inner,
             shared: self.shared.clone(),

@@ -7,33 +7,90 @@
 //! ```no_run
 //! use idem_core::ServiceConfig;
 //! use idem_server::{IdempotencyLayer, tenant::FromExtension};
-//! use idem_store::MemoryStore;
+//! use tonic::service::InterceptorLayer;
 //! use tonic::transport::Server;
+//! use tonic::{Request, Status};
 //!
-//! /// What the auth layer puts into the request extensions.
+//! /// What authentication establishes; `FromExtension` reads it (`AsRef<str>`).
 //! #[derive(Clone)]
 //! struct Tenant(String);
 //! impl AsRef<str> for Tenant {
 //!     fn as_ref(&self) -> &str { &self.0 }
 //! }
 //!
+//! /// The usual tonic interceptor, which also records who the caller is.
+//! fn auth(mut req: Request<()>) -> Result<Request<()>, Status> {
+//!     let token = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
+//!     let tenant = match token {
+//!         Some("Bearer secret-of-acme") => Tenant("acme".into()),
+//!         _ => return Err(Status::unauthenticated("invalid token")),
+//!     };
+//!     req.extensions_mut().insert(tenant);
+//!     Ok(req)
+//! }
+//!
 //! # async fn run(
-//! #     config: ServiceConfig,
 //! #     orders: tonic::service::Routes, // e.g. `OrdersServer::new(orders)`
 //! # ) -> Result<(), Box<dyn std::error::Error>> {
-//! let idempotency = IdempotencyLayer::new(MemoryStore::default(), &config)
-//!     .tenant(FromExtension::<Tenant>::new());
+//! let config = ServiceConfig::from_file("service_config.json")?;
+//! // Records in a `MemoryStore` with the config's `idem.memoryStore` bounds.
+//! let idempotency = IdempotencyLayer::from_config(&config)
+//!     .tenant(FromExtension::<Tenant>::new())
+//!     .check()?; // `NoTenantSource` if no tenant source is set
 //! let stats = idempotency.stats(); // counters to export
+//! let reload = idempotency.clone(); // `reload.reload(&new_config)?` on SIGHUP
 //! Server::builder()
-//!     // .layer(auth_layer)  // first: it sets the `Tenant` extension
+//!     .layer(InterceptorLayer::new(auth)) // first: it sets the `Tenant` extension
 //!     .layer(idempotency)
 //!     .add_routes(orders)
 //!     .serve("127.0.0.1:50051".parse()?)
 //!     .await?;
-//! # let _ = stats;
+//! # let _ = (stats, reload);
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Authentication and tenants
+//! The layer reads the tenant when the call arrives, so authentication must run
+//! **before** it: it is the first of `Server::builder().layer(..)` calls, or an outer
+//! layer in a `ServiceBuilder`. Any of these works; each puts what it established into a
+//! request extension that [`tenant::FromExtension<T>`] reads (`T: AsRef<str> + Send +
+//! Sync + 'static`, and `Clone` for tonic's extensions):
+//! - **a tonic interceptor as a layer**: `tonic::service::InterceptorLayer::new(auth)`
+//!   with `auth: FnMut(Request<()>) -> Result<Request<()>, Status>` that calls
+//!   `req.extensions_mut().insert(Tenant(..))` (above);
+//! - **an async tower layer**, for checks that await (a token introspection, a
+//!   database), e.g. `tower::filter::AsyncFilterLayer::new(|mut req:
+//!   http::Request<Body>| async move { .. req.extensions_mut().insert(tenant); Ok(req) })`
+//!   returning `Err(Status::unauthenticated(..))` to refuse (tonic answers a `Status`
+//!   error with that status), or your own `Layer`/`Service` pair;
+//! - a synchronous tower layer, e.g. `tower::util::MapRequestLayer`.
+//!
+//! **`OrdersServer::with_interceptor(svc, auth)` does not work here**: it wraps the
+//! service *inside* the router, so it runs after this layer, which finds no tenant
+//! and refuses with UNAUTHENTICATED (`TENANT_MISSING`, whose message says so). Move the
+//! same function into `InterceptorLayer::new(auth)` before the layer.
+//!
+//! Without any tenant source (no `idem.tenant` in the config, no
+//! [`IdempotencyLayer::tenant`]), [`IdempotencyLayer::check`] fails with
+//! [`NoTenantSource`]; a layer used unchecked logs an ERROR when it wraps a service and
+//! refuses every protected call with FAILED_PRECONDITION (`TENANT_SOURCE_MISSING`).
+//!
+//! # Stores
+//! [`IdempotencyLayer::from_config`] keeps records in a [`MemoryStore`](idem_store::MemoryStore)
+//! bounded by the config's `idem.memoryStore`. [`IdempotencyLayer::new`] takes any
+//! [`Store`](idem_store::Store) (e.g. `idem-redis`, built from `idem.redis`); given a
+//! `MemoryStore` whose bounds differ from `idem.memoryStore`, it keeps the store as
+//! given and logs a warning.
+//!
+//! # Reloading the config
+//! [`IdempotencyLayer::reload`] swaps the config for every clone of the layer and every
+//! service made from it: protected methods, their policies, the key header and the
+//! config's tenant source (a resolver set in code stays). A call keeps the policy and
+//! tenant it was routed with; records, counters and handler runs in progress are kept.
+//! The store's settings and `idem.maxHandlersInFlight` are read once, at build (a reload
+//! that changes them logs a warning). A reload that would leave protected methods with
+//! no tenant source is refused ([`NoTenantSource`]) and changes nothing.
 //!
 //! # Which calls are protected
 //! A call is protected when its method's entry in the service config
@@ -53,7 +110,8 @@
 //!    `x-idempotency-key`) following [`KEY_RULE`](idem_core::key::KEY_RULE); missing,
 //!    malformed or repeated → INVALID_ARGUMENT (`KEY_MISSING` / `KEY_INVALID`).
 //! 2. **Tenant** from the [`TenantResolver`](tenant::TenantResolver); none →
-//!    UNAUTHENTICATED (`TENANT_MISSING`).
+//!    UNAUTHENTICATED (`TENANT_MISSING`). A layer with no resolver at all refuses
+//!    before the key is read: FAILED_PRECONDITION (`TENANT_SOURCE_MISSING`).
 //! 3. **Scope** = [`scope_for`]`(tenant, method path, key)`.
 //! 4. **Encoding**: a `grpc-encoding` other than identity must be listed in the method's
 //!    `acceptCompressed` (mirror the service's `accept_compressed`), else UNIMPLEMENTED
@@ -128,8 +186,9 @@
 //! `releaseStatusCodes` the others, `maxRequestBytes` 4 MiB, `maxResponseBytes` 1 MiB,
 //! `maxRequestFrames` 65536, `acceptCompressed` `[]` (identity only), `failOpen` false,
 //! `completionRetryTimeout` 60 s. Process-wide (`idem`): `keyHeader`
-//! `x-idempotency-key`, `tenant` unset (every protected call is refused until a resolver
-//! is set), `maxHandlersInFlight` 1024. In code: [`IdempotencyLayer::tenant`] (no
+//! `x-idempotency-key`, `tenant` unset ([`IdempotencyLayer::check`] fails and every
+//! protected call is refused until a resolver is set), `maxHandlersInFlight` 1024,
+//! `memoryStore` (read by [`IdempotencyLayer::from_config`]). In code: [`IdempotencyLayer::tenant`] (no
 //! default beyond the config's), [`IdempotencyLayer::fingerprint_with`] (none),
 //! [`IdempotencyLayer::max_handlers_in_flight`] (the config's).
 //!
@@ -174,6 +233,7 @@ mod call;
 mod codec;
 mod decision;
 mod digest;
+mod error;
 mod fingerprint;
 mod future;
 mod handler;
@@ -190,6 +250,7 @@ mod tests;
 
 pub use decision::{DECISION_HEADER, IdemDecision};
 pub use digest::{scope_for, tenant_id};
+pub use error::NoTenantSource;
 pub use future::ResponseFuture;
 pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};

@@ -19,7 +19,7 @@ use super::BoxError;
 use super::call::Call;
 use super::digest::{scope_for, tenant_id};
 use super::future::ResponseFuture;
-use super::layer::{IdempotencyLayer, Shared};
+use super::layer::{Current, IdempotencyLayer, Shared};
 use super::status;
 
 /// The idempotency middleware; see the [module docs](super).
@@ -74,13 +74,19 @@ enum Route {
 }
 
 /// Routes a call of a protected method by its key header and tenant. The key is checked
-/// before the tenant, so a bad key is reported even to an unauthenticated caller.
+/// before the tenant, so a bad key is reported even to an unauthenticated caller; a
+/// layer with no tenant source at all refuses first: nothing the caller sends can help.
 fn route(
     shared: &Shared<impl Store>,
+    current: &Current,
     policy: &IdempotencyPolicy,
     parts: &http::request::Parts,
 ) -> Route {
-    let header = &shared.config.settings().key_header;
+    let Some(resolver) = &current.tenant else {
+        shared.log_no_tenant_source(parts.uri.path());
+        return Route::Reject(status::tenant_source_missing());
+    };
+    let header = &current.config.settings().key_header;
     let mut values = parts.headers.get_all(header).iter();
     let key = match (values.next(), values.next()) {
         (None, _) if !policy.key_required => return Route::Passthrough,
@@ -91,7 +97,7 @@ fn route(
             Err(e) => return Route::Reject(status::key_invalid(e)),
         },
     };
-    match shared.tenant.tenant(parts) {
+    match resolver.tenant(parts) {
         Some(tenant) => Route::Protect { key, tenant },
         None => Route::Reject(status::tenant_missing()),
     }
@@ -115,8 +121,9 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let Some(policy) = self
-            .shared
+        // The generation this call keeps, whatever a reload does meanwhile.
+        let current = self.shared.current();
+        let Some(policy) = current
             .config
             .lookup_path(req.uri().path())
             .and_then(|m| m.idempotency())
@@ -124,7 +131,7 @@ where
             return ResponseFuture::passthrough(self.inner.call(req));
         };
         let (parts, body) = req.into_parts();
-        match route(&self.shared, policy, &parts) {
+        match route(&self.shared, &current, policy, &parts) {
             Route::Passthrough => {
                 ResponseFuture::passthrough(self.inner.call(Request::from_parts(parts, body)))
             }

@@ -59,8 +59,22 @@ pub(crate) fn key_invalid(e: impl std::fmt::Display) -> Status {
 pub(crate) fn tenant_missing() -> Status {
     idem_status(
         Code::Unauthenticated,
-        "no tenant for an idempotent call: authenticate first",
+        "no tenant for an idempotent call: authenticate first; if you authenticate with \
+         `Server::with_interceptor`/`XServer::with_interceptor`, it runs after this layer: \
+         authenticate in a layer before `IdempotencyLayer`, e.g. \
+         `tonic::service::InterceptorLayer`",
         reason::TENANT_MISSING,
+    )
+}
+
+/// The server has no tenant source at all: nothing the caller sends can help, and
+/// nothing ran (so FAILED_PRECONDITION, not UNAUTHENTICATED).
+pub(crate) fn tenant_source_missing() -> Status {
+    idem_status(
+        Code::FailedPrecondition,
+        "server misconfigured: no tenant source configured: set idem.tenant or \
+         IdempotencyLayer::tenant",
+        reason::TENANT_SOURCE_MISSING,
     )
 }
 

@@ -2,7 +2,10 @@
 //!
 //! The tenant is part of the record's scope, so two tenants that pick the same key never
 //! see each other's responses. It must come from an authenticated source: put the
-//! idempotency layer *after* your authentication layer and read what it established.
+//! idempotency layer *after* your authentication layer and read what it established,
+//! usually with [`FromExtension`]. Authentication with `XServer::with_interceptor` runs
+//! after the layer and is too late; use `tonic::service::InterceptorLayer` before it
+//! (see [Authentication and tenants](super#authentication-and-tenants)).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -10,6 +13,8 @@ use std::marker::PhantomData;
 use http::HeaderName;
 
 /// Resolves the tenant of a protected call. `None` refuses the call (UNAUTHENTICATED).
+///
+/// Closures `Fn(&http::request::Parts) -> Option<String>` are resolvers too.
 pub trait TenantResolver: Send + Sync + 'static {
     /// The tenant of the request with these parts.
     fn tenant(&self, parts: &http::request::Parts) -> Option<String>;
@@ -26,6 +31,11 @@ where
 
 /// Reads the tenant from a request extension of type `T` that an authentication layer
 /// inserted (the recommended source).
+///
+/// `T` must implement `AsRef<str>` (the tenant's name); an empty name counts as no
+/// tenant. The layer that inserts it must run before the idempotency layer: a
+/// `tonic::service::InterceptorLayer` or a tower layer given to `Server::builder()`
+/// first, not `XServer::with_interceptor`.
 ///
 /// ```
 /// # use idem_server::tenant::{FromExtension, TenantResolver};
@@ -121,8 +131,10 @@ impl TenantResolver for FromHeader {
     }
 }
 
-/// Refuses every call: what applies when neither the config (`idem.tenant`) nor the
-/// builder chose a source, so protected calls fail closed (UNAUTHENTICATED).
+/// Refuses every call as unauthenticated (UNAUTHENTICATED), e.g. to switch protected
+/// calls off while keeping the layer. A layer with no source at all does not use it: it
+/// fails [`check`](super::IdempotencyLayer::check) and refuses protected calls as
+/// misconfigured (FAILED_PRECONDITION).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoTenant;
 

@@ -1,5 +1,5 @@
 //! Layer tests against `service_fn` inner services (end-to-end tests with a real tonic
-//! server live in the workspace's `tests/server.rs`).
+//! server live in the crate's `tests/server.rs`).
 
 use std::convert::Infallible;
 use std::sync::Arc;

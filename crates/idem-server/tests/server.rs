@@ -1,6 +1,6 @@
-//! End-to-end tests of the server idempotency layer (`idem-server`): a real
-//! tonic `Orders` server on 127.0.0.1 behind an auth layer (tenant from a test header
-//! into a request extension) and `IdempotencyLayer`, driven by the generated client.
+//! Tests of the server idempotency layer: a real tonic `Orders` server (the shared
+//! `shop_fake::Shop`) on 127.0.0.1 behind an auth layer (tenant from a test header into
+//! a request extension) and `IdempotencyLayer`, driven by the generated client.
 //!
 //! Tests that move time (leases, deadlines) drive the layer in-process around the real
 //! generated `OrdersServer` (hand-built gRPC requests) on tokio's paused clock.
@@ -8,12 +8,12 @@
 use idem_test_support::faulty_store::{Fault, FaultyStore, INTERNAL_DETAIL, Op};
 use idem_test_support::net;
 use idem_test_support::shop;
+use idem_test_support::shop_fake::{Shop, create};
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -23,18 +23,17 @@ use idem_core::ServiceConfig;
 use idem_core::config::{IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig};
 use idem_core::headers::reason;
 use idem_server::tenant::FromExtension;
-use idem_server::{IdemDecision, IdempotencyLayer, RecordFence, StatsSnapshot, scope_for};
-use idem_store::{Fence, MemoryStore, RecordState, Store};
+use idem_server::{IdempotencyLayer, StatsSnapshot, scope_for};
+use idem_store::{MemoryStore, RecordState, Store};
 use prost::Message;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
+use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_stream::{Stream, StreamExt};
 use tonic::body::Body;
 use tonic::codec::CompressionEncoding;
-use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::metadata::MetadataMap;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
 use tonic_types::StatusExt;
@@ -53,142 +52,6 @@ struct Tenant(String);
 impl AsRef<str> for Tenant {
     fn as_ref(&self) -> &str {
         &self.0
-    }
-}
-
-struct ShopState {
-    runs: AtomicUsize,
-    finished: AtomicUsize,
-    started: Notify,
-    gate: Semaphore,
-    fences: Mutex<Vec<Fence>>,
-    saw_deadline: Mutex<Vec<bool>>,
-}
-
-/// The handler: its behaviour is chosen by the request's `sku`.
-#[derive(Clone)]
-struct Shop(Arc<ShopState>);
-
-impl Shop {
-    fn new() -> Self {
-        Shop(Arc::new(ShopState {
-            runs: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
-            started: Notify::new(),
-            gate: Semaphore::new(0),
-            fences: Mutex::new(Vec::new()),
-            saw_deadline: Mutex::new(Vec::new()),
-        }))
-    }
-    fn runs(&self) -> usize {
-        self.0.runs.load(Ordering::SeqCst)
-    }
-    fn finished(&self) -> usize {
-        self.0.finished.load(Ordering::SeqCst)
-    }
-    fn open_gate(&self, n: usize) {
-        self.0.gate.add_permits(n);
-    }
-    fn record<T>(&self, req: &Request<T>) -> usize {
-        if let Some(f) = req.extensions().get::<RecordFence>() {
-            self.0.fences.lock().unwrap().push(f.0);
-        }
-        self.0
-            .saw_deadline
-            .lock()
-            .unwrap()
-            .push(idem_core::deadline::inbound_deadline().is_some());
-        self.0.runs.fetch_add(1, Ordering::SeqCst) + 1
-    }
-}
-
-fn with_decision(code: Code, decision: &'static str) -> Status {
-    let mut md = MetadataMap::new();
-    md.insert(
-        "x-idempotency-decision",
-        MetadataValue::from_static(decision),
-    );
-    Status::with_metadata(code, "scripted", md)
-}
-
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        let n = self.record(&request);
-        let req = request.into_inner();
-        let result = match req.sku.as_str() {
-            "gate" => {
-                self.0.started.notify_one();
-                let permit = self.0.gate.acquire().await.expect("gate open");
-                permit.forget();
-                Ok(())
-            }
-            "panic" => panic!("scripted panic"),
-            sku if sku.starts_with("block-") => {
-                // Blocks its thread, as a synchronous driver would.
-                let ms = sku["block-".len()..].parse().expect("block-<ms>");
-                self.0.started.notify_one();
-                std::thread::sleep(Duration::from_millis(ms));
-                Ok(())
-            }
-            "unavailable" => Err(Status::unavailable("scripted")),
-            "internal" => Err(Status::internal("scripted")),
-            "unavailable-store" => Err(with_decision(Code::Unavailable, "store")),
-            "internal-release" => Err(with_decision(Code::Internal, "release")),
-            _ => Ok(()),
-        };
-        self.0.finished.fetch_add(1, Ordering::SeqCst);
-        result?;
-        let mut resp = Response::new(Order {
-            order_id: format!("order-{n}"),
-            customer_id: req.customer_id,
-            sku: req.sku.clone(),
-            quantity: req.quantity,
-            created_by: "server-a".into(),
-        });
-        resp.metadata_mut()
-            .insert("x-run", n.to_string().parse().unwrap());
-        if req.sku == "ok-release" {
-            resp.extensions_mut().insert(IdemDecision::Release);
-        }
-        Ok(resp)
-    }
-
-    async fn get_order(
-        &self,
-        request: Request<GetOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        let n = self.record(&request);
-        self.0.finished.fetch_add(1, Ordering::SeqCst);
-        Ok(Response::new(Order {
-            order_id: format!("{}-{n}", request.into_inner().order_id),
-            ..Order::default()
-        }))
-    }
-
-    type ListOrdersStream = Pin<Box<dyn Stream<Item = Result<Order, Status>> + Send>>;
-
-    async fn list_orders(
-        &self,
-        request: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        let n = self.record(&request);
-        let customer = request.into_inner().customer_id;
-        // `panic-mid-stream`: the second message panics while the stream is polled.
-        let panics = customer == "panic-mid-stream";
-        let items = tokio_stream::iter(0..3).map(move |i| {
-            assert!(!(panics && i == 1), "scripted panic in the response stream");
-            Ok(Order {
-                order_id: format!("order-{n}-{i}"),
-                customer_id: customer.clone(),
-                ..Order::default()
-            })
-        });
-        self.0.finished.fetch_add(1, Ordering::SeqCst);
-        Ok(Response::new(Box::pin(items)))
     }
 }
 
@@ -273,15 +136,6 @@ fn keyed<T>(msg: T, key: &str, tenant: &str) -> Request<T> {
     r.metadata_mut()
         .insert("x-test-tenant", tenant.parse().unwrap());
     r
-}
-
-fn create(sku: &str) -> CreateOrderRequest {
-    CreateOrderRequest {
-        customer_id: "c-1".into(),
-        sku: sku.into(),
-        quantity: 2,
-        note: String::new(),
-    }
 }
 
 fn error_reason(s: &Status) -> Option<(String, String)> {
@@ -672,7 +526,7 @@ async fn a_caller_that_disconnects_does_not_cancel_the_handler() {
     let mut client = srv.client();
     let call =
         tokio::spawn(async move { client.create_order(keyed(create("gate"), KEY, "t1")).await });
-    srv.shop.0.started.notified().await;
+    srv.shop.started().await;
     call.abort();
     dropped.notified().await; // the server saw the caller go away
     assert_eq!(srv.shop.finished(), 0, "handler still running");
@@ -1112,7 +966,7 @@ async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
         tokio::spawn(
             async move { call(&s1, raw_request(CREATE, &create("gate"), KEY, None)).await },
         );
-    shop.0.started.notified().await;
+    shop.started().await;
     // The lease (10 s) runs out while the first handler is stuck.
     tokio::time::advance(Duration::from_secs(11)).await;
     let s2 = svc.clone();
@@ -1120,8 +974,8 @@ async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
         tokio::spawn(
             async move { call(&s2, raw_request(CREATE, &create("gate"), KEY, None)).await },
         );
-    shop.0.started.notified().await;
-    let fences = shop.0.fences.lock().unwrap().clone();
+    shop.started().await;
+    let fences = shop.fences();
     assert_eq!(fences.len(), 2);
     assert!(
         fences[1] > fences[0],
@@ -1168,7 +1022,7 @@ async fn waiting_is_bounded_by_the_callers_deadline_and_the_handler_sees_its_own
     let first = tokio::spawn(async move {
         call(&s1, raw_request(CREATE, &create("gate"), KEY, Some("30S"))).await
     });
-    shop.0.started.notified().await;
+    shop.started().await;
     let t = Instant::now();
     let dup = call(&svc, raw_request(CREATE, &create("gate"), KEY, Some("2S"))).await;
     assert_eq!(
@@ -1200,11 +1054,7 @@ async fn waiting_is_bounded_by_the_callers_deadline_and_the_handler_sees_its_own
     assert_eq!(w.frames, a.frames);
     assert_eq!(w.headers.get("x-idempotency-replayed").unwrap(), "true");
     assert_eq!(shop.runs(), 1);
-    assert_eq!(
-        *shop.0.saw_deadline.lock().unwrap(),
-        [true],
-        "inbound deadline recorded"
-    );
+    assert_eq!(shop.saw_deadline(), [true], "inbound deadline recorded");
     assert_eq!(l.stats().snapshot().deadline_exceeded, 1);
 }
 
@@ -1284,19 +1134,23 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
             .insert("x-idempotency-key", key.parse().unwrap());
         r
     };
-    // Unset: protected calls fail closed.
+    // Unset: the layer fails its check, and (unchecked) protected calls fail closed as
+    // a misconfigured server, not as an unauthenticated caller.
     let store = MemoryStore::default();
-    let srv = serve(IdempotencyLayer::new(
-        store.clone(),
-        &with(TenantSource::Unset),
-    ))
-    .await;
+    let unset = IdempotencyLayer::new(store.clone(), &with(TenantSource::Unset));
+    assert!(unset.clone().check().is_err());
+    let srv = serve(unset).await;
     let err = srv
         .client()
-        .create_order(keyed_only(KEY))
+        .create_order(keyed(create("ok"), KEY, "t1"))
         .await
         .unwrap_err();
-    assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
+    assert_idem_error(
+        &err,
+        Code::FailedPrecondition,
+        reason::TENANT_SOURCE_MISSING,
+    );
+    assert_eq!(srv.shop.runs(), 0);
     // Single tenant.
     let srv = serve(IdempotencyLayer::new(
         store.clone(),
@@ -1352,7 +1206,7 @@ async fn a_completion_the_store_refuses_once_is_retried_and_the_waiting_duplicat
         tokio::spawn(
             async move { call(&s1, raw_request(CREATE, &create("gate"), KEY, None)).await },
         );
-    shop.0.started.notified().await;
+    shop.started().await;
     let s2 = svc.clone();
     let dup =
         tokio::spawn(
@@ -1480,7 +1334,7 @@ async fn a_handler_that_blocks_its_thread_past_the_lease_keeps_it() {
     let s1 = svc.clone();
     let req = raw_request(CREATE, &create(&sku), KEY, None);
     let first = tokio::spawn(async move { call(&s1, req).await });
-    shop.0.started.notified().await;
+    shop.started().await;
     // The first handler now blocks its worker thread for three leases.
     let dup = call(&svc, raw_request(CREATE, &create(&sku), KEY, None)).await;
     let a = first.await.unwrap();
