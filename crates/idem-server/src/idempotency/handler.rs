@@ -63,7 +63,10 @@ where
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
     let (tx, rx) = oneshot::channel();
-    let run = run(call, inner, lease, req, inbound, tx);
+    // Boxed: the handler's future holds the service's own future inline and is large;
+    // a task stores and moves its future by value (on spawn and at every stage change),
+    // so spawning it unboxed copied tens of kilobytes per call.
+    let run = Box::pin(run(call, inner, lease, req, inbound, tx));
     tokio::spawn(
         async move {
             run.await;

@@ -30,7 +30,9 @@ const FRESERVED: u8 = 0xe0;
 
 /// One reusable decoder; see the [module docs](self).
 pub(crate) struct Inflater {
-    state: Decompress,
+    /// Made at the first compressed message: a decoder allocates and clears its window,
+    /// which an uncompressed request must not pay for.
+    state: Option<Decompress>,
     out: Vec<u8>,
     /// Calls into the inflate engine so far (each ends a stream, fills the buffer, or
     /// fails).
@@ -40,7 +42,7 @@ pub(crate) struct Inflater {
 impl Inflater {
     pub(crate) fn new() -> Self {
         Inflater {
-            state: Decompress::new(true),
+            state: None,
             out: Vec::new(),
             engine_calls: 0,
         }
@@ -89,7 +91,13 @@ impl Inflater {
     ) -> Result<(usize, usize), FrameError> {
         // One byte past the limit tells "exactly the limit" from "over it".
         let cap = limit.saturating_add(1);
-        self.state.reset(zlib);
+        let state = match &mut self.state {
+            Some(state) => {
+                state.reset(zlib);
+                state
+            }
+            None => self.state.insert(Decompress::new(zlib)),
+        };
         let (mut used, mut len) = (0, 0);
         loop {
             if len == self.out.len() && len < cap {
@@ -98,9 +106,8 @@ impl Inflater {
             }
             let end = self.out.len().min(cap);
             self.engine_calls += 1;
-            let (in0, out0) = (self.state.total_in(), self.state.total_out());
-            let status = self
-                .state
+            let (in0, out0) = (state.total_in(), state.total_out());
+            let status = state
                 .decompress(
                     &input[used..],
                     &mut self.out[len..end],
@@ -108,8 +115,8 @@ impl Inflater {
                 )
                 .map_err(|e| FrameError::Corrupt(e.to_string()))?;
             let (n_in, n_out) = (
-                (self.state.total_in() - in0) as usize,
-                (self.state.total_out() - out0) as usize,
+                (state.total_in() - in0) as usize,
+                (state.total_out() - out0) as usize,
             );
             used += n_in;
             len += n_out;
