@@ -37,6 +37,7 @@ fn store(max_entries: usize, max_bytes: usize) -> MemoryStore {
         max_entries_per_tenant: Some(max_entries),
         max_bytes_per_tenant: Some(max_bytes),
         sweep_interval: Duration::from_secs(1),
+        min_retention: DEFAULT_MIN_RETENTION,
     })
 }
 
@@ -294,6 +295,7 @@ async fn one_tenants_rejected_and_abandoned_calls_cost_another_tenant_nothing() 
         max_entries_per_tenant: Some(32),
         max_bytes_per_tenant: None,
         sweep_interval: Duration::from_secs(1),
+        min_retention: DEFAULT_MIN_RETENTION,
     });
     let fb = tacquire(&st, &B, 1).await.unwrap();
     st.complete(&tscope(&B, 1), fb, resp(b"order of B"), TTL)
@@ -340,6 +342,7 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
         max_entries_per_tenant: Some(4),
         max_bytes_per_tenant: Some(4 * RECORD_OVERHEAD_BYTES + 100),
         sweep_interval: Duration::from_secs(1),
+        min_retention: DEFAULT_MIN_RETENTION,
     });
     for n in 0..4 {
         let f = tacquire(&st, &A, n).await.unwrap();
@@ -407,6 +410,7 @@ async fn a_refused_claim_costs_what_a_normal_claim_costs() {
         max_entries_per_tenant: Some(N as usize),
         max_bytes_per_tenant: None,
         sweep_interval: Duration::from_secs(3600),
+        min_retention: DEFAULT_MIN_RETENTION,
     });
     let long = |t: &TenantId, n: u32| ClaimRequest {
         lease: Duration::from_secs(3600),
