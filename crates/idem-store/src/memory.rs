@@ -4,7 +4,7 @@
 //! - **Sharded**: records live in [`SHARDS`] `HashMap`s, each behind its own
 //!   `std::sync::Mutex`, chosen by the scope digest. No lock is held across an `.await`
 //!   and no call takes two shard locks at once, so there is no global lock on the hot
-//!   path and no lock ordering to get wrong.
+//!   path. The only nesting: a tenant's completion queue, then one shard (eviction).
 //! - **Fences** come from one store-wide counter, so they grow for every scope across
 //!   release, takeover and expiry: a fence is never handed out twice. That is why a
 //!   release can simply remove the record: no tombstone is needed to keep fences growing.
@@ -25,10 +25,12 @@
 //! - **Clock**: `tokio::time::Instant`, so tests run on a paused clock.
 //!
 //! # Bounds
-//! A new record (a claim of a scope that has none) must fit every bound below, or the
-//! claim fails with [`StoreError::Full`] (retryable: the server layer answers
-//! RESOURCE_EXHAUSTED with a retry delay); the refusal is counted per bound in
-//! [`MemoryStoreStats`] and logged (the 1st, 2nd, 4th, 8th… refusal per bound).
+//! A new record (a claim of a scope that has none) must fit every bound below. If it
+//! does not, the claim first [evicts](#eviction) completed records older than
+//! `minRetention`; if none may go, it fails with [`StoreError::Full`] (retryable: the
+//! server layer answers RESOURCE_EXHAUSTED with a retry delay); the refusal is counted
+//! per bound in [`MemoryStoreStats`] and logged (the 1st, 2nd, 4th, 8th… refusal per
+//! bound).
 //!
 //! | bound | setting | default |
 //! |-------|---------|---------|
@@ -39,21 +41,47 @@
 //! | all bytes | `maxBytes` | 256 MiB |
 //!
 //! Bytes are stored responses plus [`RECORD_OVERHEAD_BYTES`] per record. A response
-//! that does not fit its tenant's or the store's bytes is recorded as
-//! [`StoredOutcome::NotRetained`] (the handler already ran: a duplicate gets a clear
-//! error, never a second run) and counted in `responses_dropped`.
+//! that does not fit its tenant's or the store's bytes (after evicting as a claim
+//! would) is recorded as [`StoredOutcome::NotRetained`] (the handler already ran: a
+//! duplicate gets a clear error, never a second run) and counted in
+//! `responses_dropped`.
 //!
-//! **Nothing is ever evicted.** Evicting a completed record before its TTL would let a
-//! retry of its key run a second time, and evicting an in-flight one would let a
-//! duplicate run while the first still runs. So a full store refuses new work instead
-//! of forgetting outcomes; forgetting them is the record TTL's job. Replays, waits on
-//! in-flight records and takeovers of expired leases add no record and are never
-//! refused. Because each tenant may use only a share of the store (a quarter by
-//! default), one tenant's load can neither remove another tenant's records nor use up
-//! the whole store. A server with a single tenant should raise `maxEntriesPerTenant`
-//! and `maxBytesPerTenant` to the store bounds.
+//! Replays, waits on in-flight records and takeovers of expired leases add no record
+//! and are never refused. Because each tenant may use only a share of the store (a
+//! quarter by default), one tenant's load cannot use up the whole store. A server with
+//! a single tenant should raise `maxEntriesPerTenant` and `maxBytesPerTenant` to the
+//! store bounds.
 //!
-//! Size `maxEntries` for (protected calls per second × record TTL), per tenant too.
+//! # Eviction
+//! The store is a cache of recent outcomes: a full store keeps working by forgetting its
+//! oldest outcomes, but never young ones. Every completed record is kept for at least
+//! `minRetention` (default 10 minutes, [`DEFAULT_MIN_RETENTION`]); after that, until
+//! its record TTL, it may be evicted (oldest completion first) to make room for a new
+//! record:
+//!
+//! - **At a tenant's own record or byte bound**: the tenant's own records only.
+//! - **At a store-wide bound**: a tenant holding less than its fair share of the store
+//!   (the bound divided by the tenants holding records) takes a record of a tenant
+//!   holding more than its share, never taking it below its share; a tenant holding its
+//!   share or more evicts its own records only. So one tenant's flood never costs a
+//!   tenant within its fair share a record; it costs the flooding tenant its own oldest
+//!   ones.
+//! - **Never**: an in-flight record (a duplicate would run while the first still
+//!   runs), a record completed less than `minRetention` ago, or anything at a tenant's
+//!   in-flight bound. Then the claim is refused with [`StoreError::Full`].
+//!
+//! The trade-off: within `minRetention` a retry is always a replay; between
+//! `minRetention` and the record TTL it is a replay unless its tenant's share was full
+//! and the record was evicted (then the retry runs again). Each eviction is counted
+//! (`evicted_after_min_retention`) and logged (the 1st, 2nd, 4th, 8th…). To never
+//! evict, size `maxEntries` (and `maxEntriesPerTenant`, `maxBytes`) for protected calls
+//! per second × record TTL, or set `minRetention` to the record TTL.
+//!
+//! Cost: O(1) amortized, no scan. Each completion is queued, in completion order, in
+//! its tenant's queue and in its shard's; an entry whose record is gone or completed
+//! again is skipped when it comes up (the sweeper compacts queues that hold mostly such
+//! entries). A tenant's eviction looks at the front of its own queue; a store-wide one
+//! at the front of each shard's queue, dropping entries of tenants within their share.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -162,9 +190,10 @@ const TENANT_SHARDS: usize = 16;
 ///
 /// Measured (test `memory_per_record`, 100 000 records of 16-byte responses): a map slot
 /// is 145 bytes (scope 32 + entry 112 + 1 control byte) and the tables run about 76 %
-/// full, so 190 bytes per record amortized; the resident set grew by 223 bytes per
-/// record including the 16-byte response and its allocation header.
-pub const RECORD_OVERHEAD_BYTES: usize = 192;
+/// full, so 190 bytes per record amortized; the two completion queues add 2 × 48 bytes,
+/// 126 amortized (a `VecDeque` grows by doubling): 316 in all. The resident set grew by
+/// 332 bytes per record including the 16-byte response and its allocation header.
+pub const RECORD_OVERHEAD_BYTES: usize = 320;
 
 /// The scope is already a uniform digest: hash it by taking 8 of its bytes.
 #[derive(Default)]
@@ -843,8 +872,8 @@ impl Inner {
             tracing::warn!(
                 refusals = n,
                 limit,
-                "idempotency memory store: {}; new claims are refused until records complete, \
-                 are released or expire",
+                "idempotency memory store: {}; new claims are refused until records complete \
+                 (and are older than minRetention), are released or expire",
                 bound.describe()
             );
         }
