@@ -76,6 +76,7 @@ const MEMORY_FIELDS: &[&str] = &[
     "maxEntriesPerTenant",
     "maxBytesPerTenant",
     "sweepInterval",
+    "minRetention",
     "tombstoneTtl",
 ];
 const REDIS_FIELDS: &[&str] = &[
@@ -1163,6 +1164,10 @@ impl Validator {
         m.max_bytes_per_tenant = self.size_field(&o, "maxBytesPerTenant");
         if let Some(d) = self.duration_field(&o, "sweepInterval", Zero::Refused) {
             m.sweep_interval = d;
+        }
+        // Zero: any completed record may be evicted at a bound.
+        if let Some(d) = self.duration_field(&o, "minRetention", Zero::Allowed) {
+            m.min_retention = d;
         }
         if o.get("tombstoneTtl").is_some() {
             self.warn(

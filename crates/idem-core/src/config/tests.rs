@@ -1543,7 +1543,8 @@ fn idem_tenant() {
 fn idem_memory_store() {
     let (s, _) = settings(
         json!({"memoryStore": {"maxEntries": 10, "maxBytes": 4096, "maxInFlightPerTenant": 2,
-               "maxEntriesPerTenant": 5, "maxBytesPerTenant": 2048, "sweepInterval": "0.5s"}}),
+               "maxEntriesPerTenant": 5, "maxBytesPerTenant": 2048, "sweepInterval": "0.5s",
+               "minRetention": "90s"}}),
     )
     .unwrap();
     assert_eq!(
@@ -1555,8 +1556,18 @@ fn idem_memory_store() {
             max_entries_per_tenant: Some(5),
             max_bytes_per_tenant: Some(2048),
             sweep_interval: Duration::from_millis(500),
+            min_retention: Duration::from_secs(90),
         }
     );
+    // minRetention: 10 minutes by default; zero (evict any completed record at a
+    // bound) is allowed.
+    let (s, _) = settings(json!({"memoryStore": {}})).unwrap();
+    assert_eq!(s.memory_store.min_retention, Duration::from_secs(600));
+    let (s, w) = settings(json!({"memoryStore": {"minRetention": "0s"}})).unwrap();
+    assert!(w.is_empty(), "{w:?}");
+    assert_eq!(s.memory_store.min_retention, Duration::ZERO);
+    let (s, _) = settings(json!({"memoryStore": {"minRetention": "86400s"}})).unwrap();
+    assert_eq!(s.memory_store.min_retention, Duration::from_secs(86_400));
     // Absent per-tenant bounds are a share of the store-wide ones.
     let (s, w) = settings(json!({"memoryStore": {"maxEntries": 1600, "maxBytes": 4096}})).unwrap();
     assert!(w.is_empty(), "{w:?}");
@@ -1599,6 +1610,14 @@ fn idem_memory_store() {
         (
             json!({"sweepInterval": "0s"}),
             "idem.memoryStore.sweepInterval: must be a duration > 0",
+        ),
+        (
+            json!({"minRetention": "-1s"}),
+            "idem.memoryStore.minRetention: must be a proto3 JSON duration such as \"1.5s\": must not have a sign",
+        ),
+        (
+            json!({"minRetention": 600}),
+            "idem.memoryStore.minRetention: must be a duration string such as \"1.5s\", not a number",
         ),
     ];
     for (value, message) in bad {
@@ -1812,6 +1831,7 @@ const KEYS: &[&str] = &[
     "redis",
     "url",
     "memoryStore",
+    "minRetention",
     "client",
     "maxRequestMessageBytes",
     "maxRequestBytes",
