@@ -808,12 +808,12 @@ impl Inner {
                     };
                     Self::measure(&e.tenant, bound) >= fair.saturating_add(cost)
                 };
-                if over || Self::is_expired(e, now) {
-                    if let Some(e) = shard.map.remove(&d.scope) {
-                        drop(guard);
-                        self.evicted(&e, bound, true, now);
-                        return true;
-                    }
+                if (over || Self::is_expired(e, now))
+                    && let Some(e) = shard.map.remove(&d.scope)
+                {
+                    drop(guard);
+                    self.evicted(&e, bound, true, now);
+                    return true;
                 }
                 // Its tenant holds no more than its share: from now on only its own
                 // tenant may evict this record (it stays in that tenant's queue).

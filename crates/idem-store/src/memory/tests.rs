@@ -1293,6 +1293,9 @@ fn load_op() -> impl Strategy<Value = LoadOp> {
     ]
 }
 
+/// A record the load holds: its fence, and once completed, when and until when.
+type Held = (Fence, Option<(Instant, Instant)>);
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
     /// Whatever the load: a record completed less than minRetention ago, or in flight,
@@ -1306,8 +1309,7 @@ proptest! {
         rt.block_on(async {
             let st = evicting(MAX, MAX, Duration::from_secs(MIN_S));
             let tenants = [A, B, TenantId([0xc; 16])];
-            // (t, n) -> (fence, completed at and expiry)
-            let mut held: HashMap<(u8, u8), (Fence, Option<(Instant, Instant)>)> = HashMap::new();
+            let mut held: HashMap<(u8, u8), Held> = HashMap::new();
             for op in ops {
                 let usage = |t: u8| st.tenant_usage(&tenants[usize::from(t)]).unwrap_or_default().entries;
                 let before: Vec<usize> = (0..3).map(usage).collect();
