@@ -62,10 +62,10 @@
 //! - **At a tenant's own record or byte bound**: the tenant's own records only.
 //! - **At a store-wide bound**: a tenant holding less than its fair share of the store
 //!   (the bound divided by the tenants holding records) takes a record of a tenant
-//!   holding more than its share, never taking it below its share; a tenant holding its
-//!   share or more evicts its own records only. So one tenant's flood never costs a
-//!   tenant within its fair share a record; it costs the flooding tenant its own oldest
-//!   ones.
+//!   holding more than its share, never taking it below its share (and never evicts its
+//!   own: it is refused if no such record may go yet); a tenant holding its share or
+//!   more evicts its own records only. So one tenant's flood never costs a tenant
+//!   within its fair share a record; it costs the flooding tenant its own oldest ones.
 //! - **Never**: an in-flight record (a duplicate would run while the first still
 //!   runs), a record completed less than `minRetention` ago, or anything at a tenant's
 //!   in-flight bound. Then the claim is refused with [`StoreError::Full`].
@@ -120,11 +120,12 @@ pub struct MemoryStoreSettings {
     pub max_bytes_per_tenant: Option<usize>,
     /// How often expired records are swept.
     pub sweep_interval: Duration,
-    /// How long a completed record is kept for certain. At a bound, a tenant's new
-    /// record may take the place of that tenant's own records completed longer ago than
-    /// this (oldest first); see the [module docs](self#eviction). Zero: any completed
-    /// record may be evicted at a bound. At or above every method's record TTL: nothing
-    /// is ever evicted (records expire first).
+    /// How long a completed record is kept for certain. At a bound, a new record may
+    /// take the place of a completed record older than this (oldest first: the
+    /// tenant's own, or at a store-wide bound one of a tenant above its fair share); see
+    /// the [module docs](self#eviction). Zero: any completed record may be evicted at a
+    /// bound. At or above every method's record TTL: nothing is ever evicted (records
+    /// expire first).
     pub min_retention: Duration,
 }
 
