@@ -27,9 +27,12 @@
 //!   while if it needs one to keep fences growing; it never blocks a claim.)
 //! - A claim that would add a record may be refused with [`StoreError::Full`] when the
 //!   store or the tenant's share of it is at a bound. A store never makes room by
-//!   dropping another record before its time: not a completed one (a retry of its key
-//!   would run again), not an in-flight one. Replays, waits and a claimant's own
-//!   re-claim are never refused for being full.
+//!   dropping an in-flight record. It may drop a completed record before its TTL (a
+//!   retry of its key then runs again) only as its documented eviction policy allows:
+//!   the [`MemoryStore`] evicts records completed more than `minRetention` ago, of the
+//!   claiming tenant or of a tenant above its fair share, never one of a tenant within
+//!   its share for another tenant. Replays, waits and a claimant's own re-claim are
+//!   never refused for being full.
 //! - A claim sent again by the same claimant (same [`ClaimantId`], e.g. after a lost
 //!   reply) while it still holds the lease gets the same fence back.
 //! - A completed record answers claims with the same fingerprint with

@@ -4,7 +4,7 @@
 //! - **Sharded**: records live in [`SHARDS`] `HashMap`s, each behind its own
 //!   `std::sync::Mutex`, chosen by the scope digest. No lock is held across an `.await`
 //!   and no call takes two shard locks at once, so there is no global lock on the hot
-//!   path and no lock ordering to get wrong.
+//!   path. The only nesting: a tenant's completion queue, then one shard (eviction).
 //! - **Fences** come from one store-wide counter, so they grow for every scope across
 //!   release, takeover and expiry: a fence is never handed out twice. That is why a
 //!   release can simply remove the record: no tombstone is needed to keep fences growing.
@@ -25,10 +25,12 @@
 //! - **Clock**: `tokio::time::Instant`, so tests run on a paused clock.
 //!
 //! # Bounds
-//! A new record (a claim of a scope that has none) must fit every bound below, or the
-//! claim fails with [`StoreError::Full`] (retryable: the server layer answers
-//! RESOURCE_EXHAUSTED with a retry delay); the refusal is counted per bound in
-//! [`MemoryStoreStats`] and logged (the 1st, 2nd, 4th, 8th… refusal per bound).
+//! A new record (a claim of a scope that has none) must fit every bound below. If it
+//! does not, the claim first [evicts](#eviction) completed records older than
+//! `minRetention`; if none may go, it fails with [`StoreError::Full`] (retryable: the
+//! server layer answers RESOURCE_EXHAUSTED with a retry delay); the refusal is counted
+//! per bound in [`MemoryStoreStats`] and logged (the 1st, 2nd, 4th, 8th… refusal per
+//! bound).
 //!
 //! | bound | setting | default |
 //! |-------|---------|---------|
@@ -39,23 +41,49 @@
 //! | all bytes | `maxBytes` | 256 MiB |
 //!
 //! Bytes are stored responses plus [`RECORD_OVERHEAD_BYTES`] per record. A response
-//! that does not fit its tenant's or the store's bytes is recorded as
-//! [`StoredOutcome::NotRetained`] (the handler already ran: a duplicate gets a clear
-//! error, never a second run) and counted in `responses_dropped`.
+//! that does not fit its tenant's or the store's bytes (after evicting as a claim
+//! would) is recorded as [`StoredOutcome::NotRetained`] (the handler already ran: a
+//! duplicate gets a clear error, never a second run) and counted in
+//! `responses_dropped`.
 //!
-//! **Nothing is ever evicted.** Evicting a completed record before its TTL would let a
-//! retry of its key run a second time, and evicting an in-flight one would let a
-//! duplicate run while the first still runs. So a full store refuses new work instead
-//! of forgetting outcomes; forgetting them is the record TTL's job. Replays, waits on
-//! in-flight records and takeovers of expired leases add no record and are never
-//! refused. Because each tenant may use only a share of the store (a quarter by
-//! default), one tenant's load can neither remove another tenant's records nor use up
-//! the whole store. A server with a single tenant should raise `maxEntriesPerTenant`
-//! and `maxBytesPerTenant` to the store bounds.
+//! Replays, waits on in-flight records and takeovers of expired leases add no record
+//! and are never refused. Because each tenant may use only a share of the store (a
+//! quarter by default), one tenant's load cannot use up the whole store. A server with
+//! a single tenant should raise `maxEntriesPerTenant` and `maxBytesPerTenant` to the
+//! store bounds.
 //!
-//! Size `maxEntries` for (protected calls per second × record TTL), per tenant too.
+//! # Eviction
+//! The store is a cache of recent outcomes: a full store keeps working by forgetting its
+//! oldest outcomes, but never young ones. Every completed record is kept for at least
+//! `minRetention` (default 10 minutes, [`DEFAULT_MIN_RETENTION`]); after that, until
+//! its record TTL, it may be evicted (oldest completion first) to make room for a new
+//! record:
+//!
+//! - **At a tenant's own record or byte bound**: the tenant's own records only.
+//! - **At a store-wide bound**: a tenant holding less than its fair share of the store
+//!   (the bound divided by the tenants holding records) takes a record of a tenant
+//!   holding more than its share, never taking it below its share (and never evicts its
+//!   own: it is refused if no such record may go yet); a tenant holding its share or
+//!   more evicts its own records only. So one tenant's flood never costs a tenant
+//!   within its fair share a record; it costs the flooding tenant its own oldest ones.
+//! - **Never**: an in-flight record (a duplicate would run while the first still
+//!   runs), a record completed less than `minRetention` ago, or anything at a tenant's
+//!   in-flight bound. Then the claim is refused with [`StoreError::Full`].
+//!
+//! The trade-off: within `minRetention` a retry is always a replay; between
+//! `minRetention` and the record TTL it is a replay unless its tenant's share was full
+//! and the record was evicted (then the retry runs again). Each eviction is counted
+//! (`evicted_after_min_retention`) and logged (the 1st, 2nd, 4th, 8th…). To never
+//! evict, size `maxEntries` (and `maxEntriesPerTenant`, `maxBytes`) for protected calls
+//! per second × record TTL, or set `minRetention` to the record TTL.
+//!
+//! Cost: O(1) amortized, no scan. Each completion is queued, in completion order, in
+//! its tenant's queue and in its shard's; an entry whose record is gone or completed
+//! again is skipped when it comes up (the sweeper compacts queues that hold mostly such
+//! entries). A tenant's eviction looks at the front of its own queue; a store-wide one
+//! at the front of each shard's queue, dropping entries of tenants within their share.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
@@ -74,8 +102,9 @@ use crate::{
 /// # Defaults
 /// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `maxInFlightPerTenant`
 /// `maxEntries / 16`, `maxEntriesPerTenant` `maxEntries / 4`, `maxBytesPerTenant`
-/// `maxBytes / 4`, `sweepInterval` `"1s"`. A per-tenant bound above its store-wide
-/// bound is cut to it. See the [module docs](self) for what happens at each bound.
+/// `maxBytes / 4`, `sweepInterval` `"1s"`, `minRetention` `"600s"`
+/// ([`DEFAULT_MIN_RETENTION`]). A per-tenant bound above its store-wide bound is cut to
+/// it. See the [module docs](self) for what happens at each bound.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryStoreSettings {
     /// Most records kept, all tenants together.
@@ -91,6 +120,13 @@ pub struct MemoryStoreSettings {
     pub max_bytes_per_tenant: Option<usize>,
     /// How often expired records are swept.
     pub sweep_interval: Duration,
+    /// How long a completed record is kept for certain. At a bound, a new record may
+    /// take the place of a completed record older than this (oldest first: the
+    /// tenant's own, or at a store-wide bound one of a tenant above its fair share); see
+    /// the [module docs](self#eviction). Zero: any completed record may be evicted at a
+    /// bound. At or above every method's record TTL: nothing is ever evicted (records
+    /// expire first).
+    pub min_retention: Duration,
 }
 
 impl Default for MemoryStoreSettings {
@@ -102,9 +138,22 @@ impl Default for MemoryStoreSettings {
             max_entries_per_tenant: None,
             max_bytes_per_tenant: None,
             sweep_interval: Duration::from_secs(1),
+            min_retention: DEFAULT_MIN_RETENTION,
         }
     }
 }
+
+/// Default of [`MemoryStoreSettings::min_retention`]: 10 minutes.
+///
+/// Longer than any retry schedule a record is meant to answer: gRPC's own retries
+/// (at most 5 attempts; backoffs of seconds), a client library's or an application's
+/// retry loop with exponential backoff capped at a minute or a few, a message
+/// redelivered after a visibility timeout (30 s by default in the usual queues), a
+/// client restarted by its supervisor (a crash-loop backoff caps at 5 minutes). Short
+/// enough that the default bounds keep working: a tenant's default share of 25 000
+/// records holds 10 minutes of about 40 protected calls per second, so below that
+/// rate a tenant at its bound always has records it may evict.
+pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(600);
 
 impl MemoryStoreSettings {
     /// The in-flight records one tenant may hold, defaults applied.
@@ -132,6 +181,9 @@ impl MemoryStoreSettings {
 /// Number of shards.
 pub const SHARDS: usize = 64;
 
+/// Most records one claim or completion evicts to make room.
+const MAX_EVICTIONS_PER_CALL: usize = 16;
+
 /// Number of shards of the tenant map.
 const TENANT_SHARDS: usize = 16;
 
@@ -139,9 +191,10 @@ const TENANT_SHARDS: usize = 16;
 ///
 /// Measured (test `memory_per_record`, 100 000 records of 16-byte responses): a map slot
 /// is 145 bytes (scope 32 + entry 112 + 1 control byte) and the tables run about 76 %
-/// full, so 190 bytes per record amortized; the resident set grew by 223 bytes per
-/// record including the 16-byte response and its allocation header.
-pub const RECORD_OVERHEAD_BYTES: usize = 192;
+/// full, so 190 bytes per record amortized; the two completion queues add 2 × 48 bytes,
+/// 126 amortized (a `VecDeque` grows by doubling): 316 in all. The resident set grew by
+/// 332 bytes per record including the 16-byte response and its allocation header.
+pub const RECORD_OVERHEAD_BYTES: usize = 320;
 
 /// The scope is already a uniform digest: hash it by taking 8 of its bytes.
 #[derive(Default)]
@@ -163,12 +216,61 @@ impl Hasher for ScopeHasher {
 type Map = HashMap<Scope, Entry, BuildHasherDefault<ScopeHasher>>;
 type Tenants = HashMap<TenantId, Arc<Usage>, BuildHasherDefault<ScopeHasher>>;
 
+/// A completion, queued in completion order for eviction.
+///
+/// Queued once in its tenant's queue and once in its shard's; an entry whose record is
+/// gone or was completed again (another fence) is stale and skipped when it comes up.
+#[derive(Debug, Clone, Copy)]
+struct Done {
+    scope: Scope,
+    /// The fence of the run that completed: identifies this completion of the scope.
+    fence: Fence,
+    /// When it completed, in nanoseconds since the store's epoch.
+    at: u64,
+}
+
+type Queue = VecDeque<Done>;
+
+/// A queue with more stale entries than this (beyond twice its live ones) is compacted
+/// by the sweeper.
+const QUEUE_SLACK: usize = 64;
+
+/// One shard: its records and its completions in completion order (for evictions at
+/// the store-wide bounds).
+#[derive(Default)]
+struct Shard {
+    map: Map,
+    done: Queue,
+}
+
+impl std::ops::Deref for Shard {
+    type Target = Map;
+    fn deref(&self) -> &Map {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for Shard {
+    fn deref_mut(&mut self) -> &mut Map {
+        &mut self.map
+    }
+}
+
 /// What a tenant (or the whole store) holds.
 #[derive(Debug, Default)]
 struct Usage {
     in_flight: AtomicUsize,
     entries: AtomicUsize,
     bytes: AtomicUsize,
+    /// The tenant's completions, oldest first (unused for the store-wide usage).
+    done: Mutex<Queue>,
+}
+
+impl Usage {
+    fn done(&self) -> MutexGuard<'_, Queue> {
+        // Every mutation is a single push or pop: a poisoned queue is still consistent.
+        self.done.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// Adds `n` to `a` unless the sum would pass `max`.
@@ -283,6 +385,11 @@ impl Entry {
         }
     }
 
+    /// Whether this is the completion `d` queued.
+    fn is_completion(&self, d: &Done) -> bool {
+        matches!(self.state, State::Completed { fence, .. } if fence == d.fence)
+    }
+
     fn wake(&mut self) {
         if let State::InFlight {
             waiters: Some(n), ..
@@ -291,6 +398,11 @@ impl Entry {
             n.notify_waiters();
         }
     }
+}
+
+/// `d` in nanoseconds, saturated.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// `now + d`, saturating far in the future instead of overflowing.
@@ -331,6 +443,12 @@ pub struct MemoryStoreStats {
     pub rejected_store_bytes: u64,
     /// Responses recorded as not retained because they did not fit.
     pub responses_dropped: u64,
+    /// Completed records evicted before their TTL (but after `minRetention`) to make
+    /// room for a new record: a retry of one of their keys runs again.
+    pub evicted_after_min_retention: u64,
+    /// Of those, records evicted at a store-wide bound for another tenant's new record
+    /// (their tenant held more than its fair share of the store).
+    pub evicted_for_other_tenants: u64,
 }
 
 /// What one tenant holds in a [`MemoryStore`] ([`MemoryStore::tenant_usage`]).
@@ -345,15 +463,28 @@ pub struct TenantUsage {
 }
 
 struct Inner {
-    shards: Box<[Mutex<Map>]>,
+    shards: Box<[Mutex<Shard>]>,
     tenants: Box<[RwLock<Tenants>]>,
+    /// Entries of `tenants`.
+    tenant_count: AtomicUsize,
     settings: MemoryStoreSettings,
     limits: Limits,
+    /// Origin of [`Done::at`].
+    epoch: Instant,
+    /// `min_retention` in nanoseconds (saturated).
+    min_retention: u64,
     next_fence: AtomicU64,
     total: Usage,
     expirations: AtomicU64,
     rejections: [AtomicU64; Bound::ALL],
     responses_dropped: AtomicU64,
+    evictions: AtomicU64,
+    evictions_for_others: AtomicU64,
+    /// Queue entries looked at while making room (to check that eviction is O(1)
+    /// amortized).
+    queue_steps: AtomicU64,
+    /// The shard where the next search for another tenant's record starts.
+    cursor: AtomicUsize,
     sweeper_started: AtomicBool,
 }
 
@@ -390,7 +521,7 @@ impl Default for MemoryStore {
     }
 }
 
-fn lock(m: &Mutex<Map>) -> MutexGuard<'_, Map> {
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while holding a shard lock leaves a consistent map (every mutation is a
     // single insert/remove/assignment), so a poisoned lock is still usable.
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -400,7 +531,7 @@ impl MemoryStore {
     /// A store with these bounds. The sweeper starts on the current tokio runtime if
     /// there is one, else on the first call made from inside a runtime.
     pub fn new(settings: MemoryStoreSettings) -> Self {
-        let shards = (0..SHARDS).map(|_| Mutex::new(Map::default())).collect();
+        let shards = (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect();
         let tenants = (0..TENANT_SHARDS)
             .map(|_| RwLock::new(Tenants::default()))
             .collect();
@@ -408,13 +539,20 @@ impl MemoryStore {
             inner: Arc::new(Inner {
                 shards,
                 tenants,
+                tenant_count: AtomicUsize::new(0),
                 limits: Limits::of(&settings),
+                epoch: Instant::now(),
+                min_retention: nanos(settings.min_retention),
                 settings,
                 next_fence: AtomicU64::new(1),
                 total: Usage::default(),
                 expirations: AtomicU64::new(0),
                 rejections: Default::default(),
                 responses_dropped: AtomicU64::new(0),
+                evictions: AtomicU64::new(0),
+                evictions_for_others: AtomicU64::new(0),
+                queue_steps: AtomicU64::new(0),
+                cursor: AtomicUsize::new(0),
                 sweeper_started: AtomicBool::new(false),
             }),
         };
@@ -445,11 +583,7 @@ impl MemoryStore {
             entries: i.total.entries.load(Ordering::Relaxed),
             in_flight: i.total.in_flight.load(Ordering::Relaxed),
             bytes: i.total.bytes.load(Ordering::Relaxed),
-            tenants: i
-                .tenants
-                .iter()
-                .map(|t| t.read().unwrap_or_else(|p| p.into_inner()).len())
-                .sum(),
+            tenants: i.tenant_count.load(Ordering::Relaxed),
             expirations: i.expirations.load(Ordering::Relaxed),
             full_rejections: i.rejections.iter().map(|a| a.load(Ordering::Relaxed)).sum(),
             rejected_tenant_in_flight: r(Bound::TenantInFlight),
@@ -458,6 +592,8 @@ impl MemoryStore {
             rejected_store_entries: r(Bound::StoreEntries),
             rejected_store_bytes: r(Bound::StoreBytes),
             responses_dropped: i.responses_dropped.load(Ordering::Relaxed),
+            evicted_after_min_retention: i.evictions.load(Ordering::Relaxed),
+            evicted_for_other_tenants: i.evictions_for_others.load(Ordering::Relaxed),
         }
     }
 
@@ -504,7 +640,7 @@ impl MemoryStore {
 }
 
 impl Inner {
-    fn shard(&self, scope: &Scope) -> &Mutex<Map> {
+    fn shard(&self, scope: &Scope) -> &Mutex<Shard> {
         &self.shards[usize::from(scope.0[0]) % SHARDS]
     }
 
@@ -522,7 +658,10 @@ impl Inner {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .entry(*tenant)
-            .or_default()
+            .or_insert_with(|| {
+                self.tenant_count.fetch_add(1, Ordering::Relaxed);
+                Arc::default()
+            })
             .clone()
     }
 
@@ -554,16 +693,165 @@ impl Inner {
         Ok(())
     }
 
-    /// Charges `n` response bytes to `t` and the store, if they fit both.
-    fn admit_bytes(&self, t: &Usage, n: usize) -> bool {
+    /// Charges `n` response bytes to `t` and the store, or names the bound they do not
+    /// fit.
+    fn admit_bytes(&self, t: &Usage, n: usize) -> Result<(), Bound> {
         if !add_within(&t.bytes, n, self.limits.tenant_bytes) {
-            return false;
+            return Err(Bound::TenantBytes);
         }
         if !add_within(&self.total.bytes, n, self.limits.bytes) {
             sub(&t.bytes, n);
-            return false;
+            return Err(Bound::StoreBytes);
         }
-        true
+        Ok(())
+    }
+
+    // ---- eviction (see the module docs) --------------------------------------------------
+    //
+    // Lock order: a tenant's queue, then one shard. A shard lock is never held while
+    // taking a tenant's queue (complete queues the tenant's entry after unlocking).
+
+    /// `now` in nanoseconds since the epoch.
+    fn tick(&self, now: Instant) -> u64 {
+        nanos(now.saturating_duration_since(self.epoch))
+    }
+
+    /// Whether a record completed at tick `at` may be evicted at tick `now`.
+    fn old_enough(&self, at: u64, now: u64) -> bool {
+        at.saturating_add(self.min_retention) <= now
+    }
+
+    /// `bound`'s measure of `u`: its records or its bytes.
+    fn measure(u: &Usage, bound: Bound) -> usize {
+        match bound {
+            Bound::StoreEntries | Bound::TenantEntries | Bound::TenantInFlight => {
+                u.entries.load(Ordering::Acquire)
+            }
+            Bound::StoreBytes | Bound::TenantBytes => u.bytes.load(Ordering::Acquire),
+        }
+    }
+
+    /// A tenant's fair share of a store-wide bound: the bound divided among the tenants
+    /// that hold records or claims.
+    fn fair_share(&self, bound: Bound) -> usize {
+        self.limits.value(bound) / self.tenant_count.load(Ordering::Relaxed).max(1)
+    }
+
+    /// Evicts one completed record so that `t` can add `need` (one record, or `need`
+    /// bytes) under `bound`; false when no record may go. At its own bound a tenant
+    /// evicts its own records; at a store-wide bound a tenant below its fair share
+    /// evicts a record of a tenant above its share, and any other tenant its own.
+    fn make_room(&self, t: &Arc<Usage>, bound: Bound, need: usize, now: Instant) -> bool {
+        match bound {
+            Bound::TenantInFlight => false,
+            Bound::TenantEntries | Bound::TenantBytes => self.evict_own(t, bound, now),
+            Bound::StoreEntries | Bound::StoreBytes => {
+                let need = if bound == Bound::StoreEntries {
+                    1
+                } else {
+                    need
+                };
+                if Self::measure(t, bound).saturating_add(need) <= self.fair_share(bound) {
+                    self.evict_over_share(t, bound, now)
+                } else {
+                    self.evict_own(t, bound, now)
+                }
+            }
+        }
+    }
+
+    /// Evicts `t`'s oldest completed record if it completed `min_retention` ago or more.
+    fn evict_own(&self, t: &Usage, bound: Bound, now: Instant) -> bool {
+        let tick = self.tick(now);
+        let mut queue = t.done();
+        while let Some(d) = queue.front().copied() {
+            self.queue_steps.fetch_add(1, Ordering::Relaxed);
+            if !self.old_enough(d.at, tick) {
+                return false;
+            }
+            queue.pop_front();
+            let mut shard = lock(self.shard(&d.scope));
+            if shard.get(&d.scope).is_some_and(|e| e.is_completion(&d))
+                && let Some(e) = shard.remove(&d.scope)
+            {
+                drop(shard);
+                self.evicted(&e, bound, false, now);
+                return true;
+            }
+            // Stale: the record was released, expired or evicted already.
+        }
+        false
+    }
+
+    /// Evicts the oldest evictable record, shard by shard, of a tenant holding more than
+    /// its fair share of `bound` (keeping at least its share), or an expired record.
+    fn evict_over_share(&self, claimant: &Arc<Usage>, bound: Bound, now: Instant) -> bool {
+        let tick = self.tick(now);
+        let fair = self.fair_share(bound);
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        for i in 0..SHARDS {
+            let mut guard = lock(&self.shards[(start + i) % SHARDS]);
+            let shard = &mut *guard;
+            while let Some(d) = shard.done.front().copied() {
+                self.queue_steps.fetch_add(1, Ordering::Relaxed);
+                if !self.old_enough(d.at, tick) {
+                    break;
+                }
+                shard.done.pop_front();
+                let Some(e) = shard.map.get(&d.scope).filter(|e| e.is_completion(&d)) else {
+                    continue;
+                };
+                let over = !Arc::ptr_eq(&e.tenant, claimant) && {
+                    let cost = if bound == Bound::StoreEntries {
+                        1
+                    } else {
+                        e.bytes()
+                    };
+                    Self::measure(&e.tenant, bound) >= fair.saturating_add(cost)
+                };
+                if (over || Self::is_expired(e, now))
+                    && let Some(e) = shard.map.remove(&d.scope)
+                {
+                    drop(guard);
+                    self.evicted(&e, bound, true, now);
+                    return true;
+                }
+                // Its tenant holds no more than its share: from now on only its own
+                // tenant may evict this record (it stays in that tenant's queue).
+            }
+        }
+        false
+    }
+
+    /// Uncharges an evicted record, counts it and logs (the 1st, 2nd, 4th, 8th…).
+    fn evicted(&self, e: &Entry, bound: Bound, for_other: bool, now: Instant) {
+        self.forget(e);
+        if Self::is_expired(e, now) {
+            self.expirations.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if for_other {
+            self.evictions_for_others.fetch_add(1, Ordering::Relaxed);
+        }
+        let n = self.evictions.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(
+                evictions = n,
+                limit = self.limits.value(bound),
+                min_retention = ?self.settings.min_retention,
+                "idempotency memory store: {}; evicting completed records younger than \
+                 their record TTL (but older than minRetention) to make room: a retry of an \
+                 evicted key runs again. To keep every record for its TTL, size maxEntries \
+                 (and maxEntriesPerTenant, maxBytes) for protected calls per second × recordTtl",
+                bound.describe()
+            );
+        }
+    }
+
+    /// Queues a completion for eviction in its tenant's queue (the shard's was done
+    /// under the shard lock).
+    fn queue_for_tenant(&self, t: &Usage, d: Done) {
+        t.done().push_back(d);
     }
 
     /// Uncharges a removed entry.
@@ -585,8 +873,8 @@ impl Inner {
             tracing::warn!(
                 refusals = n,
                 limit,
-                "idempotency memory store: {}; new claims are refused until records complete, \
-                 are released or expire",
+                "idempotency memory store: {}; new claims are refused until records complete \
+                 (and are older than minRetention), are released or expire",
                 bound.describe()
             );
         }
@@ -599,7 +887,8 @@ impl Inner {
 
     fn sweep(&self, now: Instant) {
         for shard in self.shards.iter() {
-            let mut map = lock(shard);
+            let mut guard = lock(shard);
+            let Shard { map, done } = &mut *guard;
             map.retain(|_, e| {
                 if Self::is_expired(e, now) {
                     e.wake();
@@ -610,11 +899,41 @@ impl Inner {
                     true
                 }
             });
+            if done.len() > 2 * map.len() + QUEUE_SLACK {
+                done.retain(|d| map.get(&d.scope).is_some_and(|e| e.is_completion(d)));
+            }
         }
+        // Tenant queues with many stale entries (records that expired) are compacted.
+        // The usages are collected first: a queue is never locked under a tenant-map lock.
+        let usages: Vec<Arc<Usage>> = self
+            .tenants
+            .iter()
+            .flat_map(|t| {
+                let map = t.read().unwrap_or_else(|p| p.into_inner());
+                map.values().cloned().collect::<Vec<_>>()
+            })
+            .collect();
+        for u in &usages {
+            let mut queue = u.done();
+            if queue.len() > 2 * u.entries.load(Ordering::Relaxed) + QUEUE_SLACK {
+                queue.retain(|d| {
+                    lock(self.shard(&d.scope))
+                        .get(&d.scope)
+                        .is_some_and(|e| e.is_completion(d))
+                });
+            }
+        }
+        drop(usages);
         // Tenants whose usage nobody references (no record, no claim under way) go.
         for shard in self.tenants.iter() {
             let mut map = shard.write().unwrap_or_else(|p| p.into_inner());
-            map.retain(|_, u| Arc::strong_count(u) > 1);
+            map.retain(|_, u| {
+                let keep = Arc::strong_count(u) > 1;
+                if !keep {
+                    self.tenant_count.fetch_sub(1, Ordering::Relaxed);
+                }
+                keep
+            });
         }
     }
 
@@ -684,35 +1003,51 @@ impl Inner {
     }
 
     fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        let now = Instant::now();
-        let mut map = lock(self.shard(req.scope));
-        if let Some(e) = map.get_mut(req.scope) {
-            if !Self::is_expired(e, now) {
-                return Ok(self.claim_existing(e, &req, now));
+        let mut evictions = 0;
+        loop {
+            let now = Instant::now();
+            let mut map = lock(self.shard(req.scope));
+            if let Some(e) = map.get_mut(req.scope) {
+                if !Self::is_expired(e, now) {
+                    return Ok(self.claim_existing(e, &req, now));
+                }
+                if let Some(mut old) = map.remove(req.scope) {
+                    old.wake();
+                    self.forget(&old);
+                    self.expirations.fetch_add(1, Ordering::Relaxed);
+                }
             }
-            if let Some(mut old) = map.remove(req.scope) {
-                old.wake();
-                self.forget(&old);
-                self.expirations.fetch_add(1, Ordering::Relaxed);
+            let tenant = self.usage(req.tenant);
+            match self.admit(&tenant) {
+                Ok(()) => {
+                    let e = self.new_in_flight(&req, now, tenant);
+                    let fence = e.fence();
+                    map.insert(*req.scope, e);
+                    return Ok(Claim::Acquired {
+                        fence,
+                        takeover: false,
+                    });
+                }
+                Err(bound) => {
+                    // Evict without holding this shard (eviction locks other shards),
+                    // then look at the scope again: it may have changed meanwhile.
+                    drop(map);
+                    if evictions < MAX_EVICTIONS_PER_CALL
+                        && self.make_room(&tenant, bound, RECORD_OVERHEAD_BYTES, now)
+                    {
+                        evictions += 1;
+                        continue;
+                    }
+                    return Err(self.refuse(bound));
+                }
             }
         }
-        let tenant = self.usage(req.tenant);
-        if let Err(bound) = self.admit(&tenant) {
-            return Err(self.refuse(bound));
-        }
-        let e = self.new_in_flight(&req, now, tenant);
-        let fence = e.fence();
-        map.insert(*req.scope, e);
-        Ok(Claim::Acquired {
-            fence,
-            takeover: false,
-        })
     }
 
     /// Locks the shard of `scope` and checks that it holds an in-flight record with
     /// `fence`. A lease that ended does not matter (the fence stays current until
     /// someone takes over); an expired record counts as gone.
-    fn fenced(&self, scope: &Scope, fence: Fence) -> Result<MutexGuard<'_, Map>, StoreError> {
+    fn fenced(&self, scope: &Scope, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
         let now = Instant::now();
         let map = lock(self.shard(scope));
         match map.get(scope).filter(|e| !Self::is_expired(e, now)) {
@@ -743,24 +1078,45 @@ impl Inner {
         outcome: StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        let n = outcome.len();
+        // A response that could never fit evicts nothing.
+        let may_evict = n + RECORD_OVERHEAD_BYTES <= self.limits.tenant_bytes;
+        let mut evictions = 0;
+        let (mut map, outcome) = loop {
+            let map = self.fenced(scope, fence)?;
+            let Some(e) = map.get(scope) else {
+                unreachable!("checked by fenced")
+            };
+            let bound = match n {
+                0 => break (map, outcome),
+                _ => match self.admit_bytes(&e.tenant, n) {
+                    Ok(()) => break (map, outcome),
+                    Err(bound) => bound,
+                },
+            };
+            let tenant = e.tenant.clone();
+            drop(map);
+            if !(may_evict
+                && evictions < MAX_EVICTIONS_PER_CALL
+                && self.make_room(&tenant, bound, n, Instant::now()))
+            {
+                self.responses_dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    bytes = n,
+                    "idempotency memory store: response does not fit its tenant's or the \
+                     store's byte bound; recorded as not retained"
+                );
+                break (self.fenced(scope, fence)?, StoredOutcome::NotRetained);
+            }
+            evictions += 1;
+        };
         let now = Instant::now();
-        let mut map = self.fenced(scope, fence)?;
-        let Some(e) = map.get_mut(scope) else {
+        let Shard { map: records, done } = &mut *map;
+        let Some(e) = records.get_mut(scope) else {
             unreachable!("checked by fenced")
         };
         let State::InFlight { fingerprint, .. } = e.state else {
             unreachable!("checked by fenced")
-        };
-        let outcome = if outcome.is_empty() || self.admit_bytes(&e.tenant, outcome.len()) {
-            outcome
-        } else {
-            self.responses_dropped.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                bytes = outcome.len(),
-                "idempotency memory store: response does not fit its tenant's or the store's \
-                 byte bound; recorded as not retained"
-            );
-            StoredOutcome::NotRetained
         };
         e.wake();
         e.state = State::Completed {
@@ -771,6 +1127,15 @@ impl Inner {
         e.expires_at = later(now, ttl);
         sub(&e.tenant.in_flight, 1);
         sub(&self.total.in_flight, 1);
+        let d = Done {
+            scope: *scope,
+            fence,
+            at: self.tick(now),
+        };
+        done.push_back(d);
+        let tenant = e.tenant.clone();
+        drop(map);
+        self.queue_for_tenant(&tenant, d);
         Ok(())
     }
 

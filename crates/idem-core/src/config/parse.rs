@@ -76,6 +76,7 @@ const MEMORY_FIELDS: &[&str] = &[
     "maxEntriesPerTenant",
     "maxBytesPerTenant",
     "sweepInterval",
+    "minRetention",
     "tombstoneTtl",
 ];
 const REDIS_FIELDS: &[&str] = &[
@@ -1244,6 +1245,10 @@ impl Validator {
                 );
             }
             m.sweep_interval = d;
+        }
+        // Zero: any completed record may be evicted at a bound.
+        if let Some(d) = self.duration_field(&o, "minRetention", Zero::Allowed) {
+            m.min_retention = d;
         }
         if o.get("tombstoneTtl").is_some() {
             self.warn(

@@ -1611,7 +1611,8 @@ fn idem_tenant() {
 fn idem_memory_store() {
     let (s, _) = settings(
         json!({"memoryStore": {"maxEntries": 10, "maxBytes": 4096, "maxInFlightPerTenant": 2,
-               "maxEntriesPerTenant": 5, "maxBytesPerTenant": 2048, "sweepInterval": "0.5s"}}),
+               "maxEntriesPerTenant": 5, "maxBytesPerTenant": 2048, "sweepInterval": "0.5s",
+               "minRetention": "90s"}}),
     )
     .unwrap();
     assert_eq!(
@@ -1623,8 +1624,18 @@ fn idem_memory_store() {
             max_entries_per_tenant: Some(5),
             max_bytes_per_tenant: Some(2048),
             sweep_interval: Duration::from_millis(500),
+            min_retention: Duration::from_secs(90),
         }
     );
+    // minRetention: 10 minutes by default; zero (evict any completed record at a
+    // bound) is allowed.
+    let (s, _) = settings(json!({"memoryStore": {}})).unwrap();
+    assert_eq!(s.memory_store.min_retention, Duration::from_secs(600));
+    let (s, w) = settings(json!({"memoryStore": {"minRetention": "0s"}})).unwrap();
+    assert!(w.is_empty(), "{w:?}");
+    assert_eq!(s.memory_store.min_retention, Duration::ZERO);
+    let (s, _) = settings(json!({"memoryStore": {"minRetention": "86400s"}})).unwrap();
+    assert_eq!(s.memory_store.min_retention, Duration::from_secs(86_400));
     // Absent per-tenant bounds are a share of the store-wide ones.
     let (s, w) = settings(json!({"memoryStore": {"maxEntries": 1600, "maxBytes": 4096}})).unwrap();
     assert!(w.is_empty(), "{w:?}");
@@ -1688,6 +1699,14 @@ fn idem_memory_store() {
             json!({"maxBytes": 281_474_976_710_657_u64}),
             "idem.memoryStore.maxBytes: must be at most 281474976710656 (the address space \
              of this machine's processes): a bound no process can reach bounds nothing",
+        ),
+        (
+            json!({"minRetention": "-1s"}),
+            "idem.memoryStore.minRetention: must be a proto3 JSON duration such as \"1.5s\": must not have a sign",
+        ),
+        (
+            json!({"minRetention": 600}),
+            "idem.memoryStore.minRetention: must be a duration string such as \"1.5s\", not a number",
         ),
     ];
     for (value, message) in bad {
@@ -1901,6 +1920,7 @@ const KEYS: &[&str] = &[
     "redis",
     "url",
     "memoryStore",
+    "minRetention",
     "client",
     "maxRequestMessageBytes",
     "maxRequestBytes",
