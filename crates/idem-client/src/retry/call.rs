@@ -53,7 +53,10 @@ pub(super) enum AttemptBody {
 impl AttemptBody {
     /// Reads what the caller has ready, without waiting for more. `Err` with the status
     /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
-    pub(super) async fn read(mut source: tonic::body::Body, call: &Call) -> Result<Self, tonic::Status> {
+    pub(super) async fn read(
+        mut source: tonic::body::Body,
+        call: &Call,
+    ) -> Result<Self, tonic::Status> {
         let mut lease = Lease::new(call.cx.shared.budget.clone());
         let mut check = call
             .cx

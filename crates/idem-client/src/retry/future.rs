@@ -19,8 +19,8 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::call::{self, Call};
-use super::hedge;
 use super::context::{Attempt, CallContext};
+use super::hedge;
 use super::outcome::{CallOutcome, CallReport};
 use super::peek::Resp;
 use crate::BoxError;
