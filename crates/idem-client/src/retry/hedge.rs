@@ -334,3 +334,104 @@ where
     }
     call.cx.finish(attempt, report)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use http_body::Frame;
+    use idem_core::ServiceConfig;
+    use tonic::body::Body;
+    use tower::{Layer, Service, ServiceExt};
+
+    use crate::BoxError;
+    use crate::retry::{CallOutcome, CallReport, RetryLayer};
+
+    const PATH: &str = "/shop.v1.Orders/CreateOrder";
+
+    fn layer() -> RetryLayer {
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
+                "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.01s",
+                                  "nonFatalStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap();
+        RetryLayer::from_config(&config)
+    }
+
+    /// Answers every request UNAVAILABLE (a non-fatal code), counting them.
+    fn unavailable(
+        calls: Arc<AtomicU32>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(move |_: http::Request<Body>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, BoxError>(tonic::Status::unavailable("busy").into_http()) }
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_still_streaming_is_sent_once_not_hedged() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let layer = layer();
+        let mut svc = layer.layer(unavailable(calls.clone()));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<bytes::Bytes>, BoxError>>(4);
+        tx.send(Ok(Frame::data(bytes::Bytes::from_static(
+            b"\0\0\0\0\x02hi",
+        ))))
+        .await
+        .unwrap();
+        let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let req = http::Request::builder()
+            .uri(format!("http://test{PATH}"))
+            .body(Body::new(body))
+            .unwrap();
+        let resp = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req)
+            .await
+            .unwrap();
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::NotHedged);
+        assert_eq!((report.attempts, report.hedges()), (1, None));
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hedges_count_as_attempts_and_retries_in_the_stats() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let layer = layer();
+        let mut svc = layer.layer(unavailable(calls.clone()));
+        let req = http::Request::builder()
+            .uri(format!("http://test{PATH}"))
+            .body(Body::new(http_body_util::Full::new(
+                bytes::Bytes::from_static(b"\0\0\0\0\x02hi"),
+            )))
+            .unwrap();
+        let resp = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req)
+            .await
+            .unwrap();
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::AttemptsExhausted);
+        assert_eq!(report.hedges(), Some(3));
+        let stats = layer.stats().snapshot();
+        assert_eq!((stats.calls, stats.attempts, stats.retries), (1, 3, 2));
+        assert_eq!(stats.outcome(CallOutcome::AttemptsExhausted), 1);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+}

@@ -602,6 +602,58 @@ mod tests {
     }
 
     #[test]
+    fn a_hedged_report_survives_tonic_status_metadata() {
+        let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
+        let mut report = CallReport::hedged(CallOutcome::AttemptsExhausted);
+        for _ in 0..3 {
+            report.sent();
+        }
+        report.next_after(0, Duration::from_millis(50));
+        report.ended(
+            1,
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(2),
+        );
+        report.next_after(1, Duration::from_millis(2));
+        report.ended(
+            0,
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(60),
+        );
+        report.ended(
+            2,
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(5),
+        );
+        report.last_code = Some(Code::Unavailable);
+        report.write_headers(resp.headers_mut());
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        let back = CallReport::from_status(&status).unwrap();
+        assert_eq!(back, report);
+        assert_eq!((back.hedges(), back.winner()), (Some(3), None));
+        assert_eq!(
+            back.to_string(),
+            "gave up: attempts exhausted after 3 hedges: UNAVAILABLE in 60ms, next hedge after \
+             50ms; UNAVAILABLE in 2ms, next hedge after 2ms; UNAVAILABLE in 5ms"
+        );
+        let mut won = CallReport::hedged(CallOutcome::Committed);
+        won.sent();
+        won.sent();
+        won.ended(0, AttemptEnd::Cancelled, Duration::from_millis(9));
+        won.ended(1, AttemptEnd::Committed, Duration::from_millis(1));
+        won.won(1);
+        let mut headers = http::HeaderMap::new();
+        won.write_headers(&mut headers);
+        let md = tonic::metadata::MetadataMap::from_headers(headers);
+        let status = tonic::Status::with_metadata(Code::Unknown, "", md);
+        let back = CallReport::from_status(&status).unwrap();
+        assert_eq!((back.hedges(), back.winner()), (Some(2), Some(1)));
+        assert_eq!(back.history().next().unwrap().end, AttemptEnd::Cancelled);
+        // A report that is not hedged says so.
+        assert_eq!(CallReport::new(CallOutcome::Ok).hedges(), None);
+    }
+
+    #[test]
     fn bare_attempt_counts_still_parse() {
         let mut h = http::HeaderMap::new();
         h.insert(RETRY_OUTCOME, "deadline".parse().unwrap());
