@@ -43,8 +43,9 @@
 //!
 //! # What it does
 //! - **Which calls retry**: the method's config entry (exact `service/method`, else
-//!   `service`, else the default entry) decides; a method without a `retryPolicy` is
-//!   passed through once, without buffering (unless it has `waitForReady`). Unary,
+//!   `service`, else the default entry) decides; a method with a `hedgingPolicy` is
+//!   hedged instead ([Hedging](#hedging)); a method with neither is passed through once,
+//!   without buffering (unless it has `waitForReady`). Unary,
 //!   server-streaming, client-streaming and bidi methods alike.
 //! - **What is retried**: Trailers-Only responses (`grpc-status` among the headers) with a
 //!   code in `retryableStatusCodes`, and transport errors (connection refused: the channel
@@ -120,6 +121,68 @@
 //!   sends them as never-indexed literals: a key never repeats across calls, and
 //!   indexing each one would churn both ends' dynamic tables (measured in BENCHMARKS.md:
 //!   about 2 % of a call's CPU).
+//!
+//! # Hedging
+//! A method whose config entry has a `hedgingPolicy` (instead of a `retryPolicy`) is
+//! *hedged*, as gRFC A6 says:
+//! - the request goes out at once; while no hedge has answered, it goes out again every
+//!   `hedgingDelay` (all at once for `0s`), up to `maxAttempts` hedges in all (clamped
+//!   to 5); each carries `grpc-previous-rpc-attempts` (its index), `grpc-timeout` (the
+//!   time left) and a copy of the buffered request;
+//! - the first hedge whose response has real headers (the call commits; not
+//!   Trailers-Only) or ends OK wins: the caller gets it, and the others are cancelled
+//!   (their futures and bodies dropped, which resets their streams);
+//! - a fatal status (not in `nonFatalStatusCodes`) ends the call with it and cancels the
+//!   others ([`CallOutcome::NonRetryableCode`]); a non-fatal one sends the next hedge at
+//!   once, and the one after `hedgingDelay` later;
+//! - server pushback on a hedge: `grpc-retry-pushback-ms` ≥ 0 sends the next hedge that
+//!   long after (`RetryInfo` is a minimum, as for retries); negative, unparseable or
+//!   repeated sends no more hedges, while those already out go on
+//!   ([`CallOutcome::PushbackStop`] if they fail too);
+//! - throttling: each non-fatal failure (and each pushback that says stop) takes a token,
+//!   the winner gives `tokenRatio` back, as retries do; the first request always goes
+//!   out, every later hedge only while the bucket is above half
+//!   ([`CallOutcome::Throttled`]);
+//! - the call's deadline bounds every hedge: none starts past it (or with less than
+//!   `minAttemptTime` left), and at the deadline the call ends with DEADLINE_EXCEEDED
+//!   whatever is still running;
+//! - when every hedge failed and no more may go out, the caller gets the last one's
+//!   status ([`CallOutcome::AttemptsExhausted`] after `maxAttempts` hedges).
+//!
+//! **One key on every hedge.** The key is placed once per call, before the first hedge,
+//! so every hedge of a protected method carries the same `x-idempotency-key`: on an idem
+//! server the first hedge to reach the layer claims the key and runs the handler; the
+//! others wait for that execution and get its response (the default in-flight policy,
+//! `WAIT`), so a hedged write still takes effect once.
+//!
+//! **When hedging pays.** Because the duplicates wait for the one execution, hedging a
+//! protected method cuts the latency that comes *before* an instance claims the key: a
+//! slow *instance* (requests queueing on a busy one, a GC pause or a noisy neighbour that
+//! stalls it, a slow connection). It does nothing for a slow *handler*: once an instance
+//! runs it, every hedge waits for that same run. Choose `hedgingDelay` near the latency
+//! most calls meet (the p95, say): a call slower than it costs one more request. With the
+//! `ABORT` in-flight policy a duplicate is refused with ABORTED: list ABORTED among
+//! `nonFatalStatusCodes`, or that refusal ends the call.
+//!
+//! The [`CallReport`] of a hedged call says how many hedges went out
+//! ([`CallReport::hedges`]) and which won ([`CallReport::winner`]); its history lists
+//! the hedges in the order they went out, those still running when the call ended as
+//! [`AttemptEnd::Cancelled`], each with the delay before the next one.
+//!
+//! Limits:
+//! - Only requests complete when the call starts are hedged (every unary and
+//!   server-streaming call); a client-streaming or bidi request the caller is still
+//!   producing is sent once, as a call without a policy ([`CallOutcome::NotHedged`]).
+//! - `waitForReady` does not apply to hedged calls: a hedge the channel cannot send fails
+//!   as UNAVAILABLE (a non-fatal code if listed, and the next hedge goes out).
+//! - Hedges go through the same inner service: A6 asks that they reach distinct backends
+//!   "if possible". Under a tonic `Channel::balance_list`, tower's power-of-two-choices
+//!   balancer prefers the endpoint with fewer requests in flight, which is rarely the one
+//!   holding the slow hedge, but it is not excluded.
+//! - grpc-go does not hedge. grpc-java, in the version read, moves the next hedge only
+//!   when a failed hedge carries a pushback (and then sends it at once); idem follows
+//!   A6's text: a non-fatal status sends the next hedge at once, a pushback of *n* ms
+//!   *n* ms later.
 //!
 //! # Reading the outcome
 //! Every call ends with a [`CallReport`]: the [`CallOutcome`] (why it stopped), the number

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderValue;
 use http::request::Parts;
-use idem_core::config::RetryPolicy;
+use idem_core::config::{HedgingPolicy, RetryPolicy};
 use idem_core::deadline::{earliest, encode_grpc_timeout};
 use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use tokio::time::Instant;
@@ -35,11 +35,13 @@ pub(crate) struct Call {
     pub(crate) settings: Arc<Settings>,
     /// `None`: one attempt (a method without a retry policy, here for `waitForReady`).
     pub(crate) policy: Option<RetryPolicy>,
+    /// `Some`: the call is hedged ([`hedge::run`](super::hedge::run)), not retried.
+    pub(crate) hedging: Option<HedgingPolicy>,
     pub(crate) wait_for_ready: bool,
 }
 
 /// The request body each attempt sends.
-enum AttemptBody {
+pub(super) enum AttemptBody {
     /// Complete before the first attempt (every unary call): each attempt gets a copy;
     /// its bytes stay in the budget until the call ends.
     Replay { replay: body::Replay, _lease: Lease },
@@ -51,7 +53,10 @@ enum AttemptBody {
 impl AttemptBody {
     /// Reads what the caller has ready, without waiting for more. `Err` with the status
     /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
-    async fn read(mut source: tonic::body::Body, call: &Call) -> Result<Self, tonic::Status> {
+    pub(super) async fn read(
+        mut source: tonic::body::Body,
+        call: &Call,
+    ) -> Result<Self, tonic::Status> {
         let mut lease = Lease::new(call.cx.shared.budget.clone());
         let mut check = call
             .cx
@@ -86,7 +91,7 @@ impl AttemptBody {
         })
     }
 
-    fn next(&self) -> tonic::body::Body {
+    pub(super) fn next(&self) -> tonic::body::Body {
         match self {
             AttemptBody::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
             AttemptBody::Stream(stream) => tonic::body::Body::new(stream.body()),
@@ -94,7 +99,7 @@ impl AttemptBody {
     }
 
     /// The attempt got response headers: the call is committed.
-    fn commit(&self) {
+    pub(super) fn commit(&self) {
         if let AttemptBody::Stream(stream) = self {
             stream.commit();
         }
@@ -117,7 +122,7 @@ impl AttemptBody {
 
     /// Set when the request was not kept for replay: the outcome if a retry would
     /// otherwise be made.
-    fn sent_once(&self) -> Option<CallOutcome> {
+    pub(super) fn sent_once(&self) -> Option<CallOutcome> {
         let AttemptBody::Stream(stream) = self else {
             return None;
         };
@@ -148,7 +153,7 @@ struct ReadyWait {
 impl Call {
     /// The request of attempt number `attempts` (1-based): `grpc-previous-rpc-attempts`
     /// on retries, `grpc-timeout` rewritten to the time left.
-    fn request(
+    pub(super) fn request(
         &self,
         parts: &Parts,
         body: tonic::body::Body,
@@ -170,7 +175,7 @@ impl Call {
 
     /// Awaits one attempt's response headers (and, with `peek`, its first body frame),
     /// cut short by the deadline or the receive timeout.
-    async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
+    pub(super) async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
     where
         F: Future<Output = Result<http::Response<RB>, E>>,
         RB: http_body::Body<Data = Bytes> + Send + 'static,

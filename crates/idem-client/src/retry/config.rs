@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use http::HeaderName;
 use idem_core::ServiceConfig;
-use idem_core::config::{ClientSettings, IdemSettings, MethodConfig, RetryPolicy};
+use idem_core::config::{ClientSettings, HedgingPolicy, IdemSettings, MethodConfig, RetryPolicy};
 use idem_core::deadline::InboundScope;
 
 use super::backoff::Jitter;
@@ -42,6 +42,8 @@ pub(crate) enum PolicySource {
 #[derive(Debug, Clone)]
 pub(crate) struct CallPolicy {
     pub(crate) retry: Option<RetryPolicy>,
+    /// `hedgingPolicy` (never with `retry`: the config refuses both on one entry).
+    pub(crate) hedging: Option<HedgingPolicy>,
     pub(crate) timeout: Option<Duration>,
     pub(crate) add_key: bool,
     /// `waitForReady`: a channel that cannot connect is waited for.
@@ -61,6 +63,7 @@ impl CallPolicy {
     fn of(entry: Option<&MethodConfig>, add_key: bool) -> Self {
         CallPolicy {
             retry: entry.and_then(|mc| mc.retry_policy().cloned()),
+            hedging: entry.and_then(|mc| mc.hedging_policy().cloned()),
             timeout: entry.and_then(MethodConfig::timeout),
             add_key: add_key || entry.is_some_and(|mc| mc.idempotency().is_some()),
             wait_for_ready: entry.and_then(MethodConfig::wait_for_ready) == Some(true),
@@ -174,6 +177,7 @@ impl Settings {
         {
             // The caller upstream retries already: one attempt here.
             policy.retry = None;
+            policy.hedging = None;
         }
         policy
     }

@@ -20,6 +20,7 @@ use tracing::Instrument;
 
 use super::call::{self, Call};
 use super::context::{Attempt, CallContext};
+use super::hedge;
 use super::outcome::{CallOutcome, CallReport};
 use super::peek::Resp;
 use crate::BoxError;
@@ -118,10 +119,13 @@ impl<F, E> ResponseFuture<F, E> {
         RB: http_body::Body<Data = Bytes> + Send + 'static,
         RB::Error: Into<BoxError>,
     {
+        // Dispatch: a method with a hedging policy races hedges instead of retrying.
+        let fut: BoxFuture<_> = match call.hedging.clone() {
+            Some(policy) => Box::pin(hedge::run(svc, parts, body, call, policy).instrument(span)),
+            None => Box::pin(call::run(svc, parts, body, call).instrument(span)),
+        };
         ResponseFuture {
-            kind: Kind::Retrying {
-                fut: Box::pin(call::run(svc, parts, body, call).instrument(span)),
-            },
+            kind: Kind::Retrying { fut },
         }
     }
 }

@@ -9,6 +9,8 @@ mod config;
 mod context;
 mod deadline;
 pub mod future;
+mod hedge;
+mod hedge_policy;
 mod layer;
 mod limit;
 pub mod outcome;

@@ -62,14 +62,20 @@ call_outcomes! {
     Committed => "committed", "committed";
     /// The method has no retry policy: one attempt, passed through.
     NoRetryPolicy => "no_retry_policy", "passed through (no retry policy)";
-    /// The status (or transport error) is not in `retryableStatusCodes`.
+    /// The status (or transport error) is not in `retryableStatusCodes`; for a hedged
+    /// call, a hedge ended with a fatal status (not in `nonFatalStatusCodes`) and the
+    /// others were cancelled.
     NonRetryableCode => "non_retryable_code", "stopped on a non-retryable status";
-    /// `maxAttempts` attempts were made, the last one failed with a retryable code.
+    /// `maxAttempts` attempts were made, the last one failed with a retryable code; for a
+    /// hedged call, `maxAttempts` hedges went out and every one failed with a non-fatal
+    /// code.
     AttemptsExhausted => "attempts_exhausted", "gave up: attempts exhausted";
-    /// The A6 throttle refused the retry.
+    /// The A6 throttle refused the retry (or, hedging, the next hedge; the call ended
+    /// when the hedges already sent had failed).
     Throttled => "throttled", "gave up: retries throttled";
     /// The server said not to retry (`grpc-retry-pushback-ms` negative, unparseable or
-    /// repeated), or asked for a wait longer than the layer's maximum retry delay.
+    /// repeated), or asked for a wait longer than the layer's maximum retry delay; for a
+    /// hedged call, no hedge was sent after that answer and the others failed too.
     PushbackStop => "pushback_stop", "stopped: the server said not to retry now";
     /// The call's deadline passed, or the next retry could not have started (with at least
     /// the minimum attempt time left) before it.
@@ -90,6 +96,10 @@ call_outcomes! {
     /// [`wait_for_ready_limit`](crate::RetryLayerBuilder::wait_for_ready_limit) (calls
     /// without a deadline; with one, the call ends as [`Deadline`](Self::Deadline)).
     NotReady => "not_ready", "gave up: the channel did not become ready (waitForReady)";
+    /// The method has a `hedgingPolicy`, but the caller was still producing its request
+    /// stream when the call started: hedging sends only requests that are whole at the
+    /// start, so this one was sent once, as a call without a policy.
+    NotHedged => "not_hedged", "sent once: the request was still streaming (hedging needs it whole)";
 }
 
 impl CallOutcome {
@@ -161,6 +171,8 @@ pub enum AttemptEnd {
     RecvTimeout,
     /// The call's deadline passed during the attempt.
     Deadline,
+    /// Hedging: cancelled by the layer, because another hedge won or ended the call.
+    Cancelled,
 }
 
 impl AttemptEnd {
@@ -177,6 +189,7 @@ impl AttemptEnd {
             AttemptEnd::TransportError => "t".to_owned(),
             AttemptEnd::RecvTimeout => "r".to_owned(),
             AttemptEnd::Deadline => "d".to_owned(),
+            AttemptEnd::Cancelled => "x".to_owned(),
         }
     }
 
@@ -186,6 +199,7 @@ impl AttemptEnd {
             "t" => AttemptEnd::TransportError,
             "r" => AttemptEnd::RecvTimeout,
             "d" => AttemptEnd::Deadline,
+            "x" => AttemptEnd::Cancelled,
             n => AttemptEnd::Status(idem_core::code::code_from_i64(n.parse().ok()?)?),
         })
     }
@@ -201,6 +215,7 @@ impl fmt::Display for AttemptEnd {
                 f.write_str("no response headers within perAttemptRecvTimeout")
             }
             AttemptEnd::Deadline => f.write_str("deadline passed"),
+            AttemptEnd::Cancelled => f.write_str("cancelled"),
         }
     }
 }
@@ -212,7 +227,9 @@ pub struct AttemptRecord {
     pub end: AttemptEnd,
     /// From sending the request to response headers (or the failure).
     pub took: Duration,
-    /// The wait before the next attempt; `None` for the last one.
+    /// The wait before the next attempt; `None` for the last one. For a hedge: from its
+    /// start to the next hedge's (`hedgingDelay`, cut short by a non-fatal status or
+    /// lengthened by a server pushback).
     pub wait_after: Option<Duration>,
 }
 
@@ -226,11 +243,19 @@ const HISTORY: usize = MAX_ATTEMPTS_LIMIT as usize;
 /// Its `Display` reads as a sentence: `gave up: attempts exhausted after 3 attempts:
 /// UNAVAILABLE in 12ms, then waited 20ms; transport error in 3ms, then waited 40ms;
 /// UNAVAILABLE in 5ms`.
+///
+/// A hedged call (a method with a `hedgingPolicy`) reports its hedges:
+/// [`hedges`](Self::hedges) says how many went out, [`winner`](Self::winner) which one
+/// answered, and [`history`](Self::history) lists them in the order they were sent, the
+/// ones still running when the call ended as [`AttemptEnd::Cancelled`]: `committed after
+/// 2 hedges, won by hedge 1: cancelled in 52ms, next hedge after 50ms; response headers
+/// in 2ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallReport {
     /// Why the call stopped.
     pub outcome: CallOutcome,
-    /// Attempts made, including the first (0 when the deadline had passed before any).
+    /// Attempts made, including the first (0 when the deadline had passed before any);
+    /// for a hedged call, the hedges sent.
     pub attempts: u32,
     /// The status code the caller gets when the call ended without committing: the last
     /// attempt's Trailers-Only code, or the code the layer made up (DEADLINE_EXCEEDED,
@@ -238,6 +263,14 @@ pub struct CallReport {
     /// responses.
     pub last_code: Option<Code>,
     history: [Option<AttemptRecord>; HISTORY],
+    hedge: Option<HedgeReport>,
+}
+
+/// What a hedged call adds to its report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct HedgeReport {
+    /// The index (in `history`) of the hedge whose response the caller got.
+    winner: Option<u32>,
 }
 
 impl CallReport {
@@ -248,6 +281,65 @@ impl CallReport {
             attempts: 0,
             last_code: None,
             history: [None; HISTORY],
+            hedge: None,
+        }
+    }
+
+    /// A report for a hedged call, with no hedges recorded yet.
+    pub(crate) fn hedged(outcome: CallOutcome) -> Self {
+        CallReport {
+            hedge: Some(HedgeReport { winner: None }),
+            ..CallReport::new(outcome)
+        }
+    }
+
+    /// For a hedged call, how many hedges went out (the first request included); `None`
+    /// for a call that was not hedged.
+    pub fn hedges(&self) -> Option<u32> {
+        self.hedge.map(|_| self.attempts)
+    }
+
+    /// For a hedged call that succeeded (committed, or a Trailers-Only OK), which hedge
+    /// won: its index in [`history`](Self::history), the value of
+    /// `grpc-previous-rpc-attempts` it carried (0 for the first request). `None` for a
+    /// failed call and a call that was not hedged.
+    pub fn winner(&self) -> Option<u32> {
+        self.hedge.and_then(|h| h.winner)
+    }
+
+    /// Hedging: records that hedge `index` answered the caller with a success.
+    pub(crate) fn won(&mut self, index: u32) {
+        if let Some(h) = self.hedge.as_mut() {
+            h.winner = Some(index);
+        }
+    }
+
+    /// Hedging: one more hedge was sent (its end is recorded when it comes).
+    pub(crate) fn sent(&mut self) {
+        self.attempts = self.attempts.saturating_add(1);
+    }
+
+    /// Hedging: hedge `index` ended as `end` after `took`.
+    pub(crate) fn ended(&mut self, index: u32, end: AttemptEnd, took: Duration) {
+        if let Some(slot) = self.history.get_mut(index as usize) {
+            let wait_after = slot.and_then(|r| r.wait_after);
+            *slot = Some(AttemptRecord {
+                end,
+                took,
+                wait_after,
+            });
+        }
+    }
+
+    /// Hedging: the next hedge went out `after` the start of hedge `index`.
+    pub(crate) fn next_after(&mut self, index: u32, after: Duration) {
+        if let Some(slot) = self.history.get_mut(index as usize) {
+            let r = slot.get_or_insert(AttemptRecord {
+                end: AttemptEnd::Cancelled,
+                took: Duration::ZERO,
+                wait_after: None,
+            });
+            r.wait_after = Some(after);
         }
     }
 
@@ -291,12 +383,33 @@ impl CallReport {
         let mut fields = md.get(RETRY_ATTEMPTS.as_str())?.to_str().ok()?.split(' ');
         let mut report = CallReport::new(outcome);
         let attempts: u32 = fields.next()?.parse().ok()?;
-        for record in fields.next().into_iter().flat_map(|h| h.split(',')) {
+        let (mut history, mut hedge) = (None, None);
+        for field in fields {
+            match field.strip_prefix('h') {
+                Some(winner) => hedge = Some(winner),
+                None => history = Some(field),
+            }
+        }
+        if let Some(winner) = hedge {
+            report.hedge = Some(HedgeReport {
+                winner: winner.parse().ok(),
+            });
+        }
+        for record in history.into_iter().flat_map(|h| h.split(',')) {
             let (end, rest) = record.split_once(':')?;
             let (took, wait) = match rest.split_once('+') {
                 Some((t, w)) => (t, Some(w)),
                 None => (rest, None),
             };
+            if report.hedge.is_some() {
+                // Hedges are recorded by index, not one after the other.
+                let index = u32::try_from(report.history().count()).ok()?;
+                report.ended(index, AttemptEnd::from_token(end)?, micros(took)?);
+                if let Some(w) = wait {
+                    report.next_after(index, micros(w)?);
+                }
+                continue;
+            }
             report.record(AttemptEnd::from_token(end)?, micros(took)?);
             if let Some(w) = wait {
                 report.waited(micros(w)?);
@@ -321,7 +434,8 @@ impl CallReport {
 
     /// Writes the local report headers: the outcome, and the attempts with their
     /// history (`3 14:12000+20000,t:3000+40000,14:5000`: code or kind, µs taken, µs
-    /// waited).
+    /// waited), then for a hedged call `h` and the winner's index (`h1`; `h` alone
+    /// without one).
     pub(crate) fn write_headers(&self, headers: &mut http::HeaderMap) {
         headers.insert(
             RETRY_OUTCOME,
@@ -333,6 +447,12 @@ impl CallReport {
             value.push_str(&format!("{}:{}", r.end.token(), r.took.as_micros()));
             if let Some(w) = r.wait_after {
                 value.push_str(&format!("+{}", w.as_micros()));
+            }
+        }
+        if let Some(h) = self.hedge {
+            value.push_str(" h");
+            if let Some(w) = h.winner {
+                value.push_str(&w.to_string());
             }
         }
         if let Ok(v) = HeaderValue::from_str(&value) {
@@ -348,17 +468,24 @@ fn micros(text: &str) -> Option<Duration> {
 impl fmt::Display for CallReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let plural = if self.attempts == 1 { "" } else { "s" };
+        let (noun, then) = match self.hedge {
+            Some(_) => ("hedge", "next hedge after"),
+            None => ("attempt", "then waited"),
+        };
         write!(
             f,
-            "{} after {} attempt{plural}",
+            "{} after {} {noun}{plural}",
             self.outcome.describe(),
             self.attempts
         )?;
+        if let Some(w) = self.winner() {
+            write!(f, ", won by hedge {w}")?;
+        }
         for (i, r) in self.history().enumerate() {
             f.write_str(if i == 0 { ": " } else { "; " })?;
             write!(f, "{} in {:?}", r.end, r.took)?;
             if let Some(w) = r.wait_after {
-                write!(f, ", then waited {w:?}")?;
+                write!(f, ", {then} {w:?}")?;
             }
         }
         if let Some(why) = self.outcome.explanation() {
@@ -472,6 +599,58 @@ mod tests {
             "gave up: attempts exhausted after 3 attempts: UNAVAILABLE in 12ms, then waited \
              20ms; transport error in 3ms, then waited 40ms; UNAVAILABLE in 5ms"
         );
+    }
+
+    #[test]
+    fn a_hedged_report_survives_tonic_status_metadata() {
+        let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
+        let mut report = CallReport::hedged(CallOutcome::AttemptsExhausted);
+        for _ in 0..3 {
+            report.sent();
+        }
+        report.next_after(0, Duration::from_millis(50));
+        report.ended(
+            1,
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(2),
+        );
+        report.next_after(1, Duration::from_millis(2));
+        report.ended(
+            0,
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(60),
+        );
+        report.ended(
+            2,
+            AttemptEnd::Status(Code::Unavailable),
+            Duration::from_millis(5),
+        );
+        report.last_code = Some(Code::Unavailable);
+        report.write_headers(resp.headers_mut());
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        let back = CallReport::from_status(&status).unwrap();
+        assert_eq!(back, report);
+        assert_eq!((back.hedges(), back.winner()), (Some(3), None));
+        assert_eq!(
+            back.to_string(),
+            "gave up: attempts exhausted after 3 hedges: UNAVAILABLE in 60ms, next hedge after \
+             50ms; UNAVAILABLE in 2ms, next hedge after 2ms; UNAVAILABLE in 5ms"
+        );
+        let mut won = CallReport::hedged(CallOutcome::Committed);
+        won.sent();
+        won.sent();
+        won.ended(0, AttemptEnd::Cancelled, Duration::from_millis(9));
+        won.ended(1, AttemptEnd::Committed, Duration::from_millis(1));
+        won.won(1);
+        let mut headers = http::HeaderMap::new();
+        won.write_headers(&mut headers);
+        let md = tonic::metadata::MetadataMap::from_headers(headers);
+        let status = tonic::Status::with_metadata(Code::Unknown, "", md);
+        let back = CallReport::from_status(&status).unwrap();
+        assert_eq!((back.hedges(), back.winner()), (Some(2), Some(1)));
+        assert_eq!(back.history().next().unwrap().end, AttemptEnd::Cancelled);
+        // A report that is not hedged says so.
+        assert_eq!(CallReport::new(CallOutcome::Ok).hedges(), None);
     }
 
     #[test]

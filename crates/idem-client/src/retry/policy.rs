@@ -83,6 +83,8 @@ pub(crate) fn decide(
         // Nothing came back: UNAVAILABLE, as tonic reports a refused connection.
         AttemptEnd::TransportError => (Code::Unavailable, false),
         AttemptEnd::RecvTimeout => (Code::Cancelled, true),
+        // Only the hedging loop cancels attempts, and it never asks this policy.
+        AttemptEnd::Cancelled => (Code::Cancelled, false),
     };
     if !timed_out && !limits.policy.retryable_status_codes().contains(code) {
         return Decision::Done(CallOutcome::NonRetryableCode);

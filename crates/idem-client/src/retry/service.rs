@@ -118,7 +118,7 @@ where
             attempts = Empty,
             outcome = Empty,
         );
-        if policy.retry.is_none() && !policy.wait_for_ready {
+        if policy.retry.is_none() && policy.hedging.is_none() && !policy.wait_for_ready {
             return self.pass_through(req, cx, span);
         }
         // The ready service goes into the future; a clone stays for the next call.
@@ -129,6 +129,7 @@ where
             cx,
             settings,
             policy: policy.retry,
+            hedging: policy.hedging,
             wait_for_ready: policy.wait_for_ready,
         };
         ResponseFuture::retrying(svc, parts, body, call, span)

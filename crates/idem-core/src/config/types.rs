@@ -194,7 +194,7 @@ impl RetryPolicy {
     }
 }
 
-/// A validated `hedgingPolicy` (gRFC A6). Parsed and validated; no layer uses it yet.
+/// A validated `hedgingPolicy` (gRFC A6), executed by the client layer (`idem-client`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HedgingPolicy {
     /// Attempts including the first, clamped to 2..=5.

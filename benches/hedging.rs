@@ -1,0 +1,282 @@
+//! Hedging around a slow instance: `cargo bench --bench hedging`.
+//!
+//! Three `Orders` instances behind `IdempotencyLayer` share one `MemoryStore`; a tonic
+//! `Channel::balance_list` spreads calls over them. One instance stalls 200 ms on one
+//! request in 20 (5 %). Each scenario sends the same calls (16 at a time), first without
+//! a policy, then hedged (`maxAttempts` 3, `hedgingDelay` 10 ms), in the same run, and
+//! reports latency percentiles, handler executions per intent (each call is one intent
+//! with its own key: it must be 1.00) and the extra requests hedging sent per call.
+//!
+//! Two places for the stall:
+//! - **instance**: before the idempotency layer (the request queues on a busy instance,
+//!   a GC pause, a noisy neighbour): a hedge reaches another instance, which claims the
+//!   key and runs the handler; the stalled request then finds the outcome and replays it.
+//! - **handler**: inside the handler, after the key is claimed: the hedges wait for that
+//!   same execution, so hedging cannot help (and should not: it would run twice).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use idem_client::RetryLayer;
+use idem_core::ServiceConfig;
+use idem_server::IdempotencyLayer;
+use idem_server::tenant::SingleTenant;
+use idem_store::MemoryStore;
+use idem_test_support::net;
+use idem_test_support::shop::orders_client::OrdersClient;
+use idem_test_support::shop::orders_server::{Orders, OrdersServer};
+use idem_test_support::shop::{self, CreateOrderRequest, Order};
+use tonic::body::Body;
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic::{Request, Response, Status};
+use tower::Service;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const CALLS: usize = 4_000;
+const CONCURRENCY: usize = 16;
+const STALL: Duration = Duration::from_millis(200);
+/// One request in `EVERY` to the slow instance stalls.
+const EVERY: u64 = 20;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Stall {
+    Instance,
+    Handler,
+}
+
+/// Counts one request in `EVERY` of an instance.
+#[derive(Clone)]
+struct Slow(Option<Arc<AtomicU64>>);
+
+impl Slow {
+    fn now(&self) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|n| n.fetch_add(1, Ordering::Relaxed) % EVERY == EVERY - 1)
+    }
+}
+
+#[derive(Clone)]
+struct Shop {
+    runs: Arc<AtomicU64>,
+    slow: Slow,
+}
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        _: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        if self.slow.now() {
+            tokio::time::sleep(STALL).await;
+        }
+        Ok(Response::new(Order {
+            order_id: "o-1".into(),
+            ..Default::default()
+        }))
+    }
+    async fn get_order(
+        &self,
+        _: Request<shop::GetOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented(""))
+    }
+    type ListOrdersStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send>>;
+    async fn list_orders(
+        &self,
+        _: Request<shop::ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented(""))
+    }
+}
+
+/// Stalls a request before the layers below see it.
+#[derive(Clone)]
+struct StallLayer(Slow);
+
+#[derive(Clone)]
+struct Stalled<S> {
+    inner: S,
+    slow: Slow,
+}
+
+impl<S> tower::Layer<S> for StallLayer {
+    type Service = Stalled<S>;
+    fn layer(&self, inner: S) -> Stalled<S> {
+        Stalled {
+            inner,
+            slow: self.0.clone(),
+        }
+    }
+}
+
+impl<S> Service<http::Request<Body>> for Stalled<S>
+where
+    S: Service<http::Request<Body>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let stall = self.slow.now();
+        Box::pin(async move {
+            if stall {
+                tokio::time::sleep(STALL).await;
+            }
+            inner.call(req).await.map_err(Into::into)
+        })
+    }
+}
+
+fn config(hedged: bool) -> ServiceConfig {
+    let policy = if hedged {
+        r#""hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.01s", "nonFatalStatusCodes": ["UNAVAILABLE"]},"#
+    } else {
+        ""
+    };
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{"name": [{{"service": "shop.v1.Orders"}}], {policy} "idempotency": {{}}}}]}}"#
+    ))
+    .unwrap()
+}
+
+/// Three instances (the last one slow), sharing a store; their handler runs counter.
+async fn instances(stall: Stall) -> (Vec<std::net::SocketAddr>, Arc<AtomicU64>) {
+    let store = MemoryStore::default();
+    let runs = Arc::new(AtomicU64::new(0));
+    let mut addrs = Vec::new();
+    for i in 0..3 {
+        let slow = |here| Slow((i == 2 && stall == here).then(|| Arc::new(AtomicU64::new(0))));
+        let shop = Shop {
+            runs: runs.clone(),
+            slow: slow(Stall::Handler),
+        };
+        let idem =
+            IdempotencyLayer::new(store.clone(), &config(false)).tenant(SingleTenant::new("t"));
+        let (addr, incoming) = net::bind().await;
+        let router = Server::builder()
+            .layer(StallLayer(slow(Stall::Instance)))
+            .layer(idem)
+            .add_service(OrdersServer::new(shop));
+        tokio::spawn(router.serve_with_incoming(incoming));
+        addrs.push(addr);
+    }
+    (addrs, runs)
+}
+
+struct Row {
+    latencies: Vec<Duration>,
+    runs_per_intent: f64,
+    extra_per_call: f64,
+}
+
+async fn run(stall: Stall, hedged: bool) -> Row {
+    let (addrs, runs) = instances(stall).await;
+    let endpoints = addrs
+        .iter()
+        .map(|a| Endpoint::from_shared(format!("http://{a}")).unwrap());
+    let channel = Channel::balance_list(endpoints);
+    let layer = RetryLayer::from_config(&config(hedged));
+    let client = OrdersClient::new(
+        tower::ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(channel),
+    );
+    // Warm the connections.
+    for _ in 0..30 {
+        client.clone().create_order(request()).await.unwrap();
+    }
+    let (runs0, stats0) = (runs.load(Ordering::Relaxed), layer.stats().snapshot());
+    let mut tasks = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::with_capacity(CALLS / CONCURRENCY);
+            for _ in 0..CALLS / CONCURRENCY {
+                let start = Instant::now();
+                c.create_order(request()).await.unwrap();
+                lat.push(start.elapsed());
+            }
+            lat
+        }));
+    }
+    let mut latencies = Vec::with_capacity(CALLS);
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    // Stalled requests that lost their race still finish on the server: let them.
+    tokio::time::sleep(STALL * 2).await;
+    let stats = layer.stats().snapshot();
+    let calls = (stats.calls - stats0.calls) as f64;
+    latencies.sort();
+    Row {
+        latencies,
+        runs_per_intent: (runs.load(Ordering::Relaxed) - runs0) as f64 / calls,
+        extra_per_call: ((stats.attempts - stats0.attempts) as f64 - calls) / calls,
+    }
+}
+
+fn request() -> CreateOrderRequest {
+    CreateOrderRequest {
+        customer_id: "c-1".into(),
+        sku: "sku-1".into(),
+        quantity: 1,
+        note: String::new(),
+    }
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    println!(
+        "{CALLS} calls, {CONCURRENCY} at a time; 3 instances, one stalls {} ms on 1 request in {EVERY}\n",
+        STALL.as_millis()
+    );
+    println!(
+        "| stall in | policy | p50 ms | p99 ms | p99.9 ms | handler runs / intent | extra requests / call |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for stall in [Stall::Instance, Stall::Handler] {
+        for hedged in [false, true] {
+            let row = run(stall, hedged).await;
+            let l = &row.latencies;
+            println!(
+                "| {} | {} | {} | {} | {} | {:.2} | {:.3} |",
+                match stall {
+                    Stall::Instance => "instance (before the key is claimed)",
+                    Stall::Handler => "handler (after the key is claimed)",
+                },
+                if hedged { "hedging 3 × 10 ms" } else { "none" },
+                ms(pct(l, 0.50)),
+                ms(pct(l, 0.99)),
+                ms(pct(l, 0.999)),
+                row.runs_per_intent,
+                row.extra_per_call,
+            );
+        }
+    }
+}

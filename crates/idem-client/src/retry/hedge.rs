@@ -1,0 +1,437 @@
+//! The mechanism of a hedged call (A6 `hedgingPolicy`): send the request, send it again
+//! while no hedge has answered, race the hedges, give the caller the first answer that
+//! ends the call, and drop the others (their streams are reset).
+//!
+//! Everything A6 decides lives in [`hedge_policy`](super::hedge_policy); this file does
+//! the I/O, the clock, the counters and the tracing around it. Every hedge carries the
+//! same request: the headers the call was given (so the same idempotency key, placed
+//! once before the first hedge), `grpc-previous-rpc-attempts` set to the hedge's index,
+//! `grpc-timeout` set to the time left, and a copy of the buffered body.
+
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::request::Parts;
+use idem_core::config::HedgingPolicy;
+use tokio::time::{Instant, Sleep};
+use tower_service::Service;
+
+use super::call::{AttemptBody, Call};
+use super::context::Attempt;
+use super::hedge_policy::{self, HedgeDecision, HedgeLimits, HedgeState, Next};
+use super::outcome::{AttemptEnd, CallOutcome, CallReport};
+use super::peek::Resp;
+use super::throttle::RetryThrottle;
+use crate::BoxError;
+
+type AttemptFuture<'a> = Pin<Box<dyn Future<Output = Attempt> + Send + 'a>>;
+
+/// One hedge on its way.
+struct Running<'a> {
+    index: u32,
+    started: Instant,
+    response: AttemptFuture<'a>,
+}
+
+/// What the race waits for.
+enum Event {
+    /// A hedge ended (its position in `running`).
+    Ended(usize, Attempt),
+    /// The next hedge is due.
+    Due,
+    /// The inner service is ready for the hedge that is due.
+    Ready,
+    /// The inner service failed to become ready.
+    NotReady(BoxError),
+}
+
+/// The hedges of one call, and what the caller gets when the race ends.
+struct Race<'a> {
+    call: &'a Call,
+    parts: &'a Parts,
+    body: &'a AttemptBody,
+    policy: &'a HedgingPolicy,
+    throttle: Option<RetryThrottle>,
+    peek: bool,
+    state: HedgeState,
+    running: Vec<Running<'a>>,
+    /// When the next hedge is due; `None`: no more hedges.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The next hedge is due and waits for the inner service to be ready.
+    due: bool,
+    /// When the last hedge was sent, for the report.
+    last_sent: Option<(u32, Instant)>,
+    /// The last hedge that failed while others ran: the caller's answer if no other
+    /// hedge ends the call.
+    last_failure: Option<Attempt>,
+    report: CallReport,
+}
+
+/// The hedging loop: the request is read first; a request still streaming is sent once.
+pub(crate) async fn run<S, B, RB>(
+    mut svc: S,
+    parts: Parts,
+    body: B,
+    call: Call,
+    policy: HedgingPolicy,
+) -> Result<Resp, S::Error>
+where
+    S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let body = match AttemptBody::read(tonic::body::Body::new(body), &call).await {
+        Ok(body) => body,
+        Err(status) => {
+            let report = CallReport::new(CallOutcome::MessageTooLarge);
+            return Ok(call.cx.finish(Attempt::Local(status), report));
+        }
+    };
+    if !matches!(body, AttemptBody::Replay { .. }) {
+        return Ok(once(&mut svc, &parts, &body, &call).await);
+    }
+    if call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
+        let report = CallReport::hedged(CallOutcome::Deadline);
+        return Ok(call.cx.finish(Attempt::Deadline, report));
+    }
+    let mut race = Race {
+        call: &call,
+        parts: &parts,
+        body: &body,
+        policy: &policy,
+        throttle: call.cx.shared.throttle(),
+        peek: call.settings.peek_early_trailers(),
+        state: HedgeState::default(),
+        running: Vec::new(),
+        timer: None,
+        due: false,
+        last_sent: None,
+        last_failure: None,
+        report: CallReport::hedged(CallOutcome::Committed),
+    };
+    // The service is ready for the first request: the caller polled it.
+    race.send(&mut svc);
+    loop {
+        let event = poll_fn(|cx| race.poll_event(&mut svc, cx)).await;
+        let answer = match event {
+            Event::Ended(pos, attempt) => race.ended(pos, attempt),
+            Event::Due => race.due(),
+            Event::Ready => {
+                race.send(&mut svc);
+                None
+            }
+            Event::NotReady(e) => race.not_ready(e),
+        };
+        if let Some(resp) = answer {
+            return Ok(resp);
+        }
+    }
+}
+
+impl<'a> Race<'a> {
+    /// The first hedge to end, else the next one due, else the inner service ready for
+    /// it.
+    fn poll_event<S, RB>(&mut self, svc: &mut S, cx: &mut Context<'_>) -> Poll<Event>
+    where
+        S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
+        S::Error: Into<BoxError>,
+    {
+        for (pos, r) in self.running.iter_mut().enumerate() {
+            if let Poll::Ready(attempt) = r.response.as_mut().poll(cx) {
+                return Poll::Ready(Event::Ended(pos, attempt));
+            }
+        }
+        if let Some(timer) = self.timer.as_mut()
+            && timer.as_mut().poll(cx).is_ready()
+        {
+            self.timer = None;
+            return Poll::Ready(Event::Due);
+        }
+        if self.due {
+            return match svc.poll_ready(cx) {
+                Poll::Ready(Ok(())) => Poll::Ready(Event::Ready),
+                Poll::Ready(Err(e)) => Poll::Ready(Event::NotReady(e.into())),
+                Poll::Pending => Poll::Pending,
+            };
+        }
+        Poll::Pending
+    }
+
+    /// Sends the next hedge on a ready service, and plans the one after it.
+    fn send<S, RB>(&mut self, svc: &mut S)
+    where
+        S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
+        S::Future: Send + 'a,
+        S::Error: Into<BoxError> + 'a,
+        RB: http_body::Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
+    {
+        self.due = false;
+        let index = self.state.sent;
+        let now = Instant::now();
+        if let Some((previous, at)) = self.last_sent {
+            self.report.next_after(previous, now - at);
+        }
+        self.last_sent = Some((index, now));
+        self.state.sent += 1;
+        self.report.sent();
+        self.call.cx.shared.stats.attempt(index == 0);
+        if index > 0 {
+            tracing::debug!(hedge = index, "hedging");
+        }
+        let req = self.call.request(self.parts, self.body.next(), index + 1);
+        let response = self.call.send(svc.call(req), self.peek);
+        self.running.push(Running {
+            index,
+            started: now,
+            response: Box::pin(response),
+        });
+        let limits = self.limits();
+        let next = hedge_policy::after_send(&mut self.state, &limits);
+        self.plan(next);
+    }
+
+    /// The next hedge is due: it goes out once the service is ready, if the throttle and
+    /// the deadline still allow it.
+    fn due(&mut self) -> Option<Resp> {
+        if self.call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
+            // The hedges running end at the deadline too; with none, the call ends now.
+            self.state.frozen.get_or_insert(CallOutcome::Deadline);
+            return self.running.is_empty().then(|| {
+                let last = self.last_failure.take().unwrap_or(Attempt::Deadline);
+                self.finish(last, CallOutcome::Deadline)
+            });
+        }
+        let allowed = self
+            .throttle
+            .as_ref()
+            .is_none_or(RetryThrottle::is_retry_allowed);
+        self.state.running = self.running.len() as u32;
+        match hedge_policy::may_send(&mut self.state, allowed) {
+            None => {
+                self.due = true;
+                None
+            }
+            Some(HedgeDecision::Continue(next)) => {
+                self.plan(next);
+                None
+            }
+            Some(HedgeDecision::Done(outcome)) => {
+                let last = self.last_failure.take().unwrap_or(Attempt::Deadline);
+                Some(self.finish(last, outcome))
+            }
+        }
+    }
+
+    /// A hedge ended: the call ends with it, or the race goes on.
+    fn ended(&mut self, pos: usize, attempt: Attempt) -> Option<Resp> {
+        let done = self.running.remove(pos);
+        let attempted = attempt.observe();
+        self.report
+            .ended(done.index, attempted.end, done.started.elapsed());
+        self.state.running = self.running.len() as u32;
+        let limits = self.limits();
+        let throttle = self.throttle.as_ref();
+        let decision = hedge_policy::decide(&mut self.state, &attempted, &limits, || {
+            throttle.is_none_or(RetryThrottle::record_failure)
+        });
+        match decision {
+            HedgeDecision::Done(outcome) => {
+                if attempted.end.is_success() {
+                    if let Some(t) = self.throttle.as_ref() {
+                        t.record_success();
+                    }
+                    self.report.won(done.index);
+                }
+                Some(self.finish(attempt, outcome))
+            }
+            HedgeDecision::Continue(next) => {
+                tracing::debug!(hedge = done.index, end = %attempted.end, "hedge failed");
+                self.last_failure = Some(attempt);
+                self.plan(next);
+                None
+            }
+        }
+    }
+
+    /// The inner service failed: no more hedges; the call ends when none is running.
+    fn not_ready(&mut self, e: BoxError) -> Option<Resp> {
+        self.due = false;
+        self.state.frozen = Some(CallOutcome::ServiceError);
+        self.plan(Next::Never);
+        self.running
+            .is_empty()
+            .then(|| self.finish(Attempt::Error(e), CallOutcome::ServiceError))
+    }
+
+    fn plan(&mut self, next: Next) {
+        self.timer = match next {
+            Next::After(wait) => Some(Box::pin(tokio::time::sleep(wait))),
+            Next::Never => {
+                self.due = false;
+                None
+            }
+        };
+    }
+
+    fn limits(&self) -> HedgeLimits<'a> {
+        HedgeLimits {
+            policy: self.policy,
+            time_left: self
+                .call
+                .cx
+                .deadline
+                .map(|d| d.saturating_duration_since(Instant::now())),
+            min_attempt_time: self.call.settings.min_attempt_time(),
+            max_retry_delay: self.call.settings.max_retry_delay(),
+        }
+    }
+
+    /// Cancels the hedges still running (dropping a response resets its stream) and
+    /// answers the caller with `attempt`.
+    fn finish(&mut self, attempt: Attempt, outcome: CallOutcome) -> Resp {
+        for r in self.running.drain(..) {
+            self.report
+                .ended(r.index, AttemptEnd::Cancelled, r.started.elapsed());
+        }
+        self.report.outcome = outcome;
+        self.call.cx.finish(attempt, self.report)
+    }
+}
+
+/// A request the caller was still producing when the call started: sent once, as a call
+/// without a policy (hedging needs the whole request to send it again).
+async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &AttemptBody, call: &Call) -> Resp
+where
+    S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
+    S::Error: Into<BoxError>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    call.cx.shared.stats.attempt(true);
+    let started = Instant::now();
+    let attempt = call
+        .send(svc.call(call.request(parts, body.next(), 1)), false)
+        .await;
+    let end = attempt.observe().end;
+    if end == AttemptEnd::Committed {
+        body.commit();
+    }
+    let outcome = match end {
+        AttemptEnd::Deadline => CallOutcome::Deadline,
+        _ => body.sent_once().unwrap_or(CallOutcome::NotHedged),
+    };
+    let mut report = CallReport::new(outcome);
+    report.record(end, started.elapsed());
+    if let Some(t) = call.cx.shared.throttle().filter(|_| end.is_success()) {
+        t.record_success();
+    }
+    call.cx.finish(attempt, report)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use http_body::Frame;
+    use idem_core::ServiceConfig;
+    use tonic::body::Body;
+    use tower::{Layer, Service, ServiceExt};
+
+    use crate::BoxError;
+    use crate::retry::{CallOutcome, CallReport, RetryLayer};
+
+    const PATH: &str = "/shop.v1.Orders/CreateOrder";
+
+    fn layer() -> RetryLayer {
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
+                "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.01s",
+                                  "nonFatalStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap();
+        RetryLayer::from_config(&config)
+    }
+
+    /// Answers every request UNAVAILABLE (a non-fatal code), counting them.
+    fn unavailable(
+        calls: Arc<AtomicU32>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(move |_: http::Request<Body>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, BoxError>(tonic::Status::unavailable("busy").into_http()) }
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_still_streaming_is_sent_once_not_hedged() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let layer = layer();
+        let mut svc = layer.layer(unavailable(calls.clone()));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<bytes::Bytes>, BoxError>>(4);
+        tx.send(Ok(Frame::data(bytes::Bytes::from_static(
+            b"\0\0\0\0\x02hi",
+        ))))
+        .await
+        .unwrap();
+        let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let req = http::Request::builder()
+            .uri(format!("http://test{PATH}"))
+            .body(Body::new(body))
+            .unwrap();
+        let resp = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req)
+            .await
+            .unwrap();
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::NotHedged);
+        assert_eq!((report.attempts, report.hedges()), (1, None));
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hedges_count_as_attempts_and_retries_in_the_stats() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let layer = layer();
+        let mut svc = layer.layer(unavailable(calls.clone()));
+        let req = http::Request::builder()
+            .uri(format!("http://test{PATH}"))
+            .body(Body::new(http_body_util::Full::new(
+                bytes::Bytes::from_static(b"\0\0\0\0\x02hi"),
+            )))
+            .unwrap();
+        let resp = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req)
+            .await
+            .unwrap();
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::AttemptsExhausted);
+        assert_eq!(report.hedges(), Some(3));
+        let stats = layer.stats().snapshot();
+        assert_eq!((stats.calls, stats.attempts, stats.retries), (1, 3, 2));
+        assert_eq!(stats.outcome(CallOutcome::AttemptsExhausted), 1);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+}

@@ -1,0 +1,353 @@
+//! The A6 hedging decision, apart from the loop that sends hedges and races them.
+//!
+//! [`decide`] looks at how one hedge ended and at the call so far, and says whether the
+//! call ends with that hedge's result (the others are cancelled) or goes on, and when
+//! the next hedge goes out. [`after_send`] and [`may_send`] schedule and gate the next
+//! hedge. Like [`policy`](super::policy), nothing here does I/O or reads a clock: the
+//! loop in [`hedge`](super::hedge) measures the time left and asks the throttle.
+//!
+//! A6's rules, as applied here:
+//! - the first request goes out at once, each next hedge `hedgingDelay` after the
+//!   previous one, up to `maxAttempts` in all;
+//! - response headers (the call commits) or an OK status end the call: that hedge wins;
+//! - a fatal status (not in `nonFatalStatusCodes`) ends the call with it;
+//! - a non-fatal status sends the next hedge at once; with a server pushback of *n* ms,
+//!   after *n* ms; a pushback that says stop (negative, unparseable, repeated) sends no
+//!   more hedges;
+//! - the throttle counts non-fatal failures and pushbacks that say stop; a hedge after the
+//!   first goes out only while it allows retries;
+//! - when no more hedges may go out and none is still running, the call ends with the
+//!   last hedge's status;
+//! - no hedge starts past the deadline (or with less than the minimum attempt time
+//!   left).
+
+use std::time::Duration;
+
+use idem_core::config::HedgingPolicy;
+use tonic::Code;
+
+use super::outcome::{AttemptEnd, CallOutcome};
+use super::policy::Attempted;
+use super::pushback::Pushback;
+
+/// What a hedged call has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct HedgeState {
+    /// Hedges sent, the first request included.
+    pub(crate) sent: u32,
+    /// Hedges still running, besides the one being decided on.
+    pub(crate) running: u32,
+    /// Set once no more hedges may go out: why, the outcome when the last one fails.
+    pub(crate) frozen: Option<CallOutcome>,
+}
+
+/// The limits the next hedge must fit in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HedgeLimits<'a> {
+    pub(crate) policy: &'a HedgingPolicy,
+    /// Time left before the call's deadline; `None` without a deadline.
+    pub(crate) time_left: Option<Duration>,
+    /// A hedge must start with at least this much time left.
+    pub(crate) min_attempt_time: Duration,
+    /// The longest wait a server may ask for (pushback or RetryInfo); longer stops.
+    pub(crate) max_retry_delay: Duration,
+}
+
+/// When the next hedge goes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// This long from now (replacing any earlier plan).
+    After(Duration),
+    /// Never: no more hedges (the state is frozen, with the reason).
+    Never,
+}
+
+/// The decision after a hedge ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HedgeDecision {
+    /// The call ends with this hedge's result; the others are cancelled.
+    Done(CallOutcome),
+    /// The other hedges go on; the next one goes out as said.
+    Continue(Next),
+}
+
+/// When the hedge after the one just sent goes out: `hedgingDelay` later, unless that
+/// was the last one or the deadline is too close.
+pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Next {
+    schedule(state, limits.policy.hedging_delay, limits)
+}
+
+/// Whether the hedge now due may go out: `None` to send it; otherwise what follows
+/// (A6: a hedge after the first goes out only while the throttle allows retries; the
+/// call then ends with the last hedge's status once none is running).
+pub(crate) fn may_send(state: &mut HedgeState, throttle_allows: bool) -> Option<HedgeDecision> {
+    if state.frozen.is_none() && throttle_allows {
+        return None;
+    }
+    let next = freeze(state, CallOutcome::Throttled);
+    Some(settle(state, next))
+}
+
+/// Decides what follows a hedge that ended, in A6's order: success or commit ends the
+/// call (this hedge wins); the deadline ends it; a fatal code ends it; a non-fatal one
+/// counts against the throttle and sends the next hedge now (or after the server's
+/// pushback), unless the throttle, a pushback, `maxAttempts` or the deadline says no
+/// more; with no more hedges and none running, the call ends with this one.
+///
+/// `throttle` counts a failure and says whether retries are still allowed; it is called
+/// at most once, only for non-fatal codes and pushbacks that say stop (A6).
+pub(crate) fn decide(
+    state: &mut HedgeState,
+    attempted: &Attempted,
+    limits: &HedgeLimits<'_>,
+    throttle: impl FnOnce() -> bool,
+) -> HedgeDecision {
+    let code = match attempted.end {
+        AttemptEnd::Committed => return HedgeDecision::Done(CallOutcome::Committed),
+        AttemptEnd::Status(Code::Ok) => return HedgeDecision::Done(CallOutcome::Ok),
+        AttemptEnd::Deadline => return HedgeDecision::Done(CallOutcome::Deadline),
+        AttemptEnd::Status(code) => code,
+        // Nothing came back: UNAVAILABLE, as tonic reports a refused connection.
+        AttemptEnd::TransportError => Code::Unavailable,
+        AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Code::Cancelled,
+    };
+    let fatal = !limits.policy.non_fatal_status_codes.contains(code);
+    let stop = attempted.pushback == Pushback::Stop;
+    let allowed = if !fatal || stop { throttle() } else { true };
+    if fatal {
+        return HedgeDecision::Done(CallOutcome::NonRetryableCode);
+    }
+    let next = if !allowed {
+        freeze(state, CallOutcome::Throttled)
+    } else if stop {
+        freeze(state, CallOutcome::PushbackStop)
+    } else {
+        let asked = match attempted.pushback {
+            Pushback::Wait(d) => Some(d),
+            _ => None,
+        };
+        let wait = asked.max(attempted.retry_info);
+        match wait {
+            Some(w) if w > limits.max_retry_delay => freeze(state, CallOutcome::PushbackStop),
+            _ => schedule(state, wait.unwrap_or(Duration::ZERO), limits),
+        }
+    };
+    settle(state, next)
+}
+
+/// The next hedge `wait` from now, if one may still go out.
+fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) -> Next {
+    if state.frozen.is_some() {
+        return Next::Never;
+    }
+    if state.sent >= limits.policy.max_attempts {
+        return freeze(state, CallOutcome::AttemptsExhausted);
+    }
+    if limits
+        .time_left
+        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
+    {
+        return freeze(state, CallOutcome::Deadline);
+    }
+    Next::After(wait)
+}
+
+/// No more hedges; the first reason given is kept.
+fn freeze(state: &mut HedgeState, why: CallOutcome) -> Next {
+    state.frozen.get_or_insert(why);
+    Next::Never
+}
+
+/// With no more hedges to come and none running, the call ends.
+fn settle(state: &HedgeState, next: Next) -> HedgeDecision {
+    match (next, state.frozen) {
+        (Next::Never, Some(why)) if state.running == 0 => HedgeDecision::Done(why),
+        _ => HedgeDecision::Continue(next),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::code::{ALL_CODES, CodeSet};
+    use proptest::prelude::*;
+
+    fn ends() -> impl Strategy<Value = AttemptEnd> {
+        prop_oneof![
+            Just(AttemptEnd::Committed),
+            Just(AttemptEnd::TransportError),
+            Just(AttemptEnd::RecvTimeout),
+            Just(AttemptEnd::Deadline),
+            Just(AttemptEnd::Cancelled),
+            (0usize..17).prop_map(|i| AttemptEnd::Status(ALL_CODES[i])),
+        ]
+    }
+
+    fn pushbacks() -> impl Strategy<Value = Pushback> {
+        prop_oneof![
+            Just(Pushback::Absent),
+            Just(Pushback::Stop),
+            (0u64..=u64::MAX).prop_map(|ms| Pushback::Wait(Duration::from_millis(ms))),
+            (0u64..5_000).prop_map(|ms| Pushback::Wait(Duration::from_millis(ms))),
+        ]
+    }
+
+    fn durations() -> impl Strategy<Value = Duration> {
+        prop_oneof![
+            (0u64..10_000_000).prop_map(Duration::from_micros),
+            (0u64..=u64::MAX).prop_map(Duration::from_secs),
+            Just(Duration::MAX),
+            Just(Duration::ZERO),
+        ]
+    }
+
+    fn frozen() -> impl Strategy<Value = Option<CallOutcome>> {
+        prop_oneof![
+            Just(None),
+            Just(Some(CallOutcome::Throttled)),
+            Just(Some(CallOutcome::PushbackStop)),
+            Just(Some(CallOutcome::AttemptsExhausted)),
+            Just(Some(CallOutcome::Deadline)),
+        ]
+    }
+
+    /// The outcomes a call may end with once its hedges ran out.
+    const GAVE_UP: [CallOutcome; 4] = [
+        CallOutcome::Throttled,
+        CallOutcome::PushbackStop,
+        CallOutcome::AttemptsExhausted,
+        CallOutcome::Deadline,
+    ];
+
+    proptest! {
+        #[test]
+        fn decisions_keep_every_a6_hedging_rule(
+            end in ends(),
+            pushback in pushbacks(),
+            retry_info in proptest::option::of(durations()),
+            max_attempts in 2u32..=5,
+            sent in 1u32..=5,
+            running in 0u32..5,
+            frozen in frozen(),
+            delay in durations(),
+            codes in 0u32..(1 << 17),
+            time_left in proptest::option::of(durations()),
+            min_attempt_time in durations(),
+            max_retry_delay in durations(),
+            allowed in any::<bool>(),
+        ) {
+            let sent = sent.min(max_attempts);
+            let non_fatal: CodeSet = ALL_CODES.iter().copied().filter(|c| codes & (1 << *c as u32) != 0).collect();
+            let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: non_fatal };
+            let limits = HedgeLimits { policy: &policy, time_left, min_attempt_time, max_retry_delay };
+            let attempted = Attempted { end, pushback, retry_info };
+            let mut state = HedgeState { sent, running, frozen };
+            let mut asked = 0;
+            let decision = decide(&mut state, &attempted, &limits, || { asked += 1; allowed });
+            prop_assert!(asked <= 1);
+            prop_assert_eq!(state.sent, sent, "deciding sends nothing");
+            if frozen.is_some() {
+                prop_assert_eq!(state.frozen, frozen, "a frozen call stays frozen, for its first reason");
+            }
+            let code = match end {
+                AttemptEnd::Committed => {
+                    prop_assert_eq!(decision, HedgeDecision::Done(CallOutcome::Committed));
+                    prop_assert_eq!(asked, 0);
+                    return Ok(());
+                }
+                AttemptEnd::Status(Code::Ok) => {
+                    prop_assert_eq!(decision, HedgeDecision::Done(CallOutcome::Ok));
+                    return Ok(());
+                }
+                AttemptEnd::Deadline => {
+                    prop_assert_eq!(decision, HedgeDecision::Done(CallOutcome::Deadline));
+                    return Ok(());
+                }
+                AttemptEnd::Status(c) => c,
+                AttemptEnd::TransportError => Code::Unavailable,
+                AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Code::Cancelled,
+            };
+            let fatal = !non_fatal.contains(code);
+            // The throttle counts non-fatal failures and pushbacks that say stop, only.
+            prop_assert_eq!(asked == 1, !fatal || pushback == Pushback::Stop);
+            if fatal {
+                prop_assert_eq!(decision, HedgeDecision::Done(CallOutcome::NonRetryableCode));
+                return Ok(());
+            }
+            match decision {
+                HedgeDecision::Done(outcome) => {
+                    prop_assert_eq!(running, 0, "never ends while another hedge runs");
+                    prop_assert!(GAVE_UP.contains(&outcome));
+                    prop_assert_eq!(state.frozen, Some(outcome));
+                }
+                HedgeDecision::Continue(Next::Never) => {
+                    prop_assert!(running > 0);
+                    prop_assert!(state.frozen.is_some());
+                }
+                HedgeDecision::Continue(Next::After(wait)) => {
+                    prop_assert!(frozen.is_none() && state.frozen.is_none());
+                    prop_assert!(allowed && pushback != Pushback::Stop);
+                    prop_assert!(sent < max_attempts, "never more than maxAttempts hedges");
+                    if let Some(left) = time_left {
+                        prop_assert!(wait < left && left - wait >= min_attempt_time);
+                    }
+                    // At once, or exactly the pushback; at least RetryInfo; never over the cap.
+                    let base = match pushback {
+                        Pushback::Wait(d) => d,
+                        _ => Duration::ZERO,
+                    };
+                    prop_assert_eq!(wait, base.max(retry_info.unwrap_or(Duration::ZERO)));
+                    prop_assert!(wait <= max_retry_delay || wait.is_zero());
+                }
+            }
+            // Whatever came before: a throttle that refuses or a pushback that says stop
+            // sends no more hedges.
+            if !allowed || pushback == Pushback::Stop {
+                prop_assert!(state.frozen.is_some());
+            }
+        }
+
+        #[test]
+        fn hedges_go_out_every_hedging_delay_up_to_max_attempts(
+            max_attempts in 2u32..=5,
+            sent in 1u32..=5,
+            delay in durations(),
+            time_left in proptest::option::of(durations()),
+            min_attempt_time in durations(),
+        ) {
+            let sent = sent.min(max_attempts);
+            let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: CodeSet::of(Code::Unavailable) };
+            let limits = HedgeLimits { policy: &policy, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
+            let mut state = HedgeState { sent, running: sent, frozen: None };
+            match after_send(&mut state, &limits) {
+                Next::After(wait) => {
+                    prop_assert_eq!(wait, delay);
+                    prop_assert!(sent < max_attempts);
+                    prop_assert!(time_left.is_none_or(|left| delay < left && left - delay >= min_attempt_time));
+                }
+                Next::Never => prop_assert!(state.frozen.is_some()),
+            }
+        }
+    }
+
+    #[test]
+    fn the_throttle_gates_every_hedge_after_the_first() {
+        let mut state = HedgeState {
+            sent: 1,
+            running: 1,
+            frozen: None,
+        };
+        assert_eq!(may_send(&mut state, true), None);
+        assert_eq!(
+            may_send(&mut state, false),
+            Some(HedgeDecision::Continue(Next::Never))
+        );
+        assert_eq!(state.frozen, Some(CallOutcome::Throttled));
+        // Frozen stays frozen, even when the bucket refills.
+        state.running = 0;
+        assert_eq!(
+            may_send(&mut state, true),
+            Some(HedgeDecision::Done(CallOutcome::Throttled))
+        );
+    }
+}

@@ -1,0 +1,778 @@
+//! End-to-end tests of hedging in the client layer (`idem-client`, A6 `hedgingPolicy`):
+//! real tonic `Orders` servers on 127.0.0.1, one per instance, each following a script
+//! (wait, then answer or fail) and recording what every request carried and whether
+//! its handler ran to the end or was cancelled. A router below the layer sends hedge
+//! *n* (its `grpc-previous-rpc-attempts`) to instance *n* mod the number of instances,
+//! so which instance gets which hedge is fixed.
+//!
+//! Timing is asserted on tokio's paused clock: the servers run in the same runtime, and
+//! loopback I/O takes no virtual time.
+
+use idem_test_support::net;
+use idem_test_support::shop;
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use idem_client::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
+use idem_core::ServiceConfig;
+use idem_core::deadline::parse_grpc_timeout;
+use idem_server::IdempotencyLayer;
+use idem_server::tenant::SingleTenant;
+use idem_store::MemoryStore;
+use shop::orders_client::OrdersClient;
+use shop::orders_server::{Orders, OrdersServer};
+use shop::{CreateOrderRequest, Order};
+use tokio::time::Instant;
+use tonic::body::Body;
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Request, Response, Status};
+use tower::{Service, ServiceExt};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+// ---------------------------------------------------------------- the instances
+
+/// What an instance does with one request: wait, then answer.
+#[derive(Clone)]
+struct Step {
+    wait: Duration,
+    answer: Result<(), Status>,
+}
+
+fn ok_after(ms: u64) -> Step {
+    Step {
+        wait: Duration::from_millis(ms),
+        answer: Ok(()),
+    }
+}
+
+fn fail_after(ms: u64, status: Status) -> Step {
+    Step {
+        wait: Duration::from_millis(ms),
+        answer: Err(status),
+    }
+}
+
+fn unavailable(pushback: Option<&'static str>) -> Status {
+    let mut s = Status::unavailable("busy");
+    if let Some(v) = pushback {
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", v.parse().unwrap());
+    }
+    s
+}
+
+/// One request as an instance saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    instance: usize,
+    at: Instant,
+    key: Option<String>,
+    hedge: u32,
+    timeout: Option<Duration>,
+}
+
+/// What every instance saw and did, in order.
+#[derive(Clone, Default)]
+struct Log {
+    seen: Arc<Mutex<Vec<Seen>>>,
+    /// Handlers that ran to the end, by instance.
+    finished: Arc<Mutex<Vec<usize>>>,
+    /// Handlers dropped before their end (the client cancelled the hedge), by instance.
+    cancelled: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Log {
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+    fn finished(&self) -> Vec<usize> {
+        self.finished.lock().unwrap().clone()
+    }
+    fn cancelled(&self) -> Vec<usize> {
+        self.cancelled.lock().unwrap().clone()
+    }
+    /// Waits (virtual time) until `n` handlers were cancelled: the reset travels over
+    /// loopback after the call ended.
+    async fn await_cancelled(&self, n: usize) -> Vec<usize> {
+        for _ in 0..100 {
+            if self.cancelled().len() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.cancelled()
+    }
+}
+
+/// Records a handler dropped before it finished.
+struct Running {
+    log: Log,
+    instance: usize,
+    done: bool,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let list = if self.done {
+            &self.log.finished
+        } else {
+            &self.log.cancelled
+        };
+        list.lock().unwrap().push(self.instance);
+    }
+}
+
+#[derive(Clone)]
+struct Instance {
+    id: usize,
+    script: Arc<Mutex<VecDeque<Step>>>,
+    log: Log,
+}
+
+#[tonic::async_trait]
+impl Orders for Instance {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let md = request.metadata();
+        self.log.seen.lock().unwrap().push(Seen {
+            instance: self.id,
+            at: Instant::now(),
+            key: md
+                .get("x-idempotency-key")
+                .map(|v| v.to_str().unwrap().to_owned()),
+            hedge: md
+                .get("grpc-previous-rpc-attempts")
+                .map_or(0, |v| v.to_str().unwrap().parse().unwrap()),
+            timeout: md
+                .get("grpc-timeout")
+                .and_then(|v| parse_grpc_timeout(v.as_bytes())),
+        });
+        let step = self
+            .script
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(ok_after(0));
+        let mut running = Running {
+            log: self.log.clone(),
+            instance: self.id,
+            done: false,
+        };
+        tokio::time::sleep(step.wait).await;
+        running.done = true;
+        // The handlers of this instance that finished before this one.
+        let runs = self
+            .log
+            .finished()
+            .iter()
+            .filter(|i| **i == self.id)
+            .count();
+        step.answer.map(|()| {
+            Response::new(Order {
+                order_id: format!("o-{}-{runs}", self.id),
+                created_by: "test".into(),
+                ..Default::default()
+            })
+        })
+    }
+
+    async fn get_order(
+        &self,
+        _: Request<shop::GetOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("not in these tests"))
+    }
+
+    type ListOrdersStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<shop::ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("not in these tests"))
+    }
+}
+
+/// Serves one instance per script; `idem`: behind an `IdempotencyLayer` on that store
+/// (shared by every instance, as instances share Redis in production), with what the
+/// layer answered recorded in `Answers`.
+async fn instances(
+    scripts: Vec<Vec<Step>>,
+    idem: Option<(MemoryStore, Answers)>,
+) -> (Vec<SocketAddr>, Log) {
+    let log = Log::default();
+    let mut addrs = Vec::new();
+    for (id, script) in scripts.into_iter().enumerate() {
+        let instance = Instance {
+            id,
+            script: Arc::new(Mutex::new(script.into())),
+            log: log.clone(),
+        };
+        let (addr, incoming) = net::bind().await;
+        let svc = OrdersServer::new(instance);
+        match &idem {
+            None => tokio::spawn(
+                Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming(incoming),
+            ),
+            Some((store, answers)) => {
+                let layer = IdempotencyLayer::new(store.clone(), &config(r#""maxAttempts": 2"#))
+                    .tenant(SingleTenant::new("t"));
+                tokio::spawn(
+                    Server::builder()
+                        .layer(RecorderLayer(answers.clone()))
+                        .layer(layer)
+                        .add_service(svc)
+                        .serve_with_incoming(incoming),
+                )
+            }
+        };
+        addrs.push(addr);
+    }
+    (addrs, log)
+}
+
+// ---------------------------------------------------------------- the router
+
+/// Sends hedge *n* to instance *n* mod the count; answers of the hedges in `late` reach
+/// the layer that much later (a slow network path on the client's side).
+#[derive(Clone)]
+struct Router {
+    channels: Vec<Channel>,
+    late: Vec<(u32, Duration)>,
+}
+
+impl Service<http::Request<Body>> for Router {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let hedge: u32 = req
+            .headers()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let channel = self.channels[hedge as usize % self.channels.len()].clone();
+        let late = self.late.iter().find(|(h, _)| *h == hedge).map(|(_, d)| *d);
+        Box::pin(async move {
+            let resp = channel.oneshot(req).await?;
+            if let Some(d) = late {
+                tokio::time::sleep(d).await;
+            }
+            Ok(resp)
+        })
+    }
+}
+
+type Client = OrdersClient<Retry<Router>>;
+
+/// `shop.v1.Orders/CreateOrder`, protected, hedged with `hedging` (the JSON fields of a
+/// `hedgingPolicy`); `extra`: more top-level fields (`timeout` goes in the method).
+fn config_with(hedging: &str, timeout: Option<&str>, throttling: Option<&str>) -> ServiceConfig {
+    let timeout = timeout.map_or(String::new(), |t| format!(r#""timeout": "{t}","#));
+    let throttling = throttling.map_or(String::new(), |t| format!(r#","retryThrottling": {t}"#));
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+            "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+            {timeout}
+            "hedgingPolicy": {{ {hedging} }},
+            "idempotency": {{}}
+        }}]{throttling}}}"#
+    ))
+    .unwrap()
+}
+
+fn config(hedging: &str) -> ServiceConfig {
+    config_with(hedging, None, None)
+}
+
+fn client(addrs: &[SocketAddr], cfg: &ServiceConfig, late: Vec<(u32, Duration)>) -> Client {
+    let router = Router {
+        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
+        late,
+    };
+    let layer = RetryLayer::builder()
+        .service_config(cfg.clone())
+        .build()
+        .unwrap();
+    OrdersClient::new(Retry::new(router, &layer))
+}
+
+fn create() -> CreateOrderRequest {
+    CreateOrderRequest {
+        customer_id: "c-1".into(),
+        sku: "sku-1".into(),
+        quantity: 1,
+        note: String::new(),
+    }
+}
+
+fn report_of(status: &Status) -> CallReport {
+    CallReport::from_status(status).unwrap_or_else(|| panic!("no report on {status:?}"))
+}
+
+fn ends(report: &CallReport) -> Vec<AttemptEnd> {
+    report.history().map(|r| r.end).collect()
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// The gaps between the requests the instances saw, in the order they came.
+fn gaps(seen: &[Seen]) -> Vec<Duration> {
+    seen.windows(2).map(|w| w[1].at - w[0].at).collect()
+}
+
+// ---------------------------------------------------------------- (a) slow instance
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_instance_is_hedged_around_with_the_same_key_on_both_hedges() {
+    let (addrs, log) = instances(vec![vec![ok_after(1000)], vec![ok_after(0)]], None).await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    let took = start.elapsed();
+    assert!(took >= ms(50) && took < ms(60), "{took:?}");
+    assert_eq!(resp.get_ref().order_id, "o-1-0");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.outcome, CallOutcome::Committed);
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(
+        ends(&report),
+        [AttemptEnd::Cancelled, AttemptEnd::Committed]
+    );
+    assert_eq!(report.history().next().unwrap().wait_after, Some(ms(50)));
+    let seen = log.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!((seen[0].instance, seen[0].hedge), (0, 0));
+    assert_eq!((seen[1].instance, seen[1].hedge), (1, 1));
+    assert!(seen[0].key.is_some());
+    assert_eq!(seen[0].key, seen[1].key, "one key per call, on every hedge");
+    assert_eq!(gaps(&seen), [ms(50)]);
+    // The slow hedge was cancelled: its handler never finished.
+    assert_eq!(log.await_cancelled(1).await, [0]);
+    assert_eq!(log.finished(), [1]);
+    assert!(
+        report
+            .to_string()
+            .starts_with("committed after 2 hedges, won by hedge 1: cancelled in"),
+        "{report}"
+    );
+}
+
+// ---------------------------------------------------------------- (b) fatal code
+
+#[tokio::test(start_paused = true)]
+async fn a_fatal_code_ends_the_call_and_cancels_the_other_hedges() {
+    let (addrs, log) = instances(
+        vec![
+            vec![ok_after(10_000)],
+            vec![fail_after(5, Status::invalid_argument("bad order"))],
+            vec![ok_after(0)],
+        ],
+        None,
+    )
+    .await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let start = Instant::now();
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(start.elapsed(), ms(55));
+    let report = report_of(&err);
+    assert_eq!(report.outcome, CallOutcome::NonRetryableCode);
+    assert_eq!((report.hedges(), report.winner()), (Some(2), None));
+    assert_eq!(
+        ends(&report),
+        [
+            AttemptEnd::Cancelled,
+            AttemptEnd::Status(Code::InvalidArgument)
+        ]
+    );
+    assert_eq!(log.await_cancelled(1).await, [0]);
+    // No third hedge, ever.
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(log.seen().len(), 2);
+}
+
+// ---------------------------------------------------------------- (c) non-fatal code
+
+#[tokio::test(start_paused = true)]
+async fn a_non_fatal_code_sends_the_next_hedge_at_once_and_the_one_after_a_delay_later() {
+    let (addrs, log) = instances(
+        vec![
+            vec![fail_after(10, unavailable(None))],
+            vec![ok_after(5_000)],
+            vec![ok_after(20)],
+        ],
+        None,
+    )
+    .await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "1s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    // Hedge 1 right after hedge 0 failed (10 ms, not 1 s); hedge 2 one hedgingDelay later.
+    assert_eq!(gaps(&log.seen()), [ms(10), ms(1000)]);
+    assert_eq!(start.elapsed(), ms(1030));
+    assert_eq!(resp.get_ref().order_id, "o-2-0");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(2)));
+    assert_eq!(
+        ends(&report),
+        [
+            AttemptEnd::Status(Code::Unavailable),
+            AttemptEnd::Cancelled,
+            AttemptEnd::Committed
+        ]
+    );
+    let waits: Vec<_> = report.history().map(|r| r.wait_after).collect();
+    assert_eq!(waits, [Some(ms(10)), Some(ms(1000)), None]);
+    assert_eq!(log.await_cancelled(1).await, [1]);
+}
+
+// ---------------------------------------------------------------- (d) maxAttempts
+
+#[tokio::test(start_paused = true)]
+async fn max_attempts_bounds_the_hedges_when_every_one_fails() {
+    let fail = || vec![fail_after(30, unavailable(None))];
+    let (addrs, log) = instances(vec![fail(), fail(), fail(), fail()], None).await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.01s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let report = report_of(&err);
+    assert_eq!(report.outcome, CallOutcome::AttemptsExhausted);
+    assert_eq!((report.hedges(), report.winner()), (Some(3), None));
+    assert_eq!(ends(&report), [AttemptEnd::Status(Code::Unavailable); 3]);
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(log.seen().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_attempts_bounds_the_hedges_of_a_slow_call_and_the_first_answer_wins() {
+    let slow = || vec![ok_after(1000)];
+    let (addrs, log) = instances(vec![slow(), slow(), slow(), slow()], None).await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.01s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let resp = c.create_order(create()).await.unwrap();
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(0)));
+    assert_eq!(gaps(&log.seen()), [ms(10), ms(10)]);
+    assert_eq!(log.await_cancelled(2).await.len(), 2);
+    assert_eq!(log.seen().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_hedging_delay_sends_every_hedge_at_once() {
+    let (addrs, log) = instances(vec![vec![ok_after(100)], vec![ok_after(100)]], None).await;
+    let mut c = client(
+        &addrs,
+        &config(r#""maxAttempts": 4, "nonFatalStatusCodes": ["UNAVAILABLE"]"#),
+        vec![],
+    );
+    c.create_order(create()).await.unwrap();
+    assert_eq!(gaps(&log.seen()), [Duration::ZERO; 3]);
+    let mut hedges: Vec<_> = log.seen().iter().map(|s| s.hedge).collect();
+    hedges.sort();
+    assert_eq!(
+        hedges,
+        [0, 1, 2, 3],
+        "grpc-previous-rpc-attempts is the hedge's index"
+    );
+}
+
+// ---------------------------------------------------------------- (e) pushback
+
+#[tokio::test(start_paused = true)]
+async fn a_positive_pushback_delays_the_next_hedge_by_exactly_that() {
+    let (addrs, log) = instances(
+        vec![
+            vec![fail_after(10, unavailable(Some("300")))],
+            vec![ok_after(0)],
+        ],
+        None,
+    )
+    .await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 2, "hedgingDelay": "5s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(gaps(&log.seen()), [ms(310)]);
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_negative_pushback_stops_the_hedges_and_the_ones_out_go_on() {
+    // Alone: the call ends with the hedge's status.
+    let (addrs, log) = instances(vec![vec![fail_after(10, unavailable(Some("-1")))]], None).await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let report = report_of(&err);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::PushbackStop, Some(1))
+    );
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(log.seen().len(), 1);
+
+    // With a hedge out: no third hedge; the first still answers.
+    let (addrs, log) = instances(
+        vec![
+            vec![ok_after(500)],
+            vec![fail_after(10, unavailable(Some("-1")))],
+            vec![ok_after(0)],
+        ],
+        None,
+    )
+    .await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(start.elapsed(), ms(500));
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(0)));
+    assert_eq!(log.seen().len(), 2);
+}
+
+// ---------------------------------------------------------------- (f) throttling
+
+#[tokio::test(start_paused = true)]
+async fn the_throttle_counts_failed_hedges_and_stops_the_next_ones() {
+    let (addrs, log) = instances(
+        vec![vec![
+            fail_after(10, unavailable(None)),
+            ok_after(100),
+            ok_after(0),
+        ]],
+        None,
+    )
+    .await;
+    // maxTokens 2: one failure leaves 1 token, at the half: no more hedges.
+    let cfg = config_with(
+        r#""maxAttempts": 3, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        None,
+        Some(r#"{"maxTokens": 2, "tokenRatio": 0.1}"#),
+    );
+    let mut c = client(&addrs, &cfg, vec![]);
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    let report = report_of(&err);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::Throttled, Some(1))
+    );
+
+    // The next call: its first request always goes out, its hedges do not.
+    let resp = c.create_order(create()).await.unwrap();
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
+    assert_eq!(log.seen().len(), 2);
+}
+
+// ---------------------------------------------------------------- (g) deadline
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_bounds_every_hedge() {
+    let slow = || vec![ok_after(1000)];
+    let (addrs, log) = instances(vec![slow(), slow(), slow(), slow(), slow()], None).await;
+    let cfg = config_with(
+        r#""maxAttempts": 5, "hedgingDelay": "0.03s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        Some("0.1s"),
+        None,
+    );
+    let mut c = client(&addrs, &cfg, vec![]);
+    let start = Instant::now();
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(start.elapsed(), ms(100));
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    let report = report_of(&err);
+    assert_eq!(report.outcome, CallOutcome::Deadline);
+    // Hedges at 0, 30, 60 and 90 ms; the fifth would start at 120 ms, past the deadline.
+    assert_eq!(report.hedges(), Some(4));
+    let seen = log.seen();
+    assert_eq!(gaps(&seen), [ms(30); 3]);
+    let timeouts: Vec<_> = seen.iter().map(|s| s.timeout.unwrap()).collect();
+    assert_eq!(timeouts, [ms(100), ms(70), ms(40), ms(10)]);
+    assert!(
+        ends(&report)
+            .iter()
+            .all(|e| matches!(e, AttemptEnd::Deadline | AttemptEnd::Cancelled)),
+        "{report}"
+    );
+    tokio::time::sleep(ms(2000)).await;
+    assert_eq!(log.seen().len(), 4);
+    assert!(log.finished().is_empty(), "every hedge was cancelled");
+}
+
+// ---------------------------------------------------------------- (h) idem server
+
+#[tokio::test(start_paused = true)]
+async fn hedges_to_an_idem_server_run_the_handler_once_and_every_hedge_gets_its_response() {
+    let answers = Answers::default();
+    // The handler takes 300 ms; hedges go out every 50 ms, to both instances in turn.
+    let (addrs, log) = instances(
+        vec![vec![ok_after(300)], vec![ok_after(300)]],
+        Some((MemoryStore::default(), answers.clone())),
+    )
+    .await;
+    // Hedge 0's answer reaches the client 100 ms late, so a replay wins the race.
+    let cfg = config(
+        r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut c = client(&addrs, &cfg, vec![(0, ms(100))]);
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(start.elapsed(), ms(300));
+    // One execution: the other hedges waited for it (WAIT) and got its response.
+    assert_eq!(log.seen().len(), 1);
+    assert_eq!(log.finished(), [0]);
+    assert_eq!(resp.get_ref().order_id, "o-0-0");
+    assert_eq!(
+        resp.metadata()
+            .get("x-idempotency-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true")
+    );
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.hedges(), Some(3));
+    assert!(matches!(report.winner(), Some(1 | 2)), "{report}");
+    // Server side: the first hedge got the execution's response, the others its replay,
+    // byte for byte.
+    let mut answered = answers.lock().unwrap().clone();
+    answered.sort_by_key(|a| a.0);
+    let shape: Vec<_> = answered
+        .iter()
+        .map(|(h, replayed, _)| (*h, *replayed))
+        .collect();
+    assert_eq!(shape, [(0, false), (1, true), (2, true)]);
+    assert!(answered.iter().all(|a| a.2 == answered[0].2));
+    let order = <Order as prost::Message>::decode(&answered[0].2[5..]).unwrap();
+    assert_eq!(order.order_id, "o-0-0");
+}
+
+/// What the server layer answered each hedge: (instance's hedge, replayed, body).
+type Answers = Arc<Mutex<Vec<(u32, bool, Bytes)>>>;
+
+/// Records what the layer below answered each request, body included (read whole and
+/// passed on).
+#[derive(Clone)]
+struct Recorder<S> {
+    inner: S,
+    answers: Answers,
+}
+
+#[derive(Clone)]
+struct RecorderLayer(Answers);
+
+impl<S> tower::Layer<S> for RecorderLayer {
+    type Service = Recorder<S>;
+    fn layer(&self, inner: S) -> Recorder<S> {
+        Recorder {
+            inner,
+            answers: self.0.clone(),
+        }
+    }
+}
+
+impl<S> Service<http::Request<Body>> for Recorder<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+{
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let hedge: u32 = req
+            .headers()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let answers = self.answers.clone();
+        Box::pin(async move {
+            let resp = inner.call(req).await.map_err(Into::into)?;
+            let (parts, body) = resp.into_parts();
+            let collected = body.collect().await?;
+            let trailers = collected.trailers().cloned();
+            let bytes = collected.to_bytes();
+            let replayed = parts.headers.contains_key("x-idempotency-replayed");
+            answers
+                .lock()
+                .unwrap()
+                .push((hedge, replayed, bytes.clone()));
+            let mut frames = vec![Ok::<_, Status>(http_body::Frame::data(bytes))];
+            frames.extend(trailers.map(|t| Ok(http_body::Frame::trailers(t))));
+            let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+            Ok(http::Response::from_parts(parts, Body::new(body)))
+        })
+    }
+}
