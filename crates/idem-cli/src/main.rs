@@ -218,7 +218,12 @@ fn report(name: &str, parsed: &Parsed) -> String {
         )),
         None => text.push_str("retryThrottling: none\n"),
     }
-    let s = config.settings();
+    text.push_str(&process_wide(config.settings()));
+    text
+}
+
+/// The `idem` object: process-wide settings, one line per part.
+fn process_wide(s: &idem_core::config::IdemSettings) -> String {
     let tenant = match &s.tenant {
         TenantSource::Unset => "set by the server builder".to_owned(),
         TenantSource::Single(t) => format!("single {t:?}"),
@@ -240,10 +245,10 @@ fn report(name: &str, parsed: &Parsed) -> String {
     };
     let m = &s.memory_store;
     let c = &s.client;
-    text.push_str(&format!(
+    format!(
         "idem.keyHeader: {}\nidem.tenant: {tenant}\n\
          idem.maxHandlersInFlight: {} (per server layer)\n\
-         idem.memoryStore: maxEntries {}, maxBytes {}, sweepInterval {}\n\
+         idem.memoryStore: maxEntries {}, maxBytes {}, minRetention {}, sweepInterval {}\n\
          idem.memoryStore per tenant: {}\nidem.redis: {redis}\n\
          idem.client: keyAllMethods {}, maxReplayBytesPerCall {}, maxReplayBytesTotal {}, \
          minAttemptTime {}, retryExhaustedPushback {}, noRetryUnderRetriedInbound {}\n",
@@ -251,6 +256,7 @@ fn report(name: &str, parsed: &Parsed) -> String {
         s.max_handlers_in_flight,
         m.max_entries,
         m.max_bytes,
+        format_duration(m.min_retention),
         format_duration(m.sweep_interval),
         tenant_bounds(m),
         c.key_all_methods,
@@ -259,8 +265,7 @@ fn report(name: &str, parsed: &Parsed) -> String {
         format_duration(c.min_attempt_time),
         c.retry_exhausted_pushback,
         c.no_retry_under_retried_inbound,
-    ));
-    text
+    )
 }
 
 /// The memory store's effective per-tenant bounds, saying where each comes from.
