@@ -192,6 +192,7 @@
 
 mod inspect;
 mod key;
+pub mod metrics;
 pub mod retry;
 
 pub use inspect::{idem_reason, is_replayed};

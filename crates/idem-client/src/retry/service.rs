@@ -24,6 +24,7 @@ use super::limit::{CheckedBody, RequestCheck, RequestFault};
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
 use crate::key::place_key;
+use crate::metrics::Started;
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].
@@ -124,6 +125,7 @@ where
                 .limits
                 .request
                 .map(|_| Arc::new(RequestFault::default())),
+            started: Started::now(self.shared.observer.as_ref()),
         };
         let span = tracing::debug_span!(
             "idem_retry",
@@ -173,6 +175,7 @@ impl<S> Retry<S> {
                 .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));
         }
         self.shared.stats.attempt(true);
+        cx.attempt_started();
         let check = cx.limits.request.zip(cx.fault.clone());
         let req = req.map(|body| {
             let body = tonic::body::Body::new(body);

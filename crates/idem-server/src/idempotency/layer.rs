@@ -31,6 +31,7 @@ pub(crate) struct Shared<St> {
     /// One permit per handler run in progress (including runs whose caller went away).
     pub(crate) handlers: Arc<Semaphore>,
     pub(crate) max_handlers: usize,
+    pub(crate) observer: Option<crate::metrics::SharedObserver>,
 }
 
 /// Applies [`Idempotency`] to a tonic server. Cheap to clone (one `Arc`); does no I/O.
@@ -88,6 +89,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 stats: IdempotencyStats::default(),
                 handlers: Arc::new(Semaphore::new(max_handlers)),
                 max_handlers,
+                observer: None,
             }),
         }
     }
