@@ -159,6 +159,11 @@ impl CallContext {
             let span = tracing::Span::current();
             span.record("attempts", report.attempts);
             span.record("outcome", report.outcome.as_str());
+            let delay: std::time::Duration = report.history().filter_map(|a| a.wait_after).sum();
+            span.record("retry_delay_ms", delay.as_secs_f64() * 1e3);
+            if let Some(code) = report.last_code {
+                span.record("rpc.grpc.status_code", code as i32);
+            }
         }
         if report.last_code.is_some_and(|c| c != Code::Ok) {
             report.write_headers(resp.headers_mut());

@@ -130,8 +130,13 @@ where
         let span = tracing::debug_span!(
             "idem_retry",
             method = %cx.path,
+            rpc.system = "grpc",
+            rpc.service = rpc_part(cx.path.as_str(), 0),
+            rpc.method = rpc_part(cx.path.as_str(), 1),
             attempts = Empty,
+            retry_delay_ms = Empty,
             outcome = Empty,
+            rpc.grpc.status_code = Empty,
         );
         if policy.retry.is_none() && !policy.wait_for_ready {
             return self.pass_through(req, cx, span);
@@ -189,6 +194,11 @@ impl<S> Retry<S> {
         let fut = self.inner.call(req);
         ResponseFuture::passthrough(fut, cx, span)
     }
+}
+
+/// OpenTelemetry's `rpc.service` (`i = 0`) or `rpc.method` (`i = 1`) of a path.
+fn rpc_part(path: &str, i: usize) -> &str {
+    path.trim_start_matches('/').split('/').nth(i).unwrap_or("")
 }
 
 /// The call's deadline: the earliest of the request's `grpc-timeout` (tonic's
