@@ -115,15 +115,16 @@ impl PushMetricExporter for TextExporter {
     }
 }
 
-/// One metric family: its `# TYPE`, `# HELP` and sample lines.
+/// One metric family: its `# TYPE`, `# HELP` and, per data point, its labels and
+/// sample lines (a histogram's in their order: buckets, `_sum`, `_count`).
 struct Family {
     kind: &'static str,
     help: String,
-    samples: Vec<String>,
+    samples: Vec<(String, Vec<String>)>,
 }
 
-/// The Prometheus text exposition of `metrics`, families sorted by name and samples
-/// sorted within each.
+/// The Prometheus text exposition of `metrics`, families sorted by name and data points
+/// by labels within each.
 pub fn encode(metrics: &ResourceMetrics) -> String {
     let mut families: BTreeMap<String, Family> = BTreeMap::new();
     for scope in metrics.scope_metrics() {
@@ -138,7 +139,7 @@ pub fn encode(metrics: &ResourceMetrics) -> String {
             let _ = writeln!(out, "# HELP {name} {}", escape_help(&f.help));
         }
         let _ = writeln!(out, "# TYPE {name} {}", f.kind);
-        for s in &f.samples {
+        for s in f.samples.iter().flat_map(|(_, lines)| lines) {
             out.push_str(s);
             out.push('\n');
         }
@@ -236,40 +237,37 @@ fn float(v: f64) -> String {
 fn sums<T: Number>(f: Option<&mut Family>, name: &str, sum: &Sum<T>) {
     let Some(f) = f else { return };
     for p in sum.data_points() {
-        f.samples.push(format!(
-            "{name}{} {}",
-            labels(p.attributes(), None),
-            p.value().text()
-        ));
+        let l = labels(p.attributes(), None);
+        let line = format!("{name}{l} {}", p.value().text());
+        f.samples.push((l, vec![line]));
     }
 }
 
 fn gauges<T: Number>(f: Option<&mut Family>, name: &str, g: &Gauge<T>) {
     let Some(f) = f else { return };
     for p in g.data_points() {
-        f.samples.push(format!(
-            "{name}{} {}",
-            labels(p.attributes(), None),
-            p.value().text()
-        ));
+        let l = labels(p.attributes(), None);
+        let line = format!("{name}{l} {}", p.value().text());
+        f.samples.push((l, vec![line]));
     }
 }
 
 fn histograms<T: Number>(f: Option<&mut Family>, name: &str, h: &Histogram<T>) {
     let Some(f) = f else { return };
     for p in h.data_points() {
+        let mut lines = Vec::new();
         let mut cumulative = 0;
         for (bound, count) in p.bounds().zip(p.bucket_counts()) {
             cumulative += count;
             let le = labels(p.attributes(), Some(&float(bound)));
-            f.samples.push(format!("{name}_bucket{le} {cumulative}"));
+            lines.push(format!("{name}_bucket{le} {cumulative}"));
         }
         let inf = labels(p.attributes(), Some("+Inf"));
-        f.samples.push(format!("{name}_bucket{inf} {}", p.count()));
+        lines.push(format!("{name}_bucket{inf} {}", p.count()));
         let plain = labels(p.attributes(), None);
-        f.samples
-            .push(format!("{name}_sum{plain} {}", p.sum().text()));
-        f.samples.push(format!("{name}_count{plain} {}", p.count()));
+        lines.push(format!("{name}_sum{plain} {}", p.sum().text()));
+        lines.push(format!("{name}_count{plain} {}", p.count()));
+        f.samples.push((plain, lines));
     }
 }
 
@@ -440,6 +438,9 @@ mod tests {
             text.contains("a_d_seconds_bucket{le=\"+Inf\"} 1\n"),
             "{text}"
         );
-        assert!(text.contains("a_d_seconds_count 1\n"), "{text}");
+        assert!(
+            text.contains("a_d_seconds_bucket{le=\"+Inf\"} 1\na_d_seconds_sum 0.5\na_d_seconds_count 1\n"),
+            "{text}"
+        );
     }
 }
