@@ -15,11 +15,11 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 
 use idem::core::ServiceConfig;
+use idem::otel::ServerMetrics;
+use idem::otel::prometheus::Prometheus;
 use idem::redis::RedisStore;
 use idem::server::idempotency::RecordFence;
 use idem::server::{IdempotencyLayer, InboundLayer};
-use idem::otel::ServerMetrics;
-use idem::otel::prometheus::Prometheus;
 use idem::store::{MemoryStore, Store};
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
@@ -171,8 +171,8 @@ async fn serve<St: Store>(
     let server = Server::builder().layer(InboundLayer::new());
     match metrics {
         Some(m) => {
-            let layer = IdempotencyLayer::new(m.instrument_store(store, kind), config)
-                .observer(m.clone());
+            let layer =
+                IdempotencyLayer::new(m.instrument_store(store, kind), config).observer(m.clone());
             m.watch(&layer);
             server.layer(layer).add_service(shop).serve(addr).await
         }

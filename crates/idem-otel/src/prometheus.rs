@@ -439,7 +439,9 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("a_d_seconds_bucket{le=\"+Inf\"} 1\na_d_seconds_sum 0.5\na_d_seconds_count 1\n"),
+            text.contains(
+                "a_d_seconds_bucket{le=\"+Inf\"} 1\na_d_seconds_sum 0.5\na_d_seconds_count 1\n"
+            ),
             "{text}"
         );
     }
