@@ -137,12 +137,8 @@ impl ServerMetrics {
 
     /// Reports `store`'s records, bytes and in-flight records at each collection.
     pub fn watch_memory_store(&self, store: &MemoryStore) {
-        let gauges: [(
-            &'static str,
-            &'static str,
-            &'static str,
-            fn(&idem_store::MemoryStoreStats) -> usize,
-        ); 3] = [
+        type Read = fn(&idem_store::MemoryStoreStats) -> usize;
+        let gauges: [(&str, &str, &str, Read); 3] = [
             (
                 "idem.store.memory.entries",
                 "{record}",

@@ -229,11 +229,10 @@ where
 /// Watches a response to its end: its Trailers-Only status now, else its trailers.
 pub(crate) fn watch(resp: Response<Body>, trace: Arc<CallTrace>) -> Response<Body> {
     if let Some(code) = grpc_status_code(resp.headers()) {
-        if trace
-            .state
-            .lock()
-            .map_or(false, |s| s.outcome == Some("rejected"))
-        {
+        let state = trace.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let rejected = state.outcome == Some("rejected");
+        drop(state);
+        if rejected {
             let why = reason_of(resp.headers());
             trace.update(|s| s.reason = why);
         }
