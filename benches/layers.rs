@@ -7,7 +7,7 @@
 //! so drift on a shared machine hits both sides of a ratio alike.
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
-//! (`client`, `server`, `replay`, `redis`, `dup`, `retry`); none runs all.
+//! (`client`, `server`, `replay`, `redis`, `dup`, `retry`, `metrics`); none runs all.
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` / `profile-server-bare` /
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
 //! calls, no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
@@ -487,6 +487,9 @@ fn main() {
         if wants("retry") {
             retry(&mut t, rounds, n(3000)).await;
         }
+        if wants("metrics") {
+            metrics(&mut t, rounds, n(3000), n(20000)).await;
+        }
         println!("\nnotes:");
         for s in &t.notes {
             println!("- {s}");
@@ -495,6 +498,108 @@ fn main() {
 }
 
 // ------------------------------------------------------------------ scenarios
+
+/// Each layer with its OpenTelemetry metrics (idem-otel on an SDK provider with the
+/// Prometheus reader) vs the same layer without: A is off, B is on.
+async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let prometheus = idem_otel::prometheus::Prometheus::new();
+    let meter = prometheus.meter("bench");
+    let cfg = config();
+    let server = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let client_metrics = idem_otel::ClientMetrics::new(&meter, "bench", &cfg);
+    let on_layer = RetryLayer::builder()
+        .service_config(cfg.clone())
+        .observer(client_metrics.clone())
+        .build()
+        .expect("layer");
+    client_metrics.watch(&on_layer);
+    let off: OrdersClient<Retry<Channel>> = OrdersClient::new(
+        ServiceBuilder::new()
+            .layer(RetryLayer::from_config(&cfg))
+            .service(server.channel()),
+    );
+    let on: OrdersClient<Retry<Channel>> = OrdersClient::new(
+        ServiceBuilder::new()
+            .layer(on_layer)
+            .service(server.channel()),
+    );
+    let server_metrics = idem_otel::ServerMetrics::new(&meter, &cfg);
+    let plain = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(memory_store(), &cfg)),
+    )
+    .await;
+    let store = server_metrics.instrument_store(memory_store(), "memory");
+    let layer = IdempotencyLayer::new(store, &cfg).observer(server_metrics.clone());
+    server_metrics.watch(&layer);
+    let observed = serve(Duration::ZERO, Some(layer)).await;
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let (a, b) = (off.clone(), on.clone());
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |_| {
+                let mut c = a.clone();
+                async move {
+                    c.create_order(order(None)).await.expect("metrics off");
+                }
+            },
+            move |_| {
+                let mut c = b.clone();
+                async move {
+                    c.create_order(order(None)).await.expect("metrics on");
+                }
+            },
+        )
+        .await;
+        let ok = p.tp_ratio >= 0.97;
+        t.pair(
+            "metrics: RetryLayer with OTel metrics vs without",
+            conc,
+            &p,
+            &format!("tp ≥ 0.97: {}", verdict(ok)),
+        );
+        let (a, b) = (plain.client(), observed.client());
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            move |_| {
+                let mut c = a.clone();
+                async move {
+                    c.create_order(order(Some(&fresh_key())))
+                        .await
+                        .expect("metrics off");
+                }
+            },
+            move |_| {
+                let mut c = b.clone();
+                async move {
+                    c.create_order(order(Some(&fresh_key())))
+                        .await
+                        .expect("metrics on");
+                }
+            },
+        )
+        .await;
+        let ok = p.tp_ratio >= 0.97;
+        t.pair(
+            "metrics: IdempotencyLayer (fresh keys) with OTel metrics vs without",
+            conc,
+            &p,
+            &format!("tp ≥ 0.97: {}", verdict(ok)),
+        );
+    }
+    let series = prometheus
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .count();
+    t.note(format!(
+        "metrics: {series} exposition lines after the run (bounded)"
+    ));
+}
 
 /// RetryLayer (config with a retryPolicy and idempotency on CreateOrder: the buffered,
 /// keyed path) over a `Channel` vs the bare `Channel`, same bare server.

@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --example server                       # 127.0.0.1:50051, in-memory store
 //! cargo run --example server -- --addr 127.0.0.1:50052 --redis redis://127.0.0.1:6379
+//! cargo run --example server -- --metrics-addr 127.0.0.1:9464   # Prometheus: GET /metrics
 //! ```
 //!
 //! It reads `examples/service_config.json` (or `--config FILE`): `CreateOrder` is protected
@@ -14,9 +15,12 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 
 use idem::core::ServiceConfig;
+use idem::otel::ServerMetrics;
+use idem::otel::prometheus::Prometheus;
 use idem::redis::RedisStore;
 use idem::server::idempotency::RecordFence;
 use idem::server::{IdempotencyLayer, InboundLayer};
+use idem::store::{MemoryStore, Store};
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -119,27 +123,63 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("config warning: {w}");
     }
     let config = parsed.config;
-    let shop = OrdersServer::new(Shop::default());
 
     println!("shop.v1.Orders on {addr} (config {path})");
+    let metrics = match args.get("--metrics-addr") {
+        Some(metrics_addr) => {
+            let listener = tokio::net::TcpListener::bind(metrics_addr.as_str()).await?;
+            println!("metrics on http://{}/metrics", listener.local_addr()?);
+            Some(serve_metrics(listener, &config))
+        }
+        None => None,
+    };
     match args.get("--redis") {
         Some(url) => {
             let store = RedisStore::connect(url.clone()).await?;
-            Server::builder()
-                .layer(InboundLayer::new())
-                .layer(IdempotencyLayer::new(store, &config).check()?)
-                .add_service(shop)
-                .serve(addr)
-                .await?;
+            serve(addr, &config, store, "redis", metrics).await?;
         }
         None => {
-            // A `MemoryStore` bounded by the config's `idem.memoryStore`.
-            Server::builder()
-                .layer(InboundLayer::new())
-                .layer(IdempotencyLayer::from_config(&config).check()?)
-                .add_service(shop)
-                .serve(addr)
-                .await?;
+            let store = MemoryStore::new(config.settings().memory_store.clone());
+            if let Some(m) = &metrics {
+                m.watch_memory_store(&store);
+            }
+            serve(addr, &config, store, "memory", metrics).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Serves the Prometheus exposition of the server's metrics on `listener`; the metrics
+/// to give the layer.
+fn serve_metrics(listener: tokio::net::TcpListener, config: &ServiceConfig) -> ServerMetrics {
+    let prometheus = Prometheus::new();
+    let metrics = ServerMetrics::new(&prometheus.meter("idem"), config);
+    tokio::spawn(idem::otel::prometheus::serve(listener, prometheus));
+    metrics
+}
+
+/// Serves the shop behind `InboundLayer` and `IdempotencyLayer` (observed and with its
+/// store timed when there are metrics).
+async fn serve<St: Store>(
+    addr: SocketAddr,
+    config: &ServiceConfig,
+    store: St,
+    kind: &'static str,
+    metrics: Option<ServerMetrics>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let shop = OrdersServer::new(Shop::default());
+    let server = Server::builder().layer(InboundLayer::new());
+    match metrics {
+        Some(m) => {
+            let layer = IdempotencyLayer::new(m.instrument_store(store, kind), config)
+                .observer(m.clone())
+                .check()?;
+            m.watch(&layer);
+            server.layer(layer).add_service(shop).serve(addr).await?;
+        }
+        None => {
+            let layer = IdempotencyLayer::new(store, config).check()?;
+            server.layer(layer).add_service(shop).serve(addr).await?;
         }
     }
     Ok(())

@@ -18,6 +18,7 @@
 //! | `client` | yes | [`client`] |
 //! | `server` | yes | [`server`], [`store`] |
 //! | `redis` | no | `redis` (implies `server`) |
+//! | `otel` | no | `otel`: OpenTelemetry metrics for both layers, a Prometheus exposition (implies `client`, `server`) |
 //!
 //! A client-only build (`default-features = false, features = ["client"]`) compiles no
 //! server layer, no store backend, no SHA-256 and no compression code.
@@ -25,6 +26,8 @@
 #[cfg(feature = "client")]
 pub use idem_client as client;
 pub use idem_core as core;
+#[cfg(feature = "otel")]
+pub use idem_otel as otel;
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;
 #[cfg(feature = "server")]

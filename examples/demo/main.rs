@@ -6,6 +6,7 @@
 //! cargo run --release --example demo -- --redis redis://127.0.0.1:6379 --instances 3
 //! cargo run --release --example demo -- --config examples/service_config.json
 //! cargo run --release --example demo -- --store redis --instances 3 --crash-every 200
+//! cargo run --release --example demo -- --metrics-out metrics.prom
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -46,7 +47,7 @@ use idem::store::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
 [--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis] [--redis URL] \
-[--config FILE] [--crash-every N] [--redeploy-after N]";
+[--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE]";
 
 /// What the command line asked for beyond the workload's options.
 struct Args {
@@ -84,6 +85,8 @@ fn parse_args() -> Result<Args, String> {
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
             "--config" => o.config = Some(value),
+            // The Prometheus exposition of both layers of the run with idem (in process).
+            "--metrics-out" => o.metrics_out = Some(value.into()),
             "--store" if value == "memory" || value == "redis" => store = Some(value),
             "--store" => return Err(format!("--store {value}: must be memory or redis")),
             "--crash-every" => crash_every = Some(value.parse().map_err(|e| bad(&e))?),

@@ -198,8 +198,12 @@
 //!   no response came back) and the report headers. The hook
 //!   ([`RetryLayerBuilder::on_outcome`]) and the counters ([`RetryLayer::stats`]) see every
 //!   call too.
-//! - Tracing: a `debug` span `idem_retry` per call (fields `method`, `attempts`,
-//!   `outcome`) and a `debug` event `retrying` per retry (`attempt`, `end`, `wait_ms`).
+//! - Tracing: a `debug` span `idem_retry` per call (fields `method`, OpenTelemetry's
+//!   `rpc.system`, `rpc.service`, `rpc.method` and, for a call that did not commit,
+//!   `rpc.grpc.status_code`; `attempts`, `retry_delay_ms`, `outcome`: the stop reason)
+//!   and a `debug` event `retrying` per retry (`attempt`, `end`, `wait_ms`). Never the key.
+//! - Metrics: [`RetryLayerBuilder::observer`] ([`metrics`]) for gRPC's standard client
+//!   metrics; `idem-otel` records them through OpenTelemetry.
 //! - Across hops: a call that gives up ([`CallOutcome::retries_gave_up`]: exhausted,
 //!   throttled, pushback stop) while serving an inbound call whose scope carries an
 //!   [`ExhaustedMarker`](idem_core::deadline::ExhaustedMarker) gets that marker in the
@@ -255,6 +259,7 @@
 
 mod inspect;
 mod key;
+pub mod metrics;
 pub mod retry;
 
 pub use inspect::{idem_reason, is_replayed};

@@ -11,6 +11,7 @@
 
 pub mod idempotency;
 pub mod inbound;
+pub mod metrics;
 
 pub use idempotency::{
     IdemDecision, Idempotency, IdempotencyLayer, IdempotencyStats, NoTenantSource, RecordFence,

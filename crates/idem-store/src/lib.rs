@@ -49,10 +49,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+pub mod instrumented;
 pub mod memory;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
+pub use instrumented::InstrumentedStore;
 pub use memory::{MemoryStore, MemoryStoreSettings, MemoryStoreStats, TenantUsage};
 
 /// A generation number of a record; grows on every claim of a scope.

@@ -60,6 +60,9 @@ pub struct Options {
     pub restart_after: Option<usize>,
     /// Print progress to stderr.
     pub progress: bool,
+    /// Write the Prometheus exposition of both layers of the run with idem here
+    /// (in-process runs).
+    pub metrics_out: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -77,6 +80,7 @@ impl Default for Options {
             config: None,
             restart_after: None,
             progress: true,
+            metrics_out: None,
         }
     }
 }
@@ -342,6 +346,7 @@ struct Fleet {
     faults: Faults,
     store: Store,
     stats: Arc<Mutex<Vec<idem_server::idempotency::IdempotencyStats>>>,
+    metrics: Option<crate::demo_metrics::DemoMetrics>,
 }
 
 impl Fleet {
@@ -352,8 +357,28 @@ impl Fleet {
         faults: Faults,
         svc: OrdersServer<OrdersImpl>,
         incoming: tokio_stream::wrappers::TcpListenerStream,
+        kind: &'static str,
     ) -> tokio::task::JoinHandle<()> {
-        let layer = IdempotencyLayer::new(store, &self.config).tenant(SingleTenant::new("demo"));
+        if let Some(m) = &self.metrics {
+            let layer = m.server(store, kind, &self.config);
+            return self.serve_layer(layer, faults, svc, incoming);
+        }
+        self.serve_layer(
+            IdempotencyLayer::new(store, &self.config),
+            faults,
+            svc,
+            incoming,
+        )
+    }
+
+    fn serve_layer<St: idem_store::Store>(
+        &self,
+        layer: IdempotencyLayer<St>,
+        faults: Faults,
+        svc: OrdersServer<OrdersImpl>,
+        incoming: tokio_stream::wrappers::TcpListenerStream,
+    ) -> tokio::task::JoinHandle<()> {
+        let layer = layer.tenant(SingleTenant::new("demo"));
         self.stats.lock().expect("stats lock").push(layer.stats());
         tokio::spawn(async move {
             let _ = Server::builder()
@@ -387,9 +412,13 @@ impl Fleet {
             })
         } else {
             match &self.store {
-                Store::Memory(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
-                Store::Redis(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
-                Store::Faulty(store) => self.serve_with_idem(store.clone(), faults, svc, incoming),
+                Store::Memory(s) => {
+                    self.serve_with_idem(s.clone(), faults, svc, incoming, "memory")
+                }
+                Store::Redis(s) => self.serve_with_idem(s.clone(), faults, svc, incoming, "redis"),
+                Store::Faulty(s) => {
+                    self.serve_with_idem(s.clone(), faults, svc, incoming, "memory")
+                }
             }
         };
         Instance { addr, task }
@@ -427,6 +456,11 @@ pub async fn run(
         faults: Faults::new(o, o.seed),
         store: store.clone(),
         stats: Arc::new(Mutex::new(Vec::new())),
+        metrics: o
+            .metrics_out
+            .as_ref()
+            .filter(|_| with_idem)
+            .map(|_| crate::demo_metrics::DemoMetrics::new(config)),
     };
     let mut instances = Vec::new();
     for i in 0..o.instances {
@@ -437,10 +471,18 @@ pub async fn run(
 
     // Without idem: the same retry policy, but no method is protected, so no key.
     let retry = if with_idem {
-        RetryLayer::from_config(config)
+        let builder = RetryLayer::builder().service_config(config.clone());
+        let builder = match &fleet.metrics {
+            Some(m) => m.client(builder),
+            None => builder,
+        };
+        builder.build().expect("a config needs no validation")
     } else {
         RetryLayer::from_config(&strip_idempotency(config))
     };
+    if let Some(m) = &fleet.metrics {
+        m.watch_client(&retry);
+    }
     let client = OrdersClient::new(
         ServiceBuilder::new()
             .layer(retry)
@@ -495,6 +537,13 @@ pub async fn run(
     report.attempts = fleet.faults.attempts();
     report.replays = replays;
     report.restarted = restarted;
+    if let (Some(m), Some(path)) = (&fleet.metrics, &o.metrics_out) {
+        // Server metrics of a call are recorded just after its response: let them land.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let m = m.clone();
+        let path = path.clone();
+        tokio::task::spawn_blocking(move || m.write(&path)).await??;
+    }
     Ok(report)
 }
 

@@ -5,6 +5,7 @@
 
 pub mod crash;
 pub mod demo;
+pub mod demo_metrics;
 pub mod faulty_store;
 pub mod net;
 pub mod postgres;

@@ -336,6 +336,7 @@ where
         if !resend {
             state.attempts += 1;
             call.cx.shared.stats.attempt(state.attempts == 1);
+            call.cx.attempt_started();
         }
         let started = Instant::now();
         let req = call.request(&parts, body.next(), state.attempts);

@@ -21,6 +21,7 @@ use super::backoff::Jitter;
 use super::body::ReplayBudget;
 use super::outcome::{CallReport, OutcomeHook, RetryStats};
 use super::throttle::RetryThrottle;
+use crate::metrics::SharedObserver;
 
 /// The default of [`RetryLayerBuilder::max_retry_delay`](super::RetryLayerBuilder::max_retry_delay).
 pub(crate) const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
@@ -223,6 +224,7 @@ pub(crate) struct Shared {
     pub(crate) stats: RetryStats,
     pub(crate) jitter: Arc<dyn Jitter>,
     hook: Option<OutcomeHook>,
+    pub(crate) observer: Option<SharedObserver>,
 }
 
 impl fmt::Debug for Shared {
@@ -234,6 +236,7 @@ impl fmt::Debug for Shared {
             .field("stats", &self.stats)
             .field("jitter", &self.jitter)
             .field("hook", &self.hook.as_ref().map(|_| "Fn"))
+            .field("observer", &self.observer.is_some())
             .finish()
     }
 }
@@ -247,6 +250,7 @@ pub(crate) struct Parts {
     pub(crate) throttle: (Option<RetryThrottle>, bool),
     pub(crate) jitter: Arc<dyn Jitter>,
     pub(crate) hook: Option<OutcomeHook>,
+    pub(crate) observer: Option<SharedObserver>,
 }
 
 impl Shared {
@@ -265,6 +269,7 @@ impl Shared {
             stats: RetryStats::default(),
             jitter: parts.jitter,
             hook: parts.hook,
+            observer: parts.observer,
         }
     }
 

@@ -18,6 +18,7 @@ use super::peek::{Resp, early_code};
 use super::policy::Attempted;
 use super::pushback::{Pushback, pushback, retry_info_delay};
 use crate::BoxError;
+use crate::metrics::{self, Started};
 
 /// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
 /// (static for generated tonic clients), so cloning it out of the request is free.
@@ -50,6 +51,8 @@ pub(crate) struct CallContext {
     pub(crate) limits: MessageLimits,
     /// Set when a request message is over `maxRequestMessageBytes` (only with a limit).
     pub(crate) fault: Option<Arc<RequestFault>>,
+    /// When the call started, read only for an observed layer.
+    pub(crate) started: Option<Started>,
 }
 
 /// How one attempt ended, with what it left for the caller.
@@ -156,6 +159,11 @@ impl CallContext {
             let span = tracing::Span::current();
             span.record("attempts", report.attempts);
             span.record("outcome", report.outcome.as_str());
+            let delay: std::time::Duration = report.history().filter_map(|a| a.wait_after).sum();
+            span.record("retry_delay_ms", delay.as_secs_f64() * 1e3);
+            if let Some(code) = report.last_code {
+                span.record("rpc.grpc.status_code", code as i32);
+            }
         }
         if report.last_code.is_some_and(|c| c != Code::Ok) {
             report.write_headers(resp.headers_mut());
@@ -168,7 +176,16 @@ impl CallContext {
         }
         resp.extensions_mut().insert(report);
         let resp = limit::bound(resp, self.limits.response, self.fault.clone(), report);
-        deadline::bound(resp, self.deadline, report)
+        let resp = deadline::bound(resp, self.deadline, report);
+        let observer = self.shared.observer.as_ref();
+        metrics::observe(resp, observer, &self.path, report, self.started)
+    }
+
+    /// Tells the observer, if any, that an attempt was sent.
+    pub(crate) fn attempt_started(&self) {
+        if let Some(o) = &self.shared.observer {
+            o.attempt_started(self.path.as_str());
+        }
     }
 
     /// RESOURCE_EXHAUSTED, once a request message was over its limit.

@@ -115,6 +115,7 @@ pub enum BuildError {
 /// | [`key_header`](Self::key_header) | `x-idempotency-key` (with a config: `idem.keyHeader`) |
 /// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
 /// | [`on_outcome`](Self::on_outcome) | none |
+/// | [`observer`](Self::observer) | none |
 /// | [`retry_headers_then_error`](Self::retry_headers_then_error) | false |
 /// | [`max_retry_delay`](Self::max_retry_delay) | 30 s (a longer server-requested wait stops the retries) |
 /// | [`wait_for_ready_limit`](Self::wait_for_ready_limit) | 30 s (how long a `waitForReady` call without a deadline waits) |
@@ -137,6 +138,7 @@ pub struct RetryLayerBuilder {
     throttling: Option<RetryThrottling>,
     jitter: Arc<dyn Jitter>,
     hook: Option<OutcomeHook>,
+    observer: Option<crate::metrics::SharedObserver>,
 }
 
 impl fmt::Debug for RetryLayerBuilder {
@@ -171,6 +173,7 @@ impl Default for RetryLayerBuilder {
             throttling: None,
             jitter: Arc::new(ThreadRngJitter),
             hook: None,
+            observer: None,
         }
     }
 }
@@ -349,6 +352,14 @@ impl RetryLayerBuilder {
         self
     }
 
+    /// Tells `observer` about every attempt and call, for metrics
+    /// ([`metrics`](crate::metrics); default none: no clock reads, no wrapping).
+    /// `idem-otel` has one that records gRPC's standard client metrics.
+    pub fn observer(mut self, observer: impl crate::metrics::CallObserver) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
     /// Builds the layer.
     ///
     /// # Errors
@@ -411,6 +422,7 @@ impl RetryLayerBuilder {
                 throttle,
                 jitter: self.jitter,
                 hook: self.hook,
+                observer: self.observer,
             })),
         }
     }

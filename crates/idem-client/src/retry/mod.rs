@@ -21,10 +21,12 @@ mod replay;
 mod service;
 mod throttle;
 
+pub(crate) use context::CallPath;
 pub use layer::{BuildError, RetryLayer, RetryLayerBuilder};
 pub use outcome::{
     AttemptEnd, AttemptRecord, CallOutcome, CallReport, OutcomeHook, RetryStats, RetryStatsSnapshot,
 };
+pub(crate) use peek::Resp;
 pub use service::Retry;
 pub use throttle::RetryThrottle;
 

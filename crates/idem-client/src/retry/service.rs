@@ -24,6 +24,7 @@ use super::limit::{CheckedBody, RequestCheck, RequestFault};
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
 use crate::key::place_key;
+use crate::metrics::Started;
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].
@@ -111,12 +112,18 @@ where
                 .limits
                 .request
                 .map(|_| Arc::new(RequestFault::default())),
+            started: Started::now(self.shared.observer.as_ref()),
         };
         let span = tracing::debug_span!(
             "idem_retry",
             method = %cx.path,
+            rpc.system = "grpc",
+            rpc.service = rpc_part(cx.path.as_str(), 0),
+            rpc.method = rpc_part(cx.path.as_str(), 1),
             attempts = Empty,
+            retry_delay_ms = Empty,
             outcome = Empty,
+            rpc.grpc.status_code = Empty,
         );
         if policy.retry.is_none() && policy.hedging.is_none() && !policy.wait_for_ready {
             return self.pass_through(req, cx, span);
@@ -161,6 +168,7 @@ impl<S> Retry<S> {
                 .insert(GRPC_TIMEOUT, encode_grpc_timeout(d - now));
         }
         self.shared.stats.attempt(true);
+        cx.attempt_started();
         let check = cx.limits.request.zip(cx.fault.clone());
         let req = req.map(|body| {
             let body = tonic::body::Body::new(body);
@@ -174,6 +182,11 @@ impl<S> Retry<S> {
         let fut = self.inner.call(req);
         ResponseFuture::passthrough(fut, cx, span)
     }
+}
+
+/// OpenTelemetry's `rpc.service` (`i = 0`) or `rpc.method` (`i = 1`) of a path.
+fn rpc_part(path: &str, i: usize) -> &str {
+    path.trim_start_matches('/').split('/').nth(i).unwrap_or("")
 }
 
 /// The call's deadline: the earliest of the request's `grpc-timeout` (tonic's

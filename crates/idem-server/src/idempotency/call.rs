@@ -51,6 +51,7 @@ fn scopes(headers: &http::HeaderMap) -> (Option<Instant>, InboundScope) {
 
 fn outcome(name: &'static str) {
     tracing::Span::current().record("outcome", name);
+    crate::metrics::outcome(name);
 }
 
 impl<St: Store> Call<St> {

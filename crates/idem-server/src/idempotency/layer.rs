@@ -85,6 +85,7 @@ pub(crate) struct Shared<St> {
     /// call was refused for it (once each, so a misconfigured server does not flood).
     logged_at_layer: AtomicBool,
     logged_at_call: AtomicBool,
+    pub(crate) observer: Option<crate::metrics::SharedObserver>,
 }
 
 impl<St: Clone> Clone for Shared<St> {
@@ -102,6 +103,7 @@ impl<St: Clone> Clone for Shared<St> {
             max_handlers_pinned: self.max_handlers_pinned,
             logged_at_layer: AtomicBool::new(false),
             logged_at_call: AtomicBool::new(false),
+            observer: self.observer.clone(),
         }
     }
 }
@@ -212,6 +214,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 max_handlers_pinned: false,
                 logged_at_layer: AtomicBool::new(false),
                 logged_at_call: AtomicBool::new(false),
+                observer: None,
             }),
         }
     }

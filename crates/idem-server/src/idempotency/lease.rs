@@ -34,6 +34,8 @@ pub(crate) struct Lease<St> {
     stats: IdempotencyStats,
     retry_for: Duration,
     _renewal: AbortOnDrop,
+    /// The call's trace, told what became of the record.
+    trace: Option<std::sync::Arc<crate::metrics::CallTrace>>,
 }
 
 /// Stops the renewal task when the lease is done with, however that happens.
@@ -78,6 +80,7 @@ impl<St: Store> Lease<St> {
             stats: shared.stats.clone(),
             retry_for: policy.completion_retry_timeout,
             _renewal: AbortOnDrop(renewal.abort_handle()),
+            trace: crate::metrics::current(),
         }
     }
 
@@ -171,6 +174,14 @@ impl<St: Store> Lease<St> {
         what: &str,
         landed: impl FnOnce(&super::stats::Counters) -> &std::sync::atomic::AtomicU64,
     ) {
+        if let Some(t) = &self.trace {
+            t.recorded(match (&r, what) {
+                (Ok(()), "completion") => "stored",
+                (Ok(()), _) => "released",
+                (Err(Unrecorded::Fenced), _) => "stale_fence",
+                (Err(Unrecorded::Failed(_)), _) => "unrecorded",
+            });
+        }
         match r {
             Ok(()) => self.stats.inc(landed),
             Err(Unrecorded::Fenced) => {

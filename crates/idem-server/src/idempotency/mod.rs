@@ -225,8 +225,11 @@
 //! One `idempotency` span per protected call with the method, the first 16 hex digits of
 //! the scope (never the raw key), the fence and the outcome (`executed`, `replayed`,
 //! `waited`, `mismatch`, `aborted`, `not_retained`, `rejected`, `store_unavailable`,
-//! `store_full`, `overloaded`, `fail_open`, `waited_deadline`); counters in
-//! [`IdempotencyStats`].
+//! `store_full`, `overloaded`, `fail_open`, `waited_deadline`), ending with one `INFO`
+//! event `idempotent call` (outcome, what became of the record, gRPC status, duration);
+//! counters in [`IdempotencyStats`]; per-call events for metrics through
+//! [`IdempotencyLayer::observer`] ([`crate::metrics`]; `idem-otel` records them through
+//! OpenTelemetry).
 
 mod body;
 mod call;

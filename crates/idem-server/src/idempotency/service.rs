@@ -21,6 +21,7 @@ use super::digest::{scope_for, tenant_id};
 use super::future::ResponseFuture;
 use super::layer::{Current, IdempotencyLayer, Shared};
 use super::status;
+use crate::metrics::{self, CallTrace};
 
 /// The idempotency middleware; see the [module docs](super).
 pub struct Idempotency<S, St> {
@@ -137,21 +138,26 @@ where
             }
             Route::Reject(status) => {
                 self.shared.stats.inc(|c| &c.rejected);
-                tracing::info!(method = parts.uri.path(), outcome = "rejected", code = ?status.code(), "{}", status.message());
-                ResponseFuture::ready(status.into_http())
+                let path = parts.uri.path();
+                let span = call_span(path, None);
+                let trace = CallTrace::start(self.shared.observer.as_ref(), path, &span);
+                span.in_scope(|| {
+                    tracing::info!(code = ?status.code(), "{}", status.message());
+                    metrics::outcome_of(trace.as_deref(), "rejected");
+                });
+                let resp = status.into_http();
+                ResponseFuture::ready(match trace {
+                    Some(t) => metrics::watch(resp, t),
+                    None => resp,
+                })
             }
             Route::Protect { key, tenant } => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let path = parts.uri.path().to_owned();
                 let scope = scope_for(&tenant, &path, key.as_str());
-                let span = tracing::info_span!(
-                    "idempotency",
-                    method = %path,
-                    scope = %&scope.to_hex()[..16],
-                    outcome = field::Empty,
-                    fence = field::Empty,
-                );
+                let span = call_span(&path, Some(&scope));
+                let trace = CallTrace::start(self.shared.observer.as_ref(), &path, &span);
                 let call = Call {
                     shared: self.shared.clone(),
                     policy: policy.clone(),
@@ -159,8 +165,31 @@ where
                     scope,
                     tenant: tenant_id(&tenant),
                 };
-                ResponseFuture::protected(Box::pin(call.run(inner, parts, body).instrument(span)))
+                let fut = metrics::traced(trace, call.run(inner, parts, body));
+                ResponseFuture::protected(Box::pin(fut.instrument(span)))
             }
         }
     }
+}
+
+/// The span of a protected call: OpenTelemetry's RPC attributes, the scope's first 16
+/// hex digits (never the key), and what the call came to.
+fn call_span(path: &str, scope: Option<&idem_store::Scope>) -> tracing::Span {
+    let (service, method) = path
+        .trim_start_matches('/')
+        .split_once('/')
+        .unwrap_or((path, ""));
+    let scope = scope.map(|s| s.to_hex());
+    tracing::info_span!(
+        "idempotency",
+        method = %path,
+        scope = scope.as_ref().map(|s| field::display(&s[..16])),
+        rpc.system = "grpc",
+        rpc.service = service,
+        rpc.method = method,
+        rpc.grpc.status_code = field::Empty,
+        outcome = field::Empty,
+        idem.record = field::Empty,
+        fence = field::Empty,
+    )
 }

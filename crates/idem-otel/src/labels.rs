@@ -1,0 +1,112 @@
+//! Label values with a bounded set: `grpc.method` and `grpc.status`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use idem_core::ServiceConfig;
+use opentelemetry::{KeyValue, Value};
+use tonic::Code;
+
+/// `grpc.method` label of a method the config does not name.
+pub const OTHER: &str = "other";
+
+/// Most distinct method labels a client learns from service-level names.
+const LEARNED_MAX: usize = 1_000;
+
+/// Which method paths get their own `grpc.method` label; every other one is `"other"`.
+#[derive(Debug)]
+pub(crate) struct MethodLabels {
+    /// `/pkg.Service/Method` → `pkg.Service/Method`.
+    exact: HashMap<String, Value>,
+    /// Services whose every method is labelled (client side only).
+    services: HashSet<String>,
+    learned: RwLock<HashMap<String, Value>>,
+}
+
+impl MethodLabels {
+    /// The methods `config` names exactly; with `by_service`, also every method of the
+    /// services it names (a client calls only methods compiled into it; a server must
+    /// not, or a caller could make a label per made-up method name).
+    pub(crate) fn from_config(config: &ServiceConfig, by_service: bool) -> Self {
+        let mut labels = MethodLabels {
+            exact: HashMap::new(),
+            services: HashSet::new(),
+            learned: RwLock::default(),
+        };
+        for name in config.method_configs().iter().flat_map(|m| m.names()) {
+            match (&name.service, &name.method) {
+                (Some(s), Some(m)) => labels.add(&format!("{s}/{m}")),
+                (Some(s), None) if by_service => {
+                    labels.services.insert(s.clone());
+                }
+                _ => {}
+            }
+        }
+        labels
+    }
+
+    /// Labels `pkg.Service/Method` (with or without its leading `/`) by its name.
+    pub(crate) fn add(&mut self, method: &str) {
+        let name = method.trim_start_matches('/');
+        let value = Value::from(Arc::<str>::from(name));
+        self.exact.insert(format!("/{name}"), value);
+    }
+
+    /// The `grpc.method` value of the call to `path`.
+    pub(crate) fn of(&self, path: &str) -> Value {
+        if let Some(v) = self.exact.get(path) {
+            return v.clone();
+        }
+        let service = path.trim_start_matches('/').split_once('/').map(|(s, _)| s);
+        if !service.is_some_and(|s| self.services.contains(s)) {
+            return Value::from(OTHER);
+        }
+        if let Some(v) = self
+            .learned
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(path)
+        {
+            return v.clone();
+        }
+        let mut learned = self.learned.write().unwrap_or_else(PoisonError::into_inner);
+        if learned.len() >= LEARNED_MAX {
+            return Value::from(OTHER);
+        }
+        let v = Value::from(Arc::<str>::from(&path[1..]));
+        learned.insert(path.to_owned(), v.clone());
+        v
+    }
+}
+
+/// `grpc.status`: the code's canonical name (`UNAVAILABLE`).
+pub(crate) fn status(code: Code) -> KeyValue {
+    KeyValue::new("grpc.status", idem_core::code::code_name(code))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_named_methods_get_a_label() {
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [
+                {"name": [{"service": "a.B", "method": "C"}], "timeout": "1s"},
+                {"name": [{"service": "x.Y"}], "timeout": "1s"},
+                {"name": [{}], "timeout": "1s"}]}"#,
+        )
+        .unwrap();
+        let server = MethodLabels::from_config(&config, false);
+        assert_eq!(server.of("/a.B/C"), Value::from("a.B/C"));
+        assert_eq!(server.of("/x.Y/Z"), Value::from(OTHER));
+        assert_eq!(server.of("/q.R/S"), Value::from(OTHER));
+        let client = MethodLabels::from_config(&config, true);
+        assert_eq!(client.of("/x.Y/Z"), Value::from("x.Y/Z"));
+        for i in 0..2 * LEARNED_MAX {
+            client.of(&format!("/x.Y/M{i}"));
+        }
+        assert_eq!(client.learned.read().unwrap().len(), LEARNED_MAX);
+        assert_eq!(client.of("/x.Y/M999999"), Value::from(OTHER));
+    }
+}

@@ -1,0 +1,71 @@
+//! OpenTelemetry metrics for idem's layers: gRPC's standard client and server metrics
+//! (gRFC A66, A96 names, units and labels) and idem's own, through the OpenTelemetry
+//! metrics API, so any OpenTelemetry exporter works; plus a Prometheus text exposition
+//! ([`prometheus`]).
+//!
+//! The layers know no metrics library: they call observer traits
+//! ([`idem_client::metrics::CallObserver`], [`idem_server::metrics::ServerObserver`],
+//! [`idem_store::instrumented::StoreObserver`]), which [`ClientMetrics`] and
+//! [`ServerMetrics`] implement. Without this crate (the facade's `otel` feature off) no
+//! OpenTelemetry code is compiled.
+//!
+//! ```no_run
+//! # fn f(config: idem_core::ServiceConfig) -> Result<(), Box<dyn std::error::Error>> {
+//! let prometheus = idem_otel::prometheus::Prometheus::new(); // or your own MeterProvider
+//! let meter = prometheus.meter("idem");
+//! let metrics = idem_otel::ClientMetrics::new(&meter, "dns:///orders:443", &config);
+//! let layer = idem_client::RetryLayer::builder().service_config(config).observer(metrics.clone()).build()?;
+//! metrics.watch(&layer);
+//! # Ok(()) }
+//! ```
+//!
+//! # Metrics
+//! | name | type | unit | labels | meaning |
+//! |---|---|---|---|---|
+//! | `grpc.client.attempt.started` | counter | `{attempt}` | `grpc.method`, `grpc.target` | attempts sent, retries included (A66) |
+//! | `grpc.client.attempt.duration` | histogram | `s` | `grpc.method`, `grpc.target`, `grpc.status` | each attempt to its status; a committed one to the end of its response (A66) |
+//! | `grpc.client.call.duration` | histogram | `s` | `grpc.method`, `grpc.target`, `grpc.status` | each call as the application sees it (A66) |
+//! | `grpc.client.call.retries` | histogram | `{retry}` | `grpc.method`, `grpc.target` | retries of calls that retried; 0 is not recorded (A96) |
+//! | `grpc.client.call.retry_delay` | histogram | `s` | `grpc.method`, `grpc.target` | per call, time with no attempt in flight (A96) |
+//! | `idem.client.call.outcome` | counter | `{call}` | `grpc.method`, `grpc.target`, `idem.outcome` | calls by why the layer stopped (`CallOutcome` names) |
+//! | `idem.client.retry_throttle.tokens` | gauge | `{token}` | `grpc.target` | tokens left in the A6 throttle |
+//! | `grpc.server.call.started` | counter | `{call}` | `grpc.method` | calls to protected methods (A66) |
+//! | `grpc.server.call.duration` | histogram | `s` | `grpc.method`, `grpc.status` | protected calls, arrival to end of response (A66) |
+//! | `idem.server.call.outcome` | counter | `{call}` | `grpc.method`, `idem.outcome`, `idem.reason` (rejected only) | protected calls by outcome |
+//! | `idem.server.handlers.in_flight` | gauge | `{run}` | | handler runs from claim to recorded outcome, detached ones included |
+//! | `idem.server.record.outcome` | counter | `{record}` | `idem.record` | records stored, released, unrecorded |
+//! | `idem.server.stale_fences` | counter | `{record}` | | completions/releases refused: the record was taken over |
+//! | `idem.store.operation.duration` | histogram | `s` | `idem.store.kind`, `idem.store.operation`, `idem.store.result` | each store operation |
+//! | `idem.store.memory.entries` / `.in_flight` / `.size` | gauge | `{record}` / `{record}` / `By` | | what a `MemoryStore` holds |
+//!
+//! # Labels
+//! Bounded by construction: no key, scope or tenant is ever a label. `grpc.method` is
+//! the method's name (`shop.v1.Orders/CreateOrder`) when the service config names it (on
+//! the client also by its service), else `"other"`. `grpc.status` is the code's name
+//! (`UNAVAILABLE`). The outcome, reason, record and store labels take values from fixed
+//! lists.
+//!
+//! # When values appear
+//! `grpc.client.attempt.started` and `grpc.server.call.started` count as calls arrive;
+//! the rest is recorded when a call ends: a committed client call at the end of its
+//! response body (its status from the trailers), a protected server call once its
+//! response ended and, when its handler ran, its outcome was recorded.
+
+mod client;
+mod labels;
+pub mod prometheus;
+mod server;
+
+pub use client::ClientMetrics;
+pub use labels::OTHER;
+pub use server::ServerMetrics;
+
+/// Bucket boundaries of the duration histograms, in seconds: gRFC A66's.
+pub const LATENCY_BUCKETS: [f64; 41] = [
+    0.0, 0.00001, 0.00005, 0.0001, 0.0003, 0.0006, 0.0008, 0.001, 0.002, 0.003, 0.004, 0.005,
+    0.006, 0.008, 0.01, 0.013, 0.016, 0.02, 0.025, 0.03, 0.04, 0.05, 0.065, 0.08, 0.1, 0.13, 0.16,
+    0.2, 0.25, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0,
+];
+
+/// Bucket boundaries of `grpc.client.call.retries`: gRFC A96's.
+pub const RETRY_BUCKETS: [f64; 5] = [1.0, 2.0, 3.0, 4.0, 5.0];

@@ -1,0 +1,205 @@
+//! [`ServerMetrics`]: gRPC's server metrics (gRFC A66) for protected methods and idem's
+//! own, from an [`IdempotencyLayer`]'s observer events, its counters and its store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::ServiceConfig;
+use idem_server::IdempotencyLayer;
+use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
+use idem_store::instrumented::{InstrumentedStore, OpResult, StoreObserver, StoreOp};
+use idem_store::{MemoryStore, Store};
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Histogram, Meter};
+
+use crate::LATENCY_BUCKETS;
+use crate::labels::{self, MethodLabels};
+
+/// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
+/// [crate docs](crate) for the table). Cheap to clone.
+///
+/// ```
+/// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::ServiceConfig) {
+/// use idem_otel::ServerMetrics;
+/// use idem_server::IdempotencyLayer;
+/// use idem_store::MemoryStore;
+///
+/// let metrics = ServerMetrics::new(&meter, &config);
+/// let store = MemoryStore::default();
+/// metrics.watch_memory_store(&store); // entries, bytes, in flight
+/// let layer = IdempotencyLayer::new(metrics.instrument_store(store, "memory"), &config)
+///     .observer(metrics.clone());
+/// metrics.watch(&layer); // handler runs, records, stale fences
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ServerMetrics(Arc<Inner>);
+
+struct Inner {
+    meter: Meter,
+    methods: MethodLabels,
+    started: Counter<u64>,
+    duration: Histogram<f64>,
+    outcome: Counter<u64>,
+    store_duration: Histogram<f64>,
+}
+
+impl std::fmt::Debug for ServerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerMetrics").finish_non_exhaustive()
+    }
+}
+
+impl ServerMetrics {
+    /// Instruments on `meter`. Methods `config` names exactly (`service` and `method`)
+    /// are labelled by name; others `"other"` (add more with [`method`](Self::method)):
+    /// the layer runs before the router, so a caller could make up method names.
+    pub fn new(meter: &Meter, config: &ServiceConfig) -> Self {
+        ServerMetrics(Arc::new(Inner {
+            methods: MethodLabels::from_config(config, false),
+            started: meter
+                .u64_counter("grpc.server.call.started")
+                .with_unit("{call}")
+                .with_description("Calls to protected methods received.")
+                .build(),
+            duration: meter
+                .f64_histogram("grpc.server.call.duration")
+                .with_unit("s")
+                .with_description("Protected calls, from arrival to the end of the response.")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            outcome: meter
+                .u64_counter("idem.server.call.outcome")
+                .with_unit("{call}")
+                .with_description("Protected calls by what the idempotency layer did (idem.outcome; idem.reason for rejected).")
+                .build(),
+            store_duration: meter
+                .f64_histogram("idem.store.operation.duration")
+                .with_unit("s")
+                .with_description("Store operations by operation, store kind and result.")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            meter: meter.clone(),
+        }))
+    }
+
+    /// Labels `method` (`pkg.Service/Method`) by its name too.
+    pub fn method(mut self, method: &str) -> Self {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => inner.methods.add(method),
+            None => tracing::warn!("ServerMetrics::method called after the metrics were shared"),
+        }
+        self
+    }
+
+    /// `store`, timed per operation into `idem.store.operation.duration` with
+    /// `idem.store.kind = kind` (keep it to a fixed name: `memory`, `redis`, `postgres`).
+    pub fn instrument_store<St: Store>(
+        &self,
+        store: St,
+        kind: &'static str,
+    ) -> InstrumentedStore<St> {
+        InstrumentedStore::new(store, kind, self.clone())
+    }
+
+    /// Reports `layer`'s handler runs in flight and record results at each collection.
+    pub fn watch<St: Store>(&self, layer: &IdempotencyLayer<St>) {
+        let meter = &self.0.meter;
+        let l = layer.clone();
+        meter
+            .u64_observable_gauge("idem.server.handlers.in_flight")
+            .with_unit("{run}")
+            .with_description("Handler runs from claim until their outcome is recorded, runs whose caller went away included.")
+            .with_callback(move |g| g.observe(l.handlers_in_flight() as u64, &[]))
+            .build();
+        let stats = layer.stats();
+        meter
+            .u64_observable_counter("idem.server.record.outcome")
+            .with_unit("{record}")
+            .with_description("What became of executed calls' records (idem.record: stored, released, unrecorded).")
+            .with_callback(move |c| {
+                let s = stats.snapshot();
+                for (name, v) in [("stored", s.stored), ("released", s.released), ("unrecorded", s.unrecorded)] {
+                    c.observe(v, &[KeyValue::new("idem.record", name)]);
+                }
+            })
+            .build();
+        let stats = layer.stats();
+        meter
+            .u64_observable_counter("idem.server.stale_fences")
+            .with_unit("{record}")
+            .with_description(
+                "Completions or releases refused because another claimant took the record over.",
+            )
+            .with_callback(move |c| c.observe(stats.snapshot().stale_fence, &[]))
+            .build();
+    }
+
+    /// Reports `store`'s records, bytes and in-flight records at each collection.
+    pub fn watch_memory_store(&self, store: &MemoryStore) {
+        type Read = fn(&idem_store::MemoryStoreStats) -> usize;
+        let gauges: [(&str, &str, &str, Read); 3] = [
+            (
+                "idem.store.memory.entries",
+                "{record}",
+                "Records held, in flight and completed.",
+                |s| s.entries,
+            ),
+            (
+                "idem.store.memory.in_flight",
+                "{record}",
+                "Records in flight.",
+                |s| s.in_flight,
+            ),
+            (
+                "idem.store.memory.size",
+                "By",
+                "Bytes charged: responses and per-record overhead.",
+                |s| s.bytes,
+            ),
+        ];
+        for (name, unit, description, read) in gauges {
+            let store = store.clone();
+            self.0
+                .meter
+                .u64_observable_gauge(name)
+                .with_unit(unit)
+                .with_description(description)
+                .with_callback(move |g| g.observe(read(&store.stats()) as u64, &[]))
+                .build();
+        }
+    }
+}
+
+impl ServerObserver for ServerMetrics {
+    fn call_started(&self, method: &str) {
+        let m = &self.0;
+        m.started
+            .add(1, &[KeyValue::new("grpc.method", m.methods.of(method))]);
+    }
+
+    fn call_ended(&self, call: &ProtectedCallEnded<'_>) {
+        let m = &self.0;
+        let method = KeyValue::new("grpc.method", m.methods.of(call.method));
+        let attrs = [method.clone(), labels::status(call.status)];
+        m.duration.record(call.duration.as_secs_f64(), &attrs);
+        let outcome = KeyValue::new("idem.outcome", call.outcome);
+        match call.reason {
+            Some(r) => m
+                .outcome
+                .add(1, &[method, outcome, KeyValue::new("idem.reason", r)]),
+            None => m.outcome.add(1, &[method, outcome]),
+        }
+    }
+}
+
+impl StoreObserver for ServerMetrics {
+    fn operation(&self, kind: &'static str, op: StoreOp, took: Duration, result: OpResult) {
+        let attrs = [
+            KeyValue::new("idem.store.kind", kind),
+            KeyValue::new("idem.store.operation", op.as_str()),
+            KeyValue::new("idem.store.result", result.as_str()),
+        ];
+        self.0.store_duration.record(took.as_secs_f64(), &attrs);
+    }
+}

@@ -1,0 +1,729 @@
+//! idem's metrics end to end: a real tonic client and server on 127.0.0.1, the layers'
+//! observers recorded through OpenTelemetry into the SDK's in-memory exporter, checked by
+//! name, unit, labels and value for scripted scenarios; the Prometheus endpoint over real
+//! HTTP; label cardinality under 10,000 distinct keys.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem_client::RetryLayer;
+use idem_core::ServiceConfig;
+use idem_otel::{ClientMetrics, ServerMetrics};
+use idem_server::IdempotencyLayer;
+use idem_store::{MemoryStore, Store};
+use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
+use idem_test_support::net;
+use idem_test_support::shop::orders_client::OrdersClient;
+use idem_test_support::shop::orders_server::{Orders, OrdersServer};
+use idem_test_support::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use opentelemetry::metrics::{Meter, MeterProvider as _};
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Request, Response, Status};
+
+const METHOD: &str = "shop.v1.Orders/CreateOrder";
+
+fn config(throttle: bool) -> ServiceConfig {
+    let throttling = if throttle {
+        r#","retryThrottling": {"maxTokens": 2, "tokenRatio": 0.1}"#
+    } else {
+        ""
+    };
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+              "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+              "retryPolicy": {{"maxAttempts": 5, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+                              "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}},
+              "idempotency": {{}}
+            }}],
+            "idem": {{"tenant": {{"single": "t"}}}}{throttling}}}"#
+    ))
+    .expect("test config")
+}
+
+#[derive(Default)]
+struct Shop;
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        r: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let r = r.into_inner();
+        Ok(Response::new(Order {
+            order_id: "o".into(),
+            sku: r.sku,
+            ..Order::default()
+        }))
+    }
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+}
+
+/// An OpenTelemetry pipeline into the SDK's in-memory exporter.
+struct Otel {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+}
+
+/// One data point: its attributes and value.
+#[derive(Debug, Clone)]
+struct Point {
+    attrs: Vec<(String, String)>,
+    value: Value,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Value {
+    Sum(f64),
+    Gauge(f64),
+    Histogram { count: u64, sum: f64 },
+}
+
+impl Otel {
+    fn new() -> Self {
+        let exporter = InMemoryMetricExporter::default();
+        let reader = PeriodicReader::builder(exporter.clone())
+            .with_interval(Duration::from_secs(3600))
+            .build();
+        Otel {
+            provider: SdkMeterProvider::builder().with_reader(reader).build(),
+            exporter,
+        }
+    }
+
+    fn meter(&self) -> Meter {
+        self.provider.meter("idem-test")
+    }
+
+    fn collect(&self) -> ResourceMetrics {
+        self.exporter.reset();
+        self.provider.force_flush().expect("flush");
+        let mut all = self.exporter.get_finished_metrics().expect("metrics");
+        all.pop().expect("one export")
+    }
+
+    /// Every point of `name`, and its unit (`None`: no such metric).
+    fn points(&self, name: &str) -> Option<(String, Vec<Point>)> {
+        let rm = self.collect();
+        for scope in rm.scope_metrics() {
+            for m in scope.metrics() {
+                if m.name() == name {
+                    return Some((m.unit().to_owned(), points(m.data())));
+                }
+            }
+        }
+        None
+    }
+
+    /// The value of the one point of `name` whose attributes include `attrs`.
+    fn value(&self, name: &str, attrs: &[(&str, &str)]) -> Option<Value> {
+        let (_, points) = self.points(name)?;
+        let matching: Vec<_> = points
+            .into_iter()
+            .filter(|p| {
+                attrs
+                    .iter()
+                    .all(|(k, v)| p.attrs.iter().any(|(pk, pv)| pk == k && pv == v))
+            })
+            .collect();
+        assert!(matching.len() <= 1, "{name} {attrs:?}: {matching:#?}");
+        matching.into_iter().next().map(|p| p.value)
+    }
+
+    fn unit(&self, name: &str) -> String {
+        self.points(name)
+            .unwrap_or_else(|| panic!("no metric {name}"))
+            .0
+    }
+
+    fn labels(&self, name: &str) -> Vec<Vec<String>> {
+        let (_, points) = self
+            .points(name)
+            .unwrap_or_else(|| panic!("no metric {name}"));
+        points
+            .into_iter()
+            .map(|p| p.attrs.into_iter().map(|(k, _)| k).collect())
+            .collect()
+    }
+
+    /// Waits (server metrics are recorded once the record is written, just after the
+    /// response) until `name` with `attrs` has `want`.
+    async fn expect(&self, name: &str, attrs: &[(&str, &str)], want: Value) {
+        for _ in 0..200 {
+            if self.value(name, attrs).as_ref() == Some(&want) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (unit, points) = self.points(name).unwrap_or_default();
+        panic!("{name} {attrs:?}: want {want:?}; have ({unit}) {points:#?}");
+    }
+}
+
+fn points(data: &AggregatedMetrics) -> Vec<Point> {
+    fn attrs<'a>(kvs: impl Iterator<Item = &'a opentelemetry::KeyValue>) -> Vec<(String, String)> {
+        let mut v: Vec<_> = kvs
+            .map(|kv| (kv.key.to_string(), kv.value.to_string()))
+            .collect();
+        v.sort();
+        v
+    }
+    macro_rules! of {
+        ($d:expr) => {
+            match $d {
+                MetricData::Sum(s) => s
+                    .data_points()
+                    .map(|p| Point {
+                        attrs: attrs(p.attributes()),
+                        value: Value::Sum(p.value() as f64),
+                    })
+                    .collect(),
+                MetricData::Gauge(g) => g
+                    .data_points()
+                    .map(|p| Point {
+                        attrs: attrs(p.attributes()),
+                        value: Value::Gauge(p.value() as f64),
+                    })
+                    .collect(),
+                MetricData::Histogram(h) => h
+                    .data_points()
+                    .map(|p| Point {
+                        attrs: attrs(p.attributes()),
+                        value: Value::Histogram {
+                            count: p.count(),
+                            sum: p.sum() as f64,
+                        },
+                    })
+                    .collect(),
+                MetricData::ExponentialHistogram(_) => Vec::new(),
+            }
+        };
+    }
+    match data {
+        AggregatedMetrics::F64(d) => of!(d),
+        AggregatedMetrics::U64(d) => of!(d),
+        AggregatedMetrics::I64(d) => of!(d),
+    }
+}
+
+/// A server: `fail_first` calls answered UNAVAILABLE in front of the layer.
+async fn serve<St: Store>(layer: IdempotencyLayer<St>, fail_first: usize) -> SocketAddr {
+    let (addr, incoming) = net::bind().await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let faults = tonic::service::InterceptorLayer::new(move |req: Request<()>| {
+        if seen.fetch_add(1, Ordering::Relaxed) < fail_first {
+            return Err(Status::unavailable("injected"));
+        }
+        Ok(req)
+    });
+    tokio::spawn(
+        Server::builder()
+            .layer(faults)
+            .layer(layer)
+            .add_service(OrdersServer::new(Shop))
+            .serve_with_incoming(incoming),
+    );
+    addr
+}
+
+fn client(
+    otel: &Otel,
+    cfg: &ServiceConfig,
+    addr: SocketAddr,
+) -> (OrdersClient<idem_client::Retry<Channel>>, RetryLayer) {
+    let metrics = ClientMetrics::new(&otel.meter(), format!("dns:///{addr}"), cfg);
+    let layer = RetryLayer::builder()
+        .service_config(cfg.clone())
+        .observer(metrics.clone())
+        .seed(1)
+        .build()
+        .expect("layer");
+    metrics.watch(&layer);
+    let svc = tower::Layer::layer(&layer, net::channel(addr));
+    (OrdersClient::new(svc), layer)
+}
+
+fn server_layer<St: Store>(
+    otel: &Otel,
+    cfg: &ServiceConfig,
+    store: St,
+) -> IdempotencyLayer<idem_store::InstrumentedStore<St>> {
+    let metrics = ServerMetrics::new(&otel.meter(), cfg);
+    let layer = IdempotencyLayer::new(metrics.instrument_store(store, "memory"), cfg)
+        .observer(metrics.clone());
+    metrics.watch(&layer);
+    layer
+}
+
+fn order(sku: &str) -> CreateOrderRequest {
+    CreateOrderRequest {
+        customer_id: "c".into(),
+        sku: sku.into(),
+        quantity: 1,
+        note: String::new(),
+    }
+}
+
+fn keyed(sku: &str, key: &str) -> Request<CreateOrderRequest> {
+    let mut r = Request::new(order(sku));
+    r.metadata_mut()
+        .insert("x-idempotency-key", key.parse().unwrap());
+    r
+}
+
+fn hist(count: u64) -> impl Fn(&Value) -> bool {
+    move |v| matches!(v, Value::Histogram { count: c, .. } if *c == count)
+}
+
+#[tokio::test]
+async fn two_retries_then_ok() {
+    let otel = Otel::new();
+    let cfg = config(false);
+    let memory = MemoryStore::default();
+    let metrics = ServerMetrics::new(&otel.meter(), &cfg);
+    metrics.watch_memory_store(&memory);
+    let layer = IdempotencyLayer::new(metrics.instrument_store(memory.clone(), "memory"), &cfg)
+        .observer(metrics.clone());
+    metrics.watch(&layer);
+    let addr = serve(layer, 2).await;
+    let (mut c, _) = client(&otel, &cfg, addr);
+    c.create_order(Request::new(order("a")))
+        .await
+        .expect("ok after two retries");
+
+    let target = format!("dns:///{addr}");
+    let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
+    assert_eq!(otel.unit("grpc.client.attempt.started"), "{attempt}");
+    assert_eq!(
+        otel.value("grpc.client.attempt.started", &m),
+        Some(Value::Sum(3.0))
+    );
+    assert_eq!(otel.unit("grpc.client.attempt.duration"), "s");
+    let unavailable = [m[0], m[1], ("grpc.status", "UNAVAILABLE")];
+    let ok = [m[0], m[1], ("grpc.status", "OK")];
+    assert!(hist(2)(
+        &otel
+            .value("grpc.client.attempt.duration", &unavailable)
+            .unwrap()
+    ));
+    assert!(hist(1)(
+        &otel.value("grpc.client.attempt.duration", &ok).unwrap()
+    ));
+    assert_eq!(otel.unit("grpc.client.call.duration"), "s");
+    assert!(hist(1)(
+        &otel.value("grpc.client.call.duration", &ok).unwrap()
+    ));
+    assert_eq!(
+        otel.labels("grpc.client.call.duration"),
+        [["grpc.method", "grpc.status", "grpc.target"]]
+    );
+    assert_eq!(otel.unit("grpc.client.call.retries"), "{retry}");
+    assert_eq!(
+        otel.value("grpc.client.call.retries", &m),
+        Some(Value::Histogram { count: 1, sum: 2.0 })
+    );
+    let Some(Value::Histogram {
+        count: 1,
+        sum: delay,
+    }) = otel.value("grpc.client.call.retry_delay", &m)
+    else {
+        panic!("one retry_delay");
+    };
+    assert!(
+        (0.015..1.0).contains(&delay),
+        "two waits of 10 ms ±20 %: {delay}"
+    );
+    let committed = [m[0], m[1], ("idem.outcome", "committed")];
+    assert_eq!(
+        otel.value("idem.client.call.outcome", &committed),
+        Some(Value::Sum(1.0))
+    );
+    // The fault sits in front of the server layer: it saw one call, which ran.
+    let sm = [("grpc.method", METHOD)];
+    otel.expect("grpc.server.call.started", &sm, Value::Sum(1.0))
+        .await;
+    let executed = [sm[0], ("idem.outcome", "executed")];
+    otel.expect("idem.server.call.outcome", &executed, Value::Sum(1.0))
+        .await;
+    assert!(hist(1)(
+        &otel
+            .value("grpc.server.call.duration", &[sm[0], ("grpc.status", "OK")])
+            .unwrap()
+    ));
+    otel.expect(
+        "idem.server.record.outcome",
+        &[("idem.record", "stored")],
+        Value::Sum(1.0),
+    )
+    .await;
+    assert_eq!(
+        otel.value("idem.server.stale_fences", &[]),
+        Some(Value::Sum(0.0))
+    );
+    assert_eq!(
+        otel.value("idem.server.handlers.in_flight", &[]),
+        Some(Value::Gauge(0.0))
+    );
+    assert_eq!(
+        otel.value("idem.store.memory.entries", &[]),
+        Some(Value::Gauge(1.0))
+    );
+    assert_eq!(otel.unit("idem.store.memory.size"), "By");
+    let claim = [
+        ("idem.store.kind", "memory"),
+        ("idem.store.operation", "claim"),
+        ("idem.store.result", "ok"),
+    ];
+    assert!(hist(1)(
+        &otel.value("idem.store.operation.duration", &claim).unwrap()
+    ));
+    let complete = [claim[0], ("idem.store.operation", "complete"), claim[2]];
+    assert!(hist(1)(
+        &otel
+            .value("idem.store.operation.duration", &complete)
+            .unwrap()
+    ));
+}
+
+#[tokio::test]
+async fn throttled() {
+    let otel = Otel::new();
+    let cfg = config(true);
+    let addr = serve(
+        server_layer(&otel, &cfg, MemoryStore::default()),
+        usize::MAX,
+    )
+    .await;
+    let (mut c, _) = client(&otel, &cfg, addr);
+    let s = c.create_order(Request::new(order("a"))).await.unwrap_err();
+    assert_eq!(s.code(), Code::Unavailable);
+    let target = format!("dns:///{addr}");
+    let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
+    // 2 tokens, one failure leaves 1 (not above half): no retry.
+    assert_eq!(
+        otel.value("grpc.client.attempt.started", &m),
+        Some(Value::Sum(1.0))
+    );
+    let throttled = [m[0], m[1], ("idem.outcome", "throttled")];
+    assert_eq!(
+        otel.value("idem.client.call.outcome", &throttled),
+        Some(Value::Sum(1.0))
+    );
+    let status = [m[0], m[1], ("grpc.status", "UNAVAILABLE")];
+    assert!(hist(1)(
+        &otel.value("grpc.client.call.duration", &status).unwrap()
+    ));
+    assert_eq!(
+        otel.value("grpc.client.call.retries", &m),
+        None,
+        "0 retries is not recorded"
+    );
+    assert_eq!(otel.unit("idem.client.retry_throttle.tokens"), "{token}");
+    assert_eq!(
+        otel.value(
+            "idem.client.retry_throttle.tokens",
+            &[("grpc.target", target.as_str())]
+        ),
+        Some(Value::Gauge(1.0))
+    );
+}
+
+#[tokio::test]
+async fn replay_and_mismatch() {
+    let otel = Otel::new();
+    let cfg = config(false);
+    let addr = serve(server_layer(&otel, &cfg, MemoryStore::default()), 0).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    c.create_order(keyed("a", "key-replay-01"))
+        .await
+        .expect("first run");
+    let replayed = c
+        .create_order(keyed("a", "key-replay-01"))
+        .await
+        .expect("replay");
+    assert!(idem_client::is_replayed(&replayed));
+    let s = c
+        .create_order(keyed("b", "key-replay-01"))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    let s = c.create_order(Request::new(order("a"))).await.unwrap_err();
+    assert_eq!(s.code(), Code::InvalidArgument);
+
+    let m = ("grpc.method", METHOD);
+    for (outcome, n) in [("executed", 1.0), ("replayed", 1.0), ("mismatch", 1.0)] {
+        otel.expect(
+            "idem.server.call.outcome",
+            &[m, ("idem.outcome", outcome)],
+            Value::Sum(n),
+        )
+        .await;
+    }
+    let rejected = [
+        m,
+        ("idem.outcome", "rejected"),
+        ("idem.reason", "KEY_MISSING"),
+    ];
+    otel.expect("idem.server.call.outcome", &rejected, Value::Sum(1.0))
+        .await;
+    otel.expect("grpc.server.call.started", &[m], Value::Sum(4.0))
+        .await;
+    assert!(hist(2)(
+        &otel
+            .value("grpc.server.call.duration", &[m, ("grpc.status", "OK")])
+            .unwrap()
+    ));
+    let fp = [m, ("grpc.status", "FAILED_PRECONDITION")];
+    assert!(hist(1)(
+        &otel.value("grpc.server.call.duration", &fp).unwrap()
+    ));
+    otel.expect(
+        "idem.server.record.outcome",
+        &[("idem.record", "stored")],
+        Value::Sum(1.0),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn store_down() {
+    let otel = Otel::new();
+    let cfg = config(false);
+    let faulty = FaultyStore::new(MemoryStore::default());
+    faulty.inject(Op::Claim, Fault::Unavailable, usize::MAX);
+    let addr = serve(server_layer(&otel, &cfg, faulty), 0).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    let s = c
+        .create_order(keyed("a", "key-store-down"))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::Unavailable);
+    let m = ("grpc.method", METHOD);
+    let down = [m, ("idem.outcome", "store_unavailable")];
+    otel.expect("idem.server.call.outcome", &down, Value::Sum(1.0))
+        .await;
+    assert!(hist(1)(
+        &otel
+            .value(
+                "grpc.server.call.duration",
+                &[m, ("grpc.status", "UNAVAILABLE")]
+            )
+            .unwrap()
+    ));
+    // The claim is sent once more with the same claimant before giving up.
+    let claim = [
+        ("idem.store.operation", "claim"),
+        ("idem.store.result", "unavailable"),
+    ];
+    assert!(hist(2)(
+        &otel.value("idem.store.operation.duration", &claim).unwrap()
+    ));
+}
+
+/// 10,000 distinct keys (and 100 made-up method names) make a fixed number of series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_keys_make_a_bounded_number_of_series() {
+    let otel = Otel::new();
+    let cfg = config(false);
+    let addr = serve(server_layer(&otel, &cfg, MemoryStore::default()), 0).await;
+    let (c, _) = client(&otel, &cfg, addr);
+    let sem = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut tasks = Vec::new();
+    for i in 0..10_000 {
+        let permit = sem.clone().acquire_owned().await.unwrap();
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            c.create_order(keyed("a", &format!("key-{i:08}")))
+                .await
+                .expect("call");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let series = |name: &str| otel.points(name).map_or(0, |(_, p)| p.len());
+    otel.expect(
+        "idem.server.call.outcome",
+        &[("idem.outcome", "executed")],
+        Value::Sum(10_000.0),
+    )
+    .await;
+    assert_eq!(series("idem.server.call.outcome"), 1);
+    assert_eq!(series("grpc.server.call.duration"), 1);
+    assert_eq!(series("grpc.client.call.duration"), 1);
+    assert_eq!(series("grpc.client.attempt.started"), 1);
+    let total: usize = otel
+        .collect()
+        .scope_metrics()
+        .flat_map(|s| s.metrics())
+        .map(|m| points(m.data()).len())
+        .sum();
+    assert!(total < 40, "{total} series for 10,000 keys");
+}
+
+/// The Prometheus endpoint answers a real HTTP GET with the exposition.
+#[tokio::test]
+async fn prometheus_scrape_over_http() {
+    let prometheus = idem_otel::prometheus::Prometheus::new();
+    let cfg = config(false);
+    let meter = prometheus.meter("idem");
+    let metrics = ServerMetrics::new(&meter, &cfg);
+    let layer = IdempotencyLayer::new(MemoryStore::default(), &cfg).observer(metrics.clone());
+    metrics.watch(&layer);
+    let addr = serve(layer, 0).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    c.create_order(keyed("a", "key-scrape-0001"))
+        .await
+        .expect("call");
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics_addr = listener.local_addr().unwrap();
+    tokio::spawn(idem_otel::prometheus::serve(listener, prometheus));
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = http_get(metrics_addr, "/metrics").await;
+        if text.contains("idem_server_call_outcome_total{") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+    assert!(
+        text.contains("content-type: text/plain; version=0.0.4"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE grpc_server_call_duration_seconds histogram"),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"idem_server_call_outcome_total{grpc_method="shop.v1.Orders/CreateOrder",idem_outcome="executed"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"grpc_server_call_started_total{grpc_method="shop.v1.Orders/CreateOrder"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(
+        http_get(metrics_addr, "/other")
+            .await
+            .starts_with("HTTP/1.1 404")
+    );
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// Log lines a plain `tracing_subscriber::fmt()` prints while `f` runs (this thread).
+#[derive(Clone, Default)]
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One INFO line per protected call, with its outcome, record and status, inside a span
+/// with the RPC attributes; the client's span has attempts, delay and stop reason; no
+/// raw key anywhere.
+#[tokio::test]
+async fn logs_tell_the_story_without_keys() {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let cfg = config(false);
+    let addr = serve(IdempotencyLayer::new(MemoryStore::default(), &cfg), 1).await;
+    let layer = RetryLayer::builder()
+        .service_config(cfg.clone())
+        .seed(1)
+        .build()
+        .unwrap();
+    let mut c = OrdersClient::new(tower::Layer::layer(&layer, net::channel(addr)));
+    let key = "key-log-0123456789";
+    c.create_order(keyed("a", key))
+        .await
+        .expect("ok after a retry");
+    let mut raw = OrdersClient::new(net::channel(addr));
+    raw.create_order(keyed("a", key)).await.expect("replay");
+    let mut lines = Vec::new();
+    for _ in 0..200 {
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        lines = text.lines().map(str::to_owned).collect::<Vec<_>>();
+        if lines
+            .iter()
+            .filter(|l| l.contains("idempotent call"))
+            .count()
+            == 2
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let calls: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains("idempotent call"))
+        .collect();
+    assert_eq!(calls.len(), 2, "{lines:#?}");
+    assert!(calls[0].contains(" INFO "), "{}", calls[0]);
+    for want in [
+        "rpc.system=\"grpc\"",
+        "rpc.service=\"shop.v1.Orders\"",
+        "rpc.method=\"CreateOrder\"",
+        "outcome=\"executed\"",
+        "record=\"stored\"",
+        "grpc.status=\"OK\"",
+    ] {
+        assert!(calls[0].contains(want), "{want} in {}", calls[0]);
+    }
+    assert!(calls[1].contains("outcome=\"replayed\""), "{}", calls[1]);
+    let client_span = lines
+        .iter()
+        .find(|l| l.contains("idem_retry{") && l.contains("close"))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    for want in [
+        "attempts=2",
+        "retry_delay_ms=",
+        "outcome=\"committed\"",
+        "rpc.method=\"CreateOrder\"",
+    ] {
+        assert!(client_span.contains(want), "{want} in {client_span}");
+    }
+    assert!(
+        lines.iter().all(|l| !l.contains(key)),
+        "a raw key was logged"
+    );
+}

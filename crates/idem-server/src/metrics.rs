@@ -1,0 +1,317 @@
+//! What the idempotency layer tells an observer and the logs about each protected call.
+//!
+//! Give a [`ServerObserver`] to [`IdempotencyLayer::observer`]; `idem-otel` turns its
+//! events into OpenTelemetry instruments. Whether or not one is set, every protected call
+//! (a call to a method with an `idempotency` object that was not passed through) ends
+//! with one `INFO` event `idempotent call` inside its `idempotency` span, with the
+//! outcome, what became of the record, the gRPC status and the duration:
+//!
+//! ```text
+//! INFO idempotency{method=/shop.v1.Orders/CreateOrder scope=5f0c… rpc.system="grpc" …}: idempotent call outcome="executed" record="stored" grpc.status="OK" duration_ms=1.2
+//! ```
+//!
+//! The span records the same (`outcome`, `idem.record`, `rpc.grpc.status_code`), with
+//! OpenTelemetry's RPC attribute names where they exist (`rpc.system`, `rpc.service`,
+//! `rpc.method`). Neither carries the key: the scope's first 16 hex digits only.
+//!
+//! # When a call ends
+//! When the last of these is done: its response body ended (or was dropped by the
+//! caller: CANCELLED), and, for a call whose handler ran, its outcome was recorded (or
+//! not, after `completionRetryTimeout`). The duration stops at the response's end.
+//!
+//! # Outcomes
+//! `executed`, `replayed`, `waited` (replayed after waiting for the call in flight),
+//! `mismatch`, `aborted`, `not_retained`, `rejected` (with the `ErrorInfo` reason:
+//! `KEY_MISSING`, `KEY_INVALID`, `TENANT_MISSING`, `REQUEST_TOO_LARGE`,
+//! `REQUEST_MALFORMED`, `ENCODING_UNSUPPORTED`), `store_unavailable`, `store_full`,
+//! `overloaded`, `fail_open`, `waited_deadline`, and `cancelled` for a caller that went
+//! away before any of them.
+//!
+//! Records (`executed` only): `stored`, `released`, `stale_fence` (another claimant took
+//! the record over), `unrecorded` (the store did not take it in time).
+//!
+//! # Cost
+//! Nothing is allocated or wrapped for a call when no observer is set and `INFO` events
+//! of this crate are off.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Response;
+use http_body::{Frame, SizeHint};
+use idem_core::code::grpc_status_code;
+use idem_core::headers::reason;
+use idem_store::Store;
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::body::Body;
+
+use crate::IdempotencyLayer;
+
+/// Told about every protected call of an [`IdempotencyLayer`].
+///
+/// Called on the server's tasks: keep it short and never block.
+pub trait ServerObserver: Send + Sync + 'static {
+    /// A call to a protected method (`/shop.v1.Orders/CreateOrder`) arrived.
+    fn call_started(&self, method: &str) {
+        let _ = method;
+    }
+
+    /// A protected call ended (see the [module docs](self) for when).
+    fn call_ended(&self, call: &ProtectedCallEnded<'_>);
+}
+
+/// One protected call, as [`ServerObserver::call_ended`] sees it.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct ProtectedCallEnded<'a> {
+    /// The method path.
+    pub method: &'a str,
+    /// What the layer did (see the [module docs](self) for the names).
+    pub outcome: &'static str,
+    /// For `rejected`: the `ErrorInfo` reason of the refusal.
+    pub reason: Option<&'static str>,
+    /// For `executed`: what became of the record.
+    pub record: Option<&'static str>,
+    /// The status the caller got (CANCELLED when it went away first).
+    pub status: Code,
+    /// From the call's arrival to its response's end.
+    pub duration: Duration,
+}
+
+/// The observer as the layer holds it.
+pub(crate) type SharedObserver = Arc<dyn ServerObserver>;
+
+impl<St: Store> IdempotencyLayer<St> {
+    /// Tells `observer` about every protected call (default none).
+    pub fn observer(mut self, observer: impl ServerObserver) -> Self {
+        Arc::make_mut(&mut self.shared).observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Handler runs in progress now: from their claim until their outcome is recorded,
+    /// runs whose caller went away included (at most
+    /// [`max_handlers_in_flight`](Self::max_handlers_in_flight)).
+    pub fn handlers_in_flight(&self) -> usize {
+        let s = &self.shared;
+        s.max_handlers
+            .saturating_sub(s.handlers.available_permits())
+    }
+}
+
+#[derive(Default)]
+struct State {
+    outcome: Option<&'static str>,
+    reason: Option<&'static str>,
+    record: Option<&'static str>,
+    status: Option<Code>,
+    ended: Option<Instant>,
+}
+
+/// One protected call being traced; it reports when the last reference goes.
+pub(crate) struct CallTrace {
+    observer: Option<SharedObserver>,
+    method: String,
+    span: tracing::Span,
+    started: Instant,
+    state: Mutex<State>,
+}
+
+tokio::task_local! {
+    static CURRENT: Arc<CallTrace>;
+}
+
+/// Notes the outcome of the call being served on this task, if it is traced.
+pub(crate) fn outcome(name: &'static str) {
+    let _ = CURRENT.try_with(|t| t.update(|s| s.outcome = Some(name)));
+}
+
+/// The trace of the call being served on this task, for work that outlives it.
+pub(crate) fn current() -> Option<Arc<CallTrace>> {
+    CURRENT.try_with(Arc::clone).ok()
+}
+
+impl CallTrace {
+    /// A trace of a protected call to `method`, when someone listens.
+    pub(crate) fn start(
+        observer: Option<&SharedObserver>,
+        method: &str,
+        span: &tracing::Span,
+    ) -> Option<Arc<CallTrace>> {
+        if observer.is_none() && !tracing::enabled!(tracing::Level::INFO) {
+            return None;
+        }
+        if let Some(o) = observer {
+            o.call_started(method);
+        }
+        Some(Arc::new(CallTrace {
+            observer: observer.cloned(),
+            method: method.to_owned(),
+            span: span.clone(),
+            started: Instant::now(),
+            state: Mutex::default(),
+        }))
+    }
+
+    fn update(&self, f: impl FnOnce(&mut State)) {
+        f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    /// What became of the record of the call's run.
+    pub(crate) fn recorded(&self, record: &'static str) {
+        self.update(|s| s.record = Some(record));
+    }
+
+    /// The call ended with `code` now (the first end counts).
+    fn ended(&self, code: Code) {
+        self.update(|s| {
+            if s.status.is_none() {
+                s.status = Some(code);
+                s.ended = Some(Instant::now());
+            }
+        });
+    }
+}
+
+impl Drop for CallTrace {
+    fn drop(&mut self) {
+        let s = std::mem::take(self.state.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let status = s.status.unwrap_or(Code::Cancelled);
+        let outcome = s.outcome.unwrap_or("cancelled");
+        let end = s.ended.unwrap_or_else(Instant::now);
+        let duration = end.saturating_duration_since(self.started);
+        self.span.record("rpc.grpc.status_code", status as i32);
+        if let Some(r) = s.record {
+            self.span.record("idem.record", r);
+        }
+        self.span.in_scope(|| {
+            tracing::info!(
+                outcome,
+                record = s.record,
+                reason = s.reason,
+                grpc.status = idem_core::code::code_name(status),
+                duration_ms = duration.as_secs_f64() * 1e3,
+                "idempotent call"
+            );
+        });
+        if let Some(o) = &self.observer {
+            o.call_ended(&ProtectedCallEnded {
+                method: &self.method,
+                outcome,
+                reason: s.reason,
+                record: s.record,
+                status,
+                duration,
+            });
+        }
+    }
+}
+
+/// Runs a protected call's future as the traced call of its task, then watches its
+/// response to the end.
+pub(crate) async fn traced<F, E>(trace: Option<Arc<CallTrace>>, fut: F) -> F::Output
+where
+    F: Future<Output = Result<Response<Body>, E>>,
+{
+    let Some(trace) = trace else {
+        return fut.await;
+    };
+    let resp = CURRENT.scope(trace.clone(), fut).await;
+    if resp.is_err() {
+        trace.ended(Code::Unknown);
+    }
+    resp.map(|r| watch(r, trace))
+}
+
+/// Watches a response to its end: its Trailers-Only status now, else its trailers.
+pub(crate) fn watch(resp: Response<Body>, trace: Arc<CallTrace>) -> Response<Body> {
+    if let Some(code) = grpc_status_code(resp.headers()) {
+        let state = trace.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let rejected = state.outcome == Some("rejected");
+        drop(state);
+        if rejected {
+            let why = reason_of(resp.headers());
+            trace.update(|s| s.reason = why);
+        }
+        trace.ended(code);
+        return resp;
+    }
+    resp.map(|inner| {
+        Body::new(WatchedBody {
+            inner,
+            trace: Some(trace),
+        })
+    })
+}
+
+/// The `ErrorInfo` reason of a refusal the layer made, as one of its known names.
+fn reason_of(headers: &http::HeaderMap) -> Option<&'static str> {
+    use tonic_types::StatusExt;
+    let status = tonic::Status::from_header_map(headers)?;
+    let info = status.get_details_error_info()?;
+    const KNOWN: [&str; 6] = [
+        reason::KEY_MISSING,
+        reason::KEY_INVALID,
+        reason::TENANT_MISSING,
+        reason::REQUEST_TOO_LARGE,
+        reason::REQUEST_MALFORMED,
+        reason::ENCODING_UNSUPPORTED,
+    ];
+    Some(
+        KNOWN
+            .into_iter()
+            .find(|k| *k == info.reason)
+            .unwrap_or("OTHER"),
+    )
+}
+
+/// A protected call's response body, watched for its end.
+struct WatchedBody {
+    inner: Body,
+    trace: Option<Arc<CallTrace>>,
+}
+
+impl http_body::Body for WatchedBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let end = match &polled {
+            Poll::Ready(Some(Ok(frame))) => frame
+                .trailers_ref()
+                .map(|t| grpc_status_code(t).unwrap_or(Code::Unknown)),
+            Poll::Ready(Some(Err(status))) => Some(status.code()),
+            Poll::Ready(None) => Some(Code::Unknown),
+            Poll::Pending => None,
+        };
+        if let Some(code) = end
+            && let Some(t) = self.trace.take()
+        {
+            t.ended(code);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Notes `name` as the outcome of a call traced by `trace` (one not yet on its task).
+pub(crate) fn outcome_of(trace: Option<&CallTrace>, name: &'static str) {
+    tracing::Span::current().record("outcome", name);
+    if let Some(t) = trace {
+        t.update(|s| s.outcome = Some(name));
+    }
+}

@@ -1,0 +1,253 @@
+//! [`InstrumentedStore`]: any [`Store`], timed per operation, for metrics.
+//!
+//! It forwards every call unchanged and tells a [`StoreObserver`] the operation, the
+//! store's kind (a label the caller picks: `memory`, `redis`, `postgres`), how long it
+//! took and how it ended. No store changes; stack it where the store is built:
+//!
+//! ```
+//! use idem_store::instrumented::{InstrumentedStore, StoreObserver, StoreOp, OpResult};
+//! use idem_store::MemoryStore;
+//! use std::time::Duration;
+//!
+//! struct Print;
+//! impl StoreObserver for Print {
+//!     fn operation(&self, kind: &'static str, op: StoreOp, took: Duration, result: OpResult) {
+//!         println!("{kind} {} {} in {took:?}", op.as_str(), result.as_str());
+//!     }
+//! }
+//! let store = InstrumentedStore::new(MemoryStore::default(), "memory", Print);
+//! # let _ = store;
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::{Claim, ClaimRequest, Fence, RecordState, Scope, Store, StoreError, StoredOutcome};
+
+/// A [`Store`] operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreOp {
+    /// [`Store::claim`].
+    Claim,
+    /// [`Store::renew`].
+    Renew,
+    /// [`Store::complete`].
+    Complete,
+    /// [`Store::release`].
+    Release,
+    /// [`Store::get`].
+    Get,
+    /// [`Store::wait`] (its duration is mostly the wait itself).
+    Wait,
+}
+
+impl StoreOp {
+    /// Lower-case name (`claim`), for labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Claim => "claim",
+            StoreOp::Renew => "renew",
+            StoreOp::Complete => "complete",
+            StoreOp::Release => "release",
+            StoreOp::Get => "get",
+            StoreOp::Wait => "wait",
+        }
+    }
+}
+
+/// How a store operation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OpResult {
+    /// It answered (whatever the answer).
+    Ok,
+    /// [`StoreError::Unavailable`].
+    Unavailable,
+    /// [`StoreError::Fenced`].
+    Fenced,
+    /// [`StoreError::Corrupt`].
+    Corrupt,
+    /// [`StoreError::Full`].
+    Full,
+}
+
+impl OpResult {
+    fn of<T>(r: &Result<T, StoreError>) -> Self {
+        match r {
+            Ok(_) => OpResult::Ok,
+            Err(StoreError::Unavailable(_)) => OpResult::Unavailable,
+            Err(StoreError::Fenced { .. }) => OpResult::Fenced,
+            Err(StoreError::Corrupt(_)) => OpResult::Corrupt,
+            Err(StoreError::Full(_)) => OpResult::Full,
+        }
+    }
+
+    /// Lower-case name (`ok`, `unavailable`, `fenced`, `corrupt`, `full`), for labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpResult::Ok => "ok",
+            OpResult::Unavailable => "unavailable",
+            OpResult::Fenced => "fenced",
+            OpResult::Corrupt => "corrupt",
+            OpResult::Full => "full",
+        }
+    }
+}
+
+/// Told about every operation of an [`InstrumentedStore`]. Keep it short; never block.
+pub trait StoreObserver: Send + Sync + 'static {
+    /// `op` on a store of `kind` ended as `result` after `took`.
+    fn operation(&self, kind: &'static str, op: StoreOp, took: Duration, result: OpResult);
+}
+
+/// A [`Store`] that times each operation of `St` for a [`StoreObserver`]. Cheap to
+/// clone; see the [module docs](self).
+pub struct InstrumentedStore<St> {
+    inner: St,
+    kind: &'static str,
+    observer: Arc<dyn StoreObserver>,
+}
+
+impl<St: Clone> Clone for InstrumentedStore<St> {
+    fn clone(&self) -> Self {
+        InstrumentedStore {
+            inner: self.inner.clone(),
+            kind: self.kind,
+            observer: self.observer.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug> fmt::Debug for InstrumentedStore<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InstrumentedStore")
+            .field("inner", &self.inner)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St> InstrumentedStore<St> {
+    /// Wraps `inner`, a store of `kind` (a label: keep it to a few fixed names).
+    pub fn new(inner: St, kind: &'static str, observer: impl StoreObserver) -> Self {
+        Self::with_shared(inner, kind, Arc::new(observer))
+    }
+
+    /// [`new`](Self::new) with an observer shared by several stores.
+    pub fn with_shared(inner: St, kind: &'static str, observer: Arc<dyn StoreObserver>) -> Self {
+        InstrumentedStore {
+            inner,
+            kind,
+            observer,
+        }
+    }
+
+    /// The store inside.
+    pub fn get_ref(&self) -> &St {
+        &self.inner
+    }
+
+    /// Unwraps the store inside.
+    pub fn into_inner(self) -> St {
+        self.inner
+    }
+
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let start = Instant::now();
+        let r = fut.await;
+        self.observer
+            .operation(self.kind, op, start.elapsed(), OpResult::of(&r));
+        r
+    }
+}
+
+impl<St: Store> Store for InstrumentedStore<St> {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.timed(StoreOp::Claim, self.inner.claim(req)).await
+    }
+
+    async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
+        self.timed(StoreOp::Renew, self.inner.renew(scope, fence, lease))
+            .await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        fence: Fence,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let fut = self.inner.complete(scope, fence, outcome, ttl);
+        self.timed(StoreOp::Complete, fut).await
+    }
+
+    async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
+        self.timed(StoreOp::Release, self.inner.release(scope, fence))
+            .await
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {
+        self.timed(StoreOp::Get, self.inner.get(scope)).await
+    }
+
+    async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
+        self.timed(StoreOp::Wait, self.inner.wait(scope, until))
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ClaimantId, Fingerprint, MemoryStore, TenantId};
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<(&'static str, StoreOp, OpResult)>>);
+    impl StoreObserver for Arc<Seen> {
+        fn operation(&self, kind: &'static str, op: StoreOp, _: Duration, r: OpResult) {
+            self.0.lock().unwrap().push((kind, op, r));
+        }
+    }
+
+    #[tokio::test]
+    async fn every_operation_is_timed_with_its_result() {
+        let seen = Arc::new(Seen::default());
+        let store = InstrumentedStore::new(MemoryStore::default(), "memory", seen.clone());
+        let scope = Scope([1; 32]);
+        let req = ClaimRequest {
+            scope: &scope,
+            tenant: &TenantId::default(),
+            fingerprint: &Fingerprint([2; 32]),
+            claimant: ClaimantId(3),
+            lease: Duration::from_secs(10),
+        };
+        let Claim::Acquired { fence, .. } = store.claim(req).await.unwrap() else {
+            panic!("a fresh scope is acquired");
+        };
+        store
+            .renew(&scope, fence + 1, Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        store.release(&scope, fence).await.unwrap();
+        store.get(&scope).await.unwrap();
+        assert_eq!(
+            *seen.0.lock().unwrap(),
+            [
+                ("memory", StoreOp::Claim, OpResult::Ok),
+                ("memory", StoreOp::Renew, OpResult::Fenced),
+                ("memory", StoreOp::Release, OpResult::Ok),
+                ("memory", StoreOp::Get, OpResult::Ok),
+            ]
+        );
+    }
+}
