@@ -22,12 +22,12 @@ use tower_service::Service;
 
 use super::BoxError;
 use super::body::ReplayBody;
-use super::codec::StoredResponse;
 use super::handler;
 use super::layer::Shared;
 use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
 use super::status;
+use idem_store::response::StoredResponse;
 
 /// Per-call state of a protected call (the inner service travels apart from it, so
 /// this is `Sync` whatever the service is).

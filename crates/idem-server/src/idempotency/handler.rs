@@ -12,7 +12,8 @@ use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use idem_core::config::IdempotencyPolicy;
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
-use idem_store::{Fence, Store, StoredOutcome};
+use idem_core::derive::KeySource;
+use idem_store::{Fence, RecordRef, Store, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
 use tonic::body::Body;
 use tonic::{Code, Status};
@@ -22,10 +23,10 @@ use tracing::Instrument;
 use super::BoxError;
 use super::body::{ChannelBody, ReplayBody};
 use super::call::Call;
-use super::codec::{EncodedSize, StoredResponse};
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::status;
+use idem_store::response::{EncodedSize, StoredResponse};
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
 /// downstream writes that can check it (a write carrying a lower fence than one already
@@ -60,10 +61,17 @@ where
 {
     let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
     parts.extensions.insert(RecordFence(fence));
+    let record = RecordRef::new(
+        call.scope,
+        fence,
+        call.policy.record_ttl,
+        call.policy.lease_ttl,
+    );
+    parts.extensions.insert(record.clone());
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
     let (tx, rx) = oneshot::channel();
-    let run = run(call, inner, lease, req, inbound, tx);
+    let run = run(call, inner, (lease, record), req, inbound, tx);
     tokio::spawn(
         async move {
             run.await;
@@ -78,10 +86,14 @@ where
 }
 
 /// The handler's task: produce (forwarding as it goes), record, deliver the rest.
+///
+/// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
+/// the record's scope, so client calls it makes derive their keys from this call's
+/// (the same keys on every run of it: a run after a crash replays downstream).
 async fn run<S, St, ResBody>(
     call: Call<St>,
     inner: S,
-    lease: Lease<St>,
+    (lease, record): (Lease<St>, RecordRef),
     req: Request<Body>,
     inbound: InboundScope,
     reply: Reply<S::Error>,
@@ -93,7 +105,13 @@ async fn run<S, St, ResBody>(
     ResBody::Error: Into<BoxError>,
     St: Store,
 {
-    let Call { shared, policy, .. } = call;
+    let Call {
+        shared,
+        policy,
+        scope,
+        ..
+    } = call;
+    let keys = KeySource::new(scope.0);
     let max = policy.max_response_bytes;
     let mut out = Output {
         forward: Forwarder::new(reply),
@@ -102,7 +120,7 @@ async fn run<S, St, ResBody>(
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
     // response with INTERNAL and is recorded like any outcome, never left in flight.
     let produced = AssertUnwindSafe(produce(inner, req, &mut out, max)).catch_unwind();
-    match scope_inbound_deadline(inbound, produced).await {
+    match scope_inbound_deadline(inbound, keys.run(produced)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             // The service failed without a response: nothing is known to be done.
@@ -125,7 +143,13 @@ async fn run<S, St, ResBody>(
         let _ = on_attempted.await;
         forward.finish(trailers).await;
     };
-    let record = record(&shared.stats, &policy, lease, collected, attempted);
+    let record = async {
+        if record.is_completed() {
+            // The handler's own transaction completed the record with its reply.
+            return lease.completed_elsewhere(attempted);
+        }
+        self::record(&shared.stats, &policy, lease, collected, attempted).await
+    };
     tokio::join!(record, deliver);
 }
 

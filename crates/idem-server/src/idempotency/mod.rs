@@ -171,7 +171,6 @@
 
 mod body;
 mod call;
-mod codec;
 mod decision;
 mod digest;
 mod fingerprint;
