@@ -190,6 +190,7 @@ mod listen;
 mod schema;
 mod store;
 mod sweep;
+mod tx;
 
 pub use builder::{
     ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_POLL_MAX,
@@ -199,6 +200,7 @@ pub use builder::{
 };
 pub use schema::SCHEMA_VERSION;
 pub use store::PostgresStore;
+pub use tx::{RecordTx, TxError};
 
 /// The schema SQL for `prefix` (the schema in the crate docs with every `idem_` replaced),
 /// for creating it by hand or in a migration. `None` when `prefix` is not a valid table
