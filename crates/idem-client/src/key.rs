@@ -425,6 +425,17 @@ mod place_tests {
 #[cfg(test)]
 mod derive_tests {
     use super::*;
+    use idem_core::derive::{KeySource, Which};
+
+    fn derive(seed: &[u8; 32], path: &str, which: Which<'_>) -> IdempotencyKey {
+        let tail = match which {
+            Which::Position(n) => format!("n{n}"),
+            Which::Step(s) => format!("s{s}"),
+        };
+        format!("k{}-{}-{tail}", seed[0], path.len())
+            .parse()
+            .unwrap()
+    }
 
     fn call(path: &str, ext: impl FnOnce(&mut http::Request<()>)) -> HeaderValue {
         let mut req = http::Request::builder().uri(path).body(()).unwrap();
@@ -452,9 +463,9 @@ mod derive_tests {
                 call(path, |_| {}),
             )
         };
-        let first = KeySource::new([9; 32]).run(run()).await;
-        let again = KeySource::new([9; 32]).run(run()).await;
-        let expect = KeySource::new([9; 32]);
+        let first = KeySource::new([9; 32], derive).run(run()).await;
+        let again = KeySource::new([9; 32], derive).run(run()).await;
+        let expect = KeySource::new([9; 32], derive);
         assert_eq!(first.0, expect.next_key(path).as_str());
         assert_eq!(first.1, expect.next_key(path).as_str());
         assert_eq!(first.2, expect.step_key(path, "deposit").as_str());

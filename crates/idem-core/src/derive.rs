@@ -4,41 +4,41 @@
 //! executing again.
 //!
 //! The server layer runs each protected handler inside a [`KeySource`] seeded with the
-//! record's scope digest (tenant, method, key), and the client layer asks it for a key
-//! when the caller set none:
+//! record's scope digest (tenant, method, key) and given the function that computes keys
+//! (`idem-server` uses SHA-256, see `idem_server::idempotency::derived_key`); the client
+//! layer asks the current source for a key when the caller set none. A key depends on
+//! the seed, the method path, and either the call's position (the n-th call to that
+//! method in this run of the handler, from 0) or a step name the caller chose.
 //!
-//! ```text
-//! key = hex(SHA-256("idem derived key v1" ‖ seed ‖ len ‖ method path ‖ "#" n)[..16])  // n-th call to that method
-//! key = hex(SHA-256("idem derived key v1" ‖ seed ‖ len ‖ method path ‖ "@" step)[..16]) // a named step
-//! ```
-//!
-//! `n` counts the calls to each method path in one run of the handler, from 0, so a
-//! handler that makes its calls in the same order every time gets the same keys every
+//! A handler that makes its calls in the same order every time gets the same keys every
 //! time. Calls made concurrently (`join!`, spawned tasks) have no fixed order: name them
 //! (a step) instead. Handlers that spawn tasks carry the source over with
 //! [`InboundScope::run`](crate::deadline::InboundScope::run), which takes the current
 //! one along, or with [`KeySource::current`] + [`KeySource::run`].
 //!
 //! ```
-//! use idem_core::derive::KeySource;
-//! let source = KeySource::new([7; 32]);
+//! use idem_core::IdempotencyKey;
+//! use idem_core::derive::{KeySource, Which};
+//! // A toy derivation for the example; the server layer's is SHA-256.
+//! fn derive(seed: &[u8; 32], path: &str, which: Which<'_>) -> IdempotencyKey {
+//!     let tail = match which {
+//!         Which::Position(n) => format!("n{n}"),
+//!         Which::Step(s) => format!("s{s}"),
+//!     };
+//!     format!("key-{}-{}-{tail}", seed[0], path.len()).parse().unwrap()
+//! }
+//! let source = KeySource::new([7; 32], derive);
 //! let first = source.next_key("/shop.v1.Payments/Charge");
 //! let second = source.next_key("/shop.v1.Payments/Charge");
 //! assert_ne!(first, second);
 //! // A second run of the same handler (a new source with the same seed) repeats them.
-//! let again = KeySource::new([7; 32]);
+//! let again = KeySource::new([7; 32], derive);
 //! assert_eq!(again.next_key("/shop.v1.Payments/Charge"), first);
-//! assert_eq!(
-//!     again.step_key("/shop.v1.Payments/Charge", "deposit"),
-//!     source.step_key("/shop.v1.Payments/Charge", "deposit"),
-//! );
 //! ```
 
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-
-use sha2::{Digest, Sha256};
 
 use crate::IdempotencyKey;
 
@@ -46,7 +46,19 @@ tokio::task_local! {
     static KEYS: KeySource;
 }
 
-const DOMAIN: &[u8] = b"idem derived key v1";
+/// Which call of a method a derived key is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which<'a> {
+    /// The n-th call (from 0) to the method in this run of the handler.
+    Position(u64),
+    /// The call the caller named this step.
+    Step(&'a str),
+}
+
+/// Computes a key from a source's seed, a method path and [`Which`] call. It must be
+/// deterministic, give distinct keys for distinct inputs (a cryptographic hash), and
+/// return valid keys.
+pub type DeriveFn = fn(seed: &[u8; 32], method_path: &str, which: Which<'_>) -> IdempotencyKey;
 
 /// Where the keys of one handler run's downstream calls come from: a seed (the inbound
 /// record's scope digest) and a call counter per method path. Cheap to clone; clones
@@ -58,6 +70,7 @@ pub struct KeySource {
 
 struct Inner {
     seed: [u8; 32],
+    derive: DeriveFn,
     /// Calls so far per method path (few per handler: a short list beats a map).
     calls: Mutex<Vec<(Box<str>, u64)>>,
 }
@@ -70,11 +83,13 @@ impl fmt::Debug for KeySource {
 }
 
 impl KeySource {
-    /// A source for one run of a handler, seeded with its record's scope digest.
-    pub fn new(seed: [u8; 32]) -> Self {
+    /// A source for one run of a handler, seeded with its record's scope digest, whose
+    /// keys `derive` computes.
+    pub fn new(seed: [u8; 32], derive: DeriveFn) -> Self {
         KeySource {
             inner: Arc::new(Inner {
                 seed,
+                derive,
                 calls: Mutex::new(Vec::new()),
             }),
         }
@@ -95,32 +110,13 @@ impl KeySource {
                 }
             }
         };
-        self.derive(method_path, b'#', n.to_string().as_bytes())
+        (self.inner.derive)(&self.inner.seed, method_path, Which::Position(n))
     }
 
     /// The key of the call to `method_path` named `step` (does not count as a call for
     /// [`next_key`](Self::next_key)).
     pub fn step_key(&self, method_path: &str, step: &str) -> IdempotencyKey {
-        self.derive(method_path, b'@', step.as_bytes())
-    }
-
-    fn derive(&self, method_path: &str, kind: u8, tail: &[u8]) -> IdempotencyKey {
-        let mut h = Sha256::new();
-        h.update(DOMAIN);
-        h.update(self.inner.seed);
-        h.update((method_path.len() as u64).to_be_bytes());
-        h.update(method_path.as_bytes());
-        h.update([kind]);
-        h.update(tail);
-        let digest = h.finalize();
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut out = [0u8; 32];
-        for (i, b) in digest[..16].iter().enumerate() {
-            out[2 * i] = HEX[usize::from(b >> 4)];
-            out[2 * i + 1] = HEX[usize::from(b & 0xf)];
-        }
-        // 32 hex digits: always a valid key.
-        IdempotencyKey::parse(&out).unwrap_or_else(|_| IdempotencyKey::generate())
+        (self.inner.derive)(&self.inner.seed, method_path, Which::Step(step))
     }
 
     /// Runs `fut` with this source as the current one.
@@ -146,37 +142,50 @@ pub(crate) async fn run_in<F: Future>(source: Option<KeySource>, fut: F) -> F::O
 mod tests {
     use super::*;
 
+    fn derive(seed: &[u8; 32], path: &str, which: Which<'_>) -> IdempotencyKey {
+        let tail = match which {
+            Which::Position(n) => format!("n{n}"),
+            Which::Step(s) => format!("s{s}"),
+        };
+        format!("key{}-{}-{tail}", seed[0], path.len())
+            .parse()
+            .unwrap()
+    }
+
     #[test]
-    fn keys_are_valid_and_depend_on_every_input() {
-        let a = KeySource::new([1; 32]);
-        let k = a.next_key("/s.S/M");
-        assert_eq!(k.as_str().len(), 32);
-        assert!(k.as_str().bytes().all(|c| c.is_ascii_hexdigit()));
-        // Another method has its own counter.
-        assert_eq!(
-            a.next_key("/s.S/N"),
-            KeySource::new([1; 32]).next_key("/s.S/N")
-        );
-        assert_ne!(a.next_key("/s.S/M"), k, "second call, second key");
-        assert_ne!(KeySource::new([2; 32]).next_key("/s.S/M"), k, "seed");
-        assert_ne!(
-            a.step_key("/s.S/M", "0"),
-            k,
-            "a step is not a sequence number"
-        );
-        assert_ne!(a.step_key("/s.S/M", "x"), a.step_key("/s.S/N", "x"));
+    fn positions_count_per_method_and_steps_take_none() {
+        let a = KeySource::new([1; 32], derive);
+        assert_eq!(a.next_key("/s.S/M").as_str(), "key1-6-n0");
+        assert_eq!(a.step_key("/s.S/M", "x").as_str(), "key1-6-sx");
+        assert_eq!(a.next_key("/s.S/Nn").as_str(), "key1-7-n0");
+        assert_eq!(a.next_key("/s.S/M").as_str(), "key1-6-n1");
     }
 
     #[tokio::test]
     async fn the_current_source_is_visible_inside_only_and_shared_by_clones() {
         assert!(KeySource::current().is_none());
-        let s = KeySource::new([3; 32]);
+        let s = KeySource::new([3; 32], derive);
         let first = s
             .clone()
             .run(async { KeySource::current().unwrap().next_key("/a/b") })
             .await;
-        assert_eq!(first, KeySource::new([3; 32]).next_key("/a/b"));
-        assert_ne!(s.next_key("/a/b"), first, "the counter is shared");
+        assert_eq!(first.as_str(), "key3-4-n0");
+        assert_eq!(
+            s.next_key("/a/b").as_str(),
+            "key3-4-n1",
+            "the counter is shared"
+        );
         assert!(KeySource::current().is_none());
+        // `InboundScope::run` carries it into spawned tasks.
+        let scope = crate::deadline::InboundScope::new(None, 0);
+        let spawned = s
+            .clone()
+            .run(async move {
+                tokio::spawn(scope.run(async { KeySource::current().map(|k| k.next_key("/a/b")) }))
+            })
+            .await
+            .await
+            .unwrap();
+        assert_eq!(spawned.unwrap().as_str(), "key3-4-n2");
     }
 }

@@ -7,6 +7,7 @@ pub mod crash;
 pub mod demo;
 pub mod faulty_store;
 pub mod net;
+pub mod pg_orders;
 pub mod postgres;
 pub mod redis;
 

@@ -111,7 +111,7 @@ async fn run<S, St, ResBody>(
         scope,
         ..
     } = call;
-    let keys = KeySource::new(scope.0);
+    let keys = KeySource::new(scope.0, super::derived_key);
     let max = policy.max_response_bytes;
     let mut out = Output {
         forward: Forwarder::new(reply),

@@ -188,7 +188,7 @@ pub mod tenant;
 mod tests;
 
 pub use decision::{DECISION_HEADER, IdemDecision};
-pub use digest::{scope_for, tenant_id};
+pub use digest::{derived_key, scope_for, tenant_id};
 pub use future::ResponseFuture;
 pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};
