@@ -494,11 +494,13 @@ impl Instance {
         Ok(instance)
     }
 
-    /// Waits for a line `line` on the process's standard output (others are skipped).
+    /// Waits for a line ending with `line` on the process's standard output (others are
+    /// skipped). Ending with: a test binary's harness writes `test NAME ... ` first,
+    /// without a newline.
     pub async fn wait_for(&mut self, line: &str, timeout: Duration) -> Result<(), Error> {
         let read = async {
             while let Some(l) = self.stdout.next_line().await? {
-                if l == line {
+                if l.ends_with(line) {
                     return Ok(());
                 }
             }
