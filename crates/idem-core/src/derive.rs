@@ -181,11 +181,11 @@ mod tests {
         let spawned = s
             .clone()
             .run(async move {
-                tokio::spawn(scope.run(async { KeySource::current().map(|k| k.next_key("/a/b")) }))
+                // Built here, inside the source; run by another task.
+                let task = scope.run(async { KeySource::current().map(|k| k.next_key("/a/b")) });
+                tokio::spawn(task).await.unwrap()
             })
-            .await
-            .await
-            .unwrap();
+            .await;
         assert_eq!(spawned.unwrap().as_str(), "key3-4-n2");
     }
 }
