@@ -11,6 +11,7 @@ use http_body_util::Full;
 use idem_core::config::{IdempotencyPolicy, InFlightPolicy};
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_core::headers;
+use idem_store::response::StoredResponse;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
 };
@@ -27,7 +28,6 @@ use super::layer::Shared;
 use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
 use super::status;
-use idem_store::response::StoredResponse;
 
 /// Per-call state of a protected call (the inner service travels apart from it, so
 /// this is `Sync` whatever the service is).

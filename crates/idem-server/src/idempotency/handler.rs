@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Full};
 use idem_core::config::IdempotencyPolicy;
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_core::derive::KeySource;
+use idem_store::response::{EncodedSize, StoredResponse};
 use idem_store::{Fence, RecordRef, Store, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
 use tonic::body::Body;
@@ -26,7 +27,6 @@ use super::call::Call;
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::status;
-use idem_store::response::{EncodedSize, StoredResponse};
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
 /// downstream writes that can check it (a write carrying a lower fence than one already
@@ -71,7 +71,7 @@ where
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
     let (tx, rx) = oneshot::channel();
-    let run = run(call, inner, (lease, record), req, inbound, tx);
+    let run = run(call, inner, lease, record, req, inbound, tx);
     tokio::spawn(
         async move {
             run.await;
@@ -93,7 +93,8 @@ where
 async fn run<S, St, ResBody>(
     call: Call<St>,
     inner: S,
-    (lease, record): (Lease<St>, RecordRef),
+    lease: Lease<St>,
+    record: RecordRef,
     req: Request<Body>,
     inbound: InboundScope,
     reply: Reply<S::Error>,
