@@ -9,6 +9,9 @@
 //!   [`MemoryStore`](store::MemoryStore).
 //! - `redis` (`idem-redis`, feature `redis`): a Redis store so several server instances
 //!   act as one.
+//! - `postgres` (`idem-postgres`, feature `postgres`): a PostgreSQL store, in which a
+//!   handler can commit its own writes and its record's completion in one transaction,
+//!   so a crash at any point leaves the write and its reply, or neither.
 //! - [`core`] (`idem-core`, always): the service config both layers read, keys,
 //!   deadlines, status codes.
 //!
@@ -19,6 +22,7 @@
 //! | `server` | yes | [`server`], [`store`] |
 //! | `redis` | no | `redis` (implies `server`) |
 //! | `otel` | no | `otel`: OpenTelemetry metrics for both layers, a Prometheus exposition (implies `client`, `server`) |
+//! | `postgres` | no | `postgres` (implies `server`) |
 //!
 //! A client-only build (`default-features = false, features = ["client"]`) compiles no
 //! server layer, no store backend, no SHA-256 and no compression code.
@@ -28,6 +32,8 @@ pub use idem_client as client;
 pub use idem_core as core;
 #[cfg(feature = "otel")]
 pub use idem_otel as otel;
+#[cfg(feature = "postgres")]
+pub use idem_postgres as postgres;
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;
 #[cfg(feature = "server")]

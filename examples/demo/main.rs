@@ -7,6 +7,7 @@
 //! cargo run --release --example demo -- --config examples/service_config.json
 //! cargo run --release --example demo -- --store redis --instances 3 --crash-every 200
 //! cargo run --release --example demo -- --metrics-out metrics.prom
+//! cargo run --release --example demo -- --store postgres --instances 3 --crash-every 200
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -25,11 +26,15 @@
 //!
 //! With `--crash-every N` the instances are separate OS processes: every N intents one of
 //! them is killed with SIGKILL at a random point of its work and started again on the
-//! same port, and orders are counted from the ledger file the processes append to.
-//! `--store memory|redis` chooses where records live (`--redis URL` implies `redis`;
-//! without a URL the demo starts a private `redis-server` on a free port). A cache store
-//! cannot make a crash after the side effect harmless: the table shows how many
-//! duplicates each store lets through under the same crash schedule.
+//! same port, and orders are counted from where the processes write them.
+//! `--store memory|redis|postgres` chooses where records live (`--redis URL` implies
+//! `redis`, `--postgres URL` implies `postgres`; without a URL the demo starts a private
+//! `redis-server` or PostgreSQL server on a free port). With `memory` and `redis`,
+//! orders are lines of a ledger file; a cache store cannot make a crash after the side
+//! effect harmless, and the table shows how many duplicates it lets through. With
+//! `postgres`, each order is a row written in the same transaction as the completion of
+//! its idempotency record, so a crash at any point leaves the order and its reply, or
+//! neither: duplicates and lost intents must be 0.
 //!
 //! An intent that still fails after the client layer's retries is retried by the
 //! application (up to `--app-retries`), as a real caller would. The table counts orders
@@ -46,8 +51,8 @@ use idem::core::ServiceConfig;
 use idem::store::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
-[--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis] [--redis URL] \
-[--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE]";
+[--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|postgres] \
+[--redis URL] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE]";
 
 /// What the command line asked for beyond the workload's options.
 struct Args {
@@ -56,12 +61,15 @@ struct Args {
     store: Option<String>,
     /// `--crash-every N`: instances as processes, one killed every N intents.
     crash_every: Option<usize>,
+    /// `--postgres URL`.
+    postgres: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut o = Options::default();
     let mut store = None;
     let mut crash_every = None;
+    let mut postgres = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -87,8 +95,15 @@ fn parse_args() -> Result<Args, String> {
             "--config" => o.config = Some(value),
             // The Prometheus exposition of both layers of the run with idem (in process).
             "--metrics-out" => o.metrics_out = Some(value.into()),
-            "--store" if value == "memory" || value == "redis" => store = Some(value),
-            "--store" => return Err(format!("--store {value}: must be memory or redis")),
+            "--postgres" => postgres = Some(value),
+            "--store" if ["memory", "redis", "postgres"].contains(&value.as_str()) => {
+                store = Some(value)
+            }
+            "--store" => {
+                return Err(format!(
+                    "--store {value}: must be memory, redis or postgres"
+                ));
+            }
             "--crash-every" => crash_every = Some(value.parse().map_err(|e| bad(&e))?),
             // `--restart-after` is the old name of `--redeploy-after`.
             "--redeploy-after" | "--restart-after" => {
@@ -103,16 +118,28 @@ fn parse_args() -> Result<Args, String> {
     if o.intents == 0 || o.concurrency == 0 || o.instances == 0 {
         return Err("--intents, --concurrency and --instances must be > 0".into());
     }
-    if o.redis.is_some() && store.as_deref() == Some("memory") {
+    if o.redis.is_some() && store.as_deref().is_some_and(|s| s != "redis") {
         return Err("--redis URL goes with --store redis".into());
+    }
+    if postgres.is_some() && store.as_deref().is_some_and(|s| s != "postgres") {
+        return Err("--postgres URL goes with --store postgres".into());
     }
     if o.redis.is_some() {
         store = Some("redis".into());
     }
+    if postgres.is_some() {
+        store = Some("postgres".into());
+    }
+    if store.as_deref() == Some("postgres") && crash_every.is_none() {
+        return Err(
+            "--store postgres runs the instances as processes: give --crash-every N too".into(),
+        );
+    }
     let memory = store.as_deref().unwrap_or("memory") == "memory";
     if o.instances > 1 && memory {
         return Err(
-            "--instances > 1 needs --store redis (in-memory stores are per instance)".into(),
+            "--instances > 1 needs --store redis or postgres (in-memory stores are per instance)"
+                .into(),
         );
     }
     if crash_every == Some(0) {
@@ -125,6 +152,7 @@ fn parse_args() -> Result<Args, String> {
         o,
         store,
         crash_every,
+        postgres,
     })
 }
 
@@ -226,6 +254,7 @@ async fn demo() {
         o,
         store: store_choice,
         crash_every,
+        postgres,
     } = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -280,7 +309,33 @@ async fn demo() {
         },
         (None, false) => None,
     };
-    let store_label = if redis_url.is_some() {
+    // A private PostgreSQL server when --store postgres comes without a URL.
+    let mut private_postgres = None;
+    let postgres_url = match (postgres, store_choice.as_deref() == Some("postgres")) {
+        (Some(url), _) => Some(url),
+        (None, true) => match idem_test_support::postgres::PostgresServer::start_with(&[(
+            "max_connections",
+            "300",
+        )]) {
+            Some(server) => {
+                let url = server.url();
+                private_postgres = Some(server);
+                Some(url)
+            }
+            None => {
+                eprintln!(
+                    "--store postgres needs PostgreSQL: pass --postgres URL, or install its server \
+                     (Debian/Ubuntu: apt-get install postgresql; the demo runs its own private \
+                     server from /usr/lib/postgresql/*/bin, or from $PG_BIN)"
+                );
+                std::process::exit(2);
+            }
+        },
+        (None, false) => None,
+    };
+    let store_label = if postgres_url.is_some() {
+        "PostgreSQL"
+    } else if redis_url.is_some() {
         "Redis"
     } else {
         "in-memory"
@@ -291,17 +346,34 @@ async fn demo() {
     );
     let reports = match crash_every {
         Some(every) => {
-            let kind = match &redis_url {
-                Some(url) => StoreKind::Redis(url.clone()),
-                None => StoreKind::Memory,
+            let kind = match (&redis_url, &postgres_url) {
+                (_, Some(url)) => StoreKind::Postgres(url.clone()),
+                (Some(url), None) => StoreKind::Redis(url.clone()),
+                (None, None) => StoreKind::Memory,
             };
             crash_runs(&o, every, &config, &text, &kind).await
         }
         None => in_process_runs(&o, &config, redis_url.as_deref()).await,
     };
     drop(private_redis);
+    drop(private_postgres);
     print_table(&o, store_label, crash_every, &reports);
     let idem = &reports[0];
+    if crash_every.is_some() && postgres_url.is_some() {
+        if idem.duplicates > 0 || idem.lost > 0 {
+            eprintln!(
+                "FAIL: with idem on PostgreSQL there were {} duplicate orders and {} lost intents under crashes",
+                idem.duplicates, idem.lost
+            );
+            std::process::exit(1);
+        }
+        println!(
+            "OK: with idem on PostgreSQL every intent took effect exactly once through {} SIGKILLs: \
+             each order commits in the transaction that completes its record (without idem: {} duplicates).",
+            idem.crashes, reports[1].duplicates
+        );
+        return;
+    }
     if crash_every.is_some() {
         // A cache of outcomes (memory, Redis) cannot undo a crash that falls between the
         // side effect and the record: say how often it happened, do not fail on it.
@@ -375,7 +447,8 @@ async fn crash_runs(
     };
     let mut reports = Vec::new();
     for with_idem in [true, false] {
-        match crash::run_with_crashes(o, every, with_idem, config, text, store, &exe).await {
+        let launch = crash::Launch::Binary(exe.clone());
+        match crash::run_with_crashes(o, every, with_idem, config, text, store, &launch).await {
             Ok(r) => reports.push(r),
             Err(e) => {
                 eprintln!("run failed: {e}");

@@ -1,12 +1,33 @@
 //! Attaching an idempotency key to a call: a helper for one request, a tonic
-//! [`Interceptor`] that adds a fresh key to every call that has none, and the one rule
-//! the retry layer and the interceptor both use to put a key under the configured header.
+//! [`Interceptor`] that adds a key to every call that has none, and the one rule the
+//! retry layer and the interceptor both use to put a key under the configured header.
 //!
 //! A key set with [`with_key`] travels as a typed request extension (tonic copies a
 //! `Request`'s extensions into the HTTP request), so the layer below always knows it,
 //! whatever header the caller thought it should go in.
+//!
+//! # Keys of calls made while serving a protected call
+//! A call without a key made by a handler that `idem-server` runs under a record gets a
+//! key *derived* from that record and the call's place in the handler (the n-th call to
+//! this method, see [`idem_core::derive`]), not a random one. A run of the handler after
+//! a crash then sends the same keys, and the services it calls replay what they did for
+//! the first run instead of doing it again. Outside a protected handler keys are random.
+//!
+//! - Calls made concurrently have no fixed order: name each with [`with_step`], and its
+//!   key is derived from the name instead.
+//! - [`with_fresh_key`] opts one call out: it gets a random key, as outside a handler.
+//! - [`with_key`] sets the key yourself; it always wins.
+//!
+//! ```
+//! use idem_client::{with_fresh_key, with_step};
+//! let mut charge = tonic::Request::new(());
+//! with_step(&mut charge, "charge-deposit");
+//! let mut audit = tonic::Request::new(());
+//! with_fresh_key(&mut audit);
+//! ```
 
 use http::{HeaderMap, HeaderName, HeaderValue};
+use idem_core::derive::KeySource;
 use idem_core::headers::IDEMPOTENCY_KEY;
 use idem_core::{IdempotencyKey, ServiceConfig};
 use tonic::metadata::MetadataMap;
@@ -35,6 +56,36 @@ pub fn with_key<T>(request: &mut Request<T>, key: &IdempotencyKey) {
     with_headers(request.metadata_mut(), |headers| {
         headers.insert(IDEMPOTENCY_KEY, sensitive_value(key));
     });
+}
+
+/// A request extension naming the call's step in the handler that makes it: its derived
+/// key comes from the name instead of the call's position (see the module docs). Set it
+/// with [`with_step`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyStep(pub std::borrow::Cow<'static, str>);
+
+/// A request extension that opts the call out of derived keys: when it has no key, it
+/// gets a random one. Set it with [`with_fresh_key`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct FreshKey;
+
+/// Names the step of a call made while serving a protected call, so its derived key
+/// comes from `step` (unique within the handler for this method) rather than from the
+/// order of the calls. For calls made concurrently, whose order changes from run to run.
+///
+/// ```
+/// let mut req = tonic::Request::new(());
+/// idem_client::with_step(&mut req, "reserve-stock");
+/// ```
+pub fn with_step<T>(request: &mut Request<T>, step: impl Into<std::borrow::Cow<'static, str>>) {
+    request.extensions_mut().insert(KeyStep(step.into()));
+}
+
+/// Gives the call a random key when it has none, even while serving a protected call
+/// (where it would get a derived one): for a call that must run again when the handler
+/// runs again.
+pub fn with_fresh_key<T>(request: &mut Request<T>) {
+    request.extensions_mut().insert(FreshKey);
 }
 
 /// [`with_key`] as methods on `tonic::Request`.
@@ -115,10 +166,57 @@ impl Interceptor for IdempotencyKeyInterceptor {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         let generate = self.wants_key(&request);
         let typed = request.extensions().get::<IdempotencyKey>().cloned();
+        let path = request
+            .extensions()
+            .get::<GrpcMethod<'static>>()
+            .map(|m| format!("/{}/{}", m.service(), m.method()));
+        let step = request.extensions().get::<KeyStep>().cloned();
+        let fresh = request.extensions().get::<FreshKey>().copied();
+        let make = new_key(path.as_deref(), step.as_ref(), fresh.as_ref());
         with_headers(request.metadata_mut(), |headers| {
-            place_key(headers, typed.as_ref(), &self.header, generate);
+            place_key(headers, typed.as_ref(), &self.header, generate, make);
         });
         Ok(request)
+    }
+}
+
+/// Puts the key of an HTTP request to `req`'s path under `name` (see [`place_key`]),
+/// taking the typed key, the step and the opt-out from its extensions.
+pub(crate) fn place_request_key<B>(req: &mut http::Request<B>, name: &HeaderName, generate: bool) {
+    let typed = req.extensions_mut().remove::<IdempotencyKey>();
+    let step = req.extensions_mut().remove::<KeyStep>();
+    let fresh = req.extensions_mut().remove::<FreshKey>();
+    // A `Bytes` clone (static for generated clients), so the headers can be borrowed.
+    let uri = req.uri().clone();
+    let make = new_key(Some(uri.path()), step.as_ref(), fresh.as_ref());
+    place_key(req.headers_mut(), typed.as_ref(), name, generate, make);
+}
+
+/// How a call that needs a key and has none gets one: derived from the protected call
+/// being served (by `step`, else by position), or random outside one, for calls without
+/// a known method path, and with [`FreshKey`]. Evaluated only when a key is made, so
+/// calls that bring their own do not count as positions.
+fn new_key<'a>(
+    path: Option<&'a str>,
+    step: Option<&'a KeyStep>,
+    fresh: Option<&'a FreshKey>,
+) -> impl FnOnce() -> HeaderValue + 'a {
+    move || {
+        let source = if fresh.is_some() {
+            None
+        } else {
+            KeySource::current()
+        };
+        match (source, path) {
+            (Some(source), Some(path)) => {
+                let key = match step {
+                    Some(KeyStep(step)) => source.step_key(path, step),
+                    None => source.next_key(path),
+                };
+                sensitive_value(&key)
+            }
+            _ => fresh_value(),
+        }
     }
 }
 
@@ -126,12 +224,14 @@ impl Interceptor for IdempotencyKeyInterceptor {
 /// this order: the typed key ([`with_key`]), a value already under `name`, a value under
 /// the default `x-idempotency-key` (moved: a caller that used the default name while the
 /// layer is configured with another must not get a second, fresh key), or, when
-/// `generate`, a fresh random key. The value is marked sensitive (see [`fresh_value`]).
+/// `generate`, a new one from `make` (derived or random, see [`new_key`]). The value is
+/// marked sensitive (see [`fresh_value`]).
 pub(crate) fn place_key(
     headers: &mut HeaderMap,
     typed: Option<&IdempotencyKey>,
     name: &HeaderName,
     generate: bool,
+    make: impl FnOnce() -> HeaderValue,
 ) {
     let under_default = if *name == IDEMPOTENCY_KEY {
         None
@@ -149,7 +249,7 @@ pub(crate) fn place_key(
                 v.set_sensitive(true);
                 v
             }
-            None if generate => fresh_value(),
+            None if generate => make(),
             None => return,
         },
     };
@@ -276,23 +376,29 @@ mod place_tests {
         let custom = HeaderName::from_static("idempotency-key");
         let mut h = HeaderMap::new();
         h.insert(IDEMPOTENCY_KEY, "stale-key-000".parse().unwrap());
-        place_key(&mut h, Some(&key("typed-key-123")), &custom, true);
+        place_key(
+            &mut h,
+            Some(&key("typed-key-123")),
+            &custom,
+            true,
+            fresh_value,
+        );
         assert_eq!(h[&custom], "typed-key-123");
         assert!(h[&custom].is_sensitive());
         assert!(!h.contains_key(IDEMPOTENCY_KEY));
 
         let mut h = HeaderMap::new();
         h.insert(IDEMPOTENCY_KEY, "default-key-1".parse().unwrap());
-        place_key(&mut h, None, &custom, false);
+        place_key(&mut h, None, &custom, false, fresh_value);
         assert_eq!(
             h[&custom], "default-key-1",
             "moved even when not generating"
         );
 
         let mut h = HeaderMap::new();
-        place_key(&mut h, None, &custom, false);
+        place_key(&mut h, None, &custom, false, fresh_value);
         assert!(h.is_empty());
-        place_key(&mut h, None, &custom, true);
+        place_key(&mut h, None, &custom, true, fresh_value);
         assert_eq!(h[&custom].len(), 32);
     }
 
@@ -313,5 +419,71 @@ mod place_tests {
             "intent-0002-x"
         );
         assert!(out.metadata().get(IDEMPOTENCY_KEY.as_str()).is_none());
+    }
+}
+
+#[cfg(test)]
+mod derive_tests {
+    use super::*;
+    use idem_core::derive::{KeySource, Which};
+
+    fn derive(seed: &[u8; 32], path: &str, which: Which<'_>) -> IdempotencyKey {
+        let tail = match which {
+            Which::Position(n) => format!("n{n}"),
+            Which::Step(s) => format!("s{s}"),
+        };
+        format!("k{}-{}-{tail}", seed[0], path.len())
+            .parse()
+            .unwrap()
+    }
+
+    fn call(path: &str, ext: impl FnOnce(&mut http::Request<()>)) -> HeaderValue {
+        let mut req = http::Request::builder().uri(path).body(()).unwrap();
+        ext(&mut req);
+        place_request_key(&mut req, &IDEMPOTENCY_KEY, true);
+        req.headers()[IDEMPOTENCY_KEY].clone()
+    }
+
+    #[tokio::test]
+    async fn inside_a_protected_handler_keys_are_derived_from_its_record() {
+        let path = "/shop.v1.Payments/Charge";
+        let run = || async {
+            (
+                call(path, |_| {}),
+                call(path, |_| {}),
+                call(path, |r| {
+                    r.extensions_mut().insert(KeyStep("deposit".into()));
+                }),
+                call(path, |r| {
+                    r.extensions_mut().insert(FreshKey);
+                }),
+                call(path, |r| {
+                    r.extensions_mut().insert(key("own-key-0001"));
+                }),
+                call(path, |_| {}),
+            )
+        };
+        let first = KeySource::new([9; 32], derive).run(run()).await;
+        let again = KeySource::new([9; 32], derive).run(run()).await;
+        let expect = KeySource::new([9; 32], derive);
+        assert_eq!(first.0, expect.next_key(path).as_str());
+        assert_eq!(first.1, expect.next_key(path).as_str());
+        assert_eq!(first.2, expect.step_key(path, "deposit").as_str());
+        assert_eq!(first.4, "own-key-0001");
+        // The step, the fresh key and the caller's key took no position.
+        assert_eq!(first.5, expect.next_key(path).as_str());
+        assert!(first.0.is_sensitive());
+        // A second run repeats every derived key, never the fresh one.
+        assert_eq!(
+            (&first.0, &first.1, &first.2, &first.5),
+            (&again.0, &again.1, &again.2, &again.5)
+        );
+        assert_ne!(first.3, again.3);
+        // Outside a handler: random.
+        assert_ne!(call(path, |_| {}), call(path, |_| {}));
+    }
+
+    fn key(s: &str) -> IdempotencyKey {
+        s.parse().unwrap()
     }
 }

@@ -263,7 +263,10 @@ pub mod metrics;
 pub mod retry;
 
 pub use inspect::{idem_reason, is_replayed};
-pub use key::{IdempotencyKeyInterceptor, RequestKeyExt, with_key};
+pub use key::{
+    FreshKey, IdempotencyKeyInterceptor, KeyStep, RequestKeyExt, with_fresh_key, with_key,
+    with_step,
+};
 pub use retry::{
     AttemptEnd, AttemptRecord, BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer,
     RetryLayerBuilder, RetryStats, RetryStatsSnapshot, RetryThrottle,

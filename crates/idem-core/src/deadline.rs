@@ -126,8 +126,11 @@ impl InboundScope {
     }
 
     /// Runs `fut` with this scope as the inbound scope (for tasks a handler spawns).
+    /// The current [`KeySource`](crate::derive::KeySource), if any, goes along, so
+    /// client calls in `fut` derive their keys as the handler's own do.
     pub fn run<F: Future>(self, fut: F) -> impl Future<Output = F::Output> {
-        INBOUND.scope(self, fut)
+        let keys = crate::derive::KeySource::current();
+        INBOUND.scope(self, crate::derive::run_in(keys, fut))
     }
 
     /// Runs `f` synchronously with this scope as the inbound scope.

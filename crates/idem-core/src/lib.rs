@@ -7,12 +7,15 @@
 //! - [`key`]: the `x-idempotency-key` value: validation and generation.
 //! - [`deadline`]: `grpc-timeout` parsing and encoding, and the inbound deadline that a
 //!   server records so outgoing calls inherit what is left of it.
+//! - [`derive`](mod@derive): keys derived for the downstream calls of a protected handler from its
+//!   inbound record, so a run after a crash sends the same keys downstream.
 //! - [`headers`]: the metadata names idem reads and writes, and the `ErrorInfo` reasons
 //!   its layers put on the errors they make.
 
 pub mod code;
 pub mod config;
 pub mod deadline;
+pub mod derive;
 pub mod headers;
 pub mod key;
 mod macros;

@@ -64,7 +64,8 @@
 //! | `renew` | `SELECT … FROM idem_renew(…)` | |
 //! | `complete` | `SELECT … FROM idem_complete(…)` | notifies when someone waits |
 //! | `release` | `SELECT … FROM idem_release(…)` | notifies when someone waits |
-//! | `commit_in` | `SELECT … FROM idem_commit(…)` | on the handler's own transaction; see below |
+//! | `complete_in` | `SELECT … FROM idem_complete(…)` | in the handler's transaction ([`RecordTx::commit_reply`]); see below |
+//! | `commit_in` | `SELECT … FROM idem_commit(…)` | in the handler's transaction ([`RecordTx::commit`]); see below |
 //! | `get` | one `SELECT` on `idem_records` | |
 //! | `wait` | `idem_watch(…)`, then a plain `SELECT` per wake-up | see "Waiting" |
 //!
@@ -138,51 +139,89 @@
 //!   `StoreError::Corrupt`, whether the function finds it (SQLSTATE `IC001`) or the client
 //!   does. Nothing the database returns can panic the store.
 //!
-//! # Transactional completion (planned)
-//! With the records in the service's own database, a handler can commit its writes and
-//! the record's completion in one transaction, guarded by its fence: a crash at any point
-//! then leaves either nothing done (the next attempt runs the handler) or everything
-//! done (no attempt runs it again), instead of "written, but not recorded". The store's
-//! half is built ([`PostgresStore::commit_in`], tests in `tests/transactional.rs`); the
-//! server layer's half, handing the handler its record, is planned. The design:
+//! # Transactional completion
+//! Every store that keeps outcomes apart from the business data is a cache of outcomes:
+//! a process killed after the handler's write committed and before the layer recorded
+//! the outcome leaves the record in flight, the lease ends, and the retry runs the
+//! handler again. With the records in the service's own database, the handler can
+//! instead commit its writes **and the record's completion, with its reply,** in one
+//! transaction, guarded by its fence. A crash at any point then leaves either nothing
+//! done (the retry takes the record over and runs the handler) or everything done (the
+//! retry replays the stored reply):
 //!
-//! - **Store** (built): a fourth record state `'p'`, "in flight, the handler's writes
-//!   committed", and one more function, `idem_commit(scope, fence, lease, …)`, which the
-//!   handler calls *inside its own transaction*, after its writes, through
-//!   `PostgresStore::commit_in(&mut tx, &scope, fence, lease)` (a `sqlx::Transaction`
-//!   derefs to the `PgConnection` it takes). It locks the record's row, checks that it
-//!   is in flight with that fence (otherwise `Fenced`, and the handler rolls back: a
-//!   takeover happened, its run is stale), sets state `'p'` and extends the lease. The
-//!   row lock is held until the handler's `COMMIT`, so a takeover cannot slip in between
-//!   the check and the commit: it waits, then sees `'p'`. Called last in the
-//!   transaction, it holds that lock only briefly (the layer's renewals meanwhile may
-//!   time out, harmlessly, and are retried).
-//! - **After the commit**, the layer calls `complete` as today; `idem_complete` accepts
-//!   `'p'` with the same fence and stores the response. `get` reports a `'p'` record as
-//!   in flight. A `release` of a `'p'` record (the handler committed, then returned a
-//!   "nothing was done" code) records it as completed with the response not retained:
-//!   something was done.
-//! - **Crash between the handler's commit and `complete`**: duplicates see `'p'` as in
-//!   flight while the lease lasts, then `Claim::Completed(StoredOutcome::NotRetained)`: a
-//!   clear error, never a second execution. A later step could let the handler also
-//!   write the encoded response in the same transaction (the layer would lend it the
-//!   encoder for "OK with this message"), so that even this case replays.
-//! - **Server layer** (planned): the handler needs its record's identity, not a
-//!   connection from the layer. The layer already puts the fence in the request
-//!   extensions (`RecordFence`); it would put the scope digest beside it (a
-//!   store-agnostic `RecordRef { scope, fence }`, so no sqlx type enters `idem-server`).
-//!   The handler holds a clone of the `PostgresStore` it gave the layer, opens its
-//!   transaction on its own pool (any pool on the same database), does its writes, calls
-//!   `commit_in`, and commits. The layer needs no transaction of its own and no new
-//!   `Store` method; stores without transactions simply have no `commit_in`. The fence
-//!   check then guards writes to this database exactly; writes to other systems still
-//!   need their own guard (the fence, or their own idempotency).
-//! - **Tests** (`tests/transactional.rs`): a crash before the handler's `COMMIT` leaves
-//!   no order and a record that is taken over; a crash after it leaves one order and a
-//!   record that answers "done" and never runs again; a stale fence rolls the handler's
-//!   writes back; a takeover attempt during the handler's transaction waits for it;
-//!   release after commit records "done". Still to test once the layer half exists: the
-//!   same through a real tonic server, with the process killed at each point.
+//! ```no_run
+//! use idem_postgres::{PostgresStore, TxError};
+//! # mod shop { #[derive(Clone, PartialEq, prost::Message)] pub struct CreateOrderRequest { #[prost(string, tag = "1")] pub sku: String } #[derive(Clone, PartialEq, prost::Message)] pub struct Order { #[prost(int64, tag = "1")] pub id: i64 } }
+//! use shop::{CreateOrderRequest, Order};
+//! use sqlx::Row;
+//! use tonic::{Request, Response, Status};
+//!
+//! struct Orders {
+//!     store: PostgresStore, // a clone of the store given to the IdempotencyLayer
+//! }
+//!
+//! impl Orders {
+//!     async fn create_order(&self, request: Request<CreateOrderRequest>) -> Result<Response<Order>, Status> {
+//!         // A transaction on the store's database, for this call's record.
+//!         let mut tx = self.store.begin_for(&request).await?;
+//!         let row = sqlx::query("INSERT INTO orders (sku) VALUES ($1) RETURNING id")
+//!             .bind(&request.get_ref().sku)
+//!             .fetch_one(&mut *tx)
+//!             .await
+//!             .map_err(TxError::from)?;
+//!         let reply = Order { id: row.get(0) };
+//!         // The reply goes into the record, under the fence, in the same COMMIT.
+//!         // A run taken over meanwhile gets TxError::Fenced (rolled back) → ABORTED.
+//!         tx.commit_reply(&reply).await?;
+//!         Ok(Response::new(reply)) // exactly what was committed
+//!     }
+//! }
+//! ```
+//!
+//! - **How it fits the layer**: `idem-server` puts the call's
+//!   [`RecordRef`](idem_store::RecordRef) (scope, fence, TTLs) into the request
+//!   extensions; [`PostgresStore::begin_for`] reads it and opens a transaction on the
+//!   store's pool ([`begin_on`](PostgresStore::begin_on): on the service's own pool of the
+//!   same database, for handlers whose statements need longer than the store's
+//!   statement timeout). [`RecordTx::commit_reply`] runs `idem_complete` in the
+//!   transaction (it locks the record's row, checks the fence, stores the reply), then
+//!   `COMMIT`s, and marks the `RecordRef` completed: the layer, seeing the mark, does not
+//!   record the outcome again. (Without the mark it would try, find the record
+//!   completed under its own fence, and take that as done: never an overwrite.)
+//! - **What is stored** is [`StoredResponse::unary_ok`](idem_store::response::StoredResponse::unary_ok)
+//!   of the reply: byte for byte what the layer records for `Ok(Response::new(reply))`
+//!   (test `the_reply_committed_with_the_order_is_replayed_byte_for_byte`). Return
+//!   exactly that response. Replies with metadata: encode them yourself
+//!   ([`RecordTx::commit_response`]); response compression is not reproduced (a replay
+//!   is uncompressed, which every gRPC client reads).
+//! - **Fences**: `idem_complete` holds the record's row lock until the `COMMIT`, so a
+//!   takeover cannot slip in between the fence check and the commit: it waits, then
+//!   sees the record completed. A stale run gets [`TxError::Fenced`], its writes are
+//!   rolled back, and `tonic::Status::from` makes it ABORTED (the call is released and
+//!   the client retries).
+//! - **A `COMMIT` whose answer is lost** ([`TxError::CommitUnknown`] → UNAVAILABLE): if
+//!   it committed, the record holds the reply and the layer's release finds it completed
+//!   under its fence and leaves it; if not, the record is released. The retry replays or
+//!   runs once.
+//! - **Streams** and other replies `commit_reply` cannot express: [`RecordTx::commit`]
+//!   marks the record "writes committed" (state `'p'`) in the transaction and the layer
+//!   stores the response after the handler returns. A crash between the two leaves a
+//!   record that answers duplicates FAILED_PRECONDITION (`RESPONSE_NOT_RETAINED`): never
+//!   a second run, but no replay. [`PostgresStore::commit_in`] is that step alone.
+//! - **Writes elsewhere** (another database, a queue, a payment API) are not in the
+//!   transaction. Calls to other idem-protected services made with a `RetryLayer` in the
+//!   handler derive their keys from this record, so a run after a crash replays them
+//!   (`idem_core::derive`); guard anything else with the fence
+//!   ([`RecordRef::fence`](idem_store::RecordRef::fence)).
+//! - **Cost**: a fresh call is one statement outside the handler's transaction (the
+//!   claim) and one more inside it (`idem_complete`), instead of claim + complete; a
+//!   replay is one (test `a_fresh_call_is_one_statement_outside_the_handlers_transaction`).
+//! - **Tests**: `tests/transactional.rs` (crash before and after the handler's commit, a
+//!   stale fence, a takeover waiting for the transaction, release after commit),
+//!   `tests/record_tx.rs` (through a tonic server), and the workspace's
+//!   `tests/crash.rs`: server processes killed with SIGKILL before the write, inside the
+//!   transaction while the lease is renewed, and after the commit before the reply, and
+//!   2,000 intents through 9 SIGKILLs: one order per intent every time.
 
 mod builder;
 mod error;
@@ -190,6 +229,7 @@ mod listen;
 mod schema;
 mod store;
 mod sweep;
+mod tx;
 
 pub use builder::{
     ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_POLL_MAX,
@@ -198,7 +238,10 @@ pub use builder::{
     WaitStrategy,
 };
 pub use schema::SCHEMA_VERSION;
+/// The driver this store is built on, so a handler writes through the same `sqlx`.
+pub use sqlx;
 pub use store::PostgresStore;
+pub use tx::{RecordTx, TxError};
 
 /// The schema SQL for `prefix` (the schema in the crate docs with every `idem_` replaced),
 /// for creating it by hand or in a migration. `None` when `prefix` is not a valid table

@@ -154,6 +154,42 @@ impl PostgresStore {
         fenced_reply(fence, &row)
     }
 
+    /// Completes the record held with `record.fence()` with `response` (a
+    /// [`StoredResponse`](idem_store::response::StoredResponse) encoding), on `conn`,
+    /// which must be in the handler's own transaction, after its writes. The record
+    /// becomes completed only if that transaction commits; after the commit, call
+    /// [`RecordRef::mark_completed`](idem_store::RecordRef::mark_completed) so the layer
+    /// does not record the outcome again. [`RecordTx`](crate::RecordTx) does all of this.
+    ///
+    /// The row stays locked until the transaction ends, so a takeover cannot slip in
+    /// between this fence check and the commit.
+    ///
+    /// # Errors
+    /// As [`commit_in`](Self::commit_in): `Fenced` means roll back.
+    pub async fn complete_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        record: &idem_store::RecordRef,
+        response: Bytes,
+    ) -> Result<(), StoreError> {
+        let q = sqlx::query(&self.inner.sql.complete)
+            .bind(&record.scope().0[..])
+            .bind(fence_arg(record.fence()))
+            .bind("r")
+            .bind(&response[..])
+            .bind(us(record.record_ttl()));
+        let limit = self.inner.statement_timeout;
+        let row = match tokio::time::timeout(limit, q.fetch_one(&mut *conn)).await {
+            Ok(r) => r.map_err(map_error)?,
+            Err(_) => return Err(timed_out(limit)),
+        };
+        fenced_reply(record.fence(), &row)
+    }
+
+    pub(crate) fn statement_timeout(&self) -> Duration {
+        self.inner.statement_timeout
+    }
+
     async fn fenced(
         &self,
         presented: Fence,

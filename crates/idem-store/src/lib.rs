@@ -51,11 +51,14 @@ use tokio::time::Instant;
 
 pub mod instrumented;
 pub mod memory;
+mod record;
+pub mod response;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use instrumented::InstrumentedStore;
 pub use memory::{MemoryStore, MemoryStoreSettings, MemoryStoreStats, TenantUsage};
+pub use record::RecordRef;
 
 /// A generation number of a record; grows on every claim of a scope.
 pub type Fence = u64;
@@ -175,7 +178,8 @@ pub enum Claim {
 /// The outcome stored by [`Store::complete`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoredOutcome {
-    /// The encoded response (opaque to the store; the layer encodes and decodes it).
+    /// The encoded response (opaque to the store; the layer encodes and decodes it, in
+    /// the format of [`response::StoredResponse`]).
     Response(Bytes),
     /// The call completed but its response was over the size limit and was not kept.
     NotRetained,

@@ -1,43 +1,56 @@
 //! The demo with real crashes: each server instance is a separate OS process, killed with
 //! SIGKILL every N intents and started again on the same port, while the workload runs.
 //!
-//! Orders are appended to a ledger file by the server processes (one `write` per order),
-//! so an order survives the crash of the process that created it and is counted from the
-//! file at the end. What a crash costs depends on where the records live: a process's
-//! memory store dies with it; Redis keeps them, but a process killed after the handler
-//! ran and before the outcome was recorded leaves the record in flight until its lease
-//! ends, and the retry then runs the handler again.
+//! Orders survive the crash of the process that created it: with the memory and Redis
+//! stores they are appended to a ledger file (one `write` per order); with the
+//! PostgreSQL store they are rows of a table, written in the same transaction as the
+//! record's completion ([`crate::pg_orders`]). They are counted at the end. What a crash
+//! costs depends on where the records live: a process's memory store dies with it;
+//! Redis keeps them, but a process killed after the handler ran and before the outcome
+//! was recorded leaves the record in flight until its lease ends, and the retry then
+//! runs the handler again; PostgreSQL commits the order and the record together.
 //!
-//! The demo binary serves an instance when started with [`SERVE_FLAG`] and the
-//! arguments of [`ServeArgs::to_args`]; [`run_with_crashes`] starts it that way.
+//! An instance process is started through a [`Launch`]: the demo binary with
+//! [`SERVE_FLAG`] and the arguments of [`ServeArgs::to_args`], or a test binary running
+//! one test that calls [`serve_from_env`]. A [`PausePoint`] makes an instance stop
+//! inside its first `CreateOrder` and say so on standard output, so a test can kill it
+//! exactly there.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_client::RetryLayer;
+use idem_client::{Retry, RetryLayer};
 use idem_core::ServiceConfig;
+use idem_postgres::PostgresStore;
 use idem_server::idempotency::tenant::SingleTenant;
 use idem_server::{IdempotencyLayer, InboundLayer};
 use idem_store::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-use tonic::transport::Server;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+use tonic::transport::{Channel, Server};
+use tonic::{Request, Response, Status};
 use tower::ServiceBuilder;
 
 use crate::demo::{Faults, Ledger, Options, OrdersImpl, RunReport, strip_idempotency};
+use crate::pg_orders::{self, PgOrders};
 use crate::shop::orders_client::OrdersClient;
-use crate::shop::orders_server::OrdersServer;
+use crate::shop::orders_server::{Orders, OrdersServer};
+use crate::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The first argument that makes the demo binary serve one instance.
 pub const SERVE_FLAG: &str = "--serve-instance";
+
+/// The environment variable that carries a test binary's instance arguments (see
+/// [`serve_from_env`]).
+pub const SERVE_ENV: &str = "IDEM_SERVE_INSTANCE";
 
 /// Where the instances keep their idempotency records.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,14 +59,92 @@ pub enum StoreKind {
     Memory,
     /// Redis at this URL, shared by every process.
     Redis(String),
+    /// PostgreSQL at this URL, shared by every process; orders are rows of the same
+    /// database, written in the transaction that completes the record.
+    Postgres(String),
 }
 
 impl StoreKind {
-    /// `memory` or `redis`.
+    /// `memory`, `redis` or `postgres`.
     pub fn name(&self) -> &'static str {
         match self {
             StoreKind::Memory => "memory",
             StoreKind::Redis(_) => "redis",
+            StoreKind::Postgres(_) => "postgres",
+        }
+    }
+
+    fn url(&self) -> &str {
+        match self {
+            StoreKind::Memory => "",
+            StoreKind::Redis(u) | StoreKind::Postgres(u) => u,
+        }
+    }
+}
+
+/// Where an instance stops (forever, until it is killed) in its first `CreateOrder`,
+/// after printing `paused <name>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PausePoint {
+    /// Before the order is written.
+    BeforeWrite,
+    /// The order is written in the transaction, not committed (PostgreSQL only).
+    InTransaction,
+    /// The order (and, with PostgreSQL, the reply) is committed; nothing answered yet.
+    AfterCommit,
+    /// The downstream call of a chained instance answered; nothing answered upstream.
+    AfterDownstream,
+}
+
+impl PausePoint {
+    /// The name used on the command line and in the `paused` line.
+    pub fn name(self) -> &'static str {
+        match self {
+            PausePoint::BeforeWrite => "before-write",
+            PausePoint::InTransaction => "in-transaction",
+            PausePoint::AfterCommit => "after-commit",
+            PausePoint::AfterDownstream => "after-downstream",
+        }
+    }
+
+    fn parse(s: &str) -> Option<PausePoint> {
+        [
+            PausePoint::BeforeWrite,
+            PausePoint::InTransaction,
+            PausePoint::AfterCommit,
+            PausePoint::AfterDownstream,
+        ]
+        .into_iter()
+        .find(|p| p.name() == s)
+    }
+}
+
+/// An instance's pause: fires once, at its point.
+#[derive(Debug, Default)]
+pub struct Pause {
+    at: Option<PausePoint>,
+    fired: AtomicBool,
+}
+
+impl Pause {
+    /// A pause at `at` (none: never).
+    pub fn new(at: Option<PausePoint>) -> Self {
+        Pause {
+            at,
+            fired: AtomicBool::new(false),
+        }
+    }
+
+    /// At `point`: the first time, say so on standard output and never return.
+    pub async fn at(&self, point: PausePoint) {
+        if self.at == Some(point) && !self.fired.swap(true, Ordering::SeqCst) {
+            {
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "paused {}", point.name());
+                let _ = out.flush();
+            }
+            std::future::pending::<()>().await;
         }
     }
 }
@@ -71,7 +162,7 @@ pub struct ServeArgs {
     pub store: StoreKind,
     /// The service-config file.
     pub config: PathBuf,
-    /// The ledger file orders are appended to.
+    /// The ledger file orders are appended to (memory and Redis stores).
     pub ledger: PathBuf,
     /// Seed of the fault injector.
     pub seed: u64,
@@ -81,77 +172,167 @@ pub struct ServeArgs {
     pub drop: f64,
     /// Latency added before the handler, in milliseconds.
     pub latency_ms: u64,
+    /// Where to stop in the first `CreateOrder`.
+    pub pause_at: Option<PausePoint>,
+    /// Serve as the first hop of a chain: each `CreateOrder` calls this port's
+    /// `CreateOrder` (through a `RetryLayer` with the same config) and answers with its
+    /// order, writing nothing itself.
+    pub downstream: Option<u16>,
 }
 
 impl ServeArgs {
-    /// The command line that [`ServeArgs::parse`] reads back (after [`SERVE_FLAG`]).
+    /// An instance with no faults, no pause and no downstream.
+    pub fn new(
+        instance: usize,
+        port: u16,
+        store: StoreKind,
+        config: PathBuf,
+        ledger: PathBuf,
+    ) -> Self {
+        ServeArgs {
+            instance,
+            port,
+            with_idem: true,
+            store,
+            config,
+            ledger,
+            seed: 0,
+            unavailable: 0.0,
+            drop: 0.0,
+            latency_ms: 0,
+            pause_at: None,
+            downstream: None,
+        }
+    }
+
+    /// The command line that [`ServeArgs::parse`] reads back (after [`SERVE_FLAG`]):
+    /// `name=value` pairs.
     pub fn to_args(&self) -> Vec<String> {
-        let redis = match &self.store {
-            StoreKind::Memory => String::new(),
-            StoreKind::Redis(url) => url.clone(),
-        };
-        [
-            self.instance.to_string(),
-            self.port.to_string(),
-            self.with_idem.to_string(),
-            self.store.name().to_owned(),
-            redis,
-            self.config.display().to_string(),
-            self.ledger.display().to_string(),
-            self.seed.to_string(),
-            self.unavailable.to_string(),
-            self.drop.to_string(),
-            self.latency_ms.to_string(),
-        ]
-        .into()
+        let mut args = vec![
+            format!("instance={}", self.instance),
+            format!("port={}", self.port),
+            format!("with_idem={}", self.with_idem),
+            format!("store={}", self.store.name()),
+            format!("url={}", self.store.url()),
+            format!("config={}", self.config.display()),
+            format!("ledger={}", self.ledger.display()),
+            format!("seed={}", self.seed),
+            format!("unavailable={}", self.unavailable),
+            format!("drop={}", self.drop),
+            format!("latency_ms={}", self.latency_ms),
+        ];
+        if let Some(p) = self.pause_at {
+            args.push(format!("pause_at={}", p.name()));
+        }
+        if let Some(port) = self.downstream {
+            args.push(format!("downstream={port}"));
+        }
+        args
     }
 
     /// Reads the arguments written by [`ServeArgs::to_args`].
     pub fn parse(args: &[String]) -> Result<ServeArgs, String> {
-        let [
-            instance,
-            port,
-            with_idem,
-            store,
-            redis,
-            config,
-            ledger,
-            seed,
-            unavailable,
-            drop,
-            latency,
-        ] = args
-        else {
-            return Err(format!(
-                "{SERVE_FLAG} takes 11 arguments, got {}",
-                args.len()
-            ));
+        let mut a = ServeArgs::new(0, 0, StoreKind::Memory, PathBuf::new(), PathBuf::new());
+        let (mut store, mut url) = (String::from("memory"), String::new());
+        let mut port = None;
+        for arg in args {
+            let (k, v) = arg
+                .split_once('=')
+                .ok_or_else(|| format!("{SERVE_FLAG}: {arg}: expected name=value"))?;
+            let bad = || format!("{SERVE_FLAG}: bad {k}: {v}");
+            match k {
+                "instance" => a.instance = v.parse().map_err(|_| bad())?,
+                "port" => port = Some(v.parse().map_err(|_| bad())?),
+                "with_idem" => a.with_idem = v.parse().map_err(|_| bad())?,
+                "store" => store = v.to_owned(),
+                "url" => url = v.to_owned(),
+                "config" => a.config = v.into(),
+                "ledger" => a.ledger = v.into(),
+                "seed" => a.seed = v.parse().map_err(|_| bad())?,
+                "unavailable" => a.unavailable = v.parse().map_err(|_| bad())?,
+                "drop" => a.drop = v.parse().map_err(|_| bad())?,
+                "latency_ms" => a.latency_ms = v.parse().map_err(|_| bad())?,
+                "pause_at" => a.pause_at = Some(PausePoint::parse(v).ok_or_else(bad)?),
+                "downstream" => a.downstream = Some(v.parse().map_err(|_| bad())?),
+                _ => return Err(format!("{SERVE_FLAG}: unknown argument {k}")),
+            }
+        }
+        a.port = port.ok_or_else(|| format!("{SERVE_FLAG}: port missing"))?;
+        a.store = match store.as_str() {
+            "memory" => StoreKind::Memory,
+            "redis" => StoreKind::Redis(url),
+            "postgres" => StoreKind::Postgres(url),
+            _ => return Err(format!("{SERVE_FLAG}: bad store: {store}")),
         };
-        let bad = |what: &str| format!("{SERVE_FLAG}: bad {what}");
-        Ok(ServeArgs {
-            instance: instance.parse().map_err(|_| bad("instance"))?,
-            port: port.parse().map_err(|_| bad("port"))?,
-            with_idem: with_idem.parse().map_err(|_| bad("with_idem"))?,
-            store: match store.as_str() {
-                "memory" => StoreKind::Memory,
-                "redis" => StoreKind::Redis(redis.clone()),
-                _ => return Err(bad("store")),
-            },
-            config: config.into(),
-            ledger: ledger.into(),
-            seed: seed.parse().map_err(|_| bad("seed"))?,
-            unavailable: unavailable.parse().map_err(|_| bad("unavailable"))?,
-            drop: drop.parse().map_err(|_| bad("drop"))?,
-            latency_ms: latency.parse().map_err(|_| bad("latency"))?,
-        })
+        Ok(a)
     }
 }
+
+/// In a test binary started by [`Launch::Test`]: serves the instance its environment
+/// describes until the process is killed. Returns at once (doing nothing) when the
+/// variable is not set, so the test that calls it passes in a normal run.
+pub fn serve_from_env() {
+    let Ok(text) = std::env::var(SERVE_ENV) else {
+        return;
+    };
+    let args: Vec<String> = text.split('\n').map(str::to_owned).collect();
+    let args = ServeArgs::parse(&args).expect("instance arguments");
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    if let Err(e) = runtime.block_on(serve(args)) {
+        eprintln!("instance: {e}");
+        std::process::exit(2);
+    }
+}
+
+/// Connection pool size of an instance's PostgreSQL store: handlers hold one for their
+/// transaction, so it bounds the handlers that can write at once.
+const PG_POOL: u32 = 24;
 
 /// Serves one instance until the process is killed; prints `ready` on standard output
 /// once it listens.
 pub async fn serve(args: ServeArgs) -> Result<(), Error> {
     let config = ServiceConfig::from_file(&args.config)?;
+    let pause = Arc::new(Pause::new(args.pause_at));
+    let name = format!("instance-{}", args.instance);
+    if let Some(port) = args.downstream {
+        let svc = Chained {
+            next: OrdersClient::new(
+                ServiceBuilder::new()
+                    .layer(RetryLayer::from_config(&config))
+                    .service(crate::net::channel(SocketAddr::from((
+                        [127, 0, 0, 1],
+                        port,
+                    )))),
+            ),
+            pause,
+        };
+        return serve_service(&args, &config, svc, None).await;
+    }
+    if let StoreKind::Postgres(url) = &args.store {
+        let store = PostgresStore::builder(url.clone())
+            .max_connections(PG_POOL)
+            .connect()
+            .await?;
+        let svc = PgOrders::new(
+            store.pool().clone(),
+            args.with_idem.then(|| store.clone()),
+            name,
+            pause,
+        );
+        return serve_service(&args, &config, svc, Some(store)).await;
+    }
     let ledger = Arc::new(Ledger::append_to(&args.ledger)?);
+    serve_service(&args, &config, OrdersImpl::new(ledger, name), None).await
+}
+
+/// Serves `svc` behind the fault injector, `InboundLayer` and (with idem) the
+/// idempotency layer on the instance's store.
+async fn serve_service<T: Orders>(
+    args: &ServeArgs,
+    config: &ServiceConfig,
+    svc: T,
+    postgres: Option<PostgresStore>,
+) -> Result<(), Error> {
     let o = Options {
         unavailable: args.unavailable,
         drop: args.drop,
@@ -161,10 +342,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Error> {
     let faults = Faults::new(&o, args.seed);
     let listener = bind_with_retries(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let svc = OrdersServer::new(OrdersImpl::new(
-        ledger,
-        format!("instance-{}", args.instance),
-    ));
+    let svc = OrdersServer::new(svc);
     println!("ready");
     let mut router = Server::builder().layer(faults).layer(InboundLayer::new());
     if !args.with_idem {
@@ -175,19 +353,27 @@ pub async fn serve(args: ServeArgs) -> Result<(), Error> {
         return Ok(());
     }
     let tenant = SingleTenant::new("demo");
-    match &args.store {
-        StoreKind::Memory => {
-            let store = MemoryStore::new(config.settings().memory_store.clone());
-            let layer = IdempotencyLayer::new(store, &config).tenant(tenant);
+    match (&args.store, postgres) {
+        (_, Some(store)) => {
+            let layer = IdempotencyLayer::new(store, config).tenant(tenant);
             router
                 .layer(layer)
                 .add_service(svc)
                 .serve_with_incoming(incoming)
                 .await?;
         }
-        StoreKind::Redis(url) => {
+        (StoreKind::Redis(url), None) => {
             let store = idem_redis::RedisStore::connect(url.clone()).await?;
-            let layer = IdempotencyLayer::new(store, &config).tenant(tenant);
+            let layer = IdempotencyLayer::new(store, config).tenant(tenant);
+            router
+                .layer(layer)
+                .add_service(svc)
+                .serve_with_incoming(incoming)
+                .await?;
+        }
+        _ => {
+            let store = MemoryStore::new(config.settings().memory_store.clone());
+            let layer = IdempotencyLayer::new(store, config).tenant(tenant);
             router
                 .layer(layer)
                 .add_service(svc)
@@ -196,6 +382,43 @@ pub async fn serve(args: ServeArgs) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// The first hop of a chain: forwards `CreateOrder` downstream (its key derived from
+/// this call's record), then answers with the downstream's order.
+struct Chained {
+    next: OrdersClient<Retry<Channel>>,
+    pause: Arc<Pause>,
+}
+
+#[tonic::async_trait]
+impl Orders for Chained {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let order = self
+            .next
+            .clone()
+            .create_order(Request::new(request.into_inner()))
+            .await?
+            .into_inner();
+        self.pause.at(PausePoint::AfterDownstream).await;
+        Ok(Response::new(order))
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("the demo only creates orders"))
+    }
+
+    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Ok(Response::new(tokio_stream::empty()))
+    }
 }
 
 async fn bind_with_retries(addr: SocketAddr) -> Result<tokio::net::TcpListener, Error> {
@@ -212,38 +435,104 @@ async fn bind_with_retries(addr: SocketAddr) -> Result<tokio::net::TcpListener, 
     }
 }
 
+/// How an instance process is started.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// `exe --serve-instance ARGS…` (the demo binary).
+    Binary(PathBuf),
+    /// `exe TEST --exact --nocapture` with the arguments in [`SERVE_ENV`]: a test binary
+    /// whose test `TEST` calls [`serve_from_env`].
+    Test {
+        /// The test binary (`std::env::current_exe()` in a test).
+        exe: PathBuf,
+        /// The test that serves.
+        test: String,
+    },
+}
+
+impl Launch {
+    fn command(&self, args: &ServeArgs) -> Command {
+        match self {
+            Launch::Binary(exe) => {
+                let mut c = Command::new(exe);
+                c.arg(SERVE_FLAG).args(args.to_args());
+                c
+            }
+            Launch::Test { exe, test } => {
+                let mut c = Command::new(exe);
+                c.args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+                    .env(SERVE_ENV, args.to_args().join("\n"));
+                c
+            }
+        }
+    }
+}
+
 /// A running instance process.
-struct Instance {
+pub struct Instance {
     args: ServeArgs,
     child: Child,
+    stdout: Lines<BufReader<ChildStdout>>,
 }
 
 impl Instance {
-    async fn start(exe: &Path, args: ServeArgs) -> Result<Instance, Error> {
-        let mut child = Command::new(exe)
-            .arg(SERVE_FLAG)
-            .args(args.to_args())
+    /// Starts the process and waits (up to 30 s) for its `ready` line.
+    pub async fn start(launch: &Launch, args: ServeArgs) -> Result<Instance, Error> {
+        let mut child = launch
+            .command(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()?;
         let stdout = child.stdout.take().ok_or("instance stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        match tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await {
-            Ok(Ok(Some(line))) if line == "ready" => Ok(Instance { args, child }),
-            other => Err(format!("instance {} did not start: {other:?}", args.instance).into()),
+        let mut instance = Instance {
+            args,
+            child,
+            stdout: BufReader::new(stdout).lines(),
+        };
+        instance.wait_for("ready", Duration::from_secs(30)).await?;
+        Ok(instance)
+    }
+
+    /// Waits for a line ending with `line` on the process's standard output (others are
+    /// skipped). Ending with: a test binary's harness writes `test NAME ... ` first,
+    /// without a newline.
+    pub async fn wait_for(&mut self, line: &str, timeout: Duration) -> Result<(), Error> {
+        let read = async {
+            while let Some(l) = self.stdout.next_line().await? {
+                if l.ends_with(line) {
+                    return Ok(());
+                }
+            }
+            Err::<(), Error>("the instance's output ended".into())
+        };
+        match tokio::time::timeout(timeout, read).await {
+            Ok(r) => r.map_err(|e| {
+                format!("instance {}: waiting for {line:?}: {e}", self.args.instance).into()
+            }),
+            Err(_) => Err(format!(
+                "instance {}: no {line:?} within {timeout:?}",
+                self.args.instance
+            )
+            .into()),
         }
     }
 
+    /// The arguments it was started with.
+    pub fn args(&self) -> &ServeArgs {
+        &self.args
+    }
+
     /// SIGKILL, then wait for the process to be gone.
-    async fn kill(&mut self) -> Result<(), Error> {
+    pub async fn kill(&mut self) -> Result<(), Error> {
         self.child.start_kill()?;
         self.child.wait().await?;
         Ok(())
     }
 }
 
-fn free_port() -> Result<u16, Error> {
+/// A free loopback port.
+pub fn free_port() -> Result<u16, Error> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
@@ -258,16 +547,18 @@ pub async fn run_with_crashes(
     config: &ServiceConfig,
     config_text: &str,
     store: &StoreKind,
-    exe: &Path,
+    launch: &Launch,
 ) -> Result<RunReport, Error> {
     let label = if with_idem {
         "with idem"
     } else {
         "without idem"
     };
+    static RUNS: AtomicU64 = AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
-        "idem-demo-{}-{}",
+        "idem-demo-{}-{}-{}",
         std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed),
         if with_idem { "idem" } else { "plain" }
     ));
     std::fs::create_dir_all(&dir)?;
@@ -276,22 +567,35 @@ pub async fn run_with_crashes(
     let ledger = dir.join("ledger");
     let _ = std::fs::remove_file(&ledger);
     std::fs::write(&ledger, "")?;
+    let orders_db = match store {
+        StoreKind::Postgres(url) => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect(url)
+                .await?;
+            pg_orders::reset_table(&pool).await?;
+            Some(pool)
+        }
+        _ => None,
+    };
 
     let mut instances = Vec::new();
     for i in 0..o.instances {
         let args = ServeArgs {
-            instance: i,
-            port: free_port()?,
             with_idem,
-            store: store.clone(),
-            config: config_path.clone(),
-            ledger: ledger.clone(),
             seed: o.seed.wrapping_add(i as u64),
             unavailable: o.unavailable,
             drop: o.drop,
             latency_ms: o.latency.as_millis() as u64,
+            ..ServeArgs::new(
+                i,
+                free_port()?,
+                store.clone(),
+                config_path.clone(),
+                ledger.clone(),
+            )
         };
-        instances.push(Instance::start(exe, args).await?);
+        instances.push(Instance::start(launch, args).await?);
     }
     let endpoints = instances.iter().map(|i| {
         tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", i.args.port))
@@ -319,14 +623,17 @@ pub async fn run_with_crashes(
         crash_every,
         o.intents,
         o.seed,
-        exe.to_owned(),
+        launch.clone(),
     ));
     let w = crate::demo::workload(o, with_idem, label, &client, done).await?;
     let mut instances = killer.await??;
     for i in &mut instances {
         i.kill().await?;
     }
-    let by_intent = Ledger::read_file(&ledger)?;
+    let by_intent = match &orders_db {
+        Some(pool) => pg_orders::orders_by_intent(pool).await?,
+        None => Ledger::read_file(&ledger)?,
+    };
     let _ = std::fs::remove_dir_all(&dir);
     let mut report = crate::demo::tally(o, label, &by_intent, w);
     let snapshot = stats.snapshot();
@@ -342,7 +649,7 @@ async fn crash_loop(
     every: usize,
     total: usize,
     seed: u64,
-    exe: PathBuf,
+    launch: Launch,
 ) -> Result<Vec<Instance>, Error> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xc0ffee);
     let mut next = every as u64;
@@ -356,7 +663,7 @@ async fn crash_loop(
         instance.kill().await?;
         crashes.fetch_add(1, Ordering::Relaxed);
         let args = instance.args.clone();
-        instances[victim] = Instance::start(&exe, args).await?;
+        instances[victim] = Instance::start(&launch, args).await?;
         victim = (victim + 1) % instances.len();
         next += every as u64;
     }

@@ -619,8 +619,8 @@ where
 }
 
 /// One business intent: one key, created here and reused by every application retry.
-/// Retries codes that say "nothing was decided" or "not yet": UNAVAILABLE,
-/// DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED.
+/// Retries codes that say "nothing was decided" or "not yet": UNAVAILABLE, CANCELLED (not
+/// by this caller), DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED.
 async fn one_intent<S>(
     mut client: OrdersClient<S>,
     n: usize,
@@ -659,6 +659,9 @@ where
                 if matches!(
                     s.code(),
                     tonic::Code::Unavailable
+                        // A connection that died mid-call (a killed server) can end
+                        // the call CANCELLED although the caller cancelled nothing.
+                        | tonic::Code::Cancelled
                         | tonic::Code::DeadlineExceeded
                         | tonic::Code::Aborted
                         | tonic::Code::ResourceExhausted

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod demo_metrics;
 pub mod faulty_store;
 pub mod net;
+pub mod pg_orders;
 pub mod postgres;
 pub mod redis;
 pub mod shop_fake;

@@ -6,11 +6,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idem_core::ServiceConfig;
 use idem_core::deadline::{
     current_scope, earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout,
 };
 use idem_core::headers::GRPC_TIMEOUT;
-use idem_core::{IdempotencyKey, ServiceConfig};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::field::Empty;
@@ -23,7 +23,7 @@ use super::layer::RetryLayer;
 use super::limit::{CheckedBody, RequestCheck, RequestFault};
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
-use crate::key::place_key;
+use crate::key::place_request_key;
 use crate::metrics::Started;
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
@@ -93,13 +93,7 @@ where
         let inbound = current_scope();
         let policy = settings.resolve(path.as_str(), inbound);
         self.shared.stats.call();
-        let typed = req.extensions_mut().remove::<IdempotencyKey>();
-        place_key(
-            req.headers_mut(),
-            typed.as_ref(),
-            settings.key_header(),
-            policy.add_key,
-        );
+        place_request_key(&mut req, settings.key_header(), policy.add_key);
         let cx = CallContext {
             shared: self.shared.clone(),
             deadline: deadline(req.headers(), policy.timeout),
@@ -207,7 +201,7 @@ fn deadline(headers: &http::HeaderMap, config_timeout: Option<Duration>) -> Opti
 
 #[cfg(test)]
 mod key_tests {
-    use super::*;
+    use idem_core::IdempotencyKey;
 
     #[test]
     fn generated_keys_are_valid_distinct_sensitive_hex() {

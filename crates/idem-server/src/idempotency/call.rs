@@ -11,6 +11,7 @@ use http_body_util::Full;
 use idem_core::config::{IdempotencyPolicy, InFlightPolicy};
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_core::headers;
+use idem_store::response::StoredResponse;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
 };
@@ -22,7 +23,6 @@ use tower_service::Service;
 
 use super::BoxError;
 use super::body::ReplayBody;
-use super::codec::StoredResponse;
 use super::handler;
 use super::layer::Shared;
 use super::lease::Lease;

@@ -4,6 +4,8 @@
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
+use idem_core::IdempotencyKey;
+use idem_core::derive::Which;
 use idem_store::{Fingerprint, Scope, TenantId};
 
 /// The record name of a call: SHA-256 over the length-prefixed tenant, method path and
@@ -25,6 +27,45 @@ pub fn scope_for(tenant: &str, method_path: &str, key: &str) -> Scope {
         h.update(part.as_bytes());
     }
     Scope(h.finalize().into())
+}
+
+/// The key of a call made while serving a protected call (see
+/// [`idem_core::derive`]): the first 16 bytes, in lower-case hex (32 characters, a valid
+/// key), of SHA-256 over a version tag, the inbound record's scope digest `seed`, the
+/// length-prefixed method path, and the call's position or step:
+///
+/// ```text
+/// SHA-256("idem-derived-key-v1" ‖ seed ‖ u64 len ‖ path ‖ "#" ‖ u64 n)     // n-th call
+/// SHA-256("idem-derived-key-v1" ‖ seed ‖ u64 len ‖ path ‖ "@" ‖ step)      // named step
+/// ```
+///
+/// The layer runs each handler with a `KeySource` that uses it, so a client layer in
+/// the handler derives keys with it.
+pub fn derived_key(seed: &[u8; 32], method_path: &str, which: Which<'_>) -> IdempotencyKey {
+    let mut h = Sha256::new();
+    h.update(b"idem-derived-key-v1");
+    h.update(seed);
+    h.update((method_path.len() as u64).to_be_bytes());
+    h.update(method_path.as_bytes());
+    match which {
+        Which::Position(n) => {
+            h.update(b"#");
+            h.update(n.to_be_bytes());
+        }
+        Which::Step(step) => {
+            h.update(b"@");
+            h.update(step.as_bytes());
+        }
+    }
+    let digest = h.finalize();
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 32];
+    for (i, b) in digest[..16].iter().enumerate() {
+        out[2 * i] = HEX[usize::from(b >> 4)];
+        out[2 * i + 1] = HEX[usize::from(b & 0xf)];
+    }
+    // 32 hex digits are always a valid key.
+    IdempotencyKey::parse(&out).unwrap_or_else(|_| IdempotencyKey::generate())
 }
 
 /// The store's name for a tenant: the first 16 bytes of SHA-256 over a version tag and
@@ -114,6 +155,21 @@ pub(crate) fn fingerprint_custom(canonical: &[u8]) -> Fingerprint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn derived_keys_are_valid_and_depend_on_every_input() {
+        let k = derived_key(&[1; 32], "/s.S/M", Which::Position(0));
+        assert_eq!(k.as_str().len(), 32);
+        assert_eq!(k, derived_key(&[1; 32], "/s.S/M", Which::Position(0)));
+        for other in [
+            derived_key(&[2; 32], "/s.S/M", Which::Position(0)),
+            derived_key(&[1; 32], "/s.S/N", Which::Position(0)),
+            derived_key(&[1; 32], "/s.S/M", Which::Position(1)),
+            derived_key(&[1; 32], "/s.S/M", Which::Step("0")),
+        ] {
+            assert_ne!(other, k);
+        }
+    }
 
     #[test]
     fn scope_parts_are_length_prefixed() {

@@ -12,7 +12,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use idem_core::config::IdempotencyPolicy;
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
-use idem_store::{Fence, Store, StoredOutcome};
+use idem_core::derive::KeySource;
+use idem_store::response::{EncodedSize, StoredResponse};
+use idem_store::{Fence, RecordRef, Store, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
 use tonic::body::Body;
 use tonic::{Code, Status};
@@ -22,7 +24,6 @@ use tracing::Instrument;
 use super::BoxError;
 use super::body::{ChannelBody, ReplayBody};
 use super::call::Call;
-use super::codec::{EncodedSize, StoredResponse};
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::status;
@@ -60,13 +61,20 @@ where
 {
     let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
     parts.extensions.insert(RecordFence(fence));
+    let record = RecordRef::new(
+        call.scope,
+        fence,
+        call.policy.record_ttl,
+        call.policy.lease_ttl,
+    );
+    parts.extensions.insert(record.clone());
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
     let (tx, rx) = oneshot::channel();
     // Boxed: the handler's future holds the service's own future inline and is large;
     // a task stores and moves its future by value (on spawn and at every stage change),
     // so spawning it unboxed copied tens of kilobytes per call.
-    let run = Box::pin(run(call, inner, lease, req, inbound, tx));
+    let run = Box::pin(run(call, inner, lease, record, req, inbound, tx));
     tokio::spawn(
         async move {
             run.await;
@@ -81,10 +89,15 @@ where
 }
 
 /// The handler's task: produce (forwarding as it goes), record, deliver the rest.
+///
+/// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
+/// the record's scope, so client calls it makes derive their keys from this call's
+/// (the same keys on every run of it: a run after a crash replays downstream).
 async fn run<S, St, ResBody>(
     call: Call<St>,
     inner: S,
     lease: Lease<St>,
+    record: RecordRef,
     req: Request<Body>,
     inbound: InboundScope,
     reply: Reply<S::Error>,
@@ -96,7 +109,13 @@ async fn run<S, St, ResBody>(
     ResBody::Error: Into<BoxError>,
     St: Store,
 {
-    let Call { shared, policy, .. } = call;
+    let Call {
+        shared,
+        policy,
+        scope,
+        ..
+    } = call;
+    let keys = KeySource::new(scope.0, super::derived_key);
     let max = policy.max_response_bytes;
     let mut out = Output {
         forward: Forwarder::new(reply),
@@ -105,7 +124,7 @@ async fn run<S, St, ResBody>(
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
     // response with INTERNAL and is recorded like any outcome, never left in flight.
     let produced = AssertUnwindSafe(produce(inner, req, &mut out, max)).catch_unwind();
-    match scope_inbound_deadline(inbound, produced).await {
+    match scope_inbound_deadline(inbound, keys.run(produced)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             // The service failed without a response: nothing is known to be done.
@@ -128,7 +147,13 @@ async fn run<S, St, ResBody>(
         let _ = on_attempted.await;
         forward.finish(trailers).await;
     };
-    let record = record(&shared.stats, &policy, lease, collected, attempted);
+    let record = async {
+        if record.is_completed() {
+            // The handler's own transaction completed the record with its reply.
+            return lease.completed_elsewhere(attempted);
+        }
+        self::record(&shared.stats, &policy, lease, collected, attempted).await
+    };
     tokio::join!(record, deliver);
 }
 

@@ -117,6 +117,13 @@ impl<St: Store> Lease<St> {
         self.report(r, "completion", |c| &c.stored);
     }
 
+    /// The record was completed under this fence by the handler's own transaction (see
+    /// `RecordRef`): nothing is left to record; renewal stops.
+    pub(crate) fn completed_elsewhere(self, attempted: oneshot::Sender<()>) {
+        let _ = attempted.send(());
+        self.stats.inc(|c| &c.stored);
+    }
+
     /// Gives the record up (nothing was done), so the next claim runs the handler.
     /// `attempted` as for [`complete`](Self::complete).
     pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {

@@ -136,8 +136,14 @@
 //! 7. **Claim** the record:
 //!    - *acquired*: the handler runs in a spawned task (a caller that goes away does not
 //!      cancel it), inside the inbound deadline scope
-//!      ([`scope_inbound_deadline`](idem_core::deadline::scope_inbound_deadline)), with a
-//!      [`RecordFence`] request extension. The lease is renewed every `leaseTtl / 3` by
+//!      ([`scope_inbound_deadline`](idem_core::deadline::scope_inbound_deadline)) and a
+//!      [`KeySource`](idem_core::derive::KeySource) seeded with the scope, so client
+//!      calls it makes without a key get keys derived from this call ([`derived_key`]):
+//!      a run after a crash sends the same keys downstream and is replayed there. Its
+//!      request carries [`RecordFence`] and [`RecordRef`](idem_store::RecordRef)
+//!      extensions; with the latter a handler can complete the record in its own
+//!      database transaction (`idem-postgres`'s `RecordTx`), and the layer then does not
+//!      record the outcome again. The lease is renewed every `leaseTtl / 3` by
 //!      a task of its own, so a handler that blocks its thread keeps its lease. The
 //!      response streams to the caller as it is produced and is collected (headers,
 //!      every DATA frame, trailers); the last frame (trailers, or the whole
@@ -233,7 +239,6 @@
 
 mod body;
 mod call;
-mod codec;
 mod decision;
 mod digest;
 mod error;
@@ -252,7 +257,7 @@ pub mod tenant;
 mod tests;
 
 pub use decision::{DECISION_HEADER, IdemDecision};
-pub use digest::{scope_for, tenant_id};
+pub use digest::{derived_key, scope_for, tenant_id};
 pub use error::NoTenantSource;
 pub use future::ResponseFuture;
 pub use handler::RecordFence;

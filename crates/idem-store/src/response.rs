@@ -1,4 +1,11 @@
-//! The compact encoding of a stored response (opaque to stores).
+//! The encoding of a stored response: what `idem-server` keeps as
+//! [`StoredOutcome::Response`](crate::StoredOutcome::Response) and replays byte for byte.
+//!
+//! Stores keep these bytes without reading them. The format lives here, below the server
+//! layer, for the one case where something other than the layer writes them: a handler
+//! that completes its record inside its own database transaction (see `idem-postgres`)
+//! stores [`StoredResponse::unary_ok`]`(message).encode()`, exactly the bytes the layer
+//! would have recorded for the same reply.
 //!
 //! ```text
 //! "IDR1" status:u16 headers frames trailers
@@ -16,17 +23,21 @@ const MAGIC: &[u8; 4] = b"IDR1";
 
 /// A response as it is stored and replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct StoredResponse {
-    pub(crate) status: StatusCode,
-    pub(crate) headers: HeaderMap,
-    pub(crate) frames: Vec<Bytes>,
-    pub(crate) trailers: Option<HeaderMap>,
+pub struct StoredResponse {
+    /// The HTTP status (200 for every gRPC response).
+    pub status: StatusCode,
+    /// The response headers (Trailers-Only: the whole gRPC status is here).
+    pub headers: HeaderMap,
+    /// The DATA frames as sent, gRPC message framing included.
+    pub frames: Vec<Bytes>,
+    /// The trailers; `None` for a Trailers-Only response.
+    pub trailers: Option<HeaderMap>,
 }
 
 /// Why stored bytes could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("corrupt stored response: {0}")]
-pub(crate) struct CorruptResponse(pub(crate) &'static str);
+pub struct CorruptResponse(pub &'static str);
 
 /// Encoded size of a header map: its count, then per entry the name and value with
 /// their length prefixes.
@@ -40,27 +51,27 @@ fn headers_len(h: &HeaderMap) -> usize {
 /// The encoded size of a response being collected, counted part by part as it arrives
 /// (so the size limit is checked before the whole response is held).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct EncodedSize(usize);
+pub struct EncodedSize(usize);
 
 impl EncodedSize {
     /// Everything but the frames and the trailers' headers: magic, status, `headers`,
     /// the frame count and the trailers flag.
-    pub(crate) fn of_head(headers: &HeaderMap) -> Self {
+    pub fn of_head(headers: &HeaderMap) -> Self {
         EncodedSize(MAGIC.len() + 2 + headers_len(headers) + 4 + 1)
     }
 
     /// Adds one DATA frame (its length prefix and bytes).
-    pub(crate) fn add_frame(&mut self, frame: &[u8]) {
+    pub fn add_frame(&mut self, frame: &[u8]) {
         self.0 = self.0.saturating_add(4 + frame.len());
     }
 
     /// Adds the trailers' headers.
-    pub(crate) fn add_trailers(&mut self, trailers: &HeaderMap) {
+    pub fn add_trailers(&mut self, trailers: &HeaderMap) {
         self.0 = self.0.saturating_add(headers_len(trailers));
     }
 
     /// The size in bytes.
-    pub(crate) fn bytes(self) -> usize {
+    pub fn bytes(self) -> usize {
         self.0
     }
 }
@@ -76,8 +87,41 @@ fn put_headers(out: &mut BytesMut, h: &HeaderMap) {
 }
 
 impl StoredResponse {
+    /// What the layer records for a tonic unary handler that returned
+    /// `Ok(tonic::Response::new(reply))` without metadata and without response
+    /// compression: HTTP 200, `content-type: application/grpc`, one DATA frame holding
+    /// `message` (the reply's protobuf encoding, `prost::Message::encode_to_vec`) behind
+    /// the 5-byte gRPC message prefix, and the trailer `grpc-status: 0`.
+    ///
+    /// ```
+    /// use idem_store::response::StoredResponse;
+    /// let r = StoredResponse::unary_ok(&[0x0a, 0x01, b'x']);
+    /// assert_eq!(&r.frames[0][..], &[0, 0, 0, 0, 3, 0x0a, 0x01, b'x']);
+    /// assert_eq!(StoredResponse::decode(r.encode()).unwrap(), r);
+    /// ```
+    pub fn unary_ok(message: &[u8]) -> Self {
+        let mut frame = BytesMut::with_capacity(5 + message.len());
+        frame.put_u8(0);
+        // gRPC caps a message at u32::MAX bytes; a larger one cannot be sent anyway.
+        frame.put_u32(u32::try_from(message.len()).unwrap_or(u32::MAX));
+        frame.put_slice(message);
+        let mut headers = HeaderMap::with_capacity(1);
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        let mut trailers = HeaderMap::with_capacity(1);
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            frames: vec![frame.freeze()],
+            trailers: Some(trailers),
+        }
+    }
+
     /// Encoded size.
-    pub(crate) fn encoded_len(&self) -> usize {
+    pub fn encoded_len(&self) -> usize {
         let mut size = EncodedSize::of_head(&self.headers);
         for f in &self.frames {
             size.add_frame(f);
@@ -88,7 +132,8 @@ impl StoredResponse {
         size.bytes()
     }
 
-    pub(crate) fn encode(&self) -> Bytes {
+    /// The stored bytes.
+    pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.encoded_len());
         out.put_slice(MAGIC);
         out.put_u16(self.status.as_u16());
@@ -109,7 +154,7 @@ impl StoredResponse {
     }
 
     /// Decodes; frames share the input's allocation.
-    pub(crate) fn decode(mut b: Bytes) -> Result<Self, CorruptResponse> {
+    pub fn decode(mut b: Bytes) -> Result<Self, CorruptResponse> {
         if b.len() < 6 || &b[..4] != MAGIC {
             return Err(CorruptResponse("bad magic"));
         }

@@ -1,0 +1,225 @@
+//! [`RecordTx`]: a handler's own transaction in which its writes and its record's
+//! completion commit together.
+
+use std::ops::{Deref, DerefMut};
+
+use bytes::Bytes;
+use idem_store::response::StoredResponse;
+use idem_store::{Fence, RecordRef, StoreError};
+use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::{Postgres, Transaction};
+
+use crate::store::PostgresStore;
+
+/// Why a [`RecordTx`] could not be opened or committed. Every variant but
+/// [`CommitUnknown`](TxError::CommitUnknown) means the transaction did not commit.
+///
+/// [`From<TxError> for tonic::Status`](#impl-From<TxError>-for-Status) maps each to the
+/// code a handler should return: the layer then records or releases the call as that
+/// code says, and the client retries where a retry can help.
+#[derive(Debug, thiserror::Error)]
+pub enum TxError {
+    /// The request carries no [`RecordRef`]: the method is not protected, or the
+    /// idempotency layer is not in front of the service.
+    #[error(
+        "the call has no idempotency record: is the method protected and the layer in front of the service?"
+    )]
+    NoRecord,
+    /// The lease ended and another claimant took the record over: this run is stale and
+    /// its transaction was rolled back. Maps to ABORTED.
+    #[error(
+        "the idempotency record was taken over by another run (fence {presented} is stale): rolled back"
+    )]
+    Fenced {
+        /// The fence this run held.
+        presented: Fence,
+        /// The record's current fence, if there is a record.
+        current: Option<Fence>,
+    },
+    /// A statement failed (the handler's own, or the store's); the transaction rolls
+    /// back. Maps to UNAVAILABLE (the call is released and retried).
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The store's statement in the transaction failed (timeout, malformed reply).
+    #[error(transparent)]
+    Store(StoreError),
+    /// The `COMMIT` itself failed (a lost connection): it may or may not have committed.
+    /// Maps to UNAVAILABLE: if it did commit, the record holds the reply and the retry
+    /// replays it; if not, the retry runs the handler again. Either way, once.
+    #[error("the commit's outcome is unknown: {0}")]
+    CommitUnknown(#[source] sqlx::Error),
+}
+
+impl From<TxError> for tonic::Status {
+    fn from(e: TxError) -> Self {
+        match &e {
+            TxError::Fenced { .. } => tonic::Status::aborted(e.to_string()),
+            TxError::NoRecord | TxError::Store(StoreError::Corrupt(_)) => {
+                tonic::Status::internal(e.to_string())
+            }
+            _ => tonic::Status::unavailable(e.to_string()),
+        }
+    }
+}
+
+/// A transaction on the store's database, opened for a protected call with
+/// [`PostgresStore::begin_for`] (or [`begin_on`](PostgresStore::begin_on)), in which the
+/// handler's writes and its record's completion commit together.
+///
+/// It derefs to the [`PgConnection`] of the transaction: run the handler's statements
+/// with `.execute(&mut *tx)`, as on a `sqlx::Transaction`. Then
+/// [`commit_reply`](Self::commit_reply) stores the reply in the record, under the
+/// record's fence, and commits. Dropped without a commit, it rolls back, and the layer
+/// records the outcome the handler returns as usual.
+pub struct RecordTx {
+    tx: Transaction<'static, Postgres>,
+    store: PostgresStore,
+    record: RecordRef,
+}
+
+impl std::fmt::Debug for RecordTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordTx")
+            .field("fence", &self.record.fence())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deref for RecordTx {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for RecordTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}
+
+impl PostgresStore {
+    /// Opens a transaction for the protected call `request` on the store's own pool.
+    ///
+    /// The store's connections carry its statement timeout (500 ms by default), which
+    /// then bounds the handler's statements too; use [`begin_on`](Self::begin_on) with
+    /// the service's own pool when they need longer, or more connections than the
+    /// store's pool has.
+    ///
+    /// # Errors
+    /// [`TxError::NoRecord`] when `request` is not a protected call;
+    /// [`TxError::Database`] when no connection could be had within the statement
+    /// timeout.
+    pub async fn begin_for<T>(&self, request: &tonic::Request<T>) -> Result<RecordTx, TxError> {
+        self.begin_on(self.pool(), request).await
+    }
+
+    /// Opens a transaction for the protected call `request` on `pool`, which must reach
+    /// the same database as the store (the records are in it).
+    ///
+    /// # Errors
+    /// As [`begin_for`](Self::begin_for).
+    pub async fn begin_on<T>(
+        &self,
+        pool: &PgPool,
+        request: &tonic::Request<T>,
+    ) -> Result<RecordTx, TxError> {
+        let record = request
+            .extensions()
+            .get::<RecordRef>()
+            .cloned()
+            .ok_or(TxError::NoRecord)?;
+        let limit = self.statement_timeout();
+        let tx = match tokio::time::timeout(limit, pool.begin()).await {
+            Ok(tx) => tx?,
+            Err(_) => return Err(TxError::Database(sqlx::Error::PoolTimedOut)),
+        };
+        Ok(RecordTx {
+            tx,
+            store: self.clone(),
+            record,
+        })
+    }
+}
+
+impl RecordTx {
+    /// The record this transaction completes.
+    pub fn record(&self) -> &RecordRef {
+        &self.record
+    }
+
+    /// Stores `reply` as the call's outcome, "OK with this message", in the record
+    /// (under its fence), then commits: the handler's writes and the stored reply land
+    /// together or not at all. Return exactly `Ok(tonic::Response::new(reply))` after
+    /// it: duplicates are answered with what is stored here, byte for byte what the
+    /// layer would have recorded for that response
+    /// ([`StoredResponse::unary_ok`]); the layer sees the record completed and does
+    /// not record it again.
+    ///
+    /// # Errors
+    /// [`TxError::Fenced`] (rolled back; return it as ABORTED), [`TxError::Database`] /
+    /// [`TxError::Store`] (rolled back), [`TxError::CommitUnknown`]. Convert with
+    /// `tonic::Status::from`.
+    pub async fn commit_reply<M: prost::Message>(self, reply: &M) -> Result<(), TxError> {
+        let response = StoredResponse::unary_ok(&reply.encode_to_vec()).encode();
+        self.commit_response(response).await
+    }
+
+    /// [`commit_reply`](Self::commit_reply) with a response already encoded in the
+    /// [`StoredResponse`] format, for replies `commit_reply` cannot express (metadata).
+    /// The handler must then return exactly that response.
+    ///
+    /// # Errors
+    /// As [`commit_reply`](Self::commit_reply).
+    pub async fn commit_response(mut self, response: Bytes) -> Result<(), TxError> {
+        let completed = self
+            .store
+            .complete_in(&mut self.tx, &self.record, response)
+            .await;
+        let record = self.record.clone();
+        self.finish(completed).await?;
+        record.mark_completed();
+        Ok(())
+    }
+
+    /// Marks the record "the handler's writes are committed" and commits, without a
+    /// reply: the layer records the response the handler returns, as usual, after it
+    /// returns. For responses that cannot be stored here (streams). A crash between
+    /// this commit and the layer's record leaves a record that answers duplicates
+    /// FAILED_PRECONDITION (`RESPONSE_NOT_RETAINED`): never a second run, but no replay.
+    ///
+    /// # Errors
+    /// As [`commit_reply`](Self::commit_reply).
+    pub async fn commit(mut self) -> Result<(), TxError> {
+        let (scope, fence, lease) = (
+            *self.record.scope(),
+            self.record.fence(),
+            self.record.lease_ttl(),
+        );
+        let marked = self
+            .store
+            .commit_in(&mut self.tx, &scope, fence, lease)
+            .await;
+        self.finish(marked).await
+    }
+
+    /// Rolls back the handler's writes; the record stays in flight for the layer.
+    ///
+    /// # Errors
+    /// When the rollback could not be sent (the transaction ends with its connection).
+    pub async fn rollback(self) -> Result<(), TxError> {
+        Ok(self.tx.rollback().await?)
+    }
+
+    /// Commits after the store's statement succeeded; rolls back (by dropping) otherwise.
+    async fn finish(self, store_step: Result<(), StoreError>) -> Result<(), TxError> {
+        match store_step {
+            Ok(()) => self.tx.commit().await.map_err(TxError::CommitUnknown),
+            Err(StoreError::Fenced { presented, current }) => {
+                let _ = self.tx.rollback().await;
+                Err(TxError::Fenced { presented, current })
+            }
+            Err(e) => Err(TxError::Store(e)),
+        }
+    }
+}
