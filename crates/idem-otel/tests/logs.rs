@@ -1,0 +1,190 @@
+//! What a plain `tracing_subscriber::fmt()` prints for idem's calls. Alone in its test
+//! binary: a subscriber set per thread (`set_default`) shares tracing's global callsite
+//! interest with every other test of the binary, which made this one flaky beside them.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem_client::RetryLayer;
+use idem_core::ServiceConfig;
+use idem_server::IdempotencyLayer;
+use idem_store::{MemoryStore, Store};
+use idem_test_support::net;
+use idem_test_support::shop::orders_client::OrdersClient;
+use idem_test_support::shop::orders_server::{Orders, OrdersServer};
+use idem_test_support::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use tonic::transport::Server;
+use tonic::{Request, Response, Status};
+
+fn config(throttle: bool) -> ServiceConfig {
+    let throttling = if throttle {
+        r#","retryThrottling": {"maxTokens": 2, "tokenRatio": 0.1}"#
+    } else {
+        ""
+    };
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+              "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+              "retryPolicy": {{"maxAttempts": 5, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+                              "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}},
+              "idempotency": {{}}
+            }}],
+            "idem": {{"tenant": {{"single": "t"}}}}{throttling}}}"#
+    ))
+    .expect("test config")
+}
+
+#[derive(Default)]
+struct Shop;
+
+#[tonic::async_trait]
+impl Orders for Shop {
+    async fn create_order(
+        &self,
+        r: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let r = r.into_inner();
+        Ok(Response::new(Order {
+            order_id: "o".into(),
+            sku: r.sku,
+            ..Order::default()
+        }))
+    }
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+}
+
+async fn serve<St: Store>(layer: IdempotencyLayer<St>, fail_first: usize) -> SocketAddr {
+    let (addr, incoming) = net::bind().await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let faults = tonic::service::InterceptorLayer::new(move |req: Request<()>| {
+        if seen.fetch_add(1, Ordering::Relaxed) < fail_first {
+            return Err(Status::unavailable("injected"));
+        }
+        Ok(req)
+    });
+    tokio::spawn(
+        Server::builder()
+            .layer(faults)
+            .layer(layer)
+            .add_service(OrdersServer::new(Shop))
+            .serve_with_incoming(incoming),
+    );
+    addr
+}
+
+fn order(sku: &str) -> CreateOrderRequest {
+    CreateOrderRequest {
+        customer_id: "c".into(),
+        sku: sku.into(),
+        quantity: 1,
+        note: String::new(),
+    }
+}
+
+fn keyed(sku: &str, key: &str) -> Request<CreateOrderRequest> {
+    let mut r = Request::new(order(sku));
+    r.metadata_mut()
+        .insert("x-idempotency-key", key.parse().unwrap());
+    r
+}
+
+/// Log lines a plain `tracing_subscriber::fmt()` prints while `f` runs (this thread).
+#[derive(Clone, Default)]
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One INFO line per protected call, with its outcome, record and status, inside a span
+/// with the RPC attributes; the client's span has attempts, delay and stop reason; no
+/// raw key anywhere.
+#[tokio::test]
+async fn logs_tell_the_story_without_keys() {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let cfg = config(false);
+    let addr = serve(IdempotencyLayer::new(MemoryStore::default(), &cfg), 1).await;
+    let layer = RetryLayer::builder()
+        .service_config(cfg.clone())
+        .seed(1)
+        .build()
+        .unwrap();
+    let mut c = OrdersClient::new(tower::Layer::layer(&layer, net::channel(addr)));
+    let key = "key-log-0123456789";
+    c.create_order(keyed("a", key))
+        .await
+        .expect("ok after a retry");
+    let mut raw = OrdersClient::new(net::channel(addr));
+    raw.create_order(keyed("a", key)).await.expect("replay");
+    let mut lines = Vec::new();
+    for _ in 0..200 {
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        lines = text.lines().map(str::to_owned).collect::<Vec<_>>();
+        if lines
+            .iter()
+            .filter(|l| l.contains("idempotent call"))
+            .count()
+            == 2
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let calls: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains("idempotent call"))
+        .collect();
+    assert_eq!(calls.len(), 2, "{lines:#?}");
+    assert!(calls[0].contains(" INFO "), "{}", calls[0]);
+    for want in [
+        "rpc.system=\"grpc\"",
+        "rpc.service=\"shop.v1.Orders\"",
+        "rpc.method=\"CreateOrder\"",
+        "outcome=\"executed\"",
+        "record=\"stored\"",
+        "grpc.status=\"OK\"",
+    ] {
+        assert!(calls[0].contains(want), "{want} in {}", calls[0]);
+    }
+    assert!(calls[1].contains("outcome=\"replayed\""), "{}", calls[1]);
+    let client_span = lines
+        .iter()
+        .find(|l| l.contains("idem_retry{") && l.contains("close"))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    for want in [
+        "attempts=2",
+        "retry_delay_ms=",
+        "outcome=\"committed\"",
+        "rpc.method=\"CreateOrder\"",
+    ] {
+        assert!(client_span.contains(want), "{want} in {client_span}");
+    }
+    assert!(
+        lines.iter().all(|l| !l.contains(key)),
+        "a raw key was logged"
+    );
+}
