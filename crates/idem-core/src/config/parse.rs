@@ -962,8 +962,21 @@ impl Validator {
             self.idempotency_timings(&o, &p);
         }
 
-        let cacheable = self.codes_field(&o, "cacheableStatusCodes", false);
-        let release = self.codes_field(&o, "releaseStatusCodes", false);
+        self.code_lists(&o, &mut p);
+        if p.release_status_codes.contains(Code::Ok) {
+            self.warn(
+                o.path.clone(),
+                "OK releases the record: a retry after a success runs the handler again",
+            );
+        }
+        (self.errors.len() == errors_before).then_some(p)
+    }
+
+    /// `cacheableStatusCodes` / `releaseStatusCodes`: given one, the other is its
+    /// complement; given both, they must not overlap, and a code in neither is cached.
+    fn code_lists(&mut self, o: &Obj<'_>, p: &mut IdempotencyPolicy) {
+        let cacheable = self.codes_field(o, "cacheableStatusCodes", false);
+        let release = self.codes_field(o, "releaseStatusCodes", false);
         let set_of = |v: &Vec<(Code, String)>| v.iter().map(|(c, _)| *c).collect::<CodeSet>();
         match (
             o.get("cacheableStatusCodes").is_some(),
@@ -1005,13 +1018,6 @@ impl Validator {
                 }
             }
         }
-        if p.release_status_codes.contains(Code::Ok) {
-            self.warn(
-                o.path.clone(),
-                "OK releases the record: a retry after a success runs the handler again",
-            );
-        }
-        (self.errors.len() == errors_before).then_some(p)
     }
 
     /// The durations of one policy against each other: a lease that can be renewed, a
