@@ -156,9 +156,9 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// How long a released record, or an in-flight record whose lease ended, is kept
-    /// (default 24 h, like the memory store). Fences do not depend on it: they come from
-    /// one sequence.
+    /// How long an in-flight record whose lease ended is kept (default 24 h), and a record
+    /// whose handler committed its writes but whose reply was not recorded. A released
+    /// record is deleted at once. Fences do not depend on it: they come from one sequence.
     pub fn tombstone_ttl(mut self, ttl: Duration) -> Self {
         self.tombstone_ttl = ttl;
         self

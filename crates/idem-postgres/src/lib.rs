@@ -96,9 +96,10 @@
 //!   claim won, answers from the winner's row. Same-claimant re-claims extend the lease
 //!   (never shorten it); renew after the lease ran out still succeeds while nobody took
 //!   over; a different fingerprint is a mismatch whatever the lease.
-//! - **Expiry**: completed records expire after the TTL given to `complete`; released
-//!   records, and in-flight records whose lease ended, after the
-//!   [tombstone TTL](PostgresStoreBuilder::tombstone_ttl) (24 h). An expired row counts
+//! - **Expiry**: completed records expire after the TTL given to `complete`; in-flight
+//!   records whose lease ended, after the
+//!   [tombstone TTL](PostgresStoreBuilder::tombstone_ttl) (24 h); a released record is
+//!   deleted at once (fences come from one sequence, so none is needed for them). An expired row counts
 //!   as absent to every function at once; a background task deletes them every
 //!   [sweep interval](PostgresStoreBuilder::sweep_interval) (60 s), at most 1000 per
 //!   `DELETE`, skipping rows others have locked, again after 1 s while batches come back

@@ -211,10 +211,9 @@ BEGIN
             expires_at = t + p_tombstone_us * interval '1 microsecond'
         WHERE scope = p_scope;
     ELSE
-        UPDATE idem_records SET state = 'r', fingerprint = NULL, claimant = NULL,
-            lease_until = NULL, watched = false,
-            expires_at = t + p_tombstone_us * interval '1 microsecond'
-        WHERE scope = p_scope;
+        -- Nothing was done: the row goes. Fences come from one sequence, so the next
+        -- claim's fence is higher without a tombstone, and rejected calls leave nothing.
+        DELETE FROM idem_records WHERE scope = p_scope;
     END IF;
     IF r.watched THEN
         PERFORM pg_notify('idem_done', encode(p_scope, 'hex'));

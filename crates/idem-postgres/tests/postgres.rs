@@ -694,3 +694,27 @@ async fn a_fresh_call_is_two_statements_and_a_replay_one() {
     eprintln!("replay: {replay} statements: {list:?}");
     assert_eq!(replay, 1, "{list:?}");
 }
+
+/// A flood of rejected calls (claim, then release: nothing was done) leaves no row, and
+/// the next claim of a released scope still gets a higher fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_claims_leave_no_rows() {
+    let Some((s, _server, admin)) = start(|b| b).await else {
+        return;
+    };
+    let again = scope();
+    let first = acquire(&s, &again, LONG).await;
+    s.release(&again, first).await.expect("release");
+    for _ in 0..500 {
+        let sc = scope();
+        let fence = acquire(&s, &sc, LONG).await;
+        s.release(&sc, fence).await.expect("release");
+    }
+    let rows: i64 = sqlx::query("SELECT count(*) FROM idem_records")
+        .fetch_one(&admin)
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 0, "released records must not stay behind");
+    assert!(acquire(&s, &again, LONG).await > first);
+}
