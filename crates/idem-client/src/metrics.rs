@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use idem_core::code::grpc_status_code;
+use idem_core::code::end_of_response;
 use tokio::time::Instant;
 use tonic::Code;
 
@@ -177,15 +177,7 @@ impl Body for ObservedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        let end = match &polled {
-            Poll::Ready(Some(Ok(frame))) => frame
-                .trailers_ref()
-                .map(|t| grpc_status_code(t).unwrap_or(Code::Unknown)),
-            Poll::Ready(Some(Err(status))) => Some(status.code()),
-            Poll::Ready(None) => Some(Code::Unknown),
-            Poll::Pending => None,
-        };
-        if let Some(code) = end
+        if let Some(code) = end_of_response(&polled)
             && let Some(p) = self.pending.take()
         {
             p.end(code);

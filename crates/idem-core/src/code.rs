@@ -86,6 +86,23 @@ pub fn grpc_status_code(headers: &http::HeaderMap) -> Option<Code> {
     Some(code)
 }
 
+/// How one poll of a gRPC response body ends the call, if it does: the trailers'
+/// `grpc-status` (UNKNOWN when they carry none), the error's code, UNKNOWN for a body
+/// that ends without trailers; `None` while the body goes on.
+pub fn end_of_response<B>(
+    polled: &std::task::Poll<Option<Result<http_body::Frame<B>, tonic::Status>>>,
+) -> Option<Code> {
+    use std::task::Poll;
+    match polled {
+        Poll::Ready(Some(Ok(frame))) => frame
+            .trailers_ref()
+            .map(|t| grpc_status_code(t).unwrap_or(Code::Unknown)),
+        Poll::Ready(Some(Err(status))) => Some(status.code()),
+        Poll::Ready(None) => Some(Code::Unknown),
+        Poll::Pending => None,
+    }
+}
+
 /// A set of status codes, stored as a bitmap (cheap to copy and to test).
 ///
 /// ```

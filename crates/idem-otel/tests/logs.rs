@@ -2,102 +2,17 @@
 //! binary: a subscriber set per thread (`set_default`) shares tracing's global callsite
 //! interest with every other test of the binary, which made this one flaky beside them.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idem_client::RetryLayer;
-use idem_core::ServiceConfig;
 use idem_server::IdempotencyLayer;
-use idem_store::{MemoryStore, Store};
+use idem_store::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
-use idem_test_support::shop::orders_server::{Orders, OrdersServer};
-use idem_test_support::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
-use tonic::transport::Server;
-use tonic::{Request, Response, Status};
 
-fn config(throttle: bool) -> ServiceConfig {
-    let throttling = if throttle {
-        r#","retryThrottling": {"maxTokens": 2, "tokenRatio": 0.1}"#
-    } else {
-        ""
-    };
-    ServiceConfig::from_json(&format!(
-        r#"{{"methodConfig": [{{
-              "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
-              "retryPolicy": {{"maxAttempts": 5, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
-                              "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}},
-              "idempotency": {{}}
-            }}],
-            "idem": {{"tenant": {{"single": "t"}}}}{throttling}}}"#
-    ))
-    .expect("test config")
-}
-
-#[derive(Default)]
-struct Shop;
-
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        r: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        let r = r.into_inner();
-        Ok(Response::new(Order {
-            order_id: "o".into(),
-            sku: r.sku,
-            ..Order::default()
-        }))
-    }
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("no"))
-    }
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("no"))
-    }
-}
-
-async fn serve<St: Store>(layer: IdempotencyLayer<St>, fail_first: usize) -> SocketAddr {
-    let (addr, incoming) = net::bind().await;
-    let seen = Arc::new(AtomicUsize::new(0));
-    let faults = tonic::service::InterceptorLayer::new(move |req: Request<()>| {
-        if seen.fetch_add(1, Ordering::Relaxed) < fail_first {
-            return Err(Status::unavailable("injected"));
-        }
-        Ok(req)
-    });
-    tokio::spawn(
-        Server::builder()
-            .layer(faults)
-            .layer(layer)
-            .add_service(OrdersServer::new(Shop))
-            .serve_with_incoming(incoming),
-    );
-    addr
-}
-
-fn order(sku: &str) -> CreateOrderRequest {
-    CreateOrderRequest {
-        customer_id: "c".into(),
-        sku: sku.into(),
-        quantity: 1,
-        note: String::new(),
-    }
-}
-
-fn keyed(sku: &str, key: &str) -> Request<CreateOrderRequest> {
-    let mut r = Request::new(order(sku));
-    r.metadata_mut()
-        .insert("x-idempotency-key", key.parse().unwrap());
-    r
-}
+mod support;
+use support::{config, keyed, serve};
 
 /// Log lines a plain `tracing_subscriber::fmt()` prints while `f` runs (this thread).
 #[derive(Clone, Default)]

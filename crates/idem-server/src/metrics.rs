@@ -42,7 +42,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::Response;
 use http_body::{Frame, SizeHint};
-use idem_core::code::grpc_status_code;
+use idem_core::code::{end_of_response, grpc_status_code};
 use idem_core::headers::reason;
 use idem_store::Store;
 use tokio::time::Instant;
@@ -283,15 +283,7 @@ impl http_body::Body for WatchedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        let end = match &polled {
-            Poll::Ready(Some(Ok(frame))) => frame
-                .trailers_ref()
-                .map(|t| grpc_status_code(t).unwrap_or(Code::Unknown)),
-            Poll::Ready(Some(Err(status))) => Some(status.code()),
-            Poll::Ready(None) => Some(Code::Unknown),
-            Poll::Pending => None,
-        };
-        if let Some(code) = end
+        if let Some(code) = end_of_response(&polled)
             && let Some(t) = self.trace.take()
         {
             t.ended(code);
