@@ -123,19 +123,56 @@ fn check_config(file: &str) -> ExitCode {
 /// What the file alone cannot settle: said on standard error, not counted as warnings
 /// (the server may settle it in code).
 fn notes(config: &ServiceConfig) -> String {
+    let mut text = String::new();
     let protected = config
         .method_configs()
         .iter()
         .any(|m| m.idempotency().is_some());
     if protected && config.settings().tenant == TenantSource::Unset {
-        "note: idem.tenant is not set and methods are protected: the server must be given a \
-         tenant resolver in code (IdempotencyLayer::tenant), or IdempotencyLayer::check fails \
-         and every protected call is refused with FAILED_PRECONDITION; set \
-         {\"single\": \"name\"} for a one-tenant service\n"
-            .to_owned()
-    } else {
-        String::new()
+        text.push_str(
+            "note: idem.tenant is not set and methods are protected: the server must be given a \
+             tenant resolver in code (IdempotencyLayer::tenant), or IdempotencyLayer::check fails \
+             and every protected call is refused with FAILED_PRECONDITION; set \
+             {\"single\": \"name\"} for a one-tenant service\n",
+        );
     }
+    for m in config.method_configs() {
+        if let Some(h) = m.hedging_policy() {
+            text.push_str(&hedging_note(m, h));
+        }
+    }
+    text
+}
+
+/// When hedging pays, for each hedged entry: every hedge carries the call's key, so on an
+/// idem server a duplicate waits for the one run.
+fn hedging_note(m: &MethodConfig, h: &idem_core::config::HedgingPolicy) -> String {
+    let names = m
+        .names()
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut text = format!(
+        "note: {names} is hedged: it pays for slow instances (queueing, GC pauses, a noisy \
+         neighbour), where the delay comes before an instance claims the key; a slow handler \
+         is not helped, since every hedge waits for the same run; set hedgingDelay near the \
+         method's p95 latency\n"
+    );
+    let aborts = m
+        .idempotency()
+        .is_some_and(|p| p.in_flight == InFlightPolicy::Abort);
+    if aborts
+        && !h
+            .non_fatal_status_codes
+            .contains(idem_core::code::Code::Aborted)
+    {
+        text.push_str(&format!(
+            "note: {names} is hedged with inFlight ABORT: list ABORTED in nonFatalStatusCodes, \
+             or a duplicate hedge's ABORTED ends the call\n"
+        ));
+    }
+    text
 }
 
 fn warning_lines(warnings: &[Diagnostic]) -> String {

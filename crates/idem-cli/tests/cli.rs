@@ -373,3 +373,18 @@ fn protected_methods_without_a_tenant_source_get_a_note() {
     let o = idem(&["check-config", "-"], Some(with_tenant));
     assert_eq!(stderr(&o), "");
 }
+
+#[test]
+fn hedged_methods_get_a_note_on_when_hedging_pays() {
+    let doc = br#"{"methodConfig": [{"name": [{"service": "s.v1.S", "method": "M"}],
+        "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.05s"},
+        "idempotency": {"inFlight": "ABORT"}}], "idem": {"tenant": {"single": "t"}}}"#;
+    let o = idem(&["check-config", "-"], Some(doc));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("note: s.v1.S/M is hedged: it pays for slow instances"),
+        "{err}"
+    );
+    assert!(err.contains("list ABORTED in nonFatalStatusCodes"), "{err}");
+}

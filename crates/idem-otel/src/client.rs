@@ -37,6 +37,7 @@ struct Inner {
     attempt_duration: Histogram<f64>,
     call_duration: Histogram<f64>,
     call_retries: Histogram<u64>,
+    call_hedges: Histogram<u64>,
     retry_delay: Histogram<f64>,
     outcome: Counter<u64>,
 }
@@ -81,6 +82,14 @@ impl ClientMetrics {
                 .with_unit("{retry}")
                 .with_description(
                     "Retries per call that retried (calls without retries are not recorded).",
+                )
+                .with_boundaries(RETRY_BUCKETS.to_vec())
+                .build(),
+            call_hedges: meter
+                .u64_histogram("grpc.client.call.hedges")
+                .with_unit("{hedge}")
+                .with_description(
+                    "Hedges per hedged call beyond the first request (calls without hedges are not recorded).",
                 )
                 .with_boundaries(RETRY_BUCKETS.to_vec())
                 .build(),
@@ -156,9 +165,16 @@ impl CallObserver for ClientMetrics {
         attrs[2] = labels::status(call.status);
         m.call_duration.record(call.duration.as_secs_f64(), &attrs);
         let call_attrs = &attrs[..2];
-        let retries = u64::from(call.report.attempts.saturating_sub(1));
-        if retries > 0 {
-            m.call_retries.record(retries, call_attrs);
+        // A96: the requests beyond the first are hedges of a hedged call, retries of
+        // any other; each is recorded only when there was at least one.
+        let extra = u64::from(call.report.attempts.saturating_sub(1));
+        let extra_of = if call.report.hedges().is_some() {
+            &m.call_hedges
+        } else {
+            &m.call_retries
+        };
+        if extra > 0 {
+            extra_of.record(extra, call_attrs);
         }
         m.retry_delay
             .record(call.retry_delay().as_secs_f64(), call_attrs);

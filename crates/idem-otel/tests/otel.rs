@@ -556,3 +556,33 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
     s.read_to_string(&mut out).await.unwrap();
     out
 }
+
+/// A hedged call whose first request fails with a non-fatal code: the next hedge goes out
+/// at once and wins. A96 records one hedge and no retry.
+#[tokio::test]
+async fn a_hedged_call_records_its_hedges_not_retries() {
+    let otel = Otel::new();
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [{
+              "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+              "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "1s",
+                                "nonFatalStatusCodes": ["UNAVAILABLE"]},
+              "idempotency": {}
+            }],
+            "idem": {"tenant": {"single": "t"}}}"#,
+    )
+    .expect("hedging config");
+    let addr = serve(IdempotencyLayer::new(MemoryStore::default(), &cfg), 1).await;
+    let (mut c, _) = client(&otel, &cfg, addr);
+    c.create_order(Request::new(order("a")))
+        .await
+        .expect("the second hedge answers");
+    let target = format!("dns:///{addr}");
+    let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
+    assert_eq!(otel.unit("grpc.client.call.hedges"), "{hedge}");
+    assert_eq!(
+        otel.value("grpc.client.call.hedges", &m),
+        Some(Value::Histogram { count: 1, sum: 1.0 })
+    );
+    assert_eq!(otel.value("grpc.client.call.retries", &m), None);
+}
