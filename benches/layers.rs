@@ -8,7 +8,8 @@
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
 //! (`client`, `server`, `replay`, `redis`, `dup`, `retry`, `metrics`); none runs all.
-//! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` / `profile-server-bare` /
+//! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
+//! `profile-client-metrics` / `profile-server-bare` /
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
 //! calls, no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
@@ -1046,7 +1047,7 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
 async fn profile(which: &str, calls: usize) {
     let idem_layer = || Some(IdempotencyLayer::new(memory_store(), &config()));
     let (server, layered) = match which {
-        "client-bare" | "client-bare-key" | "client-layer" | "server-bare" => {
+        "client-bare" | "client-bare-key" | "client-layer" | "client-metrics" | "server-bare" => {
             (serve::<MemoryStore>(Duration::ZERO, None).await, false)
         }
         "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
@@ -1061,10 +1062,17 @@ async fn profile(which: &str, calls: usize) {
     }
     let with_key = layered || which == "server-bare";
     let start = Instant::now();
-    if which == "client-layer" {
+    if which == "client-layer" || which == "client-metrics" {
+        let mut layer = RetryLayer::builder().service_config(config());
+        // Kept alive to the end: the meter records into its provider.
+        let prometheus = idem_otel::prometheus::Prometheus::new();
+        if which == "client-metrics" {
+            let meter = prometheus.meter("bench");
+            layer = layer.observer(idem_otel::ClientMetrics::new(&meter, "bench", &config()));
+        }
         let mut c = OrdersClient::new(
             ServiceBuilder::new()
-                .layer(RetryLayer::from_config(&config()))
+                .layer(layer.build().expect("layer"))
                 .service(server.channel()),
         );
         for _ in 0..calls {

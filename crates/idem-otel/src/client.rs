@@ -6,7 +6,7 @@ use std::sync::Arc;
 use idem_client::metrics::{CallEnded, CallObserver};
 use idem_client::{AttemptEnd, RetryLayer};
 use idem_core::ServiceConfig;
-use opentelemetry::KeyValue;
+use opentelemetry::{KeyValue, Value};
 use opentelemetry::metrics::{Counter, Histogram, Meter};
 use tonic::Code;
 
@@ -56,7 +56,8 @@ impl ClientMetrics {
     /// labelled by name, others `"other"`; add more with [`method`](Self::method).
     pub fn new(meter: &Meter, target: impl Into<String>, config: &ServiceConfig) -> Self {
         ClientMetrics(Arc::new(Inner {
-            target: KeyValue::new("grpc.target", target.into()),
+            // Shared, not owned: an owned string value is copied at every clone.
+            target: KeyValue::new("grpc.target", Value::from(Arc::<str>::from(target.into()))),
             methods: MethodLabels::from_config(config, true),
             attempt_started: meter
                 .u64_counter("grpc.client.attempt.started")

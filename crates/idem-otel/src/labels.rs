@@ -20,7 +20,48 @@ pub(crate) struct MethodLabels {
     exact: HashMap<String, Value>,
     /// Services whose every method is labelled (client side only).
     services: HashSet<String>,
-    learned: RwLock<HashMap<String, Value>>,
+    learned: Learned,
+}
+
+/// Label values learned as they come, up to a bound; `"other"` beyond it.
+#[derive(Debug)]
+pub(crate) struct Learned {
+    most: usize,
+    values: RwLock<HashMap<String, Value>>,
+}
+
+impl Learned {
+    /// At most `most` distinct values.
+    pub(crate) fn new(most: usize) -> Self {
+        Learned {
+            most,
+            values: RwLock::default(),
+        }
+    }
+
+    /// The label of `name`: itself while fewer than the bound have been seen.
+    pub(crate) fn of(&self, name: &str) -> Value {
+        if let Some(v) = self
+            .values
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+        {
+            return v.clone();
+        }
+        let mut values = self.values.write().unwrap_or_else(PoisonError::into_inner);
+        if values.len() >= self.most {
+            return Value::from(OTHER);
+        }
+        let v = Value::from(Arc::<str>::from(name));
+        values.insert(name.to_owned(), v.clone());
+        v
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.values.read().unwrap().len()
+    }
 }
 
 impl MethodLabels {
@@ -31,7 +72,7 @@ impl MethodLabels {
         let mut labels = MethodLabels {
             exact: HashMap::new(),
             services: HashSet::new(),
-            learned: RwLock::default(),
+            learned: Learned::new(LEARNED_MAX),
         };
         for name in config.method_configs().iter().flat_map(|m| m.names()) {
             match (&name.service, &name.method) {
@@ -61,21 +102,7 @@ impl MethodLabels {
         if !service.is_some_and(|s| self.services.contains(s)) {
             return Value::from(OTHER);
         }
-        if let Some(v) = self
-            .learned
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(path)
-        {
-            return v.clone();
-        }
-        let mut learned = self.learned.write().unwrap_or_else(PoisonError::into_inner);
-        if learned.len() >= LEARNED_MAX {
-            return Value::from(OTHER);
-        }
-        let v = Value::from(Arc::<str>::from(&path[1..]));
-        learned.insert(path.to_owned(), v.clone());
-        v
+        self.learned.of(&path[1..])
     }
 }
 
@@ -106,7 +133,7 @@ mod tests {
         for i in 0..2 * LEARNED_MAX {
             client.of(&format!("/x.Y/M{i}"));
         }
-        assert_eq!(client.learned.read().unwrap().len(), LEARNED_MAX);
+        assert_eq!(client.learned.len(), LEARNED_MAX);
         assert_eq!(client.of("/x.Y/M999999"), Value::from(OTHER));
     }
 }

@@ -13,7 +13,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter};
 
 use crate::LATENCY_BUCKETS;
-use crate::labels::{self, MethodLabels};
+use crate::labels::{self, Learned, MethodLabels};
 
 /// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -38,6 +38,8 @@ pub struct ServerMetrics(Arc<Inner>);
 struct Inner {
     meter: Meter,
     methods: MethodLabels,
+    /// `idem.tenant` values, when opted in.
+    tenants: Option<Learned>,
     started: Counter<u64>,
     duration: Histogram<f64>,
     outcome: Counter<u64>,
@@ -57,21 +59,22 @@ impl ServerMetrics {
     pub fn new(meter: &Meter, config: &ServiceConfig) -> Self {
         ServerMetrics(Arc::new(Inner {
             methods: MethodLabels::from_config(config, false),
+            tenants: None,
             started: meter
                 .u64_counter("grpc.server.call.started")
                 .with_unit("{call}")
-                .with_description("Calls to protected methods received.")
+                .with_description("Calls received, protected or passed through.")
                 .build(),
             duration: meter
                 .f64_histogram("grpc.server.call.duration")
                 .with_unit("s")
-                .with_description("Protected calls, from arrival to the end of the response.")
+                .with_description("Calls, from arrival to the end of the response.")
                 .with_boundaries(LATENCY_BUCKETS.to_vec())
                 .build(),
             outcome: meter
                 .u64_counter("idem.server.call.outcome")
                 .with_unit("{call}")
-                .with_description("Protected calls by what the idempotency layer did (idem.outcome; idem.reason for rejected).")
+                .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
                 .build(),
             store_duration: meter
                 .f64_histogram("idem.store.operation.duration")
@@ -88,6 +91,26 @@ impl ServerMetrics {
         match Arc::get_mut(&mut self.0) {
             Some(inner) => inner.methods.add(method),
             None => tracing::warn!("ServerMetrics::method called after the metrics were shared"),
+        }
+        self
+    }
+
+    /// Labels `idem.server.call.outcome` with `idem.tenant`, the caller's tenant, for the
+    /// first `most` distinct tenants the layer sees; later ones are `"other"`. Off by
+    /// default: tenants come from callers, so each one is a new series. Calls without a
+    /// tenant (passed through, or refused before one was read) carry none.
+    ///
+    /// ```
+    /// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::ServiceConfig) {
+    /// let metrics = idem_otel::ServerMetrics::new(&meter, &config).tenant_label(100);
+    /// # }
+    /// ```
+    pub fn tenant_label(mut self, most: usize) -> Self {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => inner.tenants = Some(Learned::new(most)),
+            None => {
+                tracing::warn!("ServerMetrics::tenant_label called after the metrics were shared")
+            }
         }
         self
     }
@@ -184,11 +207,16 @@ impl ServerObserver for ServerMetrics {
         let attrs = [method.clone(), labels::status(call.status)];
         m.duration.record(call.duration.as_secs_f64(), &attrs);
         let outcome = KeyValue::new("idem.outcome", call.outcome);
-        match call.reason {
-            Some(r) => m
-                .outcome
-                .add(1, &[method, outcome, KeyValue::new("idem.reason", r)]),
-            None => m.outcome.add(1, &[method, outcome]),
+        let tenant = m
+            .tenants
+            .as_ref()
+            .zip(call.tenant)
+            .map(|(labels, t)| KeyValue::new("idem.tenant", labels.of(t)));
+        let reason = call.reason.map(|r| KeyValue::new("idem.reason", r));
+        match (reason, tenant) {
+            (None, None) => m.outcome.add(1, &[method, outcome]),
+            (Some(x), None) | (None, Some(x)) => m.outcome.add(1, &[method, outcome, x]),
+            (Some(r), Some(t)) => m.outcome.add(1, &[method, outcome, r, t]),
         }
     }
 }

@@ -586,3 +586,124 @@ async fn a_hedged_call_records_its_hedges_not_retries() {
     );
     assert_eq!(otel.value("grpc.client.call.retries", &m), None);
 }
+
+/// Calls the layer lets through (a method without `idempotency`, a keyless call to a
+/// method whose key is optional) are counted with the outcome `passthrough`.
+#[tokio::test]
+async fn passthrough_calls_are_counted() {
+    let otel = Otel::new();
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [
+              {"name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+               "idempotency": {"keyRequired": false}},
+              {"name": [{"service": "shop.v1.Orders", "method": "GetOrder"}], "timeout": "5s"}],
+            "idem": {"tenant": {"single": "t"}}}"#,
+    )
+    .unwrap();
+    let addr = serve(server_layer(&otel, &cfg, MemoryStore::default()), 0).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    c.create_order(Request::new(order("a")))
+        .await
+        .expect("keyless call passes");
+    c.create_order(Request::new(order("a")))
+        .await
+        .expect("keyless call passes");
+    let s = c
+        .get_order(idem_test_support::shop::GetOrderRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::Unimplemented);
+    c.create_order(keyed("a", "key-passthrough-1"))
+        .await
+        .expect("protected");
+
+    let create = ("grpc.method", METHOD);
+    let get = ("grpc.method", "shop.v1.Orders/GetOrder");
+    let pass = ("idem.outcome", "passthrough");
+    otel.expect("idem.server.call.outcome", &[create, pass], Value::Sum(2.0))
+        .await;
+    otel.expect("idem.server.call.outcome", &[get, pass], Value::Sum(1.0))
+        .await;
+    otel.expect(
+        "idem.server.call.outcome",
+        &[create, ("idem.outcome", "executed")],
+        Value::Sum(1.0),
+    )
+    .await;
+    otel.expect("grpc.server.call.started", &[create], Value::Sum(3.0))
+        .await;
+    otel.expect("grpc.server.call.started", &[get], Value::Sum(1.0))
+        .await;
+    let unimplemented = [get, ("grpc.status", "UNIMPLEMENTED")];
+    assert!(hist(1)(
+        &otel
+            .value("grpc.server.call.duration", &unimplemented)
+            .unwrap()
+    ));
+    assert!(hist(3)(
+        &otel
+            .value("grpc.server.call.duration", &[create, ("grpc.status", "OK")])
+            .unwrap()
+    ));
+    // Passed-through calls carry no tenant, even when tenants are labelled.
+    assert!(
+        otel.labels("idem.server.call.outcome")
+            .iter()
+            .all(|l| !l.iter().any(|k| k == "idem.tenant"))
+    );
+}
+
+/// `idem.tenant` is off by default; opted in, the first `most` tenants are labelled and
+/// the rest are `other`.
+#[tokio::test]
+async fn the_tenant_label_is_opt_in_and_bounded() {
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [
+              {"name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+               "idempotency": {}}],
+            "idem": {"tenant": {"header": "x-tenant"}}}"#,
+    )
+    .unwrap();
+    for most in [None, Some(2)] {
+        let otel = Otel::new();
+        let mut metrics = ServerMetrics::new(&otel.meter(), &cfg);
+        if let Some(most) = most {
+            metrics = metrics.tenant_label(most);
+        }
+        let layer = IdempotencyLayer::new(MemoryStore::default(), &cfg).observer(metrics);
+        let addr = serve(layer, 0).await;
+        let mut c = OrdersClient::new(net::channel(addr));
+        for (i, tenant) in ["acme", "globex", "acme", "initech", "umbrella"]
+            .iter()
+            .enumerate()
+        {
+            let mut req = keyed("a", &format!("key-tenant-{i:04}"));
+            req.metadata_mut()
+                .insert("x-tenant", tenant.parse().unwrap());
+            c.create_order(req).await.expect("call");
+        }
+        let executed = ("idem.outcome", "executed");
+        match most {
+            None => {
+                otel.expect("idem.server.call.outcome", &[executed], Value::Sum(5.0))
+                    .await;
+                let labels = otel.labels("idem.server.call.outcome");
+                assert!(
+                    labels.iter().all(|l| !l.iter().any(|k| k == "idem.tenant")),
+                    "{labels:?}"
+                );
+            }
+            Some(_) => {
+                for (tenant, n) in [("acme", 2.0), ("globex", 1.0), ("other", 2.0)] {
+                    otel.expect(
+                        "idem.server.call.outcome",
+                        &[executed, ("idem.tenant", tenant)],
+                        Value::Sum(n),
+                    )
+                    .await;
+                }
+                assert_eq!(otel.labels("idem.server.call.outcome").len(), 3);
+            }
+        }
+    }
+}

@@ -27,6 +27,11 @@
 //! `overloaded`, `fail_open`, `waited_deadline`, and `cancelled` for a caller that went
 //! away before any of them.
 //!
+//! The observer also hears of the calls the layer lets through untouched, with the
+//! outcome `passthrough`: calls to methods without an `idempotency` object, and calls
+//! without a key to a method whose key is optional (`keyRequired: false`). Those get no
+//! span and no `INFO` event, and cost nothing when no observer is set.
+//!
 //! Records (`executed` only): `stored`, `released`, `stale_fence` (another claimant took
 //! the record over), `unrecorded` (the store did not take it in time).
 //!
@@ -51,11 +56,12 @@ use tonic::body::Body;
 
 use crate::IdempotencyLayer;
 
-/// Told about every protected call of an [`IdempotencyLayer`].
+/// Told about every call an [`IdempotencyLayer`] sees: protected ones, and those it
+/// passes through (outcome `passthrough`; see the [module docs](self)).
 ///
 /// Called on the server's tasks: keep it short and never block.
 pub trait ServerObserver: Send + Sync + 'static {
-    /// A call to a protected method (`/shop.v1.Orders/CreateOrder`) arrived.
+    /// A call (`/shop.v1.Orders/CreateOrder`) arrived.
     fn call_started(&self, method: &str) {
         let _ = method;
     }
@@ -76,6 +82,9 @@ pub struct ProtectedCallEnded<'a> {
     pub reason: Option<&'static str>,
     /// For `executed`: what became of the record.
     pub record: Option<&'static str>,
+    /// The caller's tenant, for protected calls that got as far as naming one. It comes
+    /// from the caller: never use it as a metric label without bounding the values.
+    pub tenant: Option<&'a str>,
     /// The status the caller got (CANCELLED when it went away first).
     pub status: Code,
     /// From the call's arrival to its response's end.
@@ -86,7 +95,7 @@ pub struct ProtectedCallEnded<'a> {
 pub(crate) type SharedObserver = Arc<dyn ServerObserver>;
 
 impl<St: Store> IdempotencyLayer<St> {
-    /// Tells `observer` about every protected call (default none).
+    /// Tells `observer` about every call (default none).
     pub fn observer(mut self, observer: impl ServerObserver) -> Self {
         Arc::make_mut(&mut self.shared).observer = Some(Arc::new(observer));
         self
@@ -115,6 +124,9 @@ struct State {
 pub(crate) struct CallTrace {
     observer: Option<SharedObserver>,
     method: String,
+    tenant: Option<String>,
+    /// A call passed through: no event, only the observer.
+    passthrough: bool,
     span: tracing::Span,
     started: Instant,
     state: Mutex<State>,
@@ -150,10 +162,40 @@ impl CallTrace {
         Some(Arc::new(CallTrace {
             observer: observer.cloned(),
             method: method.to_owned(),
+            tenant: None,
+            passthrough: false,
             span: span.clone(),
             started: Instant::now(),
             state: Mutex::default(),
         }))
+    }
+
+    /// A trace of a call passed through to `method`, when an observer listens.
+    pub(crate) fn passthrough(observer: Option<&SharedObserver>, method: &str) -> Option<Arc<Self>> {
+        let o = observer?;
+        o.call_started(method);
+        Some(Arc::new(CallTrace {
+            observer: Some(o.clone()),
+            method: method.to_owned(),
+            tenant: None,
+            passthrough: true,
+            span: tracing::Span::none(),
+            started: Instant::now(),
+            state: Mutex::new(State {
+                outcome: Some("passthrough"),
+                ..State::default()
+            }),
+        }))
+    }
+
+    /// The trace of a protected call, with the caller's tenant (kept for the observer).
+    pub(crate) fn with_tenant(mut self: Arc<Self>, tenant: String) -> Arc<Self> {
+        if self.observer.is_some()
+            && let Some(t) = Arc::get_mut(&mut self)
+        {
+            t.tenant = Some(tenant);
+        }
+        self
     }
 
     fn update(&self, f: impl FnOnce(&mut State)) {
@@ -166,7 +208,7 @@ impl CallTrace {
     }
 
     /// The call ended with `code` now (the first end counts).
-    fn ended(&self, code: Code) {
+    pub(crate) fn ended(&self, code: Code) {
         self.update(|s| {
             if s.status.is_none() {
                 s.status = Some(code);
@@ -183,6 +225,20 @@ impl Drop for CallTrace {
         let outcome = s.outcome.unwrap_or("cancelled");
         let end = s.ended.unwrap_or_else(Instant::now);
         let duration = end.saturating_duration_since(self.started);
+        if self.passthrough {
+            if let Some(o) = &self.observer {
+                o.call_ended(&ProtectedCallEnded {
+                    method: &self.method,
+                    outcome,
+                    reason: None,
+                    record: None,
+                    tenant: None,
+                    status,
+                    duration,
+                });
+            }
+            return;
+        }
         self.span.record("rpc.grpc.status_code", status as i32);
         if let Some(r) = s.record {
             self.span.record("idem.record", r);
@@ -203,6 +259,7 @@ impl Drop for CallTrace {
                 outcome,
                 reason: s.reason,
                 record: s.record,
+                tenant: self.tenant.as_deref(),
                 status,
                 duration,
             });

@@ -50,6 +50,9 @@ pub(crate) enum FrameError {
     TooLarge,
     /// The body holds more messages than the method allows.
     TooManyFrames,
+    /// Compressed messages far larger than what they decode to (empty DEFLATE blocks);
+    /// see [`inflate`](super::inflate).
+    Padded,
 }
 
 /// The method's bounds on a request.
@@ -82,6 +85,8 @@ pub(crate) struct Work {
     pub(crate) inflated: u64,
     /// Calls into the inflate engine.
     pub(crate) engine_calls: u64,
+    /// Compressed bytes the inflate engine read.
+    pub(crate) engine_input: u64,
     /// Bytes fed to SHA-256, length prefixes included.
     pub(crate) hashed: u64,
 }
@@ -214,6 +219,7 @@ pub(crate) fn read(
         }
     };
     work.engine_calls += inflater.engine_calls;
+    work.engine_input += inflater.budget.input;
     result
 }
 
@@ -328,6 +334,11 @@ impl FrameError {
                     "request has more than {} gRPC messages (idempotency.maxRequestFrames)",
                     limits.max_frames
                 ),
+                reason::REQUEST_TOO_LARGE,
+            ),
+            FrameError::Padded => idem_status(
+                Code::ResourceExhausted,
+                "compressed request much larger than what it decompresses to (empty DEFLATE blocks); no compressor writes this, send it uncompressed or compressed normally",
                 reason::REQUEST_TOO_LARGE,
             ),
             FrameError::Malformed(i, why) => request_malformed(format_args!("message {i}: {why}")),

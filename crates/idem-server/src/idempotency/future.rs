@@ -3,12 +3,16 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
+use tonic::Code;
 use tonic::body::Body;
+
+use crate::metrics::{self, CallTrace};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -29,7 +33,7 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<F, E> {
-        Passthrough { #[pin] future: F },
+        Passthrough { #[pin] future: F, trace: Option<Arc<CallTrace>> },
         Ready { response: Option<Response<Body>> },
         Protected { future: Protected<E> },
         Done,
@@ -37,9 +41,10 @@ pin_project! {
 }
 
 impl<F, E> ResponseFuture<F, E> {
-    pub(crate) fn passthrough(future: F) -> Self {
+    /// The inner future, its response watched for the observer when `trace` is set.
+    pub(crate) fn passthrough(future: F, trace: Option<Arc<CallTrace>>) -> Self {
         ResponseFuture {
-            kind: Kind::Passthrough { future },
+            kind: Kind::Passthrough { future, trace },
         }
     }
     pub(crate) fn ready(response: Response<Body>) -> Self {
@@ -81,7 +86,17 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
         let output = match kind.as_mut().project() {
-            KindProj::Passthrough { future } => ready!(future.poll(cx)).map(|r| r.map(Body::new)),
+            KindProj::Passthrough { future, trace } => {
+                let output = ready!(future.poll(cx)).map(|r| r.map(Body::new));
+                match (trace.take(), output) {
+                    (None, output) => output,
+                    (Some(t), Ok(resp)) => Ok(metrics::watch(resp, t)),
+                    (Some(t), Err(e)) => {
+                        t.ended(Code::Unknown);
+                        Err(e)
+                    }
+                }
+            }
             KindProj::Ready { response } => Ok(response.take().expect("a response until Done")),
             KindProj::Protected { future } => ready!(future.as_mut().poll(cx)),
             KindProj::Done => panic!("ResponseFuture polled after completion"),
@@ -103,9 +118,10 @@ mod tests {
         let mut f = Box::pin(ResponseFuture::<
             Ready<Result<Response<Body>, Infallible>>,
             Infallible,
-        >::passthrough(std::future::ready(Ok(
-            Response::new(Body::empty()),
-        ))));
+        >::passthrough(
+            std::future::ready(Ok(Response::new(Body::empty()))),
+            None,
+        ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(f.as_mut().poll(&mut cx).is_ready());
         let _ = f.as_mut().poll(&mut cx);

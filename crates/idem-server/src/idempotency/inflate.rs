@@ -11,6 +11,16 @@
 //!
 //! Rules, as tonic's decoders apply them: a message holds one complete stream (gzip: one
 //! member; bytes after it are ignored); header and checksums are checked.
+//!
+//! One rule of our own bounds the decoder's work by what it produces. The engine's cost
+//! grows with the DEFLATE *blocks* it reads, and an empty block takes 10 bits, so 4 MiB
+//! can hold 3.3 million blocks that decode to nothing and cost 20× a normal 4 MiB
+//! request. No compressor writes that: stored blocks add 5 bytes per 64 KiB, and even
+//! fixed-Huffman coding of random bytes grows them by at most 1/8. So the compressed
+//! bytes a request may spend beyond 9/8 of what they decode to are budgeted
+//! ([`SLACK_PER_REQUEST`] plus [`SLACK_PER_MESSAGE`] for each message), and the engine
+//! is fed [`INPUT_STEP`] bytes at a time so that a message over the budget stops within
+//! one step: [`FrameError::Padded`].
 
 use flate2::{Crc, Decompress, FlushDecompress, Status};
 use idem_core::config::Compression;
@@ -21,6 +31,14 @@ use super::fingerprint::FrameError;
 const FIRST_BUFFER: usize = 64 * 1024;
 /// Longest gzip `FNAME` / `FCOMMENT` field `flate2` accepts.
 const MAX_GZIP_FIELD: usize = 65_535;
+
+/// Compressed bytes a request may hold beyond what its messages decode to.
+pub(crate) const SLACK_PER_REQUEST: u64 = 64 * 1024;
+/// The same, added for each compressed message (zlib's wrapper and an empty message's
+/// final block take 8 bytes).
+pub(crate) const SLACK_PER_MESSAGE: u64 = 32;
+/// Most compressed bytes handed to the engine in one call.
+const INPUT_STEP: usize = 16 * 1024;
 
 const FHCRC: u8 = 1 << 1;
 const FEXTRA: u8 = 1 << 2;
@@ -34,9 +52,33 @@ pub(crate) struct Inflater {
     /// which an uncompressed request must not pay for.
     state: Option<Decompress>,
     out: Vec<u8>,
-    /// Calls into the inflate engine so far (each ends a stream, fills the buffer, or
-    /// fails).
+    /// Calls into the inflate engine so far (each ends a stream, fills the buffer, uses
+    /// up an input step, or fails).
     pub(crate) engine_calls: u64,
+    /// The request's compressed bytes against their output.
+    pub(crate) budget: Budget,
+}
+
+/// Compressed bytes against what they decode to, over one request; see the
+/// [module docs](self).
+#[derive(Debug, Default)]
+pub(crate) struct Budget {
+    /// Compressed bytes handed to the engine so far.
+    pub(crate) input: u64,
+    /// What those bytes decoded to.
+    output: u64,
+    /// Messages started so far.
+    messages: u64,
+}
+
+impl Budget {
+    /// Whether the compressed bytes read so far exceed 9/8 of their output by more than
+    /// the request's slack.
+    fn exceeded(&self) -> bool {
+        let paid = self.output + self.output / 8;
+        let slack = SLACK_PER_REQUEST + SLACK_PER_MESSAGE * self.messages;
+        self.input > paid.saturating_add(slack)
+    }
 }
 
 impl Inflater {
@@ -45,6 +87,7 @@ impl Inflater {
             state: None,
             out: Vec::new(),
             engine_calls: 0,
+            budget: Budget::default(),
         }
     }
 
@@ -89,6 +132,7 @@ impl Inflater {
         zlib: bool,
         limit: usize,
     ) -> Result<(usize, usize), FrameError> {
+        self.budget.messages += 1;
         // One byte past the limit tells "exactly the limit" from "over it".
         let cap = limit.saturating_add(1);
         let state = match &mut self.state {
@@ -105,11 +149,12 @@ impl Inflater {
                 self.out.resize(grown, 0);
             }
             let end = self.out.len().min(cap);
+            let step = input.len().min(used + INPUT_STEP);
             self.engine_calls += 1;
             let (in0, out0) = (state.total_in(), state.total_out());
             let status = state
                 .decompress(
-                    &input[used..],
+                    &input[used..step],
                     &mut self.out[len..end],
                     FlushDecompress::None,
                 )
@@ -120,6 +165,11 @@ impl Inflater {
             );
             used += n_in;
             len += n_out;
+            self.budget.input += n_in as u64;
+            self.budget.output += n_out as u64;
+            if self.budget.exceeded() {
+                return Err(FrameError::Padded);
+            }
             match status {
                 Status::StreamEnd => return Ok((used, len)),
                 _ if len == end && end == cap => return Err(FrameError::TooLarge),
@@ -131,6 +181,7 @@ impl Inflater {
             }
         }
     }
+
 }
 
 fn corrupt(why: &str) -> FrameError {

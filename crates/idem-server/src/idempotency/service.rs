@@ -129,12 +129,14 @@ where
             .lookup_path(req.uri().path())
             .and_then(|m| m.idempotency())
         else {
-            return ResponseFuture::passthrough(self.inner.call(req));
+            let trace = CallTrace::passthrough(self.shared.observer.as_ref(), req.uri().path());
+            return ResponseFuture::passthrough(self.inner.call(req), trace);
         };
         let (parts, body) = req.into_parts();
         match route(&self.shared, &current, policy, &parts) {
             Route::Passthrough => {
-                ResponseFuture::passthrough(self.inner.call(Request::from_parts(parts, body)))
+                let trace = CallTrace::passthrough(self.shared.observer.as_ref(), parts.uri.path());
+                ResponseFuture::passthrough(self.inner.call(Request::from_parts(parts, body)), trace)
             }
             Route::Reject(status) => {
                 self.shared.stats.inc(|c| &c.rejected);
@@ -165,6 +167,7 @@ where
                     scope,
                     tenant: tenant_id(&tenant),
                 };
+                let trace = trace.map(|t| t.with_tenant(tenant));
                 let fut = metrics::traced(trace, call.run(inner, parts, body));
                 ResponseFuture::protected(Box::pin(fut.instrument(span)))
             }

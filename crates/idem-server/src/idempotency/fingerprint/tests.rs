@@ -9,6 +9,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::idempotency::digest::fingerprint_messages;
+use crate::idempotency::inflate;
 
 const MIB4: usize = 4 * 1024 * 1024;
 
@@ -331,6 +332,115 @@ fn a_decompression_bomb_stops_at_the_limit() {
     assert_eq!(r, Err(FrameError::TooLarge));
     // The buffer doubles from 64 KiB to the limit: a handful of engine calls.
     assert!(work.engine_calls <= 8, "{work:?}");
+}
+
+/// One zlib stream of `n` empty fixed-Huffman blocks (10 bits each), then a final one.
+fn empty_fixed_blocks(n: usize) -> Vec<u8> {
+    let mut out = vec![0x78, 0x9c];
+    let (mut acc, mut bits) = (0u64, 0u32);
+    let mut push = |v: u64, k: u32, out: &mut Vec<u8>| {
+        acc |= v << bits;
+        bits += k;
+        while bits >= 8 {
+            out.push(acc as u8);
+            acc >>= 8;
+            bits -= 8;
+        }
+    };
+    for i in 0..=n {
+        // BFINAL, BTYPE = 01 (fixed), then end-of-block (code 256: seven zero bits).
+        push(u64::from(i == n) | 0b01 << 1, 3, &mut out);
+        push(0, 7, &mut out);
+    }
+    push(0, 7, &mut out);
+    out.extend_from_slice(&[0, 0, 0, 1]);
+    out
+}
+
+/// 4 MiB of empty DEFLATE blocks is valid (the reference decodes it), but the decoder
+/// stops once the compressed bytes pass the slack, having read a small fraction.
+#[test]
+fn empty_deflate_blocks_are_refused_after_a_bounded_read() {
+    let stream = empty_fixed_blocks((MIB4 - 64) * 8 / 10);
+    let body = Bytes::from(frame(1, &stream));
+    let c = Some(Compression::Deflate);
+    assert!(reference_fp(&body, c, MIB4).is_ok(), "a valid stream");
+    let (r, work) = fp(&body, c, limits(MIB4, 16));
+    assert_eq!(r, Err(FrameError::Padded));
+    let most = inflate::SLACK_PER_REQUEST + inflate::SLACK_PER_MESSAGE + 16 * 1024;
+    assert!(
+        work.engine_input <= most,
+        "read {} of {} compressed bytes",
+        work.engine_input,
+        stream.len()
+    );
+    let status = FrameError::Padded.into_status(limits(MIB4, 16));
+    assert_eq!(status.code(), Code::ResourceExhausted);
+
+    // Spread over many messages, the slack is per request, not per message.
+    let small = frame(1, &empty_fixed_blocks(100_000));
+    let body = Bytes::from(small.repeat(40));
+    let (r, work) = fp(&body, c, limits(MIB4, 100));
+    assert_eq!(r, Err(FrameError::Padded));
+    assert!(work.engine_input <= most + 40 * 32, "{work:?}");
+}
+
+/// What compressors write passes the budget: incompressible bytes stored or coded,
+/// compressible ones, a stream flushed every KiB, and many one-byte messages.
+#[test]
+fn what_compressors_write_is_within_the_slack() {
+    let mut random = vec![0u8; 2 * 1024 * 1024];
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for b in &mut random {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let text = b"the same order, the same key, the same answer. ".repeat(40_000);
+    let flushed = {
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        for chunk in random[..512 * 1024].chunks(1024) {
+            e.write_all(chunk).unwrap();
+            e.flush().unwrap();
+        }
+        e.finish().unwrap()
+    };
+    let stored = |c: Compression, msg: &[u8]| -> Vec<u8> {
+        let level = flate2::Compression::none();
+        match c {
+            Compression::Gzip => {
+                let mut e = flate2::write::GzEncoder::new(Vec::new(), level);
+                e.write_all(msg).unwrap();
+                e.finish().unwrap()
+            }
+            Compression::Deflate => {
+                let mut e = flate2::write::ZlibEncoder::new(Vec::new(), level);
+                e.write_all(msg).unwrap();
+                e.finish().unwrap()
+            }
+        }
+    };
+    for c in [Compression::Gzip, Compression::Deflate] {
+        let tiny: Vec<u8> = (0..60_000u32)
+            .flat_map(|i| frame(1, &compress(c, &[i as u8])))
+            .collect();
+        let mut bodies = vec![
+            frame(1, &compress(c, &random)),
+            frame(1, &stored(c, &random)),
+            frame(1, &compress(c, &text)),
+            tiny,
+        ];
+        if c == Compression::Deflate {
+            bodies.push(frame(1, &flushed));
+        }
+        for (i, body) in bodies.into_iter().enumerate() {
+            let body = Bytes::from(body);
+            let (r, _) = fp(&body, Some(c), limits(MIB4, 65_536));
+            assert_eq!(r, reference_fp(&body, Some(c), MIB4), "{c:?} body {i}");
+            assert!(r.is_ok(), "{c:?} body {i}: {r:?}");
+        }
+    }
 }
 
 #[tokio::test]
