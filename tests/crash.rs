@@ -321,3 +321,66 @@ async fn memory_store_same_crashes_lets_duplicates_through() {
         "a store that dies with the process cannot stop re-runs: {r:?}"
     );
 }
+
+/// `--metrics-out` under `--crash-every`: the client side from the demo's process, the
+/// server side summed over every instance process's lifetime (each scraped just before
+/// its SIGKILL, the live ones at the end). With the last lifetime alone, a third of the
+/// executions would show.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_out_sums_the_instances_scraped_before_each_sigkill() {
+    let text = config_text();
+    let config = ServiceConfig::from_json(&text).unwrap();
+    let dir = Dir::new("metrics-out");
+    let path = dir.0.join("metrics.prom");
+    let o = Options {
+        intents: 600,
+        concurrency: 16,
+        instances: 1,
+        seed: 5,
+        progress: false,
+        metrics_out: Some(path.clone()),
+        ..Options::default()
+    };
+    let launch = launch();
+    let run = crash::run_with_crashes(&o, 200, true, &config, &text, &StoreKind::Memory, &launch);
+    let report = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the run finished in time")
+        .expect("the run");
+    assert_eq!(report.crashes, 2, "{report:?}");
+    let out = std::fs::read_to_string(&path).expect("the file was written");
+    assert!(
+        out.starts_with("# idem demo:") && out.contains("summed over 3 instance-process lifetimes"),
+        "{}",
+        out.lines().next().unwrap_or("")
+    );
+    let mut types = std::collections::HashSet::new();
+    for line in out.lines().filter(|l| l.starts_with("# TYPE ")) {
+        assert!(types.insert(line), "{line} twice");
+    }
+    let sample = |series: &str| -> f64 {
+        out.lines()
+            .filter_map(|l| l.rsplit_once(' '))
+            .find(|(s, _)| *s == series)
+            .map(|(_, v)| v.parse().expect("a number"))
+            .unwrap_or(0.0)
+    };
+    let method = r#"grpc_method="shop.v1.Orders/CreateOrder""#;
+    let attempts = sample(&format!(
+        r#"grpc_client_attempt_started_total{{{method},grpc_target="demo"}}"#
+    ));
+    assert_eq!(attempts as u64, report.attempts, "the client side is exact");
+    let executed = sample(&format!(
+        r#"idem_server_call_outcome_total{{{method},idem_outcome="executed"}}"#
+    ));
+    let started = sample(&format!(r#"grpc_server_call_started_total{{{method}}}"#));
+    // Every counted execution wrote its order; only calls that ended between a scrape
+    // and its kill are missing.
+    assert!(executed <= report.orders as f64, "{executed} > {report:?}");
+    assert!(
+        executed >= 0.8 * report.orders as f64,
+        "{executed} executions counted for {} orders",
+        report.orders
+    );
+    assert!(started >= executed && started <= attempts, "{started}");
+}

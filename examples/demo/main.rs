@@ -93,7 +93,8 @@ fn parse_args() -> Result<Args, String> {
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
             "--config" => o.config = Some(value),
-            // The Prometheus exposition of both layers of the run with idem (in process).
+            // The Prometheus exposition of both layers of the run with idem (with
+            // --crash-every: the instances' server side, scraped before each SIGKILL).
             "--metrics-out" => o.metrics_out = Some(value.into()),
             "--postgres" => postgres = Some(value),
             "--store" if ["memory", "redis", "postgres"].contains(&value.as_str()) => {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use idem_client::metrics::{CallEnded, CallObserver};
 use idem_client::{AttemptEnd, RetryLayer};
 use idem_core::ServiceConfig;
-use opentelemetry::{KeyValue, Value};
 use opentelemetry::metrics::{Counter, Histogram, Meter};
+use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
 use crate::labels::{self, MethodLabels};

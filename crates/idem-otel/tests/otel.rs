@@ -642,7 +642,10 @@ async fn passthrough_calls_are_counted() {
     ));
     assert!(hist(3)(
         &otel
-            .value("grpc.server.call.duration", &[create, ("grpc.status", "OK")])
+            .value(
+                "grpc.server.call.duration",
+                &[create, ("grpc.status", "OK")]
+            )
             .unwrap()
     ));
     // Passed-through calls carry no tenant, even when tenants are labelled.

@@ -171,7 +171,10 @@ impl CallTrace {
     }
 
     /// A trace of a call passed through to `method`, when an observer listens.
-    pub(crate) fn passthrough(observer: Option<&SharedObserver>, method: &str) -> Option<Arc<Self>> {
+    pub(crate) fn passthrough(
+        observer: Option<&SharedObserver>,
+        method: &str,
+    ) -> Option<Arc<Self>> {
         let o = observer?;
         o.call_started(method);
         Some(Arc::new(CallTrace {

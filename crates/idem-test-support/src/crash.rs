@@ -26,8 +26,8 @@ use std::time::Duration;
 use idem_client::{Retry, RetryLayer};
 use idem_core::ServiceConfig;
 use idem_postgres::PostgresStore;
+use idem_server::InboundLayer;
 use idem_server::idempotency::tenant::SingleTenant;
-use idem_server::{IdempotencyLayer, InboundLayer};
 use idem_store::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -38,6 +38,7 @@ use tonic::{Request, Response, Status};
 use tower::ServiceBuilder;
 
 use crate::demo::{Faults, Ledger, Options, OrdersImpl, RunReport, strip_idempotency};
+use crate::demo_metrics::{DemoMetrics, InstanceMetrics, merge, scrape};
 use crate::pg_orders::{self, PgOrders};
 use crate::shop::orders_client::OrdersClient;
 use crate::shop::orders_server::{Orders, OrdersServer};
@@ -178,6 +179,8 @@ pub struct ServeArgs {
     /// `CreateOrder` (through a `RetryLayer` with the same config) and answers with its
     /// order, writing nothing itself.
     pub downstream: Option<u16>,
+    /// Serve the idempotency layer's metrics (Prometheus text) on 127.0.0.1 at this port.
+    pub metrics_port: Option<u16>,
 }
 
 impl ServeArgs {
@@ -202,6 +205,7 @@ impl ServeArgs {
             latency_ms: 0,
             pause_at: None,
             downstream: None,
+            metrics_port: None,
         }
     }
 
@@ -226,6 +230,9 @@ impl ServeArgs {
         }
         if let Some(port) = self.downstream {
             args.push(format!("downstream={port}"));
+        }
+        if let Some(port) = self.metrics_port {
+            args.push(format!("metrics_port={port}"));
         }
         args
     }
@@ -254,6 +261,7 @@ impl ServeArgs {
                 "latency_ms" => a.latency_ms = v.parse().map_err(|_| bad())?,
                 "pause_at" => a.pause_at = Some(PausePoint::parse(v).ok_or_else(bad)?),
                 "downstream" => a.downstream = Some(v.parse().map_err(|_| bad())?),
+                "metrics_port" => a.metrics_port = Some(v.parse().map_err(|_| bad())?),
                 _ => return Err(format!("{SERVE_FLAG}: unknown argument {k}")),
             }
         }
@@ -352,10 +360,14 @@ async fn serve_service<T: Orders>(
             .await?;
         return Ok(());
     }
+    let metrics = InstanceMetrics::new(config);
+    if let Some(port) = args.metrics_port {
+        metrics.serve(port).await?;
+    }
     let tenant = SingleTenant::new("demo");
     match (&args.store, postgres) {
         (_, Some(store)) => {
-            let layer = IdempotencyLayer::new(store, config).tenant(tenant);
+            let layer = metrics.server(store, "postgres", config).tenant(tenant);
             router
                 .layer(layer)
                 .add_service(svc)
@@ -364,7 +376,7 @@ async fn serve_service<T: Orders>(
         }
         (StoreKind::Redis(url), None) => {
             let store = idem_redis::RedisStore::connect(url.clone()).await?;
-            let layer = IdempotencyLayer::new(store, config).tenant(tenant);
+            let layer = metrics.server(store, "redis", config).tenant(tenant);
             router
                 .layer(layer)
                 .add_service(svc)
@@ -373,7 +385,7 @@ async fn serve_service<T: Orders>(
         }
         _ => {
             let store = MemoryStore::new(config.settings().memory_store.clone());
-            let layer = IdempotencyLayer::new(store, config).tenant(tenant);
+            let layer = metrics.server(store, "memory", config).tenant(tenant);
             router
                 .layer(layer)
                 .add_service(svc)
@@ -579,10 +591,21 @@ pub async fn run_with_crashes(
         _ => None,
     };
 
+    // `--metrics-out`, for the run with idem: the client side here, each instance's
+    // server side scraped before its SIGKILL and at the end.
+    let metrics = o
+        .metrics_out
+        .as_ref()
+        .filter(|_| with_idem)
+        .map(|_| DemoMetrics::new(config));
     let mut instances = Vec::new();
     for i in 0..o.instances {
         let args = ServeArgs {
             with_idem,
+            metrics_port: match metrics {
+                Some(_) => Some(free_port()?),
+                None => None,
+            },
             seed: o.seed.wrapping_add(i as u64),
             unavailable: o.unavailable,
             drop: o.drop,
@@ -602,11 +625,17 @@ pub async fn run_with_crashes(
             .expect("valid endpoint")
             .connect_timeout(Duration::from_millis(500))
     });
-    let retry = if with_idem {
-        RetryLayer::from_config(config)
-    } else {
-        RetryLayer::from_config(&strip_idempotency(config))
+    let retry = match (&metrics, with_idem) {
+        (Some(m), _) => m
+            .client(RetryLayer::builder().service_config(config.clone()))
+            .build()
+            .expect("a config needs no validation"),
+        (None, true) => RetryLayer::from_config(config),
+        (None, false) => RetryLayer::from_config(&strip_idempotency(config)),
     };
+    if let Some(m) = &metrics {
+        m.watch_client(&retry);
+    }
     let stats = retry.stats();
     let client = OrdersClient::new(
         ServiceBuilder::new()
@@ -626,9 +655,27 @@ pub async fn run_with_crashes(
         launch.clone(),
     ));
     let w = crate::demo::workload(o, with_idem, label, &client, done).await?;
-    let mut instances = killer.await??;
+    let (mut instances, dead) = killer.await??;
+    let mut last = Vec::new();
+    if metrics.is_some() {
+        // Server metrics of a call are recorded just after its response: let them land.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for i in &instances {
+            if let Some(port) = i.args.metrics_port {
+                match scrape(port).await {
+                    Ok(text) => last.push(text),
+                    Err(e) => eprintln!("metrics of instance {} lost: {e}", i.args.instance),
+                }
+            }
+        }
+    }
     for i in &mut instances {
         i.kill().await?;
+    }
+    if let (Some(m), Some(path)) = (&metrics, &o.metrics_out) {
+        let servers = merge(&dead, &last);
+        let (m, path, n) = (m.clone(), path.clone(), dead.len() + last.len());
+        tokio::task::spawn_blocking(move || m.write_with_servers(&path, &servers, n)).await??;
     }
     let by_intent = match &orders_db {
         Some(pool) => pg_orders::orders_by_intent(pool).await?,
@@ -650,8 +697,10 @@ async fn crash_loop(
     total: usize,
     seed: u64,
     launch: Launch,
-) -> Result<Vec<Instance>, Error> {
+) -> Result<(Vec<Instance>, Vec<String>), Error> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xc0ffee);
+    // The expositions of killed instances, each scraped just before its SIGKILL.
+    let mut dead = Vec::new();
     let mut next = every as u64;
     let mut victim = 0;
     while next < total as u64 {
@@ -660,6 +709,12 @@ async fn crash_loop(
         }
         tokio::time::sleep(Duration::from_micros(rng.random_range(0..3000))).await;
         let instance = &mut instances[victim];
+        if let Some(port) = instance.args.metrics_port {
+            match scrape(port).await {
+                Ok(text) => dead.push(text),
+                Err(e) => eprintln!("metrics of instance {victim} lost: {e}"),
+            }
+        }
         instance.kill().await?;
         crashes.fetch_add(1, Ordering::Relaxed);
         let args = instance.args.clone();
@@ -667,5 +722,5 @@ async fn crash_loop(
         victim = (victim + 1) % instances.len();
         next += every as u64;
     }
-    Ok(instances)
+    Ok((instances, dead))
 }

@@ -119,8 +119,7 @@ mod tests {
             Ready<Result<Response<Body>, Infallible>>,
             Infallible,
         >::passthrough(
-            std::future::ready(Ok(Response::new(Body::empty()))),
-            None,
+            std::future::ready(Ok(Response::new(Body::empty()))), None
         ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(f.as_mut().poll(&mut cx).is_ready());

@@ -181,7 +181,6 @@ impl Inflater {
             }
         }
     }
-
 }
 
 fn corrupt(why: &str) -> FrameError {

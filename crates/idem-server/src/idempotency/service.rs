@@ -136,7 +136,10 @@ where
         match route(&self.shared, &current, policy, &parts) {
             Route::Passthrough => {
                 let trace = CallTrace::passthrough(self.shared.observer.as_ref(), parts.uri.path());
-                ResponseFuture::passthrough(self.inner.call(Request::from_parts(parts, body)), trace)
+                ResponseFuture::passthrough(
+                    self.inner.call(Request::from_parts(parts, body)),
+                    trace,
+                )
             }
             Route::Reject(status) => {
                 self.shared.stats.inc(|c| &c.rejected);
