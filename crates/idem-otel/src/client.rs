@@ -1,12 +1,14 @@
 //! [`ClientMetrics`]: gRPC's client metrics (gRFC A66, A96) and idem's, from a
 //! [`RetryLayer`]'s observer events.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use idem_client::metrics::{CallEnded, CallObserver};
-use idem_client::{AttemptEnd, RetryLayer};
+use idem_client::{AttemptEnd, CallOutcome, RetryLayer};
 use idem_core::ServiceConfig;
-use opentelemetry::metrics::{Counter, Histogram, Meter};
+use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
@@ -32,14 +34,70 @@ pub struct ClientMetrics(Arc<Inner>);
 struct Inner {
     meter: Meter,
     target: KeyValue,
-    methods: MethodLabels,
-    attempt_started: Counter<u64>,
+    counts: Arc<Counts>,
     attempt_duration: Histogram<f64>,
     call_duration: Histogram<f64>,
     call_retries: Histogram<u64>,
     call_hedges: Histogram<u64>,
     retry_delay: Histogram<f64>,
-    outcome: Counter<u64>,
+}
+
+/// The two counters, kept here per method label and read by the SDK at each collection:
+/// an SDK counter update hashes its attributes (about 1,400 instructions), an atomic add
+/// here costs a few, and counters lose nothing by being read late.
+struct Counts {
+    methods: MethodLabels,
+    /// Path → its label's counts; bounded (unknown paths past it look their label up).
+    by_path: RwLock<HashMap<String, Arc<MethodCounts>>>,
+    /// Label → counts: paths with one label (`"other"`) share them.
+    by_label: RwLock<HashMap<String, Arc<MethodCounts>>>,
+}
+
+/// Most paths remembered by [`Counts::by_path`].
+const PATHS_MAX: usize = 2_000;
+
+struct MethodCounts {
+    method: KeyValue,
+    attempts: AtomicU64,
+    outcomes: [AtomicU64; CallOutcome::COUNT],
+}
+
+impl Counts {
+    fn of(&self, path: &str) -> Arc<MethodCounts> {
+        if let Some(c) = read(&self.by_path).get(path) {
+            return c.clone();
+        }
+        let label = self.methods.of(path);
+        let counts = write(&self.by_label)
+            .entry(label.as_str().into_owned())
+            .or_insert_with(|| {
+                Arc::new(MethodCounts {
+                    method: KeyValue::new("grpc.method", label),
+                    attempts: AtomicU64::new(0),
+                    outcomes: std::array::from_fn(|_| AtomicU64::new(0)),
+                })
+            })
+            .clone();
+        let mut by_path = write(&self.by_path);
+        if by_path.len() < PATHS_MAX {
+            by_path.insert(path.to_owned(), counts.clone());
+        }
+        counts
+    }
+
+    fn each(&self, mut f: impl FnMut(&MethodCounts)) {
+        for c in read(&self.by_label).values() {
+            f(c);
+        }
+    }
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for ClientMetrics {
@@ -55,15 +113,47 @@ impl ClientMetrics {
     /// `grpc.target`). Methods named in `config` (exactly or by their service) are
     /// labelled by name, others `"other"`; add more with [`method`](Self::method).
     pub fn new(meter: &Meter, target: impl Into<String>, config: &ServiceConfig) -> Self {
-        ClientMetrics(Arc::new(Inner {
-            // Shared, not owned: an owned string value is copied at every clone.
-            target: KeyValue::new("grpc.target", Value::from(Arc::<str>::from(target.into()))),
+        // Shared, not owned: an owned string value is copied at every clone.
+        let target = KeyValue::new("grpc.target", Value::from(Arc::<str>::from(target.into())));
+        let counts = Arc::new(Counts {
             methods: MethodLabels::from_config(config, true),
-            attempt_started: meter
-                .u64_counter("grpc.client.attempt.started")
-                .with_unit("{attempt}")
-                .with_description("Attempts started, retries included.")
-                .build(),
+            by_path: RwLock::default(),
+            by_label: RwLock::default(),
+        });
+        let (c, t) = (counts.clone(), target.clone());
+        meter
+            .u64_observable_counter("grpc.client.attempt.started")
+            .with_unit("{attempt}")
+            .with_description("Attempts started, retries included.")
+            .with_callback(move |o| {
+                c.each(|m| {
+                    let n = m.attempts.load(Ordering::Relaxed);
+                    if n > 0 {
+                        o.observe(n, &[m.method.clone(), t.clone()]);
+                    }
+                })
+            })
+            .build();
+        let (c, t) = (counts.clone(), target.clone());
+        meter
+            .u64_observable_counter("idem.client.call.outcome")
+            .with_unit("{call}")
+            .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
+            .with_callback(move |o| {
+                c.each(|m| {
+                    for (outcome, n) in CallOutcome::ALL.iter().zip(&m.outcomes) {
+                        let n = n.load(Ordering::Relaxed);
+                        if n > 0 {
+                            let outcome = KeyValue::new("idem.outcome", outcome.as_str());
+                            o.observe(n, &[m.method.clone(), t.clone(), outcome]);
+                        }
+                    }
+                })
+            })
+            .build();
+        ClientMetrics(Arc::new(Inner {
+            target,
+            counts,
             attempt_duration: meter
                 .f64_histogram("grpc.client.attempt.duration")
                 .with_unit("s")
@@ -102,19 +192,14 @@ impl ClientMetrics {
                 )
                 .with_boundaries(LATENCY_BUCKETS.to_vec())
                 .build(),
-            outcome: meter
-                .u64_counter("idem.client.call.outcome")
-                .with_unit("{call}")
-                .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
-                .build(),
             meter: meter.clone(),
         }))
     }
 
     /// Labels `method` (`pkg.Service/Method`) by its name too.
     pub fn method(mut self, method: &str) -> Self {
-        match Arc::get_mut(&mut self.0) {
-            Some(inner) => inner.methods.add(method),
+        match Arc::get_mut(&mut self.0).and_then(|i| Arc::get_mut(&mut i.counts)) {
+            Some(counts) => counts.methods.add(method),
             None => tracing::warn!("ClientMetrics::method called after the metrics were shared"),
         }
         self
@@ -141,18 +226,27 @@ impl ClientMetrics {
 
 impl CallObserver for ClientMetrics {
     fn attempt_started(&self, method: &str) {
-        let m = &self.0;
-        let attrs = [
-            KeyValue::new("grpc.method", m.methods.of(method)),
-            m.target.clone(),
-        ];
-        m.attempt_started.add(1, &attrs);
+        self.0
+            .counts
+            .of(method)
+            .attempts
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     fn call_ended(&self, call: &CallEnded<'_>) {
         let m = &self.0;
-        let method = KeyValue::new("grpc.method", m.methods.of(call.method));
-        let mut attrs = [method, m.target.clone(), labels::status(call.status)];
+        let counts = m.counts.of(call.method);
+        if let Some(i) = CallOutcome::ALL
+            .iter()
+            .position(|o| *o == call.report.outcome)
+        {
+            counts.outcomes[i].fetch_add(1, Ordering::Relaxed);
+        }
+        let mut attrs = [
+            counts.method.clone(),
+            m.target.clone(),
+            labels::status(call.status),
+        ];
         let attempts = call.report.history().count();
         for (i, a) in call.report.history().enumerate() {
             let last = i + 1 == attempts;
@@ -179,9 +273,6 @@ impl CallObserver for ClientMetrics {
         }
         m.retry_delay
             .record(call.retry_delay().as_secs_f64(), call_attrs);
-        let outcome = KeyValue::new("idem.outcome", call.report.outcome.as_str());
-        m.outcome
-            .add(1, &[attrs[0].clone(), attrs[1].clone(), outcome]);
     }
 }
 
