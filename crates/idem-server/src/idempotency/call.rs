@@ -296,6 +296,6 @@ impl<St: Store> Call<St> {
     }
 
     fn short_scope(&self) -> String {
-        self.scope.to_hex()[..16].to_owned()
+        self.scope.short_hex()
     }
 }

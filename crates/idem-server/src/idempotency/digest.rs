@@ -80,6 +80,46 @@ pub fn tenant_id(tenant: &str) -> TenantId {
     TenantId(id)
 }
 
+/// [`tenant_id`] of the tenants a layer has seen, so a call pays a map lookup, not a
+/// SHA-256. Bounded: tenants come from callers (a header source), so past
+/// [`TENANT_IDS_MAX`] entries, or for names over [`TENANT_NAME_CACHED_MAX`] bytes, the
+/// digest is computed each time instead.
+#[derive(Debug, Default)]
+pub(crate) struct TenantIds(std::sync::RwLock<std::collections::HashMap<String, TenantId>>);
+
+/// Most tenants remembered by one layer.
+pub(crate) const TENANT_IDS_MAX: usize = 4096;
+/// Longest tenant name remembered.
+pub(crate) const TENANT_NAME_CACHED_MAX: usize = 128;
+
+impl TenantIds {
+    /// The store's name for `tenant`.
+    pub(crate) fn of(&self, tenant: &str) -> TenantId {
+        use std::sync::PoisonError;
+        if let Some(id) = self
+            .0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(tenant)
+        {
+            return *id;
+        }
+        let id = tenant_id(tenant);
+        if tenant.len() <= TENANT_NAME_CACHED_MAX {
+            let mut ids = self.0.write().unwrap_or_else(PoisonError::into_inner);
+            if ids.len() < TENANT_IDS_MAX {
+                ids.insert(tenant.to_owned(), id);
+            }
+        }
+        id
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.read().unwrap().len()
+    }
+}
+
 /// Version tag of the message-list fingerprint. Records hold fingerprints: changing
 /// what is hashed makes every stored record a mismatch.
 const FINGERPRINT_V1: &[u8] = b"idem-fp-v1";
@@ -155,6 +195,22 @@ pub(crate) fn fingerprint_custom(canonical: &[u8]) -> Fingerprint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remembered_tenant_ids_are_the_digest_and_bounded() {
+        let ids = TenantIds::default();
+        assert_eq!(ids.of("acme"), tenant_id("acme"));
+        assert_eq!(ids.of("acme"), tenant_id("acme"));
+        assert_eq!(ids.len(), 1);
+        let long = "x".repeat(TENANT_NAME_CACHED_MAX + 1);
+        assert_eq!(ids.of(&long), tenant_id(&long));
+        assert_eq!(ids.len(), 1, "long names are not remembered");
+        for i in 0..2 * TENANT_IDS_MAX {
+            let t = format!("t{i}");
+            assert_eq!(ids.of(&t), tenant_id(&t));
+        }
+        assert_eq!(ids.len(), TENANT_IDS_MAX);
+    }
 
     #[test]
     fn derived_keys_are_valid_and_depend_on_every_input() {

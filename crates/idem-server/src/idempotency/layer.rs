@@ -86,6 +86,8 @@ pub(crate) struct Shared<St> {
     logged_at_layer: AtomicBool,
     logged_at_call: AtomicBool,
     pub(crate) observer: Option<crate::metrics::SharedObserver>,
+    /// Tenants' store names, computed once each.
+    pub(crate) tenant_ids: Arc<super::digest::TenantIds>,
 }
 
 impl<St: Clone> Clone for Shared<St> {
@@ -104,6 +106,7 @@ impl<St: Clone> Clone for Shared<St> {
             logged_at_layer: AtomicBool::new(false),
             logged_at_call: AtomicBool::new(false),
             observer: self.observer.clone(),
+            tenant_ids: self.tenant_ids.clone(),
         }
     }
 }
@@ -215,6 +218,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 logged_at_layer: AtomicBool::new(false),
                 logged_at_call: AtomicBool::new(false),
                 observer: None,
+                tenant_ids: Arc::default(),
             }),
         }
     }

@@ -215,7 +215,7 @@ impl<St: Store> Lease<St> {
     }
 
     fn short_scope(&self) -> String {
-        self.scope.to_hex()[..16].to_owned()
+        self.scope.short_hex()
     }
 }
 

@@ -17,7 +17,7 @@ use tracing::{Instrument, field};
 
 use super::BoxError;
 use super::call::Call;
-use super::digest::{scope_for, tenant_id};
+use super::digest::scope_for;
 use super::future::ResponseFuture;
 use super::layer::{Current, IdempotencyLayer, Shared};
 use super::status;
@@ -168,7 +168,7 @@ where
                     policy: policy.clone(),
                     path,
                     scope,
-                    tenant: tenant_id(&tenant),
+                    tenant: self.shared.tenant_ids.of(&tenant),
                 };
                 let trace = trace.map(|t| t.with_tenant(tenant));
                 let fut = metrics::traced(trace, call.run(inner, parts, body));
@@ -185,11 +185,11 @@ fn call_span(path: &str, scope: Option<&idem_store::Scope>) -> tracing::Span {
         .trim_start_matches('/')
         .split_once('/')
         .unwrap_or((path, ""));
-    let scope = scope.map(|s| s.to_hex());
+    // Field values are computed only when the span is enabled.
     tracing::info_span!(
         "idempotency",
         method = %path,
-        scope = scope.as_ref().map(|s| field::display(&s[..16])),
+        scope = scope.map(|s| field::display(s.short_hex())),
         rpc.system = "grpc",
         rpc.service = service,
         rpc.method = method,
