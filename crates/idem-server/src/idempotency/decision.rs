@@ -11,7 +11,11 @@ use tonic::{Code, Status};
 /// response: `store` (record and replay it) or `release` (nothing was committed; let a
 /// retry run again). Works on OK responses and on errors (as `Status` metadata). The
 /// layer removes it (from headers and trailers) before the response leaves.
+/// A `&str` because tonic's `MetadataMap::insert` takes one.
 pub const DECISION_HEADER: &str = "x-idempotency-decision";
+
+/// [`DECISION_HEADER`] parsed once: a lookup by `&str` parses the name every time.
+const DECISION: http::HeaderName = http::HeaderName::from_static(DECISION_HEADER);
 
 /// A handler's verdict on its own response, overriding the method's
 /// `cacheableStatusCodes` / `releaseStatusCodes`. Insert it as a response extension
@@ -28,14 +32,14 @@ pub enum IdemDecision {
 /// Removes every [`DECISION_HEADER`] from `h` and returns the last valid one.
 pub(crate) fn take_decision(h: &mut HeaderMap) -> Option<IdemDecision> {
     let mut d = None;
-    for v in h.get_all(DECISION_HEADER) {
+    for v in h.get_all(&DECISION) {
         d = match v.as_bytes() {
             b"store" => Some(IdemDecision::Store),
             b"release" => Some(IdemDecision::Release),
             _ => d,
         };
     }
-    h.remove(DECISION_HEADER);
+    h.remove(&DECISION);
     d
 }
 

@@ -101,7 +101,8 @@ pub(crate) fn compression(
     headers: &HeaderMap,
     policy: &IdempotencyPolicy,
 ) -> Result<Option<Compression>, Status> {
-    let Some(value) = headers.get("grpc-encoding") else {
+    const GRPC_ENCODING: http::HeaderName = http::HeaderName::from_static("grpc-encoding");
+    let Some(value) = headers.get(&GRPC_ENCODING) else {
         return Ok(None);
     };
     let name = value.as_bytes();
