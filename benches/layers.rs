@@ -22,7 +22,6 @@ use idem_test_support::shop;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -38,9 +37,9 @@ use idem_store::Store;
 const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
 const IDEMPOTENCY_REPLAYED: &str = "x-idempotency-replayed";
 const PREVIOUS_RPC_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
+use idem_test_support::shop_fake::create_only;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::{CreateOrderRequest, Order};
 use tokio::sync::oneshot;
 use tonic::metadata::MetadataValue;
 use tonic::transport::server::TcpIncoming;
@@ -68,12 +67,8 @@ fn busy_spin(d: Duration) {
     }
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        req: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+impl Shop {
+    fn create(&self, req: Request<CreateOrderRequest>) -> Result<Response<Order>, Status> {
         let n = self.runs.fetch_add(1, Ordering::Relaxed);
         // `sku: "flaky"`: the first attempt fails with UNAVAILABLE and a zero pushback
         // (the layer then retries at once, with no timer).
@@ -93,20 +88,6 @@ impl Orders for Shop {
             quantity: r.quantity,
             created_by: "bench".into(),
         }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not benchmarked"))
-    }
-
-    type ListOrdersStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not benchmarked"))
     }
 }
 
@@ -153,6 +134,7 @@ async fn serve<St: Store>(spin: Duration, layer: Option<IdempotencyLayer<St>>) -
         spin,
         runs: runs.clone(),
     };
+    let shop = create_only(move |req| std::future::ready(shop.create(req)));
     // As `Server::serve(addr)` does by default: TCP_NODELAY on accepted sockets
     // (`serve_with_incoming` ignores the builder's `tcp_nodelay`, so set it here).
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -167,13 +149,11 @@ async fn serve<St: Store>(spin: Duration, layer: Option<IdempotencyLayer<St>>) -
     };
     match layer {
         None => {
-            let router = Server::builder().add_service(OrdersServer::new(shop));
+            let router = Server::builder().add_service(shop);
             tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
         }
         Some(layer) => {
-            let router = Server::builder()
-                .layer(layer)
-                .add_service(OrdersServer::new(shop));
+            let router = Server::builder().layer(layer).add_service(shop);
             tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
         }
     }

@@ -53,10 +53,11 @@ use idem_core::headers::{
 use idem_core::{IdempotencyKey, ServiceConfig};
 use idem_server::{IdempotencyLayer, InboundLayer};
 use idem_store::MemoryStore;
+use idem_test_support::shop_fake::create_only;
 use serde_json::Value;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::{CreateOrderRequest, Order};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
@@ -327,12 +328,9 @@ fn header(req: &Request<CreateOrderRequest>, name: impl AsRef<str>) -> Option<St
         .map(str::to_owned)
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        req: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+impl Shop {
+    /// Records the attempt; fails the first `fail_first`, then creates the order.
+    fn create(&self, req: Request<CreateOrderRequest>) -> Result<Response<Order>, Status> {
         let seen = Seen {
             key: header(&req, IDEMPOTENCY_KEY),
             previous_rpc_attempts: header(&req, PREVIOUS_RPC_ATTEMPTS),
@@ -359,18 +357,9 @@ impl Orders for Shop {
         Ok(Response::new(order))
     }
 
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not used by the interop tests"))
-    }
-
-    type ListOrdersStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not used by the interop tests"))
+    fn server(&self) -> OrdersServer<impl Orders> {
+        let shop = self.clone();
+        create_only(move |req| std::future::ready(shop.create(req)))
     }
 }
 
@@ -408,7 +397,7 @@ async fn serve_idem(shop: Shop) -> RustServer {
     spawn_server(|incoming, stop| {
         tonic::transport::Server::builder()
             .layer(IdempotencyLayer::new(store, &config))
-            .add_service(OrdersServer::new(shop).accept_compressed(CompressionEncoding::Gzip))
+            .add_service(shop.server().accept_compressed(CompressionEncoding::Gzip))
             .serve_with_incoming_shutdown(incoming, stop)
     })
     .await
@@ -760,30 +749,18 @@ struct Relay {
     executions: Arc<AtomicUsize>,
 }
 
-#[tonic::async_trait]
-impl Orders for Relay {
-    async fn create_order(
-        &self,
-        req: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        self.executions.fetch_add(1, Ordering::SeqCst);
-        let mut downstream = self.downstream.clone();
-        let order = downstream.create_order(req.into_inner()).await?;
-        Ok(Response::new(order.into_inner()))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not used by the interop tests"))
-    }
-
-    type ListOrdersStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not used by the interop tests"))
+impl Relay {
+    fn server(&self) -> OrdersServer<impl Orders> {
+        let relay = self.clone();
+        create_only(move |req: Request<CreateOrderRequest>| {
+            let relay = relay.clone();
+            async move {
+                relay.executions.fetch_add(1, Ordering::SeqCst);
+                let mut downstream = relay.downstream.clone();
+                let order = downstream.create_order(req.into_inner()).await?;
+                Ok(Response::new(order.into_inner()))
+            }
+        })
     }
 }
 
@@ -822,7 +799,7 @@ async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun
     let bottom = Shop::failing_first(usize::MAX);
     let d = spawn_server(|incoming, stop| {
         tonic::transport::Server::builder()
-            .add_service(OrdersServer::new(bottom.clone()))
+            .add_service(bottom.server())
             .serve_with_incoming_shutdown(incoming, stop)
     })
     .await;
@@ -847,7 +824,7 @@ async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun
             tonic::transport::Server::builder()
                 .layer(InboundLayer::new().pushback_on_exhausted(pushback_on_exhausted))
                 .layer(IdempotencyLayer::new(store, &config))
-                .add_service(OrdersServer::new(relay.clone()))
+                .add_service(relay.server())
                 .serve_with_incoming_shutdown(incoming, stop)
         })
         .await;

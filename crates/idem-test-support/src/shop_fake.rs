@@ -32,7 +32,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Code, Request, Response, Status};
 
-use crate::shop::orders_server::Orders;
+use crate::shop::orders_server::{Orders, OrdersServer};
 use crate::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 
 struct ShopState {
@@ -216,5 +216,58 @@ impl Orders for Shop {
         });
         self.0.finished.fetch_add(1, Ordering::SeqCst);
         Ok(Response::new(Box::pin(items)))
+    }
+}
+
+/// An `Orders` service whose `CreateOrder` is a closure; `GetOrder` and `ListOrders`
+/// answer UNIMPLEMENTED. For tests and benches whose handler is their subject (a relay,
+/// a counting or failing handler, a busy one) and which need no other method.
+///
+/// ```
+/// use idem_test_support::shop::Order;
+/// use idem_test_support::shop_fake::create_only;
+/// use tonic::Response;
+///
+/// let server = create_only(|req| async move {
+///     let sku = req.into_inner().sku;
+///     Ok(Response::new(Order { order_id: format!("order-{sku}"), ..Order::default() }))
+/// });
+/// # let _ = server;
+/// ```
+pub struct CreateOnly<F>(F);
+
+/// The server of a [`CreateOnly`] service.
+pub fn create_only<F, Fut>(f: F) -> OrdersServer<CreateOnly<F>>
+where
+    F: Fn(Request<CreateOrderRequest>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Order>, Status>> + Send + 'static,
+{
+    OrdersServer::new(CreateOnly(f))
+}
+
+#[tonic::async_trait]
+impl<F, Fut> Orders for CreateOnly<F>
+where
+    F: Fn(Request<CreateOrderRequest>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Order>, Status>> + Send + 'static,
+{
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        (self.0)(request).await
+    }
+
+    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("this fake only creates orders"))
+    }
+
+    type ListOrdersStream = Pin<Box<dyn Stream<Item = Result<Order, Status>> + Send + 'static>>;
+
+    async fn list_orders(
+        &self,
+        _: Request<ListOrdersRequest>,
+    ) -> Result<Response<Self::ListOrdersStream>, Status> {
+        Err(Status::unimplemented("this fake only creates orders"))
     }
 }

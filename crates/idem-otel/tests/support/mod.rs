@@ -10,8 +10,8 @@ use idem_core::ServiceConfig;
 use idem_server::IdempotencyLayer;
 use idem_store::Store;
 use idem_test_support::net;
-use idem_test_support::shop::orders_server::{Orders, OrdersServer};
-use idem_test_support::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use idem_test_support::shop::{CreateOrderRequest, Order};
+use idem_test_support::shop_fake::create_only;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -33,34 +33,6 @@ pub(crate) fn config(throttle: bool) -> ServiceConfig {
     .expect("test config")
 }
 
-#[derive(Default)]
-pub(crate) struct Shop;
-
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        r: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        let r = r.into_inner();
-        Ok(Response::new(Order {
-            order_id: "o".into(),
-            sku: r.sku,
-            ..Order::default()
-        }))
-    }
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("no"))
-    }
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("no"))
-    }
-}
-
 pub(crate) async fn serve<St: Store>(layer: IdempotencyLayer<St>, fail_first: usize) -> SocketAddr {
     let (addr, incoming) = net::bind().await;
     let seen = Arc::new(AtomicUsize::new(0));
@@ -74,7 +46,14 @@ pub(crate) async fn serve<St: Store>(layer: IdempotencyLayer<St>, fail_first: us
         Server::builder()
             .layer(faults)
             .layer(layer)
-            .add_service(OrdersServer::new(Shop))
+            .add_service(create_only(|r: Request<CreateOrderRequest>| async move {
+                let r = r.into_inner();
+                Ok(Response::new(Order {
+                    order_id: "o".into(),
+                    sku: r.sku,
+                    ..Order::default()
+                }))
+            }))
             .serve_with_incoming(incoming),
     );
     addr
