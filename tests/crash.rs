@@ -26,10 +26,11 @@ use idem_test_support::demo::{DEFAULT_CONFIG, Options, RunReport};
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};
-use idem_test_support::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use idem_test_support::shop::{CreateOrderRequest, Order};
+use idem_test_support::shop_fake::create_only;
 use idem_test_support::{net, pg_orders};
 use tonic::transport::Server;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response};
 
 /// Not a test of its own: the entry point of the instance processes the tests start
 /// (this binary, running only this test, with the instance's arguments in its
@@ -183,34 +184,16 @@ struct Counting {
     created: AtomicU64,
 }
 
-struct Hop(Arc<Counting>);
-
-#[tonic::async_trait]
-impl Orders for Hop {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        let n = self.0.created.fetch_add(1, Ordering::SeqCst);
-        Ok(Response::new(Order {
+/// B's handler: an order numbered by B's count.
+fn hop(b: Arc<Counting>) -> OrdersServer<impl Orders> {
+    create_only(move |request: Request<CreateOrderRequest>| {
+        let n = b.created.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(Response::new(Order {
             order_id: format!("b-{n}"),
             customer_id: request.into_inner().customer_id,
             ..Order::default()
-        }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented(""))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
-    }
+        })))
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,7 +209,7 @@ async fn a_hop_killed_after_its_downstream_call_replays_it_when_run_again() {
     tokio::spawn(
         Server::builder()
             .layer(layer)
-            .add_service(OrdersServer::new(Hop(b.clone())))
+            .add_service(hop(b.clone()))
             .serve_with_incoming(incoming),
     );
     // A, a process on a memory store (which dies with it), calling B.

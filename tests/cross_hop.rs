@@ -21,9 +21,10 @@ use idem::core::ServiceConfig;
 use idem::core::deadline::parse_grpc_timeout;
 use idem::server::{IdempotencyLayer, InboundLayer};
 use idem::store::MemoryStore;
+use idem_test_support::shop_fake::create_only;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::{CreateOrderRequest, Order};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
@@ -85,10 +86,14 @@ struct Hop {
     seen: Arc<Mutex<Seen>>,
 }
 
-#[tonic::async_trait]
-impl Orders for Hop {
-    async fn create_order(
-        &self,
+impl Hop {
+    fn server(self) -> OrdersServer<impl Orders> {
+        let hop = Arc::new(self);
+        create_only(move |request| hop.clone().create(request))
+    }
+
+    async fn create(
+        self: Arc<Self>,
         request: Request<CreateOrderRequest>,
     ) -> Result<Response<Order>, Status> {
         let timeout = request
@@ -133,19 +138,6 @@ impl Orders for Hop {
             },
         }
     }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not in this test"))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
-    }
 }
 
 fn retrying_client(addr: SocketAddr, cfg: &ServiceConfig) -> Next {
@@ -174,7 +166,7 @@ async fn start_hop(
         Server::builder()
             .layer(InboundLayer::new().pushback_on_exhausted(guard))
             .layer(IdempotencyLayer::new(MemoryStore::default(), &cfg))
-            .add_service(OrdersServer::new(hop))
+            .add_service(hop.server())
             .serve_with_incoming(incoming),
     );
     (addr, seen)
@@ -382,22 +374,28 @@ async fn deadline_propagation_works_without_idempotency() {
     let (d, incoming) = net::bind().await;
     tokio::spawn(
         Server::builder()
-            .add_service(OrdersServer::new(Hop {
-                next: None,
-                bottom: Bottom::OkAfter(Duration::ZERO),
-                seen: seen_d.clone(),
-            }))
+            .add_service(
+                Hop {
+                    next: None,
+                    bottom: Bottom::OkAfter(Duration::ZERO),
+                    seen: seen_d.clone(),
+                }
+                .server(),
+            )
             .serve_with_incoming(incoming),
     );
     let (a, incoming) = net::bind().await;
     tokio::spawn(
         Server::builder()
             .layer(InboundLayer::new())
-            .add_service(OrdersServer::new(Hop {
-                next: Some((retrying_client(d, &cfg), Middle::Forward)),
-                bottom: Bottom::Unavailable,
-                seen: Arc::new(Mutex::new(Seen::default())),
-            }))
+            .add_service(
+                Hop {
+                    next: Some((retrying_client(d, &cfg), Middle::Forward)),
+                    bottom: Bottom::Unavailable,
+                    seen: Arc::new(Mutex::new(Seen::default())),
+                }
+                .server(),
+            )
             .serve_with_incoming(incoming),
     );
     let mut req = request();
