@@ -26,14 +26,10 @@
 //! # let _ = layer;
 //! ```
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
-use idem_core::code::end_of_response;
+use idem_core::code::OnEnd;
 use tokio::time::Instant;
 use tonic::Code;
 
@@ -118,12 +114,8 @@ pub(crate) fn observe(
             pending.end(code);
             resp
         }
-        None => resp.map(|inner| {
-            tonic::body::Body::new(ObservedBody {
-                inner,
-                pending: Some(pending),
-            })
-        }),
+        None => resp
+            .map(|inner| tonic::body::Body::new(OnEnd::new(inner, move |code| pending.end(code)))),
     }
 }
 
@@ -154,50 +146,12 @@ impl Pending {
     }
 }
 
-/// A committed response's body, watched for its end.
-struct ObservedBody {
-    inner: tonic::body::Body,
-    pending: Option<Pending>,
-}
-
-impl Drop for ObservedBody {
-    fn drop(&mut self) {
-        if let Some(p) = self.pending.take() {
-            p.end(Code::Cancelled);
-        }
-    }
-}
-
-impl Body for ObservedBody {
-    type Data = Bytes;
-    type Error = tonic::Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Some(code) = end_of_response(&polled)
-            && let Some(p) = self.pending.take()
-        {
-            p.end(code);
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::retry::{CallOutcome, CallPath};
+    use bytes::Bytes;
+    use http_body::Frame;
     use http_body_util::BodyExt;
     use std::sync::Mutex;
 

@@ -103,6 +103,80 @@ pub fn end_of_response<B>(
     }
 }
 
+/// A gRPC response body that tells `on_end`, once, the code the call ended with: as
+/// [`end_of_response`] reads it when the body ends, or CANCELLED when the body is dropped
+/// first (the caller went away). Both layers' metrics watch responses with it.
+///
+/// ```
+/// use idem_core::code::{Code, OnEnd};
+/// use http_body_util::BodyExt;
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let (tx, rx) = std::sync::mpsc::channel();
+/// let body = OnEnd::new(tonic::body::Body::empty(), move |code| tx.send(code).unwrap());
+/// drop(body.collect().await);
+/// assert_eq!(rx.recv().unwrap(), Code::Unknown); // ended without trailers
+/// # }
+/// ```
+pub struct OnEnd<F: FnOnce(Code)> {
+    inner: tonic::body::Body,
+    on_end: Option<F>,
+}
+
+impl<F: FnOnce(Code)> OnEnd<F> {
+    /// Watches `inner`.
+    pub fn new(inner: tonic::body::Body, on_end: F) -> Self {
+        OnEnd {
+            inner,
+            on_end: Some(on_end),
+        }
+    }
+}
+
+impl<F: FnOnce(Code)> std::fmt::Debug for OnEnd<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnEnd")
+            .field("ended", &self.on_end.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F: FnOnce(Code)> Drop for OnEnd<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_end.take() {
+            f(Code::Cancelled);
+        }
+    }
+}
+
+// `on_end` is never pinned: the body is `Unpin` whatever `F` is.
+impl<F: FnOnce(Code)> Unpin for OnEnd<F> {}
+
+impl<F: FnOnce(Code)> http_body::Body for OnEnd<F> {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let Some(code) = end_of_response(&polled)
+            && let Some(f) = self.on_end.take()
+        {
+            f(code);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// A set of status codes, stored as a bitmap (cheap to copy and to test).
 ///
 /// ```

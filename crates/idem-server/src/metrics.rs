@@ -39,15 +39,11 @@
 //! Nothing is allocated or wrapped for a call when no observer is set and `INFO` events
 //! of this crate are off.
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::Response;
-use http_body::{Frame, SizeHint};
-use idem_core::code::{end_of_response, grpc_status_code};
+use idem_core::code::{OnEnd, grpc_status_code};
 use idem_core::headers::reason;
 use idem_store::Store;
 use tokio::time::Instant;
@@ -299,12 +295,7 @@ pub(crate) fn watch(resp: Response<Body>, trace: Arc<CallTrace>) -> Response<Bod
         trace.ended(code);
         return resp;
     }
-    resp.map(|inner| {
-        Body::new(WatchedBody {
-            inner,
-            trace: Some(trace),
-        })
-    })
+    resp.map(|inner| Body::new(OnEnd::new(inner, move |code| trace.ended(code))))
 }
 
 /// The `ErrorInfo` reason of a refusal the layer made, as one of its known names.
@@ -326,38 +317,6 @@ fn reason_of(headers: &http::HeaderMap) -> Option<&'static str> {
             .find(|k| *k == info.reason)
             .unwrap_or("OTHER"),
     )
-}
-
-/// A protected call's response body, watched for its end.
-struct WatchedBody {
-    inner: Body,
-    trace: Option<Arc<CallTrace>>,
-}
-
-impl http_body::Body for WatchedBody {
-    type Data = Bytes;
-    type Error = tonic::Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Some(code) = end_of_response(&polled)
-            && let Some(t) = self.trace.take()
-        {
-            t.ended(code);
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
 }
 
 /// Notes `name` as the outcome of a call traced by `trace` (one not yet on its task).
