@@ -21,13 +21,13 @@ use tonic::Status;
 use tonic::body::Body;
 use tower_service::Service;
 
-use super::BoxError;
 use super::body::ReplayBody;
 use super::handler;
 use super::layer::Shared;
 use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
 use super::status;
+use super::{Inner, ResponseBody};
 
 /// Per-call state of a protected call (the inner service travels apart from it, so
 /// this is `Sync` whatever the service is).
@@ -62,11 +62,8 @@ impl<St: Store> Call<St> {
         body: Body,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Send + 'static,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        S: Inner<ResBody>,
+        ResBody: ResponseBody,
     {
         let hook = self.shared.hooks.get(&self.path);
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
@@ -166,8 +163,7 @@ impl<St: Store> Call<St> {
     ) -> Result<Response<Body>, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        ResBody: ResponseBody,
     {
         let stats = &self.shared.stats;
         if let StoreError::Full(cause) = &e {

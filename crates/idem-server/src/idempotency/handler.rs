@@ -21,12 +21,12 @@ use tonic::{Code, Status};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::BoxError;
 use super::body::{ChannelBody, ReplayBody};
 use super::call::Call;
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::status;
+use super::{Inner, ResponseBody};
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
 /// downstream writes that can check it (a write carrying a lower fence than one already
@@ -52,11 +52,8 @@ pub(crate) async fn execute<S, St, ResBody>(
     permit: OwnedSemaphorePermit,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Inner<ResBody>,
+    ResBody: ResponseBody,
     St: Store,
 {
     let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
@@ -102,11 +99,8 @@ async fn run<S, St, ResBody>(
     inbound: InboundScope,
     reply: Reply<S::Error>,
 ) where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Inner<ResBody>,
+    ResBody: ResponseBody,
     St: Store,
 {
     let Call {
@@ -224,8 +218,7 @@ async fn produce<S, ResBody>(
 ) -> Result<(), S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: ResponseBody,
 {
     let resp = inner.call(req).await?;
     let (mut head, mut body) = resp.map(Body::new).into_parts();

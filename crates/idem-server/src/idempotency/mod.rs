@@ -252,6 +252,41 @@ mod request;
 mod service;
 mod stats;
 mod status;
+/// What a protected call needs of the wrapped service, in one name: its futures and
+/// errors cross the handler's task.
+pub(crate) trait Inner<B>:
+    tower_service::Service<
+        http::Request<tonic::body::Body>,
+        Response = http::Response<B>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, B> Inner<B> for S where
+    S: tower_service::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<B>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
+/// What a protected call needs of the wrapped service's response body.
+pub(crate) trait ResponseBody:
+    http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B> ResponseBody for B where
+    B: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
 pub mod tenant;
 #[cfg(test)]
 mod tests;
