@@ -171,6 +171,22 @@ async fn serve(shop: Shop) -> std::net::SocketAddr {
     addr
 }
 
+/// Serves `shop` on `addr` (a port closed a moment ago) after `delay`.
+async fn serve_later(addr: std::net::SocketAddr, shop: Shop, delay: Duration) {
+    tokio::time::sleep(delay).await;
+    // SO_REUSEADDR: the port was closed a moment ago.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_reuseaddr(true).expect("reuseaddr");
+    socket.bind(addr).expect("rebind the port");
+    let listener = socket.listen(128).expect("listen");
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tokio::spawn(
+        Server::builder()
+            .add_service(OrdersServer::new(shop))
+            .serve_with_incoming(incoming),
+    );
+}
+
 // ---------------------------------------------------------------- client helpers
 
 type Client = OrdersClient<Retry<Channel>>;
@@ -719,23 +735,7 @@ async fn a_refused_connection_is_retried() {
         .unwrap();
     let mut c = client(addr, l.clone());
     let shop = Shop::default();
-    let server = {
-        let shop = shop.clone();
-        async move {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            // SO_REUSEADDR: the port was closed a moment ago.
-            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-            socket.set_reuseaddr(true).expect("reuseaddr");
-            socket.bind(addr).expect("rebind the port");
-            let listener = socket.listen(128).expect("listen");
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            tokio::spawn(
-                Server::builder()
-                    .add_service(OrdersServer::new(shop))
-                    .serve_with_incoming(incoming),
-            );
-        }
-    };
+    let server = serve_later(addr, shop.clone(), Duration::from_millis(50));
     let (resp, ()) = tokio::join!(c.create_order(create(10)), server);
     let resp = resp.unwrap();
     let report = CallReport::from_response(&resp).unwrap();
@@ -775,22 +775,7 @@ async fn wait_for_ready_waits_for_a_server_that_comes_up_without_using_attempts(
     let l = layer(&cfg);
     let mut c = client(addr, l.clone());
     let shop = Shop::default();
-    let server = {
-        let shop = shop.clone();
-        async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-            socket.set_reuseaddr(true).expect("reuseaddr");
-            socket.bind(addr).expect("rebind the port");
-            let listener = socket.listen(128).expect("listen");
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            tokio::spawn(
-                Server::builder()
-                    .add_service(OrdersServer::new(shop))
-                    .serve_with_incoming(incoming),
-            );
-        }
-    };
+    let server = serve_later(addr, shop.clone(), Duration::from_millis(300));
     let start = std::time::Instant::now();
     let (resp, ()) = tokio::join!(c.create_order(create(10)), server);
     let resp = resp.unwrap();

@@ -298,32 +298,25 @@ async fn pushback_longer_than_the_time_left_ends_the_call_without_waiting() {
 
 #[tokio::test(start_paused = true)]
 async fn min_attempt_time_stops_a_retry_that_would_start_too_late() {
-    // 100 ms deadline, 20 ms backoff: 80 ms would be left, below the 90 ms minimum.
-    let script = Script::new([unavailable(), Step::Ok]);
-    let layer = builder()
-        .min_attempt_time(Duration::from_millis(90))
-        .build()
-        .unwrap();
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "100m".parse().unwrap());
-    let resp = send(&mut svc, req).await.unwrap();
-    assert_eq!(report(&resp).outcome, CallOutcome::Deadline);
-    assert_eq!(script.seen().len(), 1);
-    // With a 70 ms minimum the retry runs.
-    let script = Script::new([unavailable(), Step::Ok]);
-    let layer = builder()
-        .min_attempt_time(Duration::from_millis(70))
-        .build()
-        .unwrap();
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "100m".parse().unwrap());
-    let resp = send(&mut svc, req).await.unwrap();
-    assert_eq!(report(&resp).outcome, CallOutcome::Committed);
-    assert_eq!(script.seen().len(), 2);
+    // 100 ms deadline, 20 ms backoff: 80 ms would be left, below a 90 ms minimum and
+    // above a 70 ms one.
+    for (min, outcome, attempts) in [
+        (90, CallOutcome::Deadline, 1),
+        (70, CallOutcome::Committed, 2),
+    ] {
+        let script = Script::new([unavailable(), Step::Ok]);
+        let layer = builder()
+            .min_attempt_time(Duration::from_millis(min))
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(script.service());
+        let mut req = request(PATH);
+        req.headers_mut()
+            .insert("grpc-timeout", "100m".parse().unwrap());
+        let resp = send(&mut svc, req).await.unwrap();
+        assert_eq!(report(&resp).outcome, outcome, "minimum {min} ms");
+        assert_eq!(script.seen().len(), attempts, "minimum {min} ms");
+    }
 }
 
 #[tokio::test(start_paused = true)]
