@@ -6,8 +6,18 @@
 //! the I/O, the clock, the counters and the tracing around it. Every hedge carries the
 //! same request: the headers the call was given (so the same idempotency key, placed
 //! once before the first hedge), `grpc-previous-rpc-attempts` set to the hedge's index,
-//! `grpc-timeout` set to the time left, and a copy of the buffered body.
+//! `grpc-timeout` set to the time left, and the same body
+//! ([`hedge_body`](super::hedge_body): a copy of a request complete at the start, or the
+//! messages of a streaming request so far, then the live stream).
+//!
+//! With `waitForReady`, a hedge the channel could not send (it could not connect) is not
+//! a hedge: it counts for neither `maxAttempts` nor the throttle, and goes out again after
+//! the same waits as a retried call's ([`Call::not_ready`]), in place of the next hedge:
+//! while the channel cannot connect, one request at a time probes it. The call waits so
+//! until its deadline (DEADLINE_EXCEEDED) or, without one, the layer's
+//! `wait_for_ready_limit` (UNAVAILABLE), unless a hedge that was sent answers first.
 
+use std::collections::VecDeque;
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -18,11 +28,13 @@ use idem_core::config::HedgingPolicy;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use super::call::{AttemptBody, Call};
+use super::call::{AttemptBody, Begun, Call, NotReady, ReadyWait, Start};
 use super::context::Attempt;
+use super::hedge_body::{HedgeRequest, HedgeStream};
 use super::hedge_policy::{self, HedgeDecision, HedgeLimits, HedgeState, Next};
 use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::Resp;
+use super::replay::StreamReplay;
 use super::throttle::RetryThrottle;
 use crate::BoxError;
 
@@ -39,6 +51,8 @@ struct Running<'a> {
 enum Event {
     /// A hedge ended (its position in `running`).
     Ended(usize, Attempt),
+    /// The request passed a replay limit and committed to this hedge.
+    Overflowed(u32),
     /// The next hedge is due.
     Due,
     /// The inner service is ready for the hedge that is due.
@@ -51,7 +65,7 @@ enum Event {
 struct Race<'a> {
     call: &'a Call,
     parts: &'a Parts,
-    body: &'a AttemptBody,
+    body: &'a HedgeRequest,
     policy: &'a HedgingPolicy,
     throttle: Option<RetryThrottle>,
     peek: bool,
@@ -61,6 +75,9 @@ struct Race<'a> {
     timer: Option<Pin<Box<Sleep>>>,
     /// The next hedge is due and waits for the inner service to be ready.
     due: bool,
+    /// `waitForReady`: hedges the channel could not send, to send again (their indices).
+    unsent: VecDeque<u32>,
+    ready: ReadyWait,
     /// When the last hedge was sent, for the report.
     last_sent: Option<(u32, Instant)>,
     /// The last hedge that failed while others ran: the caller's answer if no other
@@ -69,7 +86,42 @@ struct Race<'a> {
     report: CallReport,
 }
 
-/// The hedging loop: the request is read first; a request still streaming is sent once.
+/// How a hedged call starts, from what the caller had ready of its request.
+enum Begin {
+    /// Hedged: the whole request, or the start of a stream kept whole so far.
+    Hedged(HedgeRequest),
+    /// Over a replay limit before the first hedge (or unreadable): sent once.
+    Once(AttemptBody),
+}
+
+/// Reads what the caller has ready of the request, without waiting for more.
+async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, tonic::Status> {
+    let start = Start::read(&mut source, call).await?;
+    Ok(match start.read {
+        Begun::Complete(replay) => Begin::Hedged(HedgeRequest::Replay {
+            replay,
+            _lease: start.lease,
+        }),
+        Begun::Partial(partial) if partial.overflow.is_some() => Begin::Once(
+            AttemptBody::Stream(StreamReplay::new(
+                partial,
+                source,
+                start.lease,
+                start.cap,
+                start.check,
+            )),
+        ),
+        Begun::Partial(partial) => Begin::Hedged(HedgeRequest::Stream(HedgeStream::new(
+            partial,
+            source,
+            start.lease,
+            start.cap,
+            start.check,
+        ))),
+    })
+}
+
+/// The hedging loop.
 pub(crate) async fn run<S, B, RB>(
     mut svc: S,
     parts: Parts,
@@ -86,16 +138,14 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let body = match AttemptBody::read(tonic::body::Body::new(body), &call).await {
-        Ok(body) => body,
+    let body = match begin(tonic::body::Body::new(body), &call).await {
+        Ok(Begin::Hedged(body)) => body,
+        Ok(Begin::Once(body)) => return Ok(once(&mut svc, &parts, &body, &call).await),
         Err(status) => {
             let report = CallReport::new(CallOutcome::MessageTooLarge);
             return Ok(call.cx.finish(Attempt::Local(status), report));
         }
     };
-    if !matches!(body, AttemptBody::Replay { .. }) {
-        return Ok(once(&mut svc, &parts, &body, &call).await);
-    }
     if call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
         let report = CallReport::hedged(CallOutcome::Deadline);
         return Ok(call.cx.finish(Attempt::Deadline, report));
@@ -106,11 +156,13 @@ where
         body: &body,
         policy: &policy,
         throttle: call.cx.shared.throttle(),
-        peek: call.settings.peek_early_trailers(),
+        peek: call.settings.peek_early_trailers() && body.may_peek(),
         state: HedgeState::default(),
         running: Vec::new(),
         timer: None,
         due: false,
+        unsent: VecDeque::new(),
+        ready: ReadyWait::default(),
         last_sent: None,
         last_failure: None,
         report: CallReport::hedged(CallOutcome::Committed),
@@ -121,6 +173,7 @@ where
         let event = poll_fn(|cx| race.poll_event(&mut svc, cx)).await;
         let answer = match event {
             Event::Ended(pos, attempt) => race.ended(pos, attempt),
+            Event::Overflowed(hedge) => race.overflowed(hedge),
             Event::Due => race.due(),
             Event::Ready => {
                 race.send(&mut svc);
@@ -135,8 +188,8 @@ where
 }
 
 impl<'a> Race<'a> {
-    /// The first hedge to end, else the next one due, else the inner service ready for
-    /// it.
+    /// The first hedge to end, else a commit of the request to one hedge, else the next
+    /// hedge due, else the inner service ready for it.
     fn poll_event<S, RB>(&mut self, svc: &mut S, cx: &mut Context<'_>) -> Poll<Event>
     where
         S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
@@ -146,6 +199,9 @@ impl<'a> Race<'a> {
             if let Poll::Ready(attempt) = r.response.as_mut().poll(cx) {
                 return Poll::Ready(Event::Ended(pos, attempt));
             }
+        }
+        if let Poll::Ready(hedge) = self.body.poll_overflow(cx) {
+            return Poll::Ready(Event::Overflowed(hedge));
         }
         if let Some(timer) = self.timer.as_mut()
             && timer.as_mut().poll(cx).is_ready()
@@ -163,7 +219,8 @@ impl<'a> Race<'a> {
         Poll::Pending
     }
 
-    /// Sends the next hedge on a ready service, and plans the one after it.
+    /// Sends the next hedge (or one the channel could not send before) on a ready
+    /// service, and plans the one after it.
     fn send<S, RB>(&mut self, svc: &mut S)
     where
         S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
@@ -173,8 +230,34 @@ impl<'a> Race<'a> {
         RB::Error: Into<BoxError>,
     {
         self.due = false;
-        let index = self.state.sent;
         let now = Instant::now();
+        let index = match self.unsent.pop_front() {
+            Some(index) => index,
+            None => self.new_hedge(now),
+        };
+        let req = self
+            .call
+            .request(self.parts, self.body.body(index), index + 1);
+        let response = self.call.send(svc.call(req), self.peek);
+        self.running.push(Running {
+            index,
+            started: now,
+            response: Box::pin(response),
+        });
+        let limits = self.limits();
+        let next = match hedge_policy::after_send(&mut self.state, &limits) {
+            // Hedges the channel could not send still go, one hedging delay apart.
+            Next::Never if !self.unsent.is_empty() && self.may_resend() => {
+                Next::After(self.policy.hedging_delay)
+            }
+            next => next,
+        };
+        self.plan(next);
+    }
+
+    /// Counts a new hedge; its index.
+    fn new_hedge(&mut self, now: Instant) -> u32 {
+        let index = self.state.sent;
         if let Some((previous, at)) = self.last_sent {
             self.report.next_after(previous, now - at);
         }
@@ -185,28 +268,37 @@ impl<'a> Race<'a> {
         if index > 0 {
             tracing::debug!(hedge = index, "hedging");
         }
-        let req = self.call.request(self.parts, self.body.next(), index + 1);
-        let response = self.call.send(svc.call(req), self.peek);
-        self.running.push(Running {
-            index,
-            started: now,
-            response: Box::pin(response),
-        });
-        let limits = self.limits();
-        let next = hedge_policy::after_send(&mut self.state, &limits);
-        self.plan(next);
+        index
     }
 
     /// The next hedge is due: it goes out once the service is ready, if the throttle and
-    /// the deadline still allow it.
+    /// the deadline still allow it. A hedge the channel could not send goes first,
+    /// without asking the throttle again.
     fn due(&mut self) -> Option<Resp> {
         if self.call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
             // The hedges running end at the deadline too; with none, the call ends now.
             self.state.frozen.get_or_insert(CallOutcome::Deadline);
+            let waiting = !self.unsent.is_empty();
+            self.unsent.clear();
             return self.running.is_empty().then(|| {
-                let last = self.last_failure.take().unwrap_or(Attempt::Deadline);
+                let last = match waiting {
+                    true => Attempt::Local(tonic::Status::deadline_exceeded(
+                        "deadline exceeded while waiting for the channel to become ready",
+                    )),
+                    false => self.last_failure.take().unwrap_or(Attempt::Deadline),
+                };
                 self.finish(last, CallOutcome::Deadline)
             });
+        }
+        if let Some(outcome) = self.body.sent_once() {
+            self.state.frozen.get_or_insert(outcome);
+        }
+        if !self.unsent.is_empty() {
+            if self.may_resend() {
+                self.due = true;
+                return None;
+            }
+            self.unsent.clear();
         }
         let allowed = self
             .throttle
@@ -229,13 +321,32 @@ impl<'a> Race<'a> {
         }
     }
 
+    /// Whether a hedge the channel could not send may still go: only `maxAttempts`, which
+    /// counted it when it first went, has stopped new hedges.
+    fn may_resend(&self) -> bool {
+        matches!(
+            self.state.frozen,
+            None | Some(CallOutcome::AttemptsExhausted)
+        ) && self.body.sent_once().is_none()
+    }
+
     /// A hedge ended: the call ends with it, or the race goes on.
     fn ended(&mut self, pos: usize, attempt: Attempt) -> Option<Resp> {
         let done = self.running.remove(pos);
+        self.state.running = self.running.len() as u32;
+        if self.call.cx.request_fault().is_some() {
+            // A request message was over its limit: no hedge may send the rest.
+            self.report
+                .ended(done.index, attempt.observe().end, done.started.elapsed());
+            return Some(self.finish(attempt, CallOutcome::MessageTooLarge));
+        }
+        if self.call.wait_for_ready && attempt.never_sent() {
+            return self.wait_for_ready(done, attempt);
+        }
+        self.ready = ReadyWait::default();
         let attempted = attempt.observe();
         self.report
             .ended(done.index, attempted.end, done.started.elapsed());
-        self.state.running = self.running.len() as u32;
         let limits = self.limits();
         let throttle = self.throttle.as_ref();
         let decision = hedge_policy::decide(&mut self.state, &attempted, &limits, || {
@@ -248,11 +359,13 @@ impl<'a> Race<'a> {
                         t.record_success();
                     }
                     self.report.won(done.index);
+                    self.body.commit(done.index);
                 }
                 Some(self.finish(attempt, outcome))
             }
             HedgeDecision::Continue(next) => {
                 tracing::debug!(hedge = done.index, end = %attempted.end, "hedge failed");
+                self.body.retire(done.index);
                 self.last_failure = Some(attempt);
                 self.plan(next);
                 None
@@ -260,9 +373,84 @@ impl<'a> Race<'a> {
         }
     }
 
+    /// `waitForReady`: a hedge the channel could not send uses no attempt and no token;
+    /// it goes out again after a wait, in place of the next hedge. The call gives up at
+    /// its deadline (or the layer's limit), or when no more hedges may go out, once no
+    /// hedge that was sent is left.
+    fn wait_for_ready(&mut self, done: Running<'a>, attempt: Attempt) -> Option<Resp> {
+        self.body.retire(done.index);
+        self.report
+            .ended(done.index, AttemptEnd::TransportError, done.started.elapsed());
+        if !self.may_resend() {
+            let why = self.state.frozen.unwrap_or(CallOutcome::NotReady);
+            return self.give_up(attempt, why);
+        }
+        match self.call.not_ready(&mut self.ready, &attempt) {
+            NotReady::Wait(wait) => {
+                tracing::debug!(
+                    hedge = done.index,
+                    wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                    "waiting for the channel to be ready"
+                );
+                self.unsent.push_back(done.index);
+                self.last_failure = Some(attempt);
+                self.plan(Next::After(wait));
+                None
+            }
+            NotReady::GiveUp(answer, outcome) => self.give_up(answer, outcome),
+        }
+    }
+
+    /// No more requests go out: the call ends with `answer` now, or with the hedges still
+    /// running.
+    fn give_up(&mut self, answer: Attempt, outcome: CallOutcome) -> Option<Resp> {
+        self.unsent.clear();
+        self.state.frozen = Some(outcome);
+        self.plan(Next::Never);
+        if self.running.is_empty() {
+            return Some(self.finish(answer, outcome));
+        }
+        self.last_failure = Some(answer);
+        None
+    }
+
+    /// The request passed a replay limit and committed to `hedge` (A6: the hedge that sent
+    /// the most): the others are cancelled and no more hedges go out.
+    fn overflowed(&mut self, hedge: u32) -> Option<Resp> {
+        let outcome = self
+            .body
+            .sent_once()
+            .unwrap_or(CallOutcome::BodyTooLarge);
+        tracing::debug!(hedge, outcome = outcome.as_str(), "request committed to one hedge");
+        self.state.frozen.get_or_insert(outcome);
+        self.unsent.clear();
+        self.plan(Next::Never);
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].index == hedge {
+                i += 1;
+                continue;
+            }
+            let r = self.running.remove(i);
+            self.report
+                .ended(r.index, AttemptEnd::Cancelled, r.started.elapsed());
+        }
+        self.state.running = self.running.len() as u32;
+        if !self.running.is_empty() {
+            return None;
+        }
+        let last = self.last_failure.take().unwrap_or_else(|| {
+            Attempt::Local(tonic::Status::unavailable(
+                "the hedge the request committed to was gone",
+            ))
+        });
+        Some(self.finish(last, outcome))
+    }
+
     /// The inner service failed: no more hedges; the call ends when none is running.
     fn not_ready(&mut self, e: BoxError) -> Option<Resp> {
         self.due = false;
+        self.unsent.clear();
         self.state.frozen = Some(CallOutcome::ServiceError);
         self.plan(Next::Never);
         self.running
@@ -283,6 +471,7 @@ impl<'a> Race<'a> {
     fn limits(&self) -> HedgeLimits<'a> {
         HedgeLimits {
             policy: self.policy,
+            sent_once: self.body.sent_once(),
             time_left: self
                 .call
                 .cx
@@ -293,8 +482,8 @@ impl<'a> Race<'a> {
         }
     }
 
-    /// Cancels the hedges still running (dropping a response resets its stream) and
-    /// answers the caller with `attempt`.
+    /// Cancels the hedges still running (dropping a response resets its stream; the
+    /// request's bodies fail when it is dropped) and answers the caller with `attempt`.
     fn finish(&mut self, attempt: Attempt, outcome: CallOutcome) -> Resp {
         for r in self.running.drain(..) {
             self.report
@@ -305,8 +494,8 @@ impl<'a> Race<'a> {
     }
 }
 
-/// A request the caller was still producing when the call started: sent once, as a call
-/// without a policy (hedging needs the whole request to send it again).
+/// A request over a replay limit before its first hedge: sent once, as a call without a
+/// policy (hedging needs the whole request to send it again).
 async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &AttemptBody, call: &Call) -> Resp
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
