@@ -96,9 +96,7 @@ impl Start {
         let read = match read {
             Read::TooLarge => {
                 return Err(call.cx.request_fault().unwrap_or_else(|| {
-                    tonic::Status::resource_exhausted(
-                        "request message over maxRequestMessageBytes",
-                    )
+                    tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
                 }));
             }
             Read::Complete(replay) => Begun::Complete(replay),

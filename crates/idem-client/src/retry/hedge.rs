@@ -102,15 +102,9 @@ async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, toni
             replay,
             _lease: start.lease,
         }),
-        Begun::Partial(partial) if partial.overflow.is_some() => Begin::Once(
-            AttemptBody::Stream(StreamReplay::new(
-                partial,
-                source,
-                start.lease,
-                start.cap,
-                start.check,
-            )),
-        ),
+        Begun::Partial(partial) if partial.overflow.is_some() => Begin::Once(AttemptBody::Stream(
+            StreamReplay::new(partial, source, start.lease, start.cap, start.check),
+        )),
         Begun::Partial(partial) => Begin::Hedged(HedgeRequest::Stream(HedgeStream::new(
             partial,
             source,
@@ -379,8 +373,11 @@ impl<'a> Race<'a> {
     /// hedge that was sent is left.
     fn wait_for_ready(&mut self, done: Running<'a>, attempt: Attempt) -> Option<Resp> {
         self.body.retire(done.index);
-        self.report
-            .ended(done.index, AttemptEnd::TransportError, done.started.elapsed());
+        self.report.ended(
+            done.index,
+            AttemptEnd::TransportError,
+            done.started.elapsed(),
+        );
         if !self.may_resend() {
             let why = self.state.frozen.unwrap_or(CallOutcome::NotReady);
             return self.give_up(attempt, why);
@@ -417,11 +414,12 @@ impl<'a> Race<'a> {
     /// The request passed a replay limit and committed to `hedge` (A6: the hedge that sent
     /// the most): the others are cancelled and no more hedges go out.
     fn overflowed(&mut self, hedge: u32) -> Option<Resp> {
-        let outcome = self
-            .body
-            .sent_once()
-            .unwrap_or(CallOutcome::BodyTooLarge);
-        tracing::debug!(hedge, outcome = outcome.as_str(), "request committed to one hedge");
+        let outcome = self.body.sent_once().unwrap_or(CallOutcome::BodyTooLarge);
+        tracing::debug!(
+            hedge,
+            outcome = outcome.as_str(),
+            "request committed to one hedge"
+        );
         self.state.frozen.get_or_insert(outcome);
         self.unsent.clear();
         self.plan(Next::Never);
@@ -526,16 +524,21 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
 
+    use bytes::Bytes;
     use http_body::Frame;
+    use http_body_util::BodyExt;
     use idem_core::ServiceConfig;
+    use tokio::time::Instant;
     use tonic::body::Body;
     use tower::{Layer, Service, ServiceExt};
 
     use crate::BoxError;
-    use crate::retry::{CallOutcome, CallReport, RetryLayer};
+    use crate::retry::backoff::FixedJitter;
+    use crate::retry::{CallOutcome, CallReport, RetryLayer, RetryLayerBuilder};
 
     const PATH: &str = "/shop.v1.Orders/CreateOrder";
 
@@ -568,34 +571,277 @@ mod tests {
         })
     }
 
+    /// Reads each request whole, records it (when, `grpc-previous-rpc-attempts`, the
+    /// body), then answers UNAVAILABLE.
+    fn recording(
+        seen: Arc<Mutex<Vec<(Instant, Option<String>, Bytes)>>>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(move |req: http::Request<Body>| {
+            let seen = seen.clone();
+            async move {
+                let previous = req
+                    .headers()
+                    .get("grpc-previous-rpc-attempts")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let at = Instant::now();
+                let body = req.into_body().collect().await?.to_bytes();
+                seen.lock().unwrap().push((at, previous, body));
+                Ok::<_, BoxError>(tonic::Status::unavailable("busy").into_http())
+            }
+        })
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn a_request_still_streaming_is_sent_once_not_hedged() {
-        let calls = Arc::new(AtomicU32::new(0));
+    async fn a_request_still_streaming_is_hedged_and_every_hedge_sends_all_of_it() {
+        let seen = Arc::default();
         let layer = layer();
-        let mut svc = layer.layer(unavailable(calls.clone()));
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<bytes::Bytes>, BoxError>>(4);
-        tx.send(Ok(Frame::data(bytes::Bytes::from_static(
-            b"\0\0\0\0\x02hi",
-        ))))
-        .await
-        .unwrap();
+        let mut svc = layer.layer(recording(Arc::clone(&seen)));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\0\0\0\0\x02hi"))))
+            .await
+            .unwrap();
         let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         let req = http::Request::builder()
             .uri(format!("http://test{PATH}"))
             .body(Body::new(body))
             .unwrap();
-        let resp = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+        let call = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req);
+        let call = tokio::spawn(call);
+        // Hedges at 0 and 10 ms get the first message; the rest comes at 15 ms, while
+        // both are out. They fail then, and the third hedge goes out at once with the
+        // whole request.
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\0\0\0\0\x03you"))))
+            .await
+            .unwrap();
+        drop(tx);
+        let resp = call.await.unwrap().unwrap();
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::AttemptsExhausted);
+        assert_eq!(report.hedges(), Some(3));
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 3);
+        let start = seen[0].0;
+        for (i, (at, previous, body)) in seen.iter().enumerate() {
+            assert_eq!(&body[..], b"\0\0\0\0\x02hi\0\0\0\0\x03you", "hedge {i}");
+            assert_eq!(previous.as_deref(), [None, Some("1"), Some("2")][i]);
+            assert_eq!(*at - start, Duration::from_millis([0, 10, 15][i]));
+        }
+        assert_eq!(layer.replay_bytes_held(), 0);
+    }
+
+    fn hedged_layer(
+        extra: &str,
+        builder: impl FnOnce(RetryLayerBuilder) -> RetryLayerBuilder,
+    ) -> RetryLayer {
+        let config = ServiceConfig::from_json(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "shop.v1.Orders"}}], {extra}
+                "hedgingPolicy": {{"maxAttempts": 2, "hedgingDelay": "0.05s",
+                                  "nonFatalStatusCodes": ["UNAVAILABLE"]}}}}],
+                "retryThrottling": {{"maxTokens": 10, "tokenRatio": 0.1}}}}"#
+        ))
+        .unwrap();
+        builder(
+            RetryLayer::builder()
+                .service_config(config)
+                .jitter(FixedJitter(0.5)),
+        )
+        .build()
+        .unwrap()
+    }
+
+    /// What a request gets: a connect failure (nothing sent), a response after a wait.
+    #[derive(Clone, Copy)]
+    enum Answer {
+        NotConnected,
+        OkAfter(u64),
+    }
+
+    /// Answers requests from `script` (then OK at once), recording when each came and its
+    /// `grpc-previous-rpc-attempts`.
+    fn scripted(
+        script: Vec<Answer>,
+        seen: Arc<Mutex<Vec<(Instant, Option<String>)>>>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        let script = Arc::new(Mutex::new(std::collections::VecDeque::from(script)));
+        tower::service_fn(move |req: http::Request<Body>| {
+            let previous = req
+                .headers()
+                .get("grpc-previous-rpc-attempts")
+                .map(|v| v.to_str().unwrap().to_owned());
+            seen.lock().unwrap().push((Instant::now(), previous));
+            let answer = script
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or(Answer::OkAfter(0));
+            async move {
+                match answer {
+                    Answer::NotConnected => Err(Box::new(tonic::ConnectError(
+                        "tcp connect error: Connection refused".into(),
+                    )) as BoxError),
+                    Answer::OkAfter(ms) => {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        Ok(http::Response::new(Body::empty()))
+                    }
+                }
+            }
+        })
+    }
+
+    async fn send<S>(svc: &mut S) -> http::Response<Body>
+    where
+        S: Service<http::Request<Body>, Response = http::Response<Body>, Error = BoxError>,
+    {
+        let req = http::Request::builder()
+            .uri(format!("http://test{PATH}"))
+            .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+                b"\0\0\0\0\x02hi",
+            ))))
+            .unwrap();
+        ServiceExt::<http::Request<Body>>::ready(svc)
             .await
             .unwrap()
             .call(req)
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    fn gaps(seen: &[(Instant, Option<String>)]) -> Vec<u64> {
+        seen.windows(2)
+            .map(|w| (w[1].0 - w[0].0).as_millis() as u64)
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_ready_hedges_wait_for_the_channel_without_using_hedges_or_tokens() {
+        use Answer::*;
+        let seen = Arc::default();
+        let layer = hedged_layer(r#""waitForReady": true,"#, |b| b);
+        // The channel connects on the third try; that request is slow, so the second
+        // hedge goes out one hedgingDelay after it, and wins.
+        let script = vec![NotConnected, NotConnected, OkAfter(1000), OkAfter(0)];
+        let mut svc = layer.layer(scripted(script, Arc::clone(&seen)));
+        let resp = send(&mut svc).await;
         let report = *resp.extensions().get::<CallReport>().unwrap();
-        assert_eq!(report.outcome, CallOutcome::NotHedged);
-        assert_eq!((report.attempts, report.hedges()), (1, None));
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-        assert_eq!(calls.load(Ordering::SeqCst), 1);
-        drop(tx);
+        assert_eq!(report.outcome, CallOutcome::Committed);
+        assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+        let seen = seen.lock().unwrap().clone();
+        // Waits of 100 and 160 ms (jitter at its midpoint) between the tries of the first
+        // request, which keeps its index; no hedge goes out while the channel cannot
+        // connect; the second hedge 50 ms after the request that got through.
+        assert_eq!(gaps(&seen), [100, 160, 50]);
+        let previous: Vec<_> = seen.iter().map(|s| s.1.as_deref()).collect();
+        assert_eq!(previous, [None, None, None, Some("1")]);
+        // No token for the connect failures; one tenth back for the success.
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+        let stats = layer.stats().snapshot();
+        assert_eq!((stats.attempts, stats.retries), (2, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_ready_hedges_wait_until_the_deadline_and_end_with_deadline_exceeded() {
+        let seen = Arc::default();
+        let layer = hedged_layer(r#""waitForReady": true, "timeout": "1s","#, |b| b);
+        let script = vec![Answer::NotConnected; 100];
+        let mut svc = layer.layer(scripted(script, Arc::clone(&seen)));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+        assert_eq!(
+            status.message(),
+            "deadline exceeded while waiting for the channel to become ready"
+        );
+        let report = CallReport::from_status(&status).unwrap();
+        assert_eq!(
+            (report.outcome, report.hedges()),
+            (CallOutcome::Deadline, Some(1))
+        );
+        // One request at a time, every one the first hedge's.
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.iter().all(|s| s.1.is_none()), "{seen:?}");
+        assert_eq!(gaps(&seen)[..3], [100, 160, 256]);
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_ready_hedges_without_a_deadline_give_up_after_the_limit() {
+        let layer = hedged_layer(r#""waitForReady": true,"#, |b| {
+            b.wait_for_ready_limit(Duration::from_secs(5))
+        });
+        let script = vec![Answer::NotConnected; 100];
+        let mut svc = layer.layer(scripted(script, Arc::default()));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            status.message(),
+            "the channel did not become ready within 5s (waitForReady): tcp connect error: \
+             Connection refused"
+        );
+        let report = CallReport::from_status(&status).unwrap();
+        assert_eq!(report.outcome, CallOutcome::NotReady);
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_wait_for_ready_a_connect_failure_is_a_failed_hedge() {
+        let seen = Arc::default();
+        let layer = hedged_layer("", |b| b);
+        let script = vec![Answer::NotConnected, Answer::OkAfter(0)];
+        let mut svc = layer.layer(scripted(script, Arc::clone(&seen)));
+        let resp = send(&mut svc).await;
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        // UNAVAILABLE is non-fatal: the next hedge goes out at once, and wins.
+        assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+        assert_eq!(gaps(&seen.lock().unwrap()), [0]);
+        // The failure took a token; the success gave a tenth back.
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 9_100);
+
+        // Fatal (UNAVAILABLE not listed): the call fails at once.
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
+                "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.05s",
+                                  "nonFatalStatusCodes": ["ABORTED"]}}]}"#,
+        )
+        .unwrap();
+        let layer = RetryLayer::from_config(&config);
+        let mut svc = layer.layer(scripted(vec![Answer::NotConnected], Arc::default()));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        let report = CallReport::from_status(&status).unwrap();
+        assert_eq!(
+            (report.outcome, report.hedges()),
+            (CallOutcome::NonRetryableCode, Some(1))
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -104,7 +104,6 @@ pub(crate) struct HedgeStream {
     wakers: Arc<Wakers>,
 }
 
-
 /// One hedge's request body.
 pub(crate) struct HedgeBody {
     state: Arc<Mutex<State>>,
@@ -328,12 +327,6 @@ impl HedgeStream {
             Overflow::Error => CallOutcome::BodyError,
         })
     }
-
-    /// Bytes kept for hedges, for tests.
-    #[cfg(test)]
-    fn kept(&self) -> usize {
-        lock(&self.state).kept
-    }
 }
 
 impl Drop for HedgeStream {
@@ -429,7 +422,9 @@ impl State {
                 wakers.wake_all_but(Some(id));
                 return Poll::Ready(self.end(i));
             }
-            Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(self.fail(i, e.into(), wakers)))),
+            Poll::Ready(Some(Err(e))) => {
+                return Poll::Ready(Some(Err(self.fail(i, e.into(), wakers))));
+            }
             Poll::Ready(Some(Ok(frame))) => frame,
         };
         match frame.into_data() {
@@ -502,7 +497,12 @@ impl State {
     /// The caller's body failed (or a message was over its limit) under reader `i`: it
     /// gets the error, every other hedge gets it as text after the messages before it.
     fn fail(&mut self, i: usize, e: BoxError, wakers: &Wakers) -> BoxError {
-        self.failed = Some(Arc::from(e.to_string()));
+        // The caller's body is a tonic body: its errors are statuses.
+        let message = match e.downcast_ref::<tonic::Status>() {
+            Some(status) => status.message().to_owned(),
+            None => e.to_string(),
+        };
+        self.failed = Some(Arc::from(message));
         self.source = None;
         self.ended = true;
         self.readers[i].done = true;
@@ -564,5 +564,300 @@ impl Drop for HedgeBody {
         // Forget this body's task; its reader stays until the race retires the hedge.
         let mut list = self.wakers.list();
         list.retain(|(id, _)| *id != self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::body::{Read, ReplayBudget, read_ready};
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::mpsc;
+
+    /// The caller's request stream: chunks (or an error) as they are sent, the end when
+    /// the sender drops.
+    struct Feed(mpsc::UnboundedReceiver<Result<Bytes, String>>);
+    impl Body for Feed {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|b| b.map(|b| b.map(Frame::data).map_err(Into::into)))
+        }
+    }
+
+    struct Call {
+        request: HedgeRequest,
+        tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
+        budget: Arc<ReplayBudget>,
+    }
+
+    impl Call {
+        fn send(&self, chunk: &'static str) {
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Ok(Bytes::from(chunk))).unwrap();
+        }
+        fn fail(&self, message: &str) {
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Err(message.to_owned())).unwrap();
+        }
+        fn body(&self, hedge: u32) -> tonic::body::Body {
+            self.request.body(hedge)
+        }
+    }
+
+    /// A hedged call whose caller has produced nothing yet; `cap` per call, `total` in
+    /// the layer's budget.
+    fn call(cap: usize, total: usize) -> Call {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let budget = Arc::new(ReplayBudget::new(total));
+        let mut lease = Lease::new(budget.clone());
+        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
+            panic!("a stream with nothing ready yet is partial");
+        };
+        Call {
+            request: HedgeRequest::Stream(HedgeStream::new(start, source, lease, cap, None)),
+            tx: Some(tx),
+            budget,
+        }
+    }
+
+    async fn next(body: &mut tonic::body::Body) -> Option<Result<String, String>> {
+        let frame = body.frame().await?;
+        Some(match frame {
+            Ok(f) => Ok(String::from_utf8(f.into_data().unwrap().to_vec()).unwrap()),
+            Err(e) => Err(e.message().to_owned()),
+        })
+    }
+
+    fn ok(s: &str) -> Option<Result<String, String>> {
+        Some(Ok(s.to_owned()))
+    }
+
+    const RETIRED: &str = "hedge cancelled: the request went to another hedge or the call ended";
+
+    fn poll_once(
+        body: &mut tonic::body::Body,
+        waker: &Waker,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        Pin::new(body).poll_frame(&mut Context::from_waker(waker))
+    }
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn counter() -> (Arc<Count>, Waker) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (count.clone(), Waker::from(count))
+    }
+
+    #[tokio::test]
+    async fn a_later_hedge_sends_what_was_read_then_follows_the_live_stream() {
+        let mut c = call(100, 100);
+        let mut first = c.body(0);
+        c.send("a");
+        c.send("bc");
+        assert_eq!(next(&mut first).await, ok("a"));
+        assert_eq!(next(&mut first).await, ok("bc"));
+        assert_eq!(c.budget.held(), 3);
+        // Hedge 1 starts: the messages so far, then what the caller sends next; hedge 0
+        // gets the next message too, whichever of them read it from the caller.
+        let mut second = c.body(1);
+        assert_eq!(next(&mut second).await, ok("a"));
+        assert_eq!(next(&mut second).await, ok("bc"));
+        c.send("d");
+        assert_eq!(next(&mut second).await, ok("d"));
+        assert_eq!(next(&mut first).await, ok("d"));
+        c.tx = None;
+        assert_eq!(next(&mut first).await, None);
+        assert!(first.is_end_stream());
+        assert_eq!(next(&mut second).await, None);
+        // A third hedge after the end sends the whole request.
+        let third = c.body(2);
+        assert_eq!(&third.collect().await.unwrap().to_bytes()[..], b"abcd");
+        assert_eq!(c.budget.held(), 4);
+        assert_eq!(c.request.sent_once(), None);
+        drop(c.request);
+        assert_eq!(
+            c.budget.held(),
+            0,
+            "an uncommitted call frees its copy when it ends"
+        );
+    }
+
+    #[test]
+    fn every_hedge_waiting_on_the_caller_is_woken_by_its_next_message() {
+        let c = call(100, 100);
+        let (count0, waker0) = counter();
+        let (count1, waker1) = counter();
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        assert!(poll_once(&mut first, &waker0).is_pending());
+        assert!(poll_once(&mut second, &waker1).is_pending());
+        // The caller's body remembers only the last waker it was polled with; both wake.
+        c.send("x");
+        assert_eq!(count0.0.load(Ordering::SeqCst), 1);
+        assert_eq!(count1.0.load(Ordering::SeqCst), 1);
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut second, &waker1) else {
+            panic!("hedge 1 reads the message");
+        };
+        assert_eq!(f.into_data().unwrap(), "x");
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut first, &waker0) else {
+            panic!("hedge 0 gets the copy");
+        };
+        assert_eq!(f.into_data().unwrap(), "x");
+        // A hedge whose body went away strands no one.
+        assert!(poll_once(&mut first, &waker0).is_pending());
+        assert!(poll_once(&mut second, &waker1).is_pending());
+        drop(second);
+        c.send("y");
+        assert_eq!(count0.0.load(Ordering::SeqCst), 2);
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut first, &waker0) else {
+            panic!("hedge 0 reads on");
+        };
+        assert_eq!(f.into_data().unwrap(), "y");
+    }
+
+    #[tokio::test]
+    async fn past_a_limit_the_request_commits_to_the_hedge_furthest_along() {
+        for (cap, total, why) in [
+            (3, 100, CallOutcome::BodyTooLarge),
+            (100, 3, CallOutcome::ReplayBudgetExhausted),
+        ] {
+            let c = call(cap, total);
+            let mut first = c.body(0);
+            let mut second = c.body(1);
+            c.send("ab");
+            assert_eq!(next(&mut second).await, ok("ab"));
+            assert_eq!(c.budget.held(), 2);
+            let mut cx = Context::from_waker(Waker::noop());
+            assert!(c.request.poll_overflow(&mut cx).is_pending());
+            // Hedge 1 reads the message that does not fit: the request is its own.
+            c.send("cd");
+            assert_eq!(next(&mut second).await, ok("cd"));
+            assert_eq!(c.request.poll_overflow(&mut cx), Poll::Ready(1));
+            assert!(c.request.poll_overflow(&mut cx).is_pending(), "said once");
+            assert_eq!(c.request.sent_once(), Some(why));
+            assert_eq!(c.budget.held(), 0);
+            assert_eq!(next(&mut first).await, Some(Err(RETIRED.into())));
+            // No hedge starts now.
+            let mut late = c.body(2);
+            assert_eq!(next(&mut late).await, Some(Err(RETIRED.into())));
+            // The committed hedge goes on, after the race too; nothing is kept.
+            c.send("ef");
+            assert_eq!(next(&mut second).await, ok("ef"));
+            assert_eq!(c.budget.held(), 0);
+            let tx = c.tx.clone().unwrap();
+            drop(c);
+            tx.send(Ok(Bytes::from_static(b"gh"))).unwrap();
+            assert_eq!(next(&mut second).await, ok("gh"));
+            drop(tx);
+            assert_eq!(next(&mut second).await, None);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_winner_behind_the_others_gets_the_rest_of_the_copy_then_the_live_stream() {
+        let c = call(100, 100);
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        c.send("a");
+        c.send("b");
+        assert_eq!(next(&mut first).await, ok("a"));
+        assert_eq!(next(&mut first).await, ok("b"));
+        assert_eq!(next(&mut second).await, ok("a"));
+        // Hedge 1 gets response headers having sent "a" of "a", "b".
+        c.request.commit(1);
+        assert_eq!(c.budget.held(), 0);
+        assert_eq!(
+            c.request.sent_once(),
+            None,
+            "committed by headers, not by a limit"
+        );
+        assert_eq!(next(&mut first).await, Some(Err(RETIRED.into())));
+        let tx = c.tx.clone().unwrap();
+        drop(c);
+        assert_eq!(next(&mut second).await, ok("b"));
+        tx.send(Ok(Bytes::from_static(b"c"))).unwrap();
+        assert_eq!(next(&mut second).await, ok("c"));
+        drop(tx);
+        assert_eq!(next(&mut second).await, None);
+    }
+
+    #[tokio::test]
+    async fn the_callers_error_reaches_every_hedge_after_the_messages_before_it() {
+        let c = call(100, 100);
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        c.send("a");
+        assert_eq!(next(&mut first).await, ok("a"));
+        c.fail("caller broke");
+        assert_eq!(next(&mut first).await, Some(Err("caller broke".into())));
+        assert_eq!(next(&mut first).await, None);
+        assert_eq!(next(&mut second).await, ok("a"));
+        assert_eq!(
+            next(&mut second).await,
+            Some(Err("the request stream failed: caller broke".into()))
+        );
+        assert_eq!(c.request.sent_once(), Some(CallOutcome::BodyError));
+        assert_eq!(c.budget.held(), 0);
+    }
+
+    #[test]
+    fn a_retired_hedge_waiting_on_the_caller_is_woken_and_fails() {
+        let c = call(100, 100);
+        let (count, waker) = counter();
+        let mut first = c.body(0);
+        assert!(poll_once(&mut first, &waker).is_pending());
+        c.request.retire(0);
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            1,
+            "woken, so the transport resets it"
+        );
+        let Poll::Ready(Some(Err(e))) = poll_once(&mut first, &waker) else {
+            panic!("a retired hedge's body fails");
+        };
+        assert_eq!(e.message(), RETIRED);
+        // The same hedge sent again (waitForReady) gets a new body with the whole request.
+        c.send("a");
+        let mut again = c.body(0);
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut again, &waker) else {
+            panic!("the hedge sent again reads");
+        };
+        assert_eq!(f.into_data().unwrap(), "a");
+    }
+
+    #[test]
+    fn the_call_ending_uncommitted_fails_every_hedge_and_frees_the_budget() {
+        let c = call(100, 100);
+        let (count, waker) = counter();
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        c.send("abc");
+        let Poll::Ready(Some(Ok(_))) = poll_once(&mut first, &waker) else {
+            panic!("reads");
+        };
+        assert!(poll_once(&mut first, &waker).is_pending());
+        assert_eq!(c.budget.held(), 3);
+        drop(c.request);
+        assert_eq!(c.budget.held(), 0);
+        assert!(count.0.load(Ordering::SeqCst) >= 1);
+        for body in [&mut first, &mut second] {
+            let Poll::Ready(Some(Err(e))) = poll_once(body, &waker) else {
+                panic!("every hedge's body fails");
+            };
+            assert_eq!(e.message(), RETIRED);
+        }
     }
 }
