@@ -776,3 +776,531 @@ where
         })
     }
 }
+
+// ---------------------------------------------------------------- (i) streaming requests
+
+use idem_test_support::stream::tally_client::TallyClient;
+use idem_test_support::stream::tally_server::{Tally, TallyServer};
+use idem_test_support::stream::{Number, Total};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// What a `Tally` instance saw of one request: the hedge it was, the numbers it read,
+/// and how its handler ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Summed {
+    instance: usize,
+    hedge: u32,
+    values: Vec<i64>,
+    /// `Some(true)`: answered; `Some(false)`: the request stream failed under it;
+    /// `None`: dropped before either (the client cancelled the hedge).
+    answered: Option<bool>,
+}
+
+#[derive(Clone, Default)]
+struct TallyLog(Arc<Mutex<Vec<Summed>>>);
+
+impl TallyLog {
+    fn get(&self) -> Vec<Summed> {
+        let mut all = self.0.lock().unwrap().clone();
+        all.sort_by_key(|s| s.hedge);
+        all
+    }
+    /// Waits (virtual time) until `n` handlers ended, however: the resets travel over
+    /// loopback after the call ended.
+    async fn settled(&self, n: usize) -> Vec<Summed> {
+        for _ in 0..1000 {
+            if self.0.lock().unwrap().len() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.get()
+    }
+}
+
+/// A `Tally` instance: `Sum` reads the whole stream, then answers after `wait`.
+#[derive(Clone)]
+struct TallyInstance {
+    id: usize,
+    wait: Duration,
+    log: TallyLog,
+    runs: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Writes what a handler saw when it ends, however it ends.
+struct SumGuard {
+    log: TallyLog,
+    entry: Summed,
+}
+
+impl Drop for SumGuard {
+    fn drop(&mut self) {
+        self.log.0.lock().unwrap().push(self.entry.clone());
+    }
+}
+
+#[tonic::async_trait]
+impl Tally for TallyInstance {
+    async fn sum(
+        &self,
+        request: Request<tonic::Streaming<Number>>,
+    ) -> Result<Response<Total>, Status> {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let hedge = request
+            .metadata()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let mut guard = SumGuard {
+            log: self.log.clone(),
+            entry: Summed {
+                instance: self.id,
+                hedge,
+                values: Vec::new(),
+                answered: None,
+            },
+        };
+        let mut input = request.into_inner();
+        loop {
+            match input.message().await {
+                Ok(Some(n)) => guard.entry.values.push(n.value),
+                Ok(None) => break,
+                Err(status) => {
+                    guard.entry.answered = Some(false);
+                    return Err(status);
+                }
+            }
+        }
+        tokio::time::sleep(self.wait).await;
+        guard.entry.answered = Some(true);
+        let values = &guard.entry.values;
+        Ok(Response::new(Total {
+            sum: values.iter().sum(),
+            count: values.len() as i64,
+        }))
+    }
+
+    type RunningStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Total, Status>> + Send>>;
+
+    async fn running(
+        &self,
+        _: Request<tonic::Streaming<Number>>,
+    ) -> Result<Response<Self::RunningStream>, Status> {
+        Err(Status::unimplemented("not in these tests"))
+    }
+}
+
+/// The request bodies the instances read to their end: (hedge, bytes), in the order they
+/// ended. Recorded before the idempotency layer, which reads every protected request whole.
+type Requests = Arc<Mutex<Vec<(u32, Bytes)>>>;
+
+/// A request body that records what passed through it once it ended.
+struct TapBody {
+    inner: Body,
+    hedge: u32,
+    seen: Vec<u8>,
+    requests: Requests,
+}
+
+impl http_body::Body for TapBody {
+    type Data = Bytes;
+    type Error = Status;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        match &frame {
+            Some(Ok(f)) => {
+                if let Some(d) = f.data_ref() {
+                    self.seen.extend_from_slice(d);
+                }
+            }
+            None => {
+                let entry = (self.hedge, Bytes::from(std::mem::take(&mut self.seen)));
+                self.requests.lock().unwrap().push(entry);
+            }
+            Some(Err(_)) => {}
+        }
+        Poll::Ready(frame)
+    }
+    fn is_end_stream(&self) -> bool {
+        false
+    }
+}
+
+#[derive(Clone)]
+struct TapLayer(Requests);
+
+impl<S> tower::Layer<S> for TapLayer {
+    type Service = Tap<S>;
+    fn layer(&self, inner: S) -> Tap<S> {
+        Tap {
+            inner,
+            requests: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Tap<S> {
+    inner: S,
+    requests: Requests,
+}
+
+impl<S> Service<http::Request<Body>> for Tap<S>
+where
+    S: Service<http::Request<Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, req: http::Request<Body>) -> S::Future {
+        let hedge: u32 = req
+            .headers()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let requests = self.requests.clone();
+        self.inner.call(req.map(|inner| {
+            Body::new(TapBody {
+                inner,
+                hedge,
+                seen: Vec::new(),
+                requests,
+            })
+        }))
+    }
+}
+
+/// What the `Tally` instances of a test share.
+struct Tallies {
+    addrs: Vec<SocketAddr>,
+    log: TallyLog,
+    requests: Requests,
+    /// Handler runs, every instance.
+    runs: Arc<std::sync::atomic::AtomicUsize>,
+    /// The idempotency layer, when the instances run behind one.
+    idem: Option<IdempotencyLayer<MemoryStore>>,
+}
+
+impl Tallies {
+    fn runs(&self) -> usize {
+        self.runs.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// `stream.v1.Tally/Sum`, hedged with `hedging`, protected.
+fn tally_config(hedging: &str) -> ServiceConfig {
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+            "name": [{{"service": "stream.v1.Tally", "method": "Sum"}}],
+            "hedgingPolicy": {{ {hedging} }},
+            "idempotency": {{}}
+        }}]}}"#
+    ))
+    .unwrap()
+}
+
+/// One `Tally` instance per wait; `idem`: all behind one `IdempotencyLayer` on one store.
+async fn tallies(waits: &[u64], idem: bool) -> Tallies {
+    let log = TallyLog::default();
+    let requests = Requests::default();
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let layer = idem.then(|| {
+        IdempotencyLayer::new(MemoryStore::default(), &tally_config(r#""maxAttempts": 2"#))
+            .tenant(SingleTenant::new("t"))
+    });
+    let mut addrs = Vec::new();
+    for (id, wait) in waits.iter().enumerate() {
+        let instance = TallyInstance {
+            id,
+            wait: ms(*wait),
+            log: log.clone(),
+            runs: runs.clone(),
+        };
+        let (addr, incoming) = net::bind().await;
+        let router = Server::builder()
+            .layer(TapLayer(requests.clone()))
+            .layer(tower::util::option_layer(layer.clone()))
+            .add_service(TallyServer::new(instance));
+        tokio::spawn(router.serve_with_incoming(incoming));
+        addrs.push(addr);
+    }
+    Tallies {
+        addrs,
+        log,
+        requests,
+        runs,
+        idem: layer,
+    }
+}
+
+type TallyHedged = TallyClient<Retry<Router>>;
+
+fn tally_client(addrs: &[SocketAddr], layer: &RetryLayer) -> TallyHedged {
+    let router = Router {
+        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
+        late: vec![],
+    };
+    TallyClient::new(Retry::new(router, layer))
+}
+
+fn number(value: i64) -> Number {
+    Number {
+        value,
+        note: String::new(),
+    }
+}
+
+fn padded(value: i64, bytes: usize) -> Number {
+    Number {
+        value,
+        note: "x".repeat(bytes),
+    }
+}
+
+/// The caller's stream of numbers, fed by the test.
+fn numbers() -> (
+    mpsc::UnboundedSender<Number>,
+    UnboundedReceiverStream<Number>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (tx, UnboundedReceiverStream::new(rx))
+}
+
+fn hedged_stream_layer(hedging: &str) -> RetryLayer {
+    RetryLayer::builder()
+        .service_config(tally_config(hedging))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_stream_hedged_to_a_slow_and_a_fast_instance_gets_the_fast_answer() {
+    // Instance 0 answers 1 s after the stream ends, instance 1 at once.
+    let t = tallies(&[1000, 0], false).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    tx.send(number(2)).unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    // Hedge 1 goes out at 50 ms with 1 and 2; the caller sends 3 and ends at 100 ms.
+    tokio::time::sleep(ms(100)).await;
+    assert!(layer.replay_bytes_held() > 0, "kept for the hedges");
+    tx.send(number(3)).unwrap();
+    drop(tx);
+    let resp = call.await.unwrap().unwrap();
+    assert_eq!(start.elapsed(), ms(100));
+    assert_eq!(resp.get_ref(), &Total { sum: 6, count: 3 });
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(
+        ends(&report),
+        [AttemptEnd::Cancelled, AttemptEnd::Committed]
+    );
+    assert_eq!(layer.replay_bytes_held(), 0);
+    // Each hedge sent the whole stream, byte for byte the same; the slow one was
+    // cancelled before it answered.
+    let requests = t.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(requests[0].1, requests[1].1);
+    let log = t.log.settled(2).await;
+    assert_eq!(
+        log,
+        [
+            Summed {
+                instance: 0,
+                hedge: 0,
+                values: vec![1, 2, 3],
+                answered: None
+            },
+            Summed {
+                instance: 1,
+                hedge: 1,
+                values: vec![1, 2, 3],
+                answered: Some(true)
+            },
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_stream_hedged_to_an_idem_server_runs_once_and_every_hedge_sends_the_same_stream()
+{
+    // The handler takes 300 ms on either instance.
+    let t = tallies(&[300, 300], true).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    tx.send(number(2)).unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    tokio::time::sleep(ms(100)).await;
+    tx.send(number(3)).unwrap();
+    drop(tx);
+    let resp = call.await.unwrap().unwrap();
+    // Both hedges reached the layer whole at 100 ms: one claimed the key and ran the
+    // handler, the other waited for that run.
+    assert_eq!(start.elapsed(), ms(400));
+    assert_eq!(resp.get_ref(), &Total { sum: 6, count: 3 });
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.hedges(), Some(2));
+    assert_eq!(t.runs(), 1, "one execution");
+    let requests = t.requests.lock().unwrap().clone();
+    assert_eq!(
+        requests.len(),
+        2,
+        "the layer read both hedges' streams whole"
+    );
+    assert_eq!(requests[0].1, requests[1].1, "the same bytes");
+    let stats = t.idem.as_ref().unwrap().stats().snapshot();
+    assert_eq!((stats.executed, stats.waited, stats.mismatched), (1, 1, 0));
+    assert_eq!(t.log.settled(1).await.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_the_replay_limit_a_hedged_stream_commits_to_one_hedge_and_sends_no_more() {
+    let t = tallies(&[0, 0, 0], false).await;
+    let layer = RetryLayer::builder()
+        .service_config(tally_config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ))
+        .max_replay_bytes_per_call(1000)
+        .build()
+        .unwrap();
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(padded(1, 600)).unwrap();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    // Both hedges are out with the first message; the second passes the 1000-byte limit.
+    tokio::time::sleep(ms(60)).await;
+    assert!(layer.replay_bytes_held() >= 600);
+    tx.send(padded(2, 600)).unwrap();
+    tokio::time::sleep(ms(1)).await;
+    assert_eq!(layer.replay_bytes_held(), 0, "nothing kept once committed");
+    // No third hedge at 100 ms; the committed one goes on with the live stream.
+    tokio::time::sleep(ms(100)).await;
+    tx.send(number(3)).unwrap();
+    drop(tx);
+    let resp = call.await.unwrap().unwrap();
+    assert_eq!(resp.get_ref().sum, 6);
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::Committed, Some(2))
+    );
+    let winner = report.winner().unwrap();
+    let mut history = ends(&report);
+    history.remove(winner as usize);
+    assert_eq!(history, [AttemptEnd::Cancelled]);
+    let log = t.log.settled(2).await;
+    assert_eq!(log.len(), 2, "no third hedge: {log:?}");
+    for s in &log {
+        if s.hedge == winner {
+            assert_eq!(
+                (s.values.as_slice(), s.answered),
+                (&[1, 2, 3][..], Some(true))
+            );
+        } else {
+            assert_eq!(
+                s.values,
+                [1],
+                "cancelled before the message that did not fit"
+            );
+            assert_ne!(s.answered, Some(true));
+        }
+    }
+    assert_eq!(layer.replay_bytes_held(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_that_goes_away_mid_hedge_cancels_every_hedge_and_runs_nothing() {
+    let t = tallies(&[0, 0], true).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    tokio::time::sleep(ms(60)).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    assert_eq!(layer.replay_bytes_held(), 0);
+    // Both streams were reset before they ended: the layer never had a whole request,
+    // so nothing ran and nothing was stored.
+    tokio::time::sleep(ms(100)).await;
+    assert_eq!(t.runs(), 0);
+    assert!(t.requests.lock().unwrap().is_empty());
+    let stats = t.idem.as_ref().unwrap().stats().snapshot();
+    assert_eq!((stats.executed, stats.stored), (0, 0));
+    assert!(t.idem.as_ref().unwrap().store().is_empty());
+    drop(tx);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_stream_that_fails_mid_hedge_fails_every_hedge_and_ends_the_call() {
+    let t = tallies(&[0, 0, 0], false).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]"#,
+    );
+    let router = Router {
+        channels: t.addrs.iter().map(|a| net::channel(*a)).collect(),
+        late: vec![],
+    };
+    let mut svc = Retry::new(router, &layer);
+    // The caller's body as raw frames: one message, then an error at 60 ms.
+    let (tx, rx) = mpsc::unbounded_channel::<Result<http_body::Frame<Bytes>, Status>>();
+    let one = Bytes::from_static(b"\0\0\0\0\x02\x08\x01");
+    tx.send(Ok(http_body::Frame::data(one))).unwrap();
+    let body = http_body_util::StreamBody::new(UnboundedReceiverStream::new(rx));
+    let req = http::Request::builder()
+        .method("POST")
+        .uri("http://test/stream.v1.Tally/Sum")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Body::new(body))
+        .unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move {
+        let ready = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap();
+        ready.call(req).await
+    });
+    tokio::time::sleep(ms(60)).await;
+    tx.send(Err(Status::internal("the caller broke"))).unwrap();
+    let resp = tokio::time::timeout(ms(1000), call)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(start.elapsed() < ms(100), "{:?}", start.elapsed());
+    let status = Status::from_header_map(resp.headers()).expect("a failure");
+    let report = CallReport::from_status(&status).unwrap();
+    assert_eq!(report.outcome, CallOutcome::BodyError, "{report}");
+    assert_eq!(
+        report.hedges(),
+        Some(2),
+        "no hedge after the caller's stream failed"
+    );
+    // Neither instance got a whole request: no handler answered.
+    let log = t.log.settled(2).await;
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert!(
+        log.iter()
+            .all(|s| s.values == [1] && s.answered != Some(true)),
+        "{log:?}"
+    );
+    assert_eq!(layer.replay_bytes_held(), 0);
+}
