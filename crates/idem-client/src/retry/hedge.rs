@@ -571,10 +571,15 @@ mod tests {
         })
     }
 
+    /// A request as a test service saw it: when, its `grpc-previous-rpc-attempts`, and
+    /// (for `recording`) its body.
+    type Received = (Instant, Option<String>, Bytes);
+    type Arrived = (Instant, Option<String>);
+
     /// Reads each request whole, records it (when, `grpc-previous-rpc-attempts`, the
     /// body), then answers UNAVAILABLE.
     fn recording(
-        seen: Arc<Mutex<Vec<(Instant, Option<String>, Bytes)>>>,
+        seen: Arc<Mutex<Vec<Received>>>,
     ) -> impl Service<
         http::Request<Body>,
         Response = http::Response<Body>,
@@ -673,7 +678,7 @@ mod tests {
     /// `grpc-previous-rpc-attempts`.
     fn scripted(
         script: Vec<Answer>,
-        seen: Arc<Mutex<Vec<(Instant, Option<String>)>>>,
+        seen: Arc<Mutex<Vec<Arrived>>>,
     ) -> impl Service<
         http::Request<Body>,
         Response = http::Response<Body>,
@@ -728,7 +733,7 @@ mod tests {
             .unwrap()
     }
 
-    fn gaps(seen: &[(Instant, Option<String>)]) -> Vec<u64> {
+    fn gaps(seen: &[Arrived]) -> Vec<u64> {
         seen.windows(2)
             .map(|w| (w[1].0 - w[0].0).as_millis() as u64)
             .collect()
