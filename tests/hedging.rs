@@ -1304,3 +1304,110 @@ async fn a_caller_stream_that_fails_mid_hedge_fails_every_hedge_and_ends_the_cal
     );
     assert_eq!(layer.replay_bytes_held(), 0);
 }
+
+// ---------------------------------------------------------------- (j) waitForReady
+
+/// `CreateOrder` hedged (3 hedges, 1 s apart, UNAVAILABLE non-fatal), with a throttle of
+/// 10 tokens; `wait_for_ready` as given.
+fn ready_config(wait_for_ready: bool) -> ServiceConfig {
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+            "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+            "waitForReady": {wait_for_ready}, "timeout": "10s",
+            "hedgingPolicy": {{"maxAttempts": 3, "hedgingDelay": "1s",
+                               "nonFatalStatusCodes": ["UNAVAILABLE"]}},
+            "idempotency": {{}}
+        }}],
+        "retryThrottling": {{"maxTokens": 10, "tokenRatio": 0.1}}}}"#
+    ))
+    .unwrap()
+}
+
+/// A port nothing listens on (yet).
+async fn closed_port() -> SocketAddr {
+    let (addr, _incoming) = net::bind().await;
+    addr
+}
+
+/// Serves one instance on `addr` after `after` (real time): the port was closed a moment
+/// ago, hence SO_REUSEADDR.
+async fn serve_later(addr: SocketAddr, after: Duration, log: Log) {
+    tokio::time::sleep(after).await;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_reuseaddr(true).expect("reuseaddr");
+    socket.bind(addr).expect("rebind the port");
+    let listener = socket.listen(128).expect("listen");
+    let instance = Instance {
+        id: 0,
+        script: Arc::default(),
+        log,
+    };
+    tokio::spawn(
+        Server::builder()
+            .add_service(OrdersServer::new(instance))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+}
+
+// Real time: the port opens while the client waits, and connecting takes real time.
+#[tokio::test]
+async fn wait_for_ready_hedges_wait_for_a_server_that_comes_up_and_use_no_hedge_or_token() {
+    let addr = closed_port().await;
+    let layer = RetryLayer::builder()
+        .service_config(ready_config(true))
+        .build()
+        .unwrap();
+    let router = Router {
+        channels: vec![net::channel(addr)],
+        late: vec![],
+    };
+    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let log = Log::default();
+    let start = std::time::Instant::now();
+    let (resp, ()) = tokio::join!(
+        c.create_order(create()),
+        serve_later(addr, ms(300), log.clone())
+    );
+    let resp = resp.unwrap();
+    assert!(start.elapsed() >= ms(300));
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.outcome, CallOutcome::Committed);
+    assert_eq!(
+        (report.hedges(), report.winner()),
+        (Some(1), Some(0)),
+        "waiting for the channel sends no hedge: {report}"
+    );
+    let seen = log.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].hedge, 0);
+    // The connect failures took no token (the success gives back what is over the cap).
+    assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+    let stats = layer.stats().snapshot();
+    assert_eq!((stats.attempts, stats.retries), (1, 0));
+}
+
+#[tokio::test]
+async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
+    let addr = closed_port().await;
+    let layer = RetryLayer::builder()
+        .service_config(ready_config(false))
+        .build()
+        .unwrap();
+    let router = Router {
+        channels: vec![net::channel(addr)],
+        late: vec![],
+    };
+    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let start = std::time::Instant::now();
+    let err = c.create_order(create()).await.unwrap_err();
+    // Each connect failure is a failed hedge (UNAVAILABLE, non-fatal): the next goes out
+    // at once, not a hedgingDelay (1 s) later, and each takes a token.
+    assert!(start.elapsed() < ms(900), "{:?}", start.elapsed());
+    assert_eq!(err.code(), Code::Unavailable);
+    let report = report_of(&err);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::AttemptsExhausted, Some(3))
+    );
+    assert_eq!(layer.throttle().unwrap().milli_tokens(), 7_000);
+}
