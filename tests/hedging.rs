@@ -1411,3 +1411,201 @@ async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
     );
     assert_eq!(layer.throttle().unwrap().milli_tokens(), 7_000);
 }
+
+// ---------------------------------------------------------------- (k) losing hedges
+
+use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
+use idem_test_support::shop_fake::{self, Shop};
+use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
+
+/// Protected calls in progress on a server: started and not yet ended (the layer ends a
+/// call when its response ended or was dropped, and its outcome, if it ran, is recorded).
+#[derive(Clone, Default)]
+struct InProgress(Arc<AtomicI64>);
+
+impl ServerObserver for InProgress {
+    fn call_started(&self, _: &str) {
+        self.0.fetch_add(1, AtomicOrdering::SeqCst);
+    }
+    fn call_ended(&self, _: &ProtectedCallEnded<'_>) {
+        self.0.fetch_sub(1, AtomicOrdering::SeqCst);
+    }
+}
+
+/// An idem server (`CreateOrder` protected, WAIT) on a runtime of its own with one
+/// worker thread.
+struct OneWorker {
+    addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+    shop: Shop,
+    layer: IdempotencyLayer<MemoryStore>,
+    in_progress: InProgress,
+}
+
+impl OneWorker {
+    async fn start() -> Self {
+        let shop = Shop::new();
+        let in_progress = InProgress::default();
+        let layer = IdempotencyLayer::new(MemoryStore::default(), &config(r#""maxAttempts": 2"#))
+            .tenant(SingleTenant::new("t"))
+            .observer(in_progress.clone());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (addr, incoming) = runtime.spawn(net::bind()).await.unwrap();
+        let server = Server::builder()
+            .layer(layer.clone())
+            .add_service(OrdersServer::new(shop.clone()))
+            .serve_with_incoming(incoming);
+        runtime.spawn(server);
+        OneWorker {
+            addr,
+            runtime: Some(runtime),
+            shop,
+            layer,
+            in_progress,
+        }
+    }
+
+    /// Tasks alive on the server's runtime (the server's, its connections', its
+    /// requests', the layer's).
+    fn alive_tasks(&self) -> usize {
+        self.runtime
+            .as_ref()
+            .unwrap()
+            .handle()
+            .metrics()
+            .num_alive_tasks()
+    }
+
+    fn in_progress(&self) -> i64 {
+        self.in_progress.0.load(AtomicOrdering::SeqCst)
+    }
+}
+
+impl Drop for OneWorker {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Waits (real time, at most 10 s) until `f` holds; panics with `what` otherwise.
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "never: {what}");
+        tokio::time::sleep(ms(2)).await;
+    }
+}
+
+fn get(id: &str) -> shop::GetOrderRequest {
+    shop::GetOrderRequest {
+        order_id: id.into(),
+    }
+}
+
+// Real time: the server runs on a multi-threaded runtime of its own (one worker), which
+// tokio's paused clock cannot drive; no assertion depends on how long anything takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_hedges_parked_on_an_idem_server_hold_no_worker_and_leave_nothing_behind() {
+    const CALLS: usize = 64;
+    let server = OneWorker::start().await;
+    let layer = RetryLayer::builder()
+        .service_config(config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.005s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ))
+        .build()
+        .unwrap();
+    let client = OrdersClient::new(Retry::new(net::channel(server.addr), &layer));
+    // Warm up: the connection, and a protected call through the store.
+    client.clone().get_order(get("warm")).await.unwrap();
+    client
+        .clone()
+        .create_order(shop_fake::create("warm"))
+        .await
+        .unwrap();
+    eventually("the warm-up settles", || server.in_progress() == 0).await;
+    tokio::time::sleep(ms(20)).await;
+    let baseline = server.alive_tasks();
+
+    // 64 hedged calls whose handler waits at a gate: each runs once, and its two other
+    // hedges wait (WAIT) for that run on the server.
+    let calls: Vec<_> = (0..CALLS)
+        .map(|_| {
+            let mut c = client.clone();
+            tokio::spawn(async move { c.create_order(shop_fake::create("gate")).await })
+        })
+        .collect();
+    let waiting = 2 * CALLS as u64;
+    eventually("every call runs once and its two other hedges wait", || {
+        server.in_progress() == 3 * CALLS as i64
+            && server.layer.stats().snapshot().waited == waiting
+    })
+    .await;
+    assert_eq!(server.layer.handlers_in_flight(), CALLS);
+    let parked = server.alive_tasks();
+    // Each waiting hedge is (at least) a task while it waits: what must go away.
+    assert!(parked >= baseline + waiting as usize, "{parked} tasks");
+
+    // The one worker still serves unrelated calls while 128 hedges wait.
+    for i in 0..100 {
+        let served = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.clone().get_order(get(&format!("o-{i}"))),
+        )
+        .await
+        .expect("an unrelated call is served while losing hedges wait");
+        served.unwrap();
+    }
+    assert_eq!(
+        server.shop.finished(),
+        2 + 100,
+        "no gated run ended meanwhile"
+    );
+
+    // The callers of half the calls go away: their waiting hedges (64) are dropped at
+    // once, with their request tasks; their runs go on, as a run outlives its caller.
+    for c in &calls[..CALLS / 2] {
+        c.abort();
+    }
+    eventually("the abandoned calls' waiting hedges are gone", || {
+        server.in_progress() == (3 * CALLS - 2 * (CALLS / 2)) as i64
+    })
+    .await;
+    eventually("their request tasks are gone", || {
+        server.alive_tasks() <= parked - 2 * (CALLS / 2)
+    })
+    .await;
+    assert_eq!(server.layer.handlers_in_flight(), CALLS);
+
+    // The gate opens: every run ends; each remaining call takes its first answer and
+    // cancels its other hedges.
+    server.shop.open_gate(CALLS);
+    for c in calls.into_iter().skip(CALLS / 2) {
+        let resp = c.await.unwrap().unwrap();
+        let report = CallReport::from_response(&resp).unwrap();
+        assert_eq!(report.hedges(), Some(3), "{report}");
+    }
+    // Nothing is left behind: no call in progress, no handler, no task over the
+    // baseline; one run per call, the abandoned ones included.
+    eventually("no protected call in progress", || {
+        server.in_progress() == 0
+    })
+    .await;
+    eventually("no handler in flight", || {
+        server.layer.handlers_in_flight() == 0
+    })
+    .await;
+    eventually("tasks back to the baseline", || {
+        server.alive_tasks() <= baseline
+    })
+    .await;
+    let stats = server.layer.stats().snapshot();
+    assert_eq!(stats.executed, 1 + CALLS as u64);
+    assert_eq!(stats.waited, waiting);
+    assert_eq!(server.shop.runs(), 2 + 100 + CALLS);
+}
