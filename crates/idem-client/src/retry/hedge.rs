@@ -512,7 +512,7 @@ where
     }
     let outcome = match end {
         AttemptEnd::Deadline => CallOutcome::Deadline,
-        _ => body.sent_once().unwrap_or(CallOutcome::NotHedged),
+        _ => body.sent_once().unwrap_or(CallOutcome::BodyTooLarge),
     };
     let mut report = CallReport::new(outcome);
     report.record(end, started.elapsed());
