@@ -551,6 +551,34 @@ async fn a_positive_pushback_delays_the_next_hedge_by_exactly_that() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn after_a_pushback_the_hedge_after_next_comes_a_hedging_delay_later() {
+    // A6: "Send next hedged request in n ms. Subsequent hedged requests will resume at
+    // n + hedgingDelay."
+    let (addrs, log) = instances(
+        vec![
+            vec![fail_after(10, unavailable(Some("300")))],
+            vec![ok_after(1000)],
+            vec![ok_after(0)],
+        ],
+        None,
+    )
+    .await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.1s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(gaps(&log.seen()), [ms(310), ms(100)]);
+    assert_eq!(start.elapsed(), ms(410));
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(2)));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_negative_pushback_stops_the_hedges_and_the_ones_out_go_on() {
     // Alone: the call ends with the hedge's status.
     let (addrs, log) = instances(vec![vec![fail_after(10, unavailable(Some("-1")))]], None).await;
@@ -629,6 +657,47 @@ async fn the_throttle_counts_failed_hedges_and_stops_the_next_ones() {
     let report = CallReport::from_response(&resp).unwrap();
     assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
     assert_eq!(log.seen().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_throttle_refills_with_successes_and_hedging_resumes() {
+    // One instance: every hedge goes to it.
+    let (addrs, log) = instances(
+        vec![vec![
+            fail_after(10, unavailable(None)),
+            ok_after(100),
+            ok_after(100),
+            ok_after(0),
+        ]],
+        None,
+    )
+    .await;
+    // maxTokens 2, tokenRatio 1: a failure leaves 1 token (the half: no hedges), a
+    // success brings it back to 2 (over the half: hedges again).
+    let cfg = config_with(
+        r#""maxAttempts": 2, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        None,
+        Some(r#"{"maxTokens": 2, "tokenRatio": 1}"#),
+    );
+    let layer = RetryLayer::builder().service_config(cfg).build().unwrap();
+    let router = Router {
+        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
+        late: vec![],
+    };
+    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let tokens = || layer.throttle().unwrap().milli_tokens();
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(report_of(&err).outcome, CallOutcome::Throttled);
+    assert_eq!(tokens(), 1_000);
+    // Throttled: the slow call gets no hedge, and its success refills the bucket.
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(CallReport::from_response(&resp).unwrap().hedges(), Some(1));
+    assert_eq!(tokens(), 2_000);
+    // Over the half again: the next slow call is hedged, and the hedge wins.
+    let resp = c.create_order(create()).await.unwrap();
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(log.seen().len(), 4);
 }
 
 // ---------------------------------------------------------------- (g) deadline

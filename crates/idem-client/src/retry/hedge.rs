@@ -430,6 +430,7 @@ impl<'a> Race<'a> {
                 continue;
             }
             let r = self.running.remove(i);
+            self.body.retire(r.index);
             self.report
                 .ended(r.index, AttemptEnd::Cancelled, r.started.elapsed());
         }
@@ -480,10 +481,11 @@ impl<'a> Race<'a> {
         }
     }
 
-    /// Cancels the hedges still running (dropping a response resets its stream; the
-    /// request's bodies fail when it is dropped) and answers the caller with `attempt`.
+    /// Cancels the hedges still running (dropping a response resets its stream, and their
+    /// request bodies fail) and answers the caller with `attempt`.
     fn finish(&mut self, attempt: Attempt, outcome: CallOutcome) -> Resp {
         for r in self.running.drain(..) {
+            self.body.retire(r.index);
             self.report
                 .ended(r.index, AttemptEnd::Cancelled, r.started.elapsed());
         }
@@ -847,6 +849,32 @@ mod tests {
             (report.outcome, report.hedges()),
             (CallOutcome::NonRetryableCode, Some(1))
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_over_the_replay_limit_at_the_start_is_sent_once() {
+        // A6: a request that does not fit the buffer is not retried (hedged), "but the
+        // original RPC will still be sent".
+        let calls = Arc::new(AtomicU32::new(0));
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
+                "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.01s",
+                                  "nonFatalStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap();
+        let layer = RetryLayer::builder()
+            .service_config(config)
+            .max_replay_bytes_per_call(4)
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(unavailable(calls.clone()));
+        let resp = send(&mut svc).await;
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::BodyTooLarge);
+        assert_eq!((report.attempts, report.hedges()), (1, None));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(layer.replay_bytes_held(), 0);
     }
 
     #[tokio::test(start_paused = true)]
