@@ -951,11 +951,47 @@ impl Tally for TallyInstance {
 
     type RunningStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Total, Status>> + Send>>;
 
+    /// Waits `wait` before its response headers, then answers each number with the
+    /// running total.
     async fn running(
         &self,
-        _: Request<tonic::Streaming<Number>>,
+        request: Request<tonic::Streaming<Number>>,
     ) -> Result<Response<Self::RunningStream>, Status> {
-        Err(Status::unimplemented("not in these tests"))
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let hedge = request
+            .metadata()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let mut guard = SumGuard {
+            log: self.log.clone(),
+            entry: Summed {
+                instance: self.id,
+                hedge,
+                values: Vec::new(),
+                answered: None,
+            },
+        };
+        tokio::time::sleep(self.wait).await;
+        let mut input = request.into_inner();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut total = Total::default();
+            let ended = loop {
+                match input.message().await {
+                    Ok(Some(n)) => {
+                        guard.entry.values.push(n.value);
+                        total.sum += n.value;
+                        total.count += 1;
+                        let _ = tx.send(Ok(total));
+                    }
+                    Ok(None) => break true,
+                    Err(_) => break false,
+                }
+            };
+            guard.entry.answered = Some(ended);
+            drop(guard);
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
 }
 
@@ -1677,4 +1713,116 @@ async fn losing_hedges_parked_on_an_idem_server_hold_no_worker_and_leave_nothing
     assert_eq!(stats.executed, 1 + CALLS as u64);
     assert_eq!(stats.waited, waiting);
     assert_eq!(server.shop.runs(), 2 + 100 + CALLS);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bidi_call_hedged_goes_on_with_the_hedge_whose_headers_came_first() {
+    // Instance 0 sends its headers after 1 s, instance 1 at once.
+    let t = tallies(&[1000, 0], false).await;
+    let config = ServiceConfig::from_json(
+        r#"{"methodConfig": [{
+            "name": [{"service": "stream.v1.Tally", "method": "Running"}],
+            "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.05s",
+                              "nonFatalStatusCodes": ["UNAVAILABLE"]}
+        }]}"#,
+    )
+    .unwrap();
+    let layer = RetryLayer::builder()
+        .service_config(config)
+        .build()
+        .unwrap();
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    let start = Instant::now();
+    let resp = client.running(stream).await.unwrap();
+    assert_eq!(start.elapsed(), ms(50), "hedge 1's headers");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(layer.replay_bytes_held(), 0, "headers commit the call");
+    // Request, response, request, response on the winner.
+    let mut answers = resp.into_inner();
+    assert_eq!(
+        answers.message().await.unwrap(),
+        Some(Total { sum: 1, count: 1 })
+    );
+    tx.send(number(2)).unwrap();
+    assert_eq!(
+        answers.message().await.unwrap(),
+        Some(Total { sum: 3, count: 2 })
+    );
+    tx.send(number(3)).unwrap();
+    assert_eq!(
+        answers.message().await.unwrap(),
+        Some(Total { sum: 6, count: 3 })
+    );
+    drop(tx);
+    assert_eq!(answers.message().await.unwrap(), None);
+    let log = t.log.settled(2).await;
+    assert_eq!(
+        log,
+        [
+            Summed {
+                instance: 0,
+                hedge: 0,
+                values: vec![],
+                answered: None
+            },
+            Summed {
+                instance: 1,
+                hedge: 1,
+                values: vec![1, 2, 3],
+                answered: Some(true)
+            },
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_message_over_its_limit_mid_hedge_ends_the_call_and_every_hedge() {
+    let t = tallies(&[0, 0, 0], false).await;
+    let config = ServiceConfig::from_json(
+        r#"{"methodConfig": [{
+            "name": [{"service": "stream.v1.Tally", "method": "Sum"}],
+            "maxRequestMessageBytes": 100,
+            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.05s",
+                              "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]}
+        }]}"#,
+    )
+    .unwrap();
+    let layer = RetryLayer::builder()
+        .service_config(config)
+        .build()
+        .unwrap();
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    tokio::time::sleep(ms(60)).await;
+    // Both hedges are out; this message is over maxRequestMessageBytes.
+    tx.send(padded(2, 200)).unwrap();
+    let status = call.await.unwrap().unwrap_err();
+    assert_eq!(start.elapsed(), ms(60));
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("maxRequestMessageBytes (100)"),
+        "{status:?}"
+    );
+    let report = report_of(&status);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::MessageTooLarge, Some(2))
+    );
+    // No instance got the message, none answered, and no third hedge went out.
+    tokio::time::sleep(ms(200)).await;
+    let log = t.log.settled(2).await;
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert!(
+        log.iter()
+            .all(|s| s.values == [1] && s.answered != Some(true)),
+        "{log:?}"
+    );
+    assert_eq!(layer.replay_bytes_held(), 0);
+    drop(tx);
 }
