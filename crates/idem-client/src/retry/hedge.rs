@@ -877,6 +877,60 @@ mod tests {
         assert_eq!(layer.replay_bytes_held(), 0);
     }
 
+    /// Ready once (for the caller), then fails `poll_ready`; every request is answered OK
+    /// after `answer_after`.
+    #[derive(Clone)]
+    struct ReadyOnce {
+        polls: Arc<AtomicU32>,
+        calls: Arc<AtomicU32>,
+        answer_after: Duration,
+    }
+
+    impl Service<http::Request<Body>> for ReadyOnce {
+        type Response = http::Response<Body>;
+        type Error = BoxError;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<http::Response<Body>, BoxError>> + Send>,
+        >;
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), BoxError>> {
+            match self.polls.fetch_add(1, Ordering::SeqCst) {
+                0 => std::task::Poll::Ready(Ok(())),
+                _ => std::task::Poll::Ready(Err("the channel's worker is gone".into())),
+            }
+        }
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let wait = self.answer_after;
+            Box::pin(async move {
+                tokio::time::sleep(wait).await;
+                Ok(http::Response::new(Body::empty()))
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_inner_service_that_fails_readiness_sends_no_more_hedges_and_the_one_out_answers() {
+        let layer = hedged_layer(r#""waitForReady": true,"#, |b| b);
+        let calls = Arc::new(AtomicU32::new(0));
+        let mut svc = layer.layer(ReadyOnce {
+            polls: Arc::default(),
+            calls: calls.clone(),
+            answer_after: Duration::from_millis(200),
+        });
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        // The second hedge was due at 50 ms; the service failed to become ready for it, so
+        // it never went out, and the first request's answer came at 200 ms.
+        assert_eq!(start.elapsed(), Duration::from_millis(200));
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
+        assert_eq!(report.outcome, CallOutcome::Committed);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn hedges_count_as_attempts_and_retries_in_the_stats() {
         let calls = Arc::new(AtomicU32::new(0));
