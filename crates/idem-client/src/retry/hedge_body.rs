@@ -860,4 +860,112 @@ mod tests {
             assert_eq!(e.message(), RETIRED);
         }
     }
+
+    /// One step of a hedged streaming call, as the property test plays it.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// The caller sends a message of this many bytes.
+        Send(usize),
+        /// The caller's stream ends, or fails.
+        End,
+        Fail,
+        /// A new body for hedge `h` (a new hedge, or one sent again).
+        Start(u32),
+        /// The transport polls hedge `h`'s body once.
+        Poll(u32),
+        Retire(u32),
+        Commit(u32),
+        /// The transport drops hedge `h`'s body.
+        Drop(u32),
+    }
+
+    fn ops() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (1usize..40).prop_map(Op::Send),
+            1 => Just(Op::End),
+            1 => Just(Op::Fail),
+            2 => (0u32..4).prop_map(Op::Start),
+            8 => (0u32..4).prop_map(Op::Poll),
+            1 => (0u32..4).prop_map(Op::Retire),
+            1 => (0u32..4).prop_map(Op::Commit),
+            1 => (0u32..4).prop_map(Op::Drop),
+        ]
+    }
+
+    /// What one hedge's body has yielded.
+    #[derive(Default)]
+    struct Seen {
+        chunks: Vec<Bytes>,
+        failed: bool,
+        ended: bool,
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_hedge_sends_a_prefix_of_the_request_and_the_budget_comes_back(
+            steps in proptest::collection::vec(ops(), 0..80),
+            cap in 1usize..200,
+        ) {
+            let mut c = call(cap, 150);
+            let mut sent: Vec<Bytes> = Vec::new();
+            let (mut ended, mut failed) = (false, false);
+            let mut bodies: Vec<Option<(tonic::body::Body, Seen)>> = (0..4).map(|_| None).collect();
+            let waker = Waker::noop();
+            for op in steps {
+                match op {
+                    Op::Send(n) if !ended && !failed => {
+                        // Distinct messages: a byte of their position, n times.
+                        let chunk = Bytes::from(vec![sent.len() as u8; n]);
+                        c.tx.as_ref().unwrap().send(Ok(chunk.clone())).unwrap();
+                        sent.push(chunk);
+                    }
+                    Op::End if !ended && !failed => {
+                        c.tx = None;
+                        ended = true;
+                    }
+                    Op::Fail if !ended && !failed => {
+                        c.fail("caller broke");
+                        failed = true;
+                    }
+                    Op::Start(h) => bodies[h as usize] = Some((c.body(h), Seen::default())),
+                    Op::Poll(h) => {
+                        let Some((body, seen)) = bodies[h as usize].as_mut() else { continue };
+                        if seen.failed || seen.ended {
+                            continue;
+                        }
+                        match poll_once(body, waker) {
+                            Poll::Ready(Some(Ok(f))) => {
+                                if let Ok(d) = f.into_data() {
+                                    seen.chunks.push(d);
+                                }
+                            }
+                            Poll::Ready(Some(Err(_))) => seen.failed = true,
+                            Poll::Ready(None) => seen.ended = true,
+                            Poll::Pending => {}
+                        }
+                    }
+                    Op::Retire(h) => c.request.retire(h),
+                    Op::Commit(h) => c.request.commit(h),
+                    Op::Drop(h) => bodies[h as usize] = None,
+                    _ => {}
+                }
+                let mut cx = Context::from_waker(waker);
+                let _ = c.request.poll_overflow(&mut cx);
+                proptest::prop_assert!(c.budget.held() <= cap.min(150));
+                for (_, seen) in bodies.iter().flatten() {
+                    // What a hedge sent is the request's first messages, in order.
+                    proptest::prop_assert!(seen.chunks.len() <= sent.len());
+                    proptest::prop_assert_eq!(&seen.chunks[..], &sent[..seen.chunks.len()]);
+                    if seen.ended {
+                        proptest::prop_assert!(ended && !failed);
+                        proptest::prop_assert_eq!(seen.chunks.len(), sent.len());
+                    }
+                }
+            }
+            drop(bodies);
+            drop(c.request);
+            proptest::prop_assert_eq!(c.budget.held(), 0);
+        }
+    }
 }
