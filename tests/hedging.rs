@@ -5,8 +5,14 @@
 //! *n* (its `grpc-previous-rpc-attempts`) to instance *n* mod the number of instances,
 //! so which instance gets which hedge is fixed.
 //!
+//! Streaming requests (i) go to `stream.v1.Tally` instances the same way, whose handlers
+//! record the numbers each hedge delivered and how they ended, with a tap before the
+//! idempotency layer recording each request's bytes. (j) tests `waitForReady` against a
+//! real port that opens later; (k) parks losing hedges on a one-worker idem server.
+//!
 //! Timing is asserted on tokio's paused clock: the servers run in the same runtime, and
-//! loopback I/O takes no virtual time.
+//! loopback I/O takes no virtual time ((j) and (k) run on real time, and assert no
+//! durations but lower bounds).
 
 use idem_test_support::net;
 use idem_test_support::shop;
