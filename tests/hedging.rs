@@ -11,8 +11,8 @@
 //! real port that opens later; (k) parks losing hedges on a one-worker idem server.
 //!
 //! Timing is asserted on tokio's paused clock: the servers run in the same runtime, and
-//! loopback I/O takes no virtual time ((j) and (k) run on real time, and assert no
-//! durations but lower bounds).
+//! loopback I/O takes no virtual time. (j) and (k) run on real time and assert no
+//! durations beyond lower bounds (their waits are bounded by generous timeouts).
 
 use idem_test_support::net;
 use idem_test_support::shop;
@@ -1418,14 +1418,15 @@ async fn a_caller_stream_that_fails_mid_hedge_fails_every_hedge_and_ends_the_cal
 
 // ---------------------------------------------------------------- (j) waitForReady
 
-/// `CreateOrder` hedged (3 hedges, 1 s apart, UNAVAILABLE non-fatal), with a throttle of
-/// 10 tokens; `wait_for_ready` as given.
+/// `CreateOrder` hedged (3 hedges, UNAVAILABLE non-fatal, 20 s apart: past the 10 s
+/// deadline, so only a failure sends the next one), with a throttle of 10 tokens;
+/// `wait_for_ready` as given.
 fn ready_config(wait_for_ready: bool) -> ServiceConfig {
     ServiceConfig::from_json(&format!(
         r#"{{"methodConfig": [{{
             "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
             "waitForReady": {wait_for_ready}, "timeout": "10s",
-            "hedgingPolicy": {{"maxAttempts": 3, "hedgingDelay": "1s",
+            "hedgingPolicy": {{"maxAttempts": 3, "hedgingDelay": "20s",
                                "nonFatalStatusCodes": ["UNAVAILABLE"]}},
             "idempotency": {{}}
         }}],
@@ -1509,11 +1510,9 @@ async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
         late: vec![],
     };
     let mut c = OrdersClient::new(Retry::new(router, &layer));
-    let start = std::time::Instant::now();
     let err = c.create_order(create()).await.unwrap_err();
     // Each connect failure is a failed hedge (UNAVAILABLE, non-fatal): the next goes out
-    // at once, not a hedgingDelay (1 s) later, and each takes a token.
-    assert!(start.elapsed() < ms(900), "{:?}", start.elapsed());
+    // at once (a hedgingDelay later would be past the deadline), and each takes a token.
     assert_eq!(err.code(), Code::Unavailable);
     let report = report_of(&err);
     assert_eq!(
