@@ -470,6 +470,30 @@ async fn a_non_fatal_code_sends_the_next_hedge_at_once_and_the_one_after_a_delay
     assert_eq!(log.await_cancelled(1).await, [1]);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_non_fatal_code_sends_the_next_hedge_at_once_even_when_the_delay_ends_past_the_deadline()
+{
+    let (addrs, log) = instances(
+        vec![vec![fail_after(10, unavailable(None))], vec![ok_after(0)]],
+        None,
+    )
+    .await;
+    // The 5 s hedgingDelay ends past the 1 s deadline: no hedge on the timer, but the
+    // failure still sends the next one.
+    let cfg = config_with(
+        r#""maxAttempts": 3, "hedgingDelay": "5s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        Some("1s"),
+        None,
+    );
+    let mut c = client(&addrs, &cfg, vec![]);
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(start.elapsed(), ms(10));
+    assert_eq!(gaps(&log.seen()), [ms(10)]);
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+}
+
 // ---------------------------------------------------------------- (d) maxAttempts
 
 #[tokio::test(start_paused = true)]

@@ -78,9 +78,18 @@ pub(crate) enum HedgeDecision {
 }
 
 /// When the hedge after the one just sent goes out: `hedgingDelay` later, unless that
-/// was the last one or the deadline is too close.
+/// was the last one or the deadline comes first. The deadline only stops this timer: a
+/// non-fatal status may still send the next hedge at once (A6: it "shortcuts" the delay).
 pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Next {
-    schedule(state, limits.policy.hedging_delay, limits)
+    let delay = limits.policy.hedging_delay;
+    match state.frozen {
+        Some(_) => Next::Never,
+        None if state.sent >= limits.policy.max_attempts => {
+            freeze(state, CallOutcome::AttemptsExhausted)
+        }
+        None if too_late(delay, limits) => Next::Never,
+        None => Next::After(delay),
+    }
 }
 
 /// Whether the hedge now due may go out: `None` to send it; otherwise what follows
@@ -156,13 +165,18 @@ fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) ->
     if state.sent >= limits.policy.max_attempts {
         return freeze(state, CallOutcome::AttemptsExhausted);
     }
-    if limits
-        .time_left
-        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
-    {
+    if too_late(wait, limits) {
         return freeze(state, CallOutcome::Deadline);
     }
     Next::After(wait)
+}
+
+/// Whether a hedge `wait` from now would start past the deadline, or with less than the
+/// minimum attempt time left.
+fn too_late(wait: Duration, limits: &HedgeLimits<'_>) -> bool {
+    limits
+        .time_left
+        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
 }
 
 /// No more hedges; the first reason given is kept.
@@ -355,13 +369,21 @@ mod tests {
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: CodeSet::of(Code::Unavailable) };
             let limits = HedgeLimits { policy: &policy, sent_once: None, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
             let mut state = HedgeState { sent, running: sent, frozen: None };
+            let late = time_left.is_some_and(|left| delay >= left || left - delay < min_attempt_time);
             match after_send(&mut state, &limits) {
                 Next::After(wait) => {
                     prop_assert_eq!(wait, delay);
                     prop_assert!(sent < max_attempts);
-                    prop_assert!(time_left.is_none_or(|left| delay < left && left - delay >= min_attempt_time));
+                    prop_assert!(!late);
                 }
-                Next::Never => prop_assert!(state.frozen.is_some()),
+                Next::Never if sent >= max_attempts => {
+                    prop_assert_eq!(state.frozen, Some(CallOutcome::AttemptsExhausted));
+                }
+                Next::Never => {
+                    // The deadline stops the timer, not the hedges a failure sends at once.
+                    prop_assert!(late);
+                    prop_assert_eq!(state.frozen, None);
+                }
             }
         }
     }
