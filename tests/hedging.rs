@@ -16,11 +16,16 @@
 
 use idem_test_support::net;
 use idem_test_support::shop;
+use idem_test_support::shop_fake::{self, Shop};
+use idem_test_support::stream::tally_client::TallyClient;
+use idem_test_support::stream::tally_server::{Tally, TallyServer};
+use idem_test_support::stream::{Number, Total};
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -31,12 +36,15 @@ use idem_client::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::ServiceConfig;
 use idem_core::deadline::parse_grpc_timeout;
 use idem_server::IdempotencyLayer;
+use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_server::tenant::SingleTenant;
 use idem_store::MemoryStore;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, Order};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::body::Body;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
@@ -878,12 +886,6 @@ where
 
 // ---------------------------------------------------------------- (i) streaming requests
 
-use idem_test_support::stream::tally_client::TallyClient;
-use idem_test_support::stream::tally_server::{Tally, TallyServer};
-use idem_test_support::stream::{Number, Total};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
-
 /// What a `Tally` instance saw of one request: the hedge it was, the numbers it read,
 /// and how its handler ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1547,10 +1549,6 @@ async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
 }
 
 // ---------------------------------------------------------------- (k) losing hedges
-
-use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
-use idem_test_support::shop_fake::{self, Shop};
-use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 
 /// Protected calls in progress on a server: started and not yet ended (the layer ends a
 /// call when its response ended or was dropped, and its outcome, if it ran, is recorded).
