@@ -13,23 +13,32 @@
 //!   key and runs the handler; the stalled request then finds the outcome and replays it.
 //! - **handler**: inside the handler, after the key is claimed: the hedges wait for that
 //!   same execution, so hedging cannot help (and should not: it would run twice).
+//!
+//! Then what losing hedges cost a server while they wait: an idem server on a runtime
+//! with **one** worker thread serves unrelated (unprotected) `GetOrder` calls, 16 at a
+//! time, alone and while 64 hedged `CreateOrder` calls wait at a gate in their handler
+//! (64 runs and 128 hedges waiting for them), in alternating phases; the table gives the
+//! median throughput of each kind of phase, its ratio to the phases alone, and the tasks
+//! alive on the server's runtime.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use idem_client::RetryLayer;
+use idem_client::{Retry, RetryLayer};
 use idem_core::ServiceConfig;
 use idem_server::IdempotencyLayer;
+use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_server::tenant::SingleTenant;
 use idem_store::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};
 use idem_test_support::shop::{self, CreateOrderRequest, Order};
+use idem_test_support::shop_fake;
 use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Response, Status};
@@ -250,6 +259,175 @@ fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
 
+// ---------------------------------------------------------------- parked losing hedges
+
+/// Unrelated calls per phase, hedged calls parked at the gate, phases with them parked.
+const UNRELATED: usize = 10_000;
+const PARKED: usize = 64;
+const ROUNDS: usize = 4;
+
+/// Sorts `rates` and returns the median.
+fn median(rates: &mut [f64]) -> f64 {
+    rates.sort_by(f64::total_cmp);
+    let n = rates.len();
+    if n % 2 == 1 {
+        rates[n / 2]
+    } else {
+        (rates[n / 2 - 1] + rates[n / 2]) / 2.0
+    }
+}
+
+/// Protected calls in progress on the server (started, not ended).
+#[derive(Clone, Default)]
+struct InProgress(Arc<AtomicI64>);
+
+impl ServerObserver for InProgress {
+    fn call_started(&self, _: &str) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+    fn call_ended(&self, _: &ProtectedCallEnded<'_>) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// `CreateOrder` protected (hedged when `hedged`); `GetOrder` neither.
+fn create_only(hedged: bool) -> ServiceConfig {
+    let policy = if hedged {
+        r#""hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.005s", "nonFatalStatusCodes": ["UNAVAILABLE"]},"#
+    } else {
+        ""
+    };
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{"name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}], {policy} "idempotency": {{}}}}]}}"#
+    ))
+    .unwrap()
+}
+
+/// `GetOrder` calls, 16 at a time: calls per second.
+async fn unrelated(client: &OrdersClient<Channel>) -> f64 {
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|_| {
+            let mut c = client.clone();
+            tokio::spawn(async move {
+                for _ in 0..UNRELATED / CONCURRENCY {
+                    let req = shop::GetOrderRequest {
+                        order_id: "o".into(),
+                    };
+                    c.get_order(req).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    UNRELATED as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn until(mut f: impl FnMut() -> bool) {
+    while !f() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+async fn parked_hedges() {
+    let shop = shop_fake::Shop::new();
+    let in_progress = InProgress::default();
+    let layer = IdempotencyLayer::new(MemoryStore::default(), &create_only(false))
+        .tenant(SingleTenant::new("t"))
+        .observer(in_progress.clone());
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (addr, incoming) = server.spawn(net::bind()).await.unwrap();
+    server.spawn(
+        Server::builder()
+            .layer(layer.clone())
+            .add_service(OrdersServer::new(shop.clone()))
+            .serve_with_incoming(incoming),
+    );
+    let tasks = || server.handle().metrics().num_alive_tasks();
+    let plain = OrdersClient::new(net::channel(addr));
+    let retry = RetryLayer::from_config(&create_only(true));
+    let hedged = OrdersClient::new(Retry::new(net::channel(addr), &retry));
+    // Warm both connections.
+    for _ in 0..100 {
+        plain
+            .clone()
+            .get_order(shop::GetOrderRequest::default())
+            .await
+            .unwrap();
+    }
+    hedged
+        .clone()
+        .create_order(shop_fake::create("warm"))
+        .await
+        .unwrap();
+    until(|| in_progress.0.load(Ordering::SeqCst) == 0).await;
+
+    // Warm the server's path for unrelated calls, then alternate: alone, with the
+    // hedged calls parked, alone again (each hedged call's gate opened and its answer
+    // awaited in between).
+    unrelated(&plain).await;
+    let (mut alone, mut parked) = (Vec::new(), Vec::new());
+    let (mut alone_tasks, mut parked_tasks) = (0, 0);
+    for round in 0..=ROUNDS {
+        alone.push(unrelated(&plain).await);
+        alone_tasks = alone_tasks.max(tasks());
+        if round == ROUNDS {
+            break;
+        }
+        let calls: Vec<_> = (0..PARKED)
+            .map(|_| {
+                let mut c = hedged.clone();
+                tokio::spawn(async move { c.create_order(shop_fake::create("gate")).await })
+            })
+            .collect();
+        until(|| {
+            in_progress.0.load(Ordering::SeqCst) == 3 * PARKED as i64
+                && layer.stats().snapshot().waited == 2 * PARKED as u64 * (round as u64 + 1)
+        })
+        .await;
+        parked_tasks = parked_tasks.max(tasks());
+        parked.push(unrelated(&plain).await);
+        shop.open_gate(PARKED);
+        for c in calls {
+            c.await.unwrap().unwrap();
+        }
+        until(|| in_progress.0.load(Ordering::SeqCst) == 0 && layer.handlers_in_flight() == 0)
+            .await;
+    }
+    let base = median(&mut alone);
+    println!(
+        "\n{UNRELATED} unrelated GetOrder calls per phase, {CONCURRENCY} at a time, on an idem server with 1 worker thread; {} phases alone, {ROUNDS} with hedged calls parked, alternating\n",
+        ROUNDS + 1
+    );
+    println!(
+        "| parked on the server | unrelated calls / s (median) | min – max | ratio to alone | server tasks alive |"
+    );
+    println!("|---|---|---|---|---|");
+    for (what, rates, tasks) in [
+        ("nothing", &mut alone, alone_tasks),
+        (
+            "64 runs at a gate, 128 losing hedges waiting",
+            &mut parked,
+            parked_tasks,
+        ),
+    ] {
+        let m = median(rates);
+        println!(
+            "| {what} | {m:.0} | {:.0} – {:.0} | {:.2} | {tasks} |",
+            rates[0],
+            rates[rates.len() - 1],
+            m / base
+        );
+    }
+    server.shutdown_background();
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     println!(
@@ -279,4 +457,5 @@ async fn main() {
             );
         }
     }
+    parked_hedges().await;
 }

@@ -5,16 +5,27 @@
 //! *n* (its `grpc-previous-rpc-attempts`) to instance *n* mod the number of instances,
 //! so which instance gets which hedge is fixed.
 //!
+//! Streaming requests (i) go to `stream.v1.Tally` instances the same way, whose handlers
+//! record the numbers each hedge delivered and how they ended, with a tap before the
+//! idempotency layer recording each request's bytes. (j) tests `waitForReady` against a
+//! real port that opens later; (k) parks losing hedges on a one-worker idem server.
+//!
 //! Timing is asserted on tokio's paused clock: the servers run in the same runtime, and
-//! loopback I/O takes no virtual time.
+//! loopback I/O takes no virtual time. (j) and (k) run on real time and assert no
+//! durations beyond lower bounds (their waits are bounded by generous timeouts).
 
 use idem_test_support::net;
 use idem_test_support::shop;
+use idem_test_support::shop_fake::{self, Shop};
+use idem_test_support::stream::tally_client::TallyClient;
+use idem_test_support::stream::tally_server::{Tally, TallyServer};
+use idem_test_support::stream::{Number, Total};
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -25,12 +36,15 @@ use idem_client::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::ServiceConfig;
 use idem_core::deadline::parse_grpc_timeout;
 use idem_server::IdempotencyLayer;
+use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_server::tenant::SingleTenant;
 use idem_store::MemoryStore;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, Order};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::body::Body;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
@@ -464,6 +478,30 @@ async fn a_non_fatal_code_sends_the_next_hedge_at_once_and_the_one_after_a_delay
     assert_eq!(log.await_cancelled(1).await, [1]);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_non_fatal_code_sends_the_next_hedge_at_once_even_when_the_delay_ends_past_the_deadline()
+{
+    let (addrs, log) = instances(
+        vec![vec![fail_after(10, unavailable(None))], vec![ok_after(0)]],
+        None,
+    )
+    .await;
+    // The 5 s hedgingDelay ends past the 1 s deadline: no hedge on the timer, but the
+    // failure still sends the next one.
+    let cfg = config_with(
+        r#""maxAttempts": 3, "hedgingDelay": "5s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        Some("1s"),
+        None,
+    );
+    let mut c = client(&addrs, &cfg, vec![]);
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(start.elapsed(), ms(10));
+    assert_eq!(gaps(&log.seen()), [ms(10)]);
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+}
+
 // ---------------------------------------------------------------- (d) maxAttempts
 
 #[tokio::test(start_paused = true)]
@@ -551,6 +589,34 @@ async fn a_positive_pushback_delays_the_next_hedge_by_exactly_that() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn after_a_pushback_the_hedge_after_next_comes_a_hedging_delay_later() {
+    // A6: "Send next hedged request in n ms. Subsequent hedged requests will resume at
+    // n + hedgingDelay."
+    let (addrs, log) = instances(
+        vec![
+            vec![fail_after(10, unavailable(Some("300")))],
+            vec![ok_after(1000)],
+            vec![ok_after(0)],
+        ],
+        None,
+    )
+    .await;
+    let mut c = client(
+        &addrs,
+        &config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.1s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ),
+        vec![],
+    );
+    let start = Instant::now();
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(gaps(&log.seen()), [ms(310), ms(100)]);
+    assert_eq!(start.elapsed(), ms(410));
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(2)));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_negative_pushback_stops_the_hedges_and_the_ones_out_go_on() {
     // Alone: the call ends with the hedge's status.
     let (addrs, log) = instances(vec![vec![fail_after(10, unavailable(Some("-1")))]], None).await;
@@ -629,6 +695,47 @@ async fn the_throttle_counts_failed_hedges_and_stops_the_next_ones() {
     let report = CallReport::from_response(&resp).unwrap();
     assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
     assert_eq!(log.seen().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_throttle_refills_with_successes_and_hedging_resumes() {
+    // One instance: every hedge goes to it.
+    let (addrs, log) = instances(
+        vec![vec![
+            fail_after(10, unavailable(None)),
+            ok_after(100),
+            ok_after(100),
+            ok_after(0),
+        ]],
+        None,
+    )
+    .await;
+    // maxTokens 2, tokenRatio 1: a failure leaves 1 token (the half: no hedges), a
+    // success brings it back to 2 (over the half: hedges again).
+    let cfg = config_with(
+        r#""maxAttempts": 2, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        None,
+        Some(r#"{"maxTokens": 2, "tokenRatio": 1}"#),
+    );
+    let layer = RetryLayer::builder().service_config(cfg).build().unwrap();
+    let router = Router {
+        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
+        late: vec![],
+    };
+    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let tokens = || layer.throttle().unwrap().milli_tokens();
+    let err = c.create_order(create()).await.unwrap_err();
+    assert_eq!(report_of(&err).outcome, CallOutcome::Throttled);
+    assert_eq!(tokens(), 1_000);
+    // Throttled: the slow call gets no hedge, and its success refills the bucket.
+    let resp = c.create_order(create()).await.unwrap();
+    assert_eq!(CallReport::from_response(&resp).unwrap().hedges(), Some(1));
+    assert_eq!(tokens(), 2_000);
+    // Over the half again: the next slow call is hedged, and the hedge wins.
+    let resp = c.create_order(create()).await.unwrap();
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(log.seen().len(), 4);
 }
 
 // ---------------------------------------------------------------- (g) deadline
@@ -775,4 +882,974 @@ where
             Ok(http::Response::from_parts(parts, Body::new(body)))
         })
     }
+}
+
+// ---------------------------------------------------------------- (i) streaming requests
+
+/// What a `Tally` instance saw of one request: the hedge it was, the numbers it read,
+/// and how its handler ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Summed {
+    instance: usize,
+    hedge: u32,
+    values: Vec<i64>,
+    /// `Some(true)`: answered; `Some(false)`: the request stream failed under it;
+    /// `None`: dropped before either (the client cancelled the hedge).
+    answered: Option<bool>,
+}
+
+#[derive(Clone, Default)]
+struct TallyLog(Arc<Mutex<Vec<Summed>>>);
+
+impl TallyLog {
+    fn get(&self) -> Vec<Summed> {
+        let mut all = self.0.lock().unwrap().clone();
+        all.sort_by_key(|s| s.hedge);
+        all
+    }
+    /// Waits (virtual time) until `n` handlers ended, however: the resets travel over
+    /// loopback after the call ended.
+    async fn settled(&self, n: usize) -> Vec<Summed> {
+        for _ in 0..1000 {
+            if self.0.lock().unwrap().len() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.get()
+    }
+}
+
+/// A `Tally` instance: `Sum` reads the whole stream, then answers after `wait`.
+#[derive(Clone)]
+struct TallyInstance {
+    id: usize,
+    wait: Duration,
+    log: TallyLog,
+    runs: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Writes what a handler saw when it ends, however it ends.
+struct SumGuard {
+    log: TallyLog,
+    entry: Summed,
+}
+
+impl Drop for SumGuard {
+    fn drop(&mut self) {
+        self.log.0.lock().unwrap().push(self.entry.clone());
+    }
+}
+
+#[tonic::async_trait]
+impl Tally for TallyInstance {
+    async fn sum(
+        &self,
+        request: Request<tonic::Streaming<Number>>,
+    ) -> Result<Response<Total>, Status> {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let hedge = request
+            .metadata()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let mut guard = SumGuard {
+            log: self.log.clone(),
+            entry: Summed {
+                instance: self.id,
+                hedge,
+                values: Vec::new(),
+                answered: None,
+            },
+        };
+        let mut input = request.into_inner();
+        loop {
+            match input.message().await {
+                Ok(Some(n)) => guard.entry.values.push(n.value),
+                Ok(None) => break,
+                Err(status) => {
+                    guard.entry.answered = Some(false);
+                    return Err(status);
+                }
+            }
+        }
+        tokio::time::sleep(self.wait).await;
+        guard.entry.answered = Some(true);
+        let values = &guard.entry.values;
+        Ok(Response::new(Total {
+            sum: values.iter().sum(),
+            count: values.len() as i64,
+        }))
+    }
+
+    type RunningStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Total, Status>> + Send>>;
+
+    /// Waits `wait` before its response headers, then answers each number with the
+    /// running total.
+    async fn running(
+        &self,
+        request: Request<tonic::Streaming<Number>>,
+    ) -> Result<Response<Self::RunningStream>, Status> {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let hedge = request
+            .metadata()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let mut guard = SumGuard {
+            log: self.log.clone(),
+            entry: Summed {
+                instance: self.id,
+                hedge,
+                values: Vec::new(),
+                answered: None,
+            },
+        };
+        tokio::time::sleep(self.wait).await;
+        let mut input = request.into_inner();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut total = Total::default();
+            let ended = loop {
+                match input.message().await {
+                    Ok(Some(n)) => {
+                        guard.entry.values.push(n.value);
+                        total.sum += n.value;
+                        total.count += 1;
+                        let _ = tx.send(Ok(total));
+                    }
+                    Ok(None) => break true,
+                    Err(_) => break false,
+                }
+            };
+            guard.entry.answered = Some(ended);
+            drop(guard);
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+}
+
+/// The request bodies the instances read to their end: (hedge, bytes), in the order they
+/// ended. Recorded before the idempotency layer, which reads every protected request whole.
+type Requests = Arc<Mutex<Vec<(u32, Bytes)>>>;
+
+/// A request body that records what passed through it once it ended.
+struct TapBody {
+    inner: Body,
+    hedge: u32,
+    seen: Vec<u8>,
+    requests: Requests,
+}
+
+impl http_body::Body for TapBody {
+    type Data = Bytes;
+    type Error = Status;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        match &frame {
+            Some(Ok(f)) => {
+                if let Some(d) = f.data_ref() {
+                    self.seen.extend_from_slice(d);
+                }
+            }
+            None => {
+                let entry = (self.hedge, Bytes::from(std::mem::take(&mut self.seen)));
+                self.requests.lock().unwrap().push(entry);
+            }
+            Some(Err(_)) => {}
+        }
+        Poll::Ready(frame)
+    }
+    fn is_end_stream(&self) -> bool {
+        false
+    }
+}
+
+#[derive(Clone)]
+struct TapLayer(Requests);
+
+impl<S> tower::Layer<S> for TapLayer {
+    type Service = Tap<S>;
+    fn layer(&self, inner: S) -> Tap<S> {
+        Tap {
+            inner,
+            requests: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Tap<S> {
+    inner: S,
+    requests: Requests,
+}
+
+impl<S> Service<http::Request<Body>> for Tap<S>
+where
+    S: Service<http::Request<Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, req: http::Request<Body>) -> S::Future {
+        let hedge: u32 = req
+            .headers()
+            .get("grpc-previous-rpc-attempts")
+            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let requests = self.requests.clone();
+        self.inner.call(req.map(|inner| {
+            Body::new(TapBody {
+                inner,
+                hedge,
+                seen: Vec::new(),
+                requests,
+            })
+        }))
+    }
+}
+
+/// What the `Tally` instances of a test share.
+struct Tallies {
+    addrs: Vec<SocketAddr>,
+    log: TallyLog,
+    requests: Requests,
+    /// Handler runs, every instance.
+    runs: Arc<std::sync::atomic::AtomicUsize>,
+    /// The idempotency layer, when the instances run behind one.
+    idem: Option<IdempotencyLayer<MemoryStore>>,
+}
+
+impl Tallies {
+    fn runs(&self) -> usize {
+        self.runs.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// `stream.v1.Tally/Sum`, hedged with `hedging`, protected.
+fn tally_config(hedging: &str) -> ServiceConfig {
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+            "name": [{{"service": "stream.v1.Tally", "method": "Sum"}}],
+            "hedgingPolicy": {{ {hedging} }},
+            "idempotency": {{}}
+        }}]}}"#
+    ))
+    .unwrap()
+}
+
+/// One `Tally` instance per wait; `idem`: all behind one `IdempotencyLayer` on one store.
+async fn tallies(waits: &[u64], idem: bool) -> Tallies {
+    let log = TallyLog::default();
+    let requests = Requests::default();
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let layer = idem.then(|| {
+        IdempotencyLayer::new(MemoryStore::default(), &tally_config(r#""maxAttempts": 2"#))
+            .tenant(SingleTenant::new("t"))
+    });
+    let mut addrs = Vec::new();
+    for (id, wait) in waits.iter().enumerate() {
+        let instance = TallyInstance {
+            id,
+            wait: ms(*wait),
+            log: log.clone(),
+            runs: runs.clone(),
+        };
+        let (addr, incoming) = net::bind().await;
+        let router = Server::builder()
+            .layer(TapLayer(requests.clone()))
+            .layer(tower::util::option_layer(layer.clone()))
+            .add_service(TallyServer::new(instance));
+        tokio::spawn(router.serve_with_incoming(incoming));
+        addrs.push(addr);
+    }
+    Tallies {
+        addrs,
+        log,
+        requests,
+        runs,
+        idem: layer,
+    }
+}
+
+type TallyHedged = TallyClient<Retry<Router>>;
+
+fn tally_client(addrs: &[SocketAddr], layer: &RetryLayer) -> TallyHedged {
+    let router = Router {
+        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
+        late: vec![],
+    };
+    TallyClient::new(Retry::new(router, layer))
+}
+
+fn number(value: i64) -> Number {
+    Number {
+        value,
+        note: String::new(),
+    }
+}
+
+fn padded(value: i64, bytes: usize) -> Number {
+    Number {
+        value,
+        note: "x".repeat(bytes),
+    }
+}
+
+/// The caller's stream of numbers, fed by the test.
+fn numbers() -> (
+    mpsc::UnboundedSender<Number>,
+    UnboundedReceiverStream<Number>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (tx, UnboundedReceiverStream::new(rx))
+}
+
+fn hedged_stream_layer(hedging: &str) -> RetryLayer {
+    RetryLayer::builder()
+        .service_config(tally_config(hedging))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_stream_hedged_to_a_slow_and_a_fast_instance_gets_the_fast_answer() {
+    // Instance 0 answers 1 s after the stream ends, instance 1 at once.
+    let t = tallies(&[1000, 0], false).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    tx.send(number(2)).unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    // Hedge 1 goes out at 50 ms with 1 and 2; the caller sends 3 and ends at 100 ms.
+    tokio::time::sleep(ms(100)).await;
+    assert!(layer.replay_bytes_held() > 0, "kept for the hedges");
+    tx.send(number(3)).unwrap();
+    drop(tx);
+    let resp = call.await.unwrap().unwrap();
+    assert_eq!(start.elapsed(), ms(100));
+    assert_eq!(resp.get_ref(), &Total { sum: 6, count: 3 });
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(
+        ends(&report),
+        [AttemptEnd::Cancelled, AttemptEnd::Committed]
+    );
+    assert_eq!(layer.replay_bytes_held(), 0);
+    // Each hedge sent the whole stream, byte for byte the same; the slow one was
+    // cancelled before it answered.
+    let requests = t.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(requests[0].1, requests[1].1);
+    let log = t.log.settled(2).await;
+    assert_eq!(
+        log,
+        [
+            Summed {
+                instance: 0,
+                hedge: 0,
+                values: vec![1, 2, 3],
+                answered: None
+            },
+            Summed {
+                instance: 1,
+                hedge: 1,
+                values: vec![1, 2, 3],
+                answered: Some(true)
+            },
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_stream_hedged_to_an_idem_server_runs_once_and_every_hedge_sends_the_same_stream()
+{
+    // The handler takes 300 ms on either instance.
+    let t = tallies(&[300, 300], true).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    tx.send(number(2)).unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    tokio::time::sleep(ms(100)).await;
+    tx.send(number(3)).unwrap();
+    drop(tx);
+    let resp = call.await.unwrap().unwrap();
+    // Both hedges reached the layer whole at 100 ms: one claimed the key and ran the
+    // handler, the other waited for that run.
+    assert_eq!(start.elapsed(), ms(400));
+    assert_eq!(resp.get_ref(), &Total { sum: 6, count: 3 });
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.hedges(), Some(2));
+    assert_eq!(t.runs(), 1, "one execution");
+    let requests = t.requests.lock().unwrap().clone();
+    assert_eq!(
+        requests.len(),
+        2,
+        "the layer read both hedges' streams whole"
+    );
+    assert_eq!(requests[0].1, requests[1].1, "the same bytes");
+    let stats = t.idem.as_ref().unwrap().stats().snapshot();
+    assert_eq!((stats.executed, stats.waited, stats.mismatched), (1, 1, 0));
+    assert_eq!(t.log.settled(1).await.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_the_replay_limit_a_hedged_stream_commits_to_one_hedge_and_sends_no_more() {
+    let t = tallies(&[0, 0, 0], false).await;
+    let layer = RetryLayer::builder()
+        .service_config(tally_config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ))
+        .max_replay_bytes_per_call(1000)
+        .build()
+        .unwrap();
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(padded(1, 600)).unwrap();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    // Both hedges are out with the first message; the second passes the 1000-byte limit.
+    tokio::time::sleep(ms(60)).await;
+    assert!(layer.replay_bytes_held() >= 600);
+    tx.send(padded(2, 600)).unwrap();
+    tokio::time::sleep(ms(1)).await;
+    assert_eq!(layer.replay_bytes_held(), 0, "nothing kept once committed");
+    // No third hedge at 100 ms; the committed one goes on with the live stream.
+    tokio::time::sleep(ms(100)).await;
+    tx.send(number(3)).unwrap();
+    drop(tx);
+    let resp = call.await.unwrap().unwrap();
+    assert_eq!(resp.get_ref().sum, 6);
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::Committed, Some(2))
+    );
+    let winner = report.winner().unwrap();
+    let mut history = ends(&report);
+    history.remove(winner as usize);
+    assert_eq!(history, [AttemptEnd::Cancelled]);
+    let log = t.log.settled(2).await;
+    assert_eq!(log.len(), 2, "no third hedge: {log:?}");
+    for s in &log {
+        if s.hedge == winner {
+            assert_eq!(
+                (s.values.as_slice(), s.answered),
+                (&[1, 2, 3][..], Some(true))
+            );
+        } else {
+            assert_eq!(
+                s.values,
+                [1],
+                "cancelled before the message that did not fit"
+            );
+            assert_ne!(s.answered, Some(true));
+        }
+    }
+    assert_eq!(layer.replay_bytes_held(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_that_goes_away_mid_hedge_cancels_every_hedge_and_runs_nothing() {
+    let t = tallies(&[0, 0], true).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+    );
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    tokio::time::sleep(ms(60)).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    assert_eq!(layer.replay_bytes_held(), 0);
+    // Both streams were reset before they ended: the layer never had a whole request,
+    // so nothing ran and nothing was stored.
+    tokio::time::sleep(ms(100)).await;
+    assert_eq!(t.runs(), 0);
+    assert!(t.requests.lock().unwrap().is_empty());
+    let stats = t.idem.as_ref().unwrap().stats().snapshot();
+    assert_eq!((stats.executed, stats.stored), (0, 0));
+    assert!(t.idem.as_ref().unwrap().store().is_empty());
+    drop(tx);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_stream_that_fails_mid_hedge_fails_every_hedge_and_ends_the_call() {
+    let t = tallies(&[0, 0, 0], false).await;
+    let layer = hedged_stream_layer(
+        r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]"#,
+    );
+    let router = Router {
+        channels: t.addrs.iter().map(|a| net::channel(*a)).collect(),
+        late: vec![],
+    };
+    let mut svc = Retry::new(router, &layer);
+    // The caller's body as raw frames: one message, then an error at 60 ms.
+    let (tx, rx) = mpsc::unbounded_channel::<Result<http_body::Frame<Bytes>, Status>>();
+    let one = Bytes::from_static(b"\0\0\0\0\x02\x08\x01");
+    tx.send(Ok(http_body::Frame::data(one))).unwrap();
+    let body = http_body_util::StreamBody::new(UnboundedReceiverStream::new(rx));
+    let req = http::Request::builder()
+        .method("POST")
+        .uri("http://test/stream.v1.Tally/Sum")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Body::new(body))
+        .unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move {
+        let ready = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap();
+        ready.call(req).await
+    });
+    tokio::time::sleep(ms(60)).await;
+    tx.send(Err(Status::internal("the caller broke"))).unwrap();
+    let resp = tokio::time::timeout(ms(1000), call)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(start.elapsed() < ms(100), "{:?}", start.elapsed());
+    let status = Status::from_header_map(resp.headers()).expect("a failure");
+    let report = CallReport::from_status(&status).unwrap();
+    assert_eq!(report.outcome, CallOutcome::BodyError, "{report}");
+    assert_eq!(
+        report.hedges(),
+        Some(2),
+        "no hedge after the caller's stream failed"
+    );
+    // Neither instance got a whole request: no handler answered.
+    let log = t.log.settled(2).await;
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert!(
+        log.iter()
+            .all(|s| s.values == [1] && s.answered != Some(true)),
+        "{log:?}"
+    );
+    assert_eq!(layer.replay_bytes_held(), 0);
+}
+
+// ---------------------------------------------------------------- (j) waitForReady
+
+/// `CreateOrder` hedged (3 hedges, UNAVAILABLE non-fatal, 20 s apart: past the 10 s
+/// deadline, so only a failure sends the next one), with a throttle of 10 tokens;
+/// `wait_for_ready` as given.
+fn ready_config(wait_for_ready: bool) -> ServiceConfig {
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+            "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+            "waitForReady": {wait_for_ready}, "timeout": "10s",
+            "hedgingPolicy": {{"maxAttempts": 3, "hedgingDelay": "20s",
+                               "nonFatalStatusCodes": ["UNAVAILABLE"]}},
+            "idempotency": {{}}
+        }}],
+        "retryThrottling": {{"maxTokens": 10, "tokenRatio": 0.1}}}}"#
+    ))
+    .unwrap()
+}
+
+/// A port nothing listens on (yet).
+async fn closed_port() -> SocketAddr {
+    let (addr, _incoming) = net::bind().await;
+    addr
+}
+
+/// Serves one instance on `addr` after `after` (real time): the port was closed a moment
+/// ago, hence SO_REUSEADDR.
+async fn serve_later(addr: SocketAddr, after: Duration, log: Log) {
+    tokio::time::sleep(after).await;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_reuseaddr(true).expect("reuseaddr");
+    socket.bind(addr).expect("rebind the port");
+    let listener = socket.listen(128).expect("listen");
+    let instance = Instance {
+        id: 0,
+        script: Arc::default(),
+        log,
+    };
+    tokio::spawn(
+        Server::builder()
+            .add_service(OrdersServer::new(instance))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+}
+
+// Real time: the port opens while the client waits, and connecting takes real time.
+#[tokio::test]
+async fn wait_for_ready_hedges_wait_for_a_server_that_comes_up_and_use_no_hedge_or_token() {
+    let addr = closed_port().await;
+    let layer = RetryLayer::builder()
+        .service_config(ready_config(true))
+        .build()
+        .unwrap();
+    let router = Router {
+        channels: vec![net::channel(addr)],
+        late: vec![],
+    };
+    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let log = Log::default();
+    let start = std::time::Instant::now();
+    let (resp, ()) = tokio::join!(
+        c.create_order(create()),
+        serve_later(addr, ms(300), log.clone())
+    );
+    let resp = resp.unwrap();
+    assert!(start.elapsed() >= ms(300));
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.outcome, CallOutcome::Committed);
+    assert_eq!(
+        (report.hedges(), report.winner()),
+        (Some(1), Some(0)),
+        "waiting for the channel sends no hedge: {report}"
+    );
+    let seen = log.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].hedge, 0);
+    // The connect failures took no token (the success gives back what is over the cap).
+    assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+    let stats = layer.stats().snapshot();
+    assert_eq!((stats.attempts, stats.retries), (1, 0));
+}
+
+#[tokio::test]
+async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
+    let addr = closed_port().await;
+    let layer = RetryLayer::builder()
+        .service_config(ready_config(false))
+        .build()
+        .unwrap();
+    let router = Router {
+        channels: vec![net::channel(addr)],
+        late: vec![],
+    };
+    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let err = c.create_order(create()).await.unwrap_err();
+    // Each connect failure is a failed hedge (UNAVAILABLE, non-fatal): the next goes out
+    // at once (a hedgingDelay later would be past the deadline), and each takes a token.
+    assert_eq!(err.code(), Code::Unavailable);
+    let report = report_of(&err);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::AttemptsExhausted, Some(3))
+    );
+    assert_eq!(layer.throttle().unwrap().milli_tokens(), 7_000);
+}
+
+// ---------------------------------------------------------------- (k) losing hedges
+
+/// Protected calls in progress on a server: started and not yet ended (the layer ends a
+/// call when its response ended or was dropped, and its outcome, if it ran, is recorded).
+#[derive(Clone, Default)]
+struct InProgress(Arc<AtomicI64>);
+
+impl ServerObserver for InProgress {
+    fn call_started(&self, _: &str) {
+        self.0.fetch_add(1, AtomicOrdering::SeqCst);
+    }
+    fn call_ended(&self, _: &ProtectedCallEnded<'_>) {
+        self.0.fetch_sub(1, AtomicOrdering::SeqCst);
+    }
+}
+
+/// An idem server (`CreateOrder` protected, WAIT) on a runtime of its own with one
+/// worker thread.
+struct OneWorker {
+    addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+    shop: Shop,
+    layer: IdempotencyLayer<MemoryStore>,
+    in_progress: InProgress,
+}
+
+impl OneWorker {
+    async fn start() -> Self {
+        let shop = Shop::new();
+        let in_progress = InProgress::default();
+        let layer = IdempotencyLayer::new(MemoryStore::default(), &config(r#""maxAttempts": 2"#))
+            .tenant(SingleTenant::new("t"))
+            .observer(in_progress.clone());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (addr, incoming) = runtime.spawn(net::bind()).await.unwrap();
+        let server = Server::builder()
+            .layer(layer.clone())
+            .add_service(OrdersServer::new(shop.clone()))
+            .serve_with_incoming(incoming);
+        runtime.spawn(server);
+        OneWorker {
+            addr,
+            runtime: Some(runtime),
+            shop,
+            layer,
+            in_progress,
+        }
+    }
+
+    /// Tasks alive on the server's runtime (the server's, its connections', its
+    /// requests', the layer's).
+    fn alive_tasks(&self) -> usize {
+        self.runtime
+            .as_ref()
+            .unwrap()
+            .handle()
+            .metrics()
+            .num_alive_tasks()
+    }
+
+    fn in_progress(&self) -> i64 {
+        self.in_progress.0.load(AtomicOrdering::SeqCst)
+    }
+}
+
+impl Drop for OneWorker {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Waits (real time, at most 10 s) until `f` holds; panics with `what` otherwise.
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "never: {what}");
+        tokio::time::sleep(ms(2)).await;
+    }
+}
+
+fn get(id: &str) -> shop::GetOrderRequest {
+    shop::GetOrderRequest {
+        order_id: id.into(),
+    }
+}
+
+// Real time: the server runs on a multi-threaded runtime of its own (one worker), which
+// tokio's paused clock cannot drive; no assertion depends on how long anything takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_hedges_parked_on_an_idem_server_hold_no_worker_and_leave_nothing_behind() {
+    const CALLS: usize = 64;
+    let server = OneWorker::start().await;
+    let layer = RetryLayer::builder()
+        .service_config(config(
+            r#""maxAttempts": 3, "hedgingDelay": "0.005s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
+        ))
+        .build()
+        .unwrap();
+    let client = OrdersClient::new(Retry::new(net::channel(server.addr), &layer));
+    // Warm up: the connection, and a protected call through the store.
+    client.clone().get_order(get("warm")).await.unwrap();
+    client
+        .clone()
+        .create_order(shop_fake::create("warm"))
+        .await
+        .unwrap();
+    eventually("the warm-up settles", || server.in_progress() == 0).await;
+    tokio::time::sleep(ms(20)).await;
+    let baseline = server.alive_tasks();
+
+    // 64 hedged calls whose handler waits at a gate: each runs once, and its two other
+    // hedges wait (WAIT) for that run on the server.
+    let calls: Vec<_> = (0..CALLS)
+        .map(|_| {
+            let mut c = client.clone();
+            tokio::spawn(async move { c.create_order(shop_fake::create("gate")).await })
+        })
+        .collect();
+    let waiting = 2 * CALLS as u64;
+    eventually("every call runs once and its two other hedges wait", || {
+        server.in_progress() == 3 * CALLS as i64
+            && server.layer.stats().snapshot().waited == waiting
+    })
+    .await;
+    assert_eq!(server.layer.handlers_in_flight(), CALLS);
+    let parked = server.alive_tasks();
+    // Each waiting hedge is (at least) a task while it waits: what must go away.
+    assert!(parked >= baseline + waiting as usize, "{parked} tasks");
+
+    // The one worker still serves unrelated calls while 128 hedges wait.
+    for i in 0..100 {
+        let served = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.clone().get_order(get(&format!("o-{i}"))),
+        )
+        .await
+        .expect("an unrelated call is served while losing hedges wait");
+        served.unwrap();
+    }
+    assert_eq!(
+        server.shop.finished(),
+        2 + 100,
+        "no gated run ended meanwhile"
+    );
+
+    // The callers of half the calls go away: their waiting hedges (64) are dropped at
+    // once, with their request tasks; their runs go on, as a run outlives its caller.
+    for c in &calls[..CALLS / 2] {
+        c.abort();
+    }
+    eventually("the abandoned calls' waiting hedges are gone", || {
+        server.in_progress() == (3 * CALLS - 2 * (CALLS / 2)) as i64
+    })
+    .await;
+    eventually("their request tasks are gone", || {
+        server.alive_tasks() <= parked - 2 * (CALLS / 2)
+    })
+    .await;
+    assert_eq!(server.layer.handlers_in_flight(), CALLS);
+
+    // The gate opens: every run ends; each remaining call takes its first answer and
+    // cancels its other hedges.
+    server.shop.open_gate(CALLS);
+    for c in calls.into_iter().skip(CALLS / 2) {
+        let resp = c.await.unwrap().unwrap();
+        let report = CallReport::from_response(&resp).unwrap();
+        assert_eq!(report.hedges(), Some(3), "{report}");
+    }
+    // Nothing is left behind: no call in progress, no handler, no task over the
+    // baseline; one run per call, the abandoned ones included.
+    eventually("no protected call in progress", || {
+        server.in_progress() == 0
+    })
+    .await;
+    eventually("no handler in flight", || {
+        server.layer.handlers_in_flight() == 0
+    })
+    .await;
+    eventually("tasks back to the baseline", || {
+        server.alive_tasks() <= baseline
+    })
+    .await;
+    let stats = server.layer.stats().snapshot();
+    assert_eq!(stats.executed, 1 + CALLS as u64);
+    assert_eq!(stats.waited, waiting);
+    assert_eq!(server.shop.runs(), 2 + 100 + CALLS);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bidi_call_hedged_goes_on_with_the_hedge_whose_headers_came_first() {
+    // Instance 0 sends its headers after 1 s, instance 1 at once.
+    let t = tallies(&[1000, 0], false).await;
+    let config = ServiceConfig::from_json(
+        r#"{"methodConfig": [{
+            "name": [{"service": "stream.v1.Tally", "method": "Running"}],
+            "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.05s",
+                              "nonFatalStatusCodes": ["UNAVAILABLE"]}
+        }]}"#,
+    )
+    .unwrap();
+    let layer = RetryLayer::builder()
+        .service_config(config)
+        .build()
+        .unwrap();
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    let start = Instant::now();
+    let resp = client.running(stream).await.unwrap();
+    assert_eq!(start.elapsed(), ms(50), "hedge 1's headers");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_eq!(layer.replay_bytes_held(), 0, "headers commit the call");
+    // Request, response, request, response on the winner.
+    let mut answers = resp.into_inner();
+    assert_eq!(
+        answers.message().await.unwrap(),
+        Some(Total { sum: 1, count: 1 })
+    );
+    tx.send(number(2)).unwrap();
+    assert_eq!(
+        answers.message().await.unwrap(),
+        Some(Total { sum: 3, count: 2 })
+    );
+    tx.send(number(3)).unwrap();
+    assert_eq!(
+        answers.message().await.unwrap(),
+        Some(Total { sum: 6, count: 3 })
+    );
+    drop(tx);
+    assert_eq!(answers.message().await.unwrap(), None);
+    let log = t.log.settled(2).await;
+    assert_eq!(
+        log,
+        [
+            Summed {
+                instance: 0,
+                hedge: 0,
+                values: vec![],
+                answered: None
+            },
+            Summed {
+                instance: 1,
+                hedge: 1,
+                values: vec![1, 2, 3],
+                answered: Some(true)
+            },
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_message_over_its_limit_mid_hedge_ends_the_call_and_every_hedge() {
+    let t = tallies(&[0, 0, 0], false).await;
+    let config = ServiceConfig::from_json(
+        r#"{"methodConfig": [{
+            "name": [{"service": "stream.v1.Tally", "method": "Sum"}],
+            "maxRequestMessageBytes": 100,
+            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.05s",
+                              "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]}
+        }]}"#,
+    )
+    .unwrap();
+    let layer = RetryLayer::builder()
+        .service_config(config)
+        .build()
+        .unwrap();
+    let mut client = tally_client(&t.addrs, &layer);
+    let (tx, stream) = numbers();
+    tx.send(number(1)).unwrap();
+    let start = Instant::now();
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    tokio::time::sleep(ms(60)).await;
+    // Both hedges are out; this message is over maxRequestMessageBytes.
+    tx.send(padded(2, 200)).unwrap();
+    let status = call.await.unwrap().unwrap_err();
+    assert_eq!(start.elapsed(), ms(60));
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("maxRequestMessageBytes (100)"),
+        "{status:?}"
+    );
+    let report = report_of(&status);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (CallOutcome::MessageTooLarge, Some(2))
+    );
+    // No instance got the message, none answered, and no third hedge went out.
+    tokio::time::sleep(ms(200)).await;
+    let log = t.log.settled(2).await;
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert!(
+        log.iter()
+            .all(|s| s.values == [1] && s.answered != Some(true)),
+        "{log:?}"
+    );
+    assert_eq!(layer.replay_bytes_held(), 0);
+    drop(tx);
 }

@@ -169,12 +169,23 @@
 //! the hedges in the order they went out, those still running when the call ended as
 //! [`AttemptEnd::Cancelled`], each with the delay before the next one.
 //!
+//! **Streaming requests.** A client-streaming or bidi request (or any body the caller is
+//! still producing) is hedged too: every hedge sends the messages so far, then follows
+//! the live stream, read once from the caller. The copy counts against the same replay
+//! limits as a retried call's; when it would pass one, the call commits to the hedge
+//! that has sent the most messages, the others are cancelled and no more hedges go out
+//! (gRFC A6, "Memory Management"); the committed hedge goes on.
+//!
+//! **`waitForReady`.** A hedge the channel could not send (connection refused) uses no
+//! attempt and no throttle token: it goes out again after the same waits as a retried
+//! call's, in place of the next hedge, until the deadline (DEADLINE_EXCEEDED) or, without
+//! one, [`RetryLayerBuilder::wait_for_ready_limit`] (UNAVAILABLE,
+//! [`CallOutcome::NotReady`]). Without it, a connect failure is a failed hedge
+//! (UNAVAILABLE).
+//!
 //! Limits:
-//! - Only requests complete when the call starts are hedged (every unary and
-//!   server-streaming call); a client-streaming or bidi request the caller is still
-//!   producing is sent once, as a call without a policy ([`CallOutcome::NotHedged`]).
-//! - `waitForReady` does not apply to hedged calls: a hedge the channel cannot send fails
-//!   as UNAVAILABLE (a non-fatal code if listed, and the next hedge goes out).
+//! - A request already over a replay limit when the call starts is sent once, as a call
+//!   without a policy.
 //! - Hedges go through the same inner service: A6 asks that they reach distinct backends
 //!   "if possible". Under a tonic `Channel::balance_list`, tower's power-of-two-choices
 //!   balancer prefers the endpoint with fewer requests in flight, which is rarely the one

@@ -18,7 +18,7 @@ use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::body::{self, Lease, Overflow, Read};
+use super::body::{self, Lease, Overflow, Partial, Read};
 use super::config::Settings;
 use super::context::{Attempt, CallContext};
 use super::limit::RequestCheck;
@@ -50,11 +50,29 @@ pub(super) enum AttemptBody {
     Stream(StreamReplay),
 }
 
-impl AttemptBody {
-    /// Reads what the caller has ready, without waiting for more. `Err` with the status
-    /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
+/// What the layer read of a request before its first attempt, and what reading the rest
+/// needs: the budget lease, the request message check, the per-call replay cap.
+pub(super) struct Start {
+    pub(super) read: Begun,
+    pub(super) lease: Lease,
+    pub(super) check: Option<RequestCheck>,
+    pub(super) cap: usize,
+}
+
+/// A request read up to where the caller has not produced more (or to its end).
+pub(super) enum Begun {
+    /// The whole request: every attempt gets a copy.
+    Complete(body::Replay),
+    /// The start of a request that streams.
+    Partial(Partial),
+}
+
+impl Start {
+    /// Reads what the caller has ready of `source`, without waiting for more. `Err` with
+    /// the status when a request message is over `maxRequestMessageBytes`: nothing is
+    /// sent.
     pub(super) async fn read(
-        mut source: tonic::body::Body,
+        source: &mut tonic::body::Body,
         call: &Call,
     ) -> Result<Self, tonic::Status> {
         let mut lease = Lease::new(call.cx.shared.budget.clone());
@@ -67,7 +85,7 @@ impl AttemptBody {
         let cap = call.settings.max_replay_bytes_per_call();
         let read = poll_fn(|cx| {
             Poll::Ready(body::read_ready(
-                &mut source,
+                source,
                 cap,
                 &mut lease,
                 check.as_mut(),
@@ -75,19 +93,44 @@ impl AttemptBody {
             ))
         })
         .await;
-        Ok(match read {
+        let read = match read {
             Read::TooLarge => {
                 return Err(call.cx.request_fault().unwrap_or_else(|| {
                     tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
                 }));
             }
-            Read::Complete(replay) => AttemptBody::Replay {
+            Read::Complete(replay) => Begun::Complete(replay),
+            Read::Partial(partial) => Begun::Partial(partial),
+        };
+        Ok(Start {
+            read,
+            lease,
+            check,
+            cap,
+        })
+    }
+}
+
+impl AttemptBody {
+    /// Reads what the caller has ready, without waiting for more. `Err` with the status
+    /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
+    pub(super) async fn read(
+        mut source: tonic::body::Body,
+        call: &Call,
+    ) -> Result<Self, tonic::Status> {
+        let start = Start::read(&mut source, call).await?;
+        Ok(match start.read {
+            Begun::Complete(replay) => AttemptBody::Replay {
                 replay,
-                _lease: lease,
+                _lease: start.lease,
             },
-            Read::Partial(start) => {
-                AttemptBody::Stream(StreamReplay::new(start, source, lease, cap, check))
-            }
+            Begun::Partial(partial) => AttemptBody::Stream(StreamReplay::new(
+                partial,
+                source,
+                start.lease,
+                start.cap,
+                start.check,
+            )),
         })
     }
 
@@ -135,7 +178,7 @@ impl AttemptBody {
 }
 
 /// What `waitForReady` does after an attempt the channel could not send.
-enum NotReady {
+pub(super) enum NotReady {
     /// Send it again after this wait.
     Wait(Duration),
     /// Stop waiting: the caller gets this, with this outcome.
@@ -145,7 +188,7 @@ enum NotReady {
 /// `waitForReady`: the waits since the channel failed to connect (reset once an attempt
 /// is sent), and when a call without a deadline stops waiting for it.
 #[derive(Debug, Default)]
-struct ReadyWait {
+pub(super) struct ReadyWait {
     waits: u32,
     until: Option<Instant>,
 }
@@ -236,7 +279,7 @@ impl Call {
     /// `waitForReady` after an attempt the channel could not send: the wait before sending
     /// it again, or how the call ends (at its deadline, or after the layer's limit
     /// without one).
-    fn not_ready(&self, ready: &mut ReadyWait, attempt: Attempt) -> NotReady {
+    pub(super) fn not_ready(&self, ready: &mut ReadyWait, attempt: &Attempt) -> NotReady {
         let now = Instant::now();
         let limit = self.settings.wait_for_ready_limit();
         let end = match self.cx.deadline {
@@ -257,7 +300,7 @@ impl Call {
             return NotReady::GiveUp(Attempt::Local(status), CallOutcome::Deadline);
         }
         let cause = match attempt {
-            Attempt::Error(e) => tonic::Status::from_error(e).message().to_owned(),
+            Attempt::Error(e) => connect_cause(e),
             _ => String::new(),
         };
         let status = tonic::Status::unavailable(format!(
@@ -349,7 +392,7 @@ where
         }
         if call.wait_for_ready && attempt.never_sent() && body.can_resend() {
             body.retire();
-            match call.not_ready(&mut ready, attempt) {
+            match call.not_ready(&mut ready, &attempt) {
                 NotReady::Wait(wait) => {
                     tracing::debug!(
                         wait_ms = millis(wait),
@@ -392,6 +435,19 @@ where
             }
         }
     }
+}
+
+/// What a connect failure says, as tonic's status of it would (the connect error's own
+/// message, wherever it is in the chain).
+fn connect_cause(e: &BoxError) -> String {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
+    while let Some(err) = cause {
+        if let Some(c) = err.downcast_ref::<tonic::ConnectError>() {
+            return c.to_string();
+        }
+        cause = err.source();
+    }
+    e.to_string()
 }
 
 fn millis(d: Duration) -> u64 {

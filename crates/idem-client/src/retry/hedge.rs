@@ -6,8 +6,18 @@
 //! the I/O, the clock, the counters and the tracing around it. Every hedge carries the
 //! same request: the headers the call was given (so the same idempotency key, placed
 //! once before the first hedge), `grpc-previous-rpc-attempts` set to the hedge's index,
-//! `grpc-timeout` set to the time left, and a copy of the buffered body.
+//! `grpc-timeout` set to the time left, and the same body
+//! ([`hedge_body`](super::hedge_body): a copy of a request complete at the start, or the
+//! messages of a streaming request so far, then the live stream).
+//!
+//! With `waitForReady`, a hedge the channel could not send (it could not connect) is not
+//! a hedge: it counts for neither `maxAttempts` nor the throttle, and goes out again after
+//! the same waits as a retried call's ([`Call::not_ready`]), in place of the next hedge:
+//! while the channel cannot connect, one request at a time probes it. The call waits so
+//! until its deadline (DEADLINE_EXCEEDED) or, without one, the layer's
+//! `wait_for_ready_limit` (UNAVAILABLE), unless a hedge that was sent answers first.
 
+use std::collections::VecDeque;
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -18,11 +28,13 @@ use idem_core::config::HedgingPolicy;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use super::call::{AttemptBody, Call};
+use super::call::{AttemptBody, Begun, Call, NotReady, ReadyWait, Start};
 use super::context::Attempt;
+use super::hedge_body::{HedgeRequest, HedgeStream};
 use super::hedge_policy::{self, HedgeDecision, HedgeLimits, HedgeState, Next};
 use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::Resp;
+use super::replay::StreamReplay;
 use super::throttle::RetryThrottle;
 use crate::BoxError;
 
@@ -39,6 +51,8 @@ struct Running<'a> {
 enum Event {
     /// A hedge ended (its position in `running`).
     Ended(usize, Attempt),
+    /// The request passed a replay limit and committed to this hedge.
+    Overflowed(u32),
     /// The next hedge is due.
     Due,
     /// The inner service is ready for the hedge that is due.
@@ -51,7 +65,7 @@ enum Event {
 struct Race<'a> {
     call: &'a Call,
     parts: &'a Parts,
-    body: &'a AttemptBody,
+    body: &'a HedgeRequest,
     policy: &'a HedgingPolicy,
     throttle: Option<RetryThrottle>,
     peek: bool,
@@ -61,6 +75,9 @@ struct Race<'a> {
     timer: Option<Pin<Box<Sleep>>>,
     /// The next hedge is due and waits for the inner service to be ready.
     due: bool,
+    /// `waitForReady`: hedges the channel could not send, to send again (their indices).
+    unsent: VecDeque<u32>,
+    ready: ReadyWait,
     /// When the last hedge was sent, for the report.
     last_sent: Option<(u32, Instant)>,
     /// The last hedge that failed while others ran: the caller's answer if no other
@@ -69,7 +86,36 @@ struct Race<'a> {
     report: CallReport,
 }
 
-/// The hedging loop: the request is read first; a request still streaming is sent once.
+/// How a hedged call starts, from what the caller had ready of its request.
+enum Begin {
+    /// Hedged: the whole request, or the start of a stream kept whole so far.
+    Hedged(HedgeRequest),
+    /// Over a replay limit before the first hedge (or unreadable): sent once.
+    Once(AttemptBody),
+}
+
+/// Reads what the caller has ready of the request, without waiting for more.
+async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, tonic::Status> {
+    let start = Start::read(&mut source, call).await?;
+    Ok(match start.read {
+        Begun::Complete(replay) => Begin::Hedged(HedgeRequest::Replay {
+            replay,
+            _lease: start.lease,
+        }),
+        Begun::Partial(partial) if partial.overflow.is_some() => Begin::Once(AttemptBody::Stream(
+            StreamReplay::new(partial, source, start.lease, start.cap, start.check),
+        )),
+        Begun::Partial(partial) => Begin::Hedged(HedgeRequest::Stream(HedgeStream::new(
+            partial,
+            source,
+            start.lease,
+            start.cap,
+            start.check,
+        ))),
+    })
+}
+
+/// The hedging loop.
 pub(crate) async fn run<S, B, RB>(
     mut svc: S,
     parts: Parts,
@@ -86,16 +132,14 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let body = match AttemptBody::read(tonic::body::Body::new(body), &call).await {
-        Ok(body) => body,
+    let body = match begin(tonic::body::Body::new(body), &call).await {
+        Ok(Begin::Hedged(body)) => body,
+        Ok(Begin::Once(body)) => return Ok(once(&mut svc, &parts, &body, &call).await),
         Err(status) => {
             let report = CallReport::new(CallOutcome::MessageTooLarge);
             return Ok(call.cx.finish(Attempt::Local(status), report));
         }
     };
-    if !matches!(body, AttemptBody::Replay { .. }) {
-        return Ok(once(&mut svc, &parts, &body, &call).await);
-    }
     if call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
         let report = CallReport::hedged(CallOutcome::Deadline);
         return Ok(call.cx.finish(Attempt::Deadline, report));
@@ -106,11 +150,13 @@ where
         body: &body,
         policy: &policy,
         throttle: call.cx.shared.throttle(),
-        peek: call.settings.peek_early_trailers(),
+        peek: call.settings.peek_early_trailers() && body.may_peek(),
         state: HedgeState::default(),
         running: Vec::new(),
         timer: None,
         due: false,
+        unsent: VecDeque::new(),
+        ready: ReadyWait::default(),
         last_sent: None,
         last_failure: None,
         report: CallReport::hedged(CallOutcome::Committed),
@@ -121,6 +167,7 @@ where
         let event = poll_fn(|cx| race.poll_event(&mut svc, cx)).await;
         let answer = match event {
             Event::Ended(pos, attempt) => race.ended(pos, attempt),
+            Event::Overflowed(hedge) => race.overflowed(hedge),
             Event::Due => race.due(),
             Event::Ready => {
                 race.send(&mut svc);
@@ -135,8 +182,8 @@ where
 }
 
 impl<'a> Race<'a> {
-    /// The first hedge to end, else the next one due, else the inner service ready for
-    /// it.
+    /// The first hedge to end, else a commit of the request to one hedge, else the next
+    /// hedge due, else the inner service ready for it.
     fn poll_event<S, RB>(&mut self, svc: &mut S, cx: &mut Context<'_>) -> Poll<Event>
     where
         S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
@@ -146,6 +193,9 @@ impl<'a> Race<'a> {
             if let Poll::Ready(attempt) = r.response.as_mut().poll(cx) {
                 return Poll::Ready(Event::Ended(pos, attempt));
             }
+        }
+        if let Poll::Ready(hedge) = self.body.poll_overflow(cx) {
+            return Poll::Ready(Event::Overflowed(hedge));
         }
         if let Some(timer) = self.timer.as_mut()
             && timer.as_mut().poll(cx).is_ready()
@@ -163,7 +213,8 @@ impl<'a> Race<'a> {
         Poll::Pending
     }
 
-    /// Sends the next hedge on a ready service, and plans the one after it.
+    /// Sends the next hedge (or one the channel could not send before) on a ready
+    /// service, and plans the one after it.
     fn send<S, RB>(&mut self, svc: &mut S)
     where
         S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
@@ -173,8 +224,34 @@ impl<'a> Race<'a> {
         RB::Error: Into<BoxError>,
     {
         self.due = false;
-        let index = self.state.sent;
         let now = Instant::now();
+        let index = match self.unsent.pop_front() {
+            Some(index) => index,
+            None => self.new_hedge(now),
+        };
+        let req = self
+            .call
+            .request(self.parts, self.body.body(index), index + 1);
+        let response = self.call.send(svc.call(req), self.peek);
+        self.running.push(Running {
+            index,
+            started: now,
+            response: Box::pin(response),
+        });
+        let limits = self.limits();
+        let next = match hedge_policy::after_send(&mut self.state, &limits) {
+            // Hedges the channel could not send still go, one hedging delay apart.
+            Next::Never if !self.unsent.is_empty() && self.may_resend() => {
+                Next::After(self.policy.hedging_delay)
+            }
+            next => next,
+        };
+        self.plan(next);
+    }
+
+    /// Counts a new hedge; its index.
+    fn new_hedge(&mut self, now: Instant) -> u32 {
+        let index = self.state.sent;
         if let Some((previous, at)) = self.last_sent {
             self.report.next_after(previous, now - at);
         }
@@ -185,28 +262,37 @@ impl<'a> Race<'a> {
         if index > 0 {
             tracing::debug!(hedge = index, "hedging");
         }
-        let req = self.call.request(self.parts, self.body.next(), index + 1);
-        let response = self.call.send(svc.call(req), self.peek);
-        self.running.push(Running {
-            index,
-            started: now,
-            response: Box::pin(response),
-        });
-        let limits = self.limits();
-        let next = hedge_policy::after_send(&mut self.state, &limits);
-        self.plan(next);
+        index
     }
 
     /// The next hedge is due: it goes out once the service is ready, if the throttle and
-    /// the deadline still allow it.
+    /// the deadline still allow it. A hedge the channel could not send goes first,
+    /// without asking the throttle again.
     fn due(&mut self) -> Option<Resp> {
         if self.call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
             // The hedges running end at the deadline too; with none, the call ends now.
             self.state.frozen.get_or_insert(CallOutcome::Deadline);
+            let waiting = !self.unsent.is_empty();
+            self.unsent.clear();
             return self.running.is_empty().then(|| {
-                let last = self.last_failure.take().unwrap_or(Attempt::Deadline);
+                let last = match waiting {
+                    true => Attempt::Local(tonic::Status::deadline_exceeded(
+                        "deadline exceeded while waiting for the channel to become ready",
+                    )),
+                    false => self.last_failure.take().unwrap_or(Attempt::Deadline),
+                };
                 self.finish(last, CallOutcome::Deadline)
             });
+        }
+        if let Some(outcome) = self.body.sent_once() {
+            self.state.frozen.get_or_insert(outcome);
+        }
+        if !self.unsent.is_empty() {
+            if self.may_resend() {
+                self.due = true;
+                return None;
+            }
+            self.unsent.clear();
         }
         let allowed = self
             .throttle
@@ -229,13 +315,32 @@ impl<'a> Race<'a> {
         }
     }
 
+    /// Whether a hedge the channel could not send may still go: only `maxAttempts`, which
+    /// counted it when it first went, has stopped new hedges.
+    fn may_resend(&self) -> bool {
+        matches!(
+            self.state.frozen,
+            None | Some(CallOutcome::AttemptsExhausted)
+        ) && self.body.sent_once().is_none()
+    }
+
     /// A hedge ended: the call ends with it, or the race goes on.
     fn ended(&mut self, pos: usize, attempt: Attempt) -> Option<Resp> {
         let done = self.running.remove(pos);
+        self.state.running = self.running.len() as u32;
+        if self.call.cx.request_fault().is_some() {
+            // A request message was over its limit: no hedge may send the rest.
+            self.report
+                .ended(done.index, attempt.observe().end, done.started.elapsed());
+            return Some(self.finish(attempt, CallOutcome::MessageTooLarge));
+        }
+        if self.call.wait_for_ready && attempt.never_sent() {
+            return self.wait_for_ready(done, attempt);
+        }
+        self.ready = ReadyWait::default();
         let attempted = attempt.observe();
         self.report
             .ended(done.index, attempted.end, done.started.elapsed());
-        self.state.running = self.running.len() as u32;
         let limits = self.limits();
         let throttle = self.throttle.as_ref();
         let decision = hedge_policy::decide(&mut self.state, &attempted, &limits, || {
@@ -248,11 +353,13 @@ impl<'a> Race<'a> {
                         t.record_success();
                     }
                     self.report.won(done.index);
+                    self.body.commit(done.index);
                 }
                 Some(self.finish(attempt, outcome))
             }
             HedgeDecision::Continue(next) => {
                 tracing::debug!(hedge = done.index, end = %attempted.end, "hedge failed");
+                self.body.retire(done.index);
                 self.last_failure = Some(attempt);
                 self.plan(next);
                 None
@@ -260,9 +367,89 @@ impl<'a> Race<'a> {
         }
     }
 
+    /// `waitForReady`: a hedge the channel could not send uses no attempt and no token;
+    /// it goes out again after a wait, in place of the next hedge. The call gives up at
+    /// its deadline (or the layer's limit), or when no more hedges may go out, once no
+    /// hedge that was sent is left.
+    fn wait_for_ready(&mut self, done: Running<'a>, attempt: Attempt) -> Option<Resp> {
+        self.body.retire(done.index);
+        self.report.ended(
+            done.index,
+            AttemptEnd::TransportError,
+            done.started.elapsed(),
+        );
+        if !self.may_resend() {
+            let why = self.state.frozen.unwrap_or(CallOutcome::NotReady);
+            return self.give_up(attempt, why);
+        }
+        match self.call.not_ready(&mut self.ready, &attempt) {
+            NotReady::Wait(wait) => {
+                tracing::debug!(
+                    hedge = done.index,
+                    wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                    "waiting for the channel to be ready"
+                );
+                self.unsent.push_back(done.index);
+                self.last_failure = Some(attempt);
+                self.plan(Next::After(wait));
+                None
+            }
+            NotReady::GiveUp(answer, outcome) => self.give_up(answer, outcome),
+        }
+    }
+
+    /// No more requests go out: the call ends with `answer` now, or with the hedges still
+    /// running.
+    fn give_up(&mut self, answer: Attempt, outcome: CallOutcome) -> Option<Resp> {
+        self.unsent.clear();
+        self.state.frozen = Some(outcome);
+        self.plan(Next::Never);
+        if self.running.is_empty() {
+            return Some(self.finish(answer, outcome));
+        }
+        self.last_failure = Some(answer);
+        None
+    }
+
+    /// The request passed a replay limit and committed to `hedge` (A6: the hedge that sent
+    /// the most): the others are cancelled and no more hedges go out.
+    fn overflowed(&mut self, hedge: u32) -> Option<Resp> {
+        let outcome = self.body.sent_once().unwrap_or(CallOutcome::BodyTooLarge);
+        tracing::debug!(
+            hedge,
+            outcome = outcome.as_str(),
+            "request committed to one hedge"
+        );
+        self.state.frozen.get_or_insert(outcome);
+        self.unsent.clear();
+        self.plan(Next::Never);
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].index == hedge {
+                i += 1;
+                continue;
+            }
+            let r = self.running.remove(i);
+            self.body.retire(r.index);
+            self.report
+                .ended(r.index, AttemptEnd::Cancelled, r.started.elapsed());
+        }
+        self.state.running = self.running.len() as u32;
+        if !self.running.is_empty() {
+            return None;
+        }
+        let last = self.last_failure.take().unwrap_or_else(|| {
+            Attempt::Local(tonic::Status::unavailable(
+                "the hedge the request committed to was gone",
+            ))
+        });
+        Some(self.finish(last, outcome))
+    }
+
     /// The inner service failed: no more hedges; the call ends when none is running.
     fn not_ready(&mut self, e: BoxError) -> Option<Resp> {
         self.due = false;
+        self.unsent.clear();
         self.state.frozen = Some(CallOutcome::ServiceError);
         self.plan(Next::Never);
         self.running
@@ -283,6 +470,7 @@ impl<'a> Race<'a> {
     fn limits(&self) -> HedgeLimits<'a> {
         HedgeLimits {
             policy: self.policy,
+            sent_once: self.body.sent_once(),
             time_left: self
                 .call
                 .cx
@@ -293,10 +481,11 @@ impl<'a> Race<'a> {
         }
     }
 
-    /// Cancels the hedges still running (dropping a response resets its stream) and
-    /// answers the caller with `attempt`.
+    /// Cancels the hedges still running (dropping a response resets its stream, and their
+    /// request bodies fail) and answers the caller with `attempt`.
     fn finish(&mut self, attempt: Attempt, outcome: CallOutcome) -> Resp {
         for r in self.running.drain(..) {
+            self.body.retire(r.index);
             self.report
                 .ended(r.index, AttemptEnd::Cancelled, r.started.elapsed());
         }
@@ -305,8 +494,8 @@ impl<'a> Race<'a> {
     }
 }
 
-/// A request the caller was still producing when the call started: sent once, as a call
-/// without a policy (hedging needs the whole request to send it again).
+/// A request over a replay limit before its first hedge: sent once, as a call without a
+/// policy (hedging needs the whole request to send it again).
 async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &AttemptBody, call: &Call) -> Resp
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
@@ -325,7 +514,7 @@ where
     }
     let outcome = match end {
         AttemptEnd::Deadline => CallOutcome::Deadline,
-        _ => body.sent_once().unwrap_or(CallOutcome::NotHedged),
+        _ => body.sent_once().unwrap_or(CallOutcome::BodyTooLarge),
     };
     let mut report = CallReport::new(outcome);
     report.record(end, started.elapsed());
@@ -337,16 +526,21 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
 
+    use bytes::Bytes;
     use http_body::Frame;
+    use http_body_util::BodyExt;
     use idem_core::ServiceConfig;
+    use tokio::time::Instant;
     use tonic::body::Body;
     use tower::{Layer, Service, ServiceExt};
 
     use crate::BoxError;
-    use crate::retry::{CallOutcome, CallReport, RetryLayer};
+    use crate::retry::backoff::FixedJitter;
+    use crate::retry::{CallOutcome, CallReport, RetryLayer, RetryLayerBuilder};
 
     const PATH: &str = "/shop.v1.Orders/CreateOrder";
 
@@ -379,34 +573,362 @@ mod tests {
         })
     }
 
+    /// A request as a test service saw it: when, its `grpc-previous-rpc-attempts`, and
+    /// (for `recording`) its body.
+    type Received = (Instant, Option<String>, Bytes);
+    type Arrived = (Instant, Option<String>);
+
+    /// Reads each request whole, records it (when, `grpc-previous-rpc-attempts`, the
+    /// body), then answers UNAVAILABLE.
+    fn recording(
+        seen: Arc<Mutex<Vec<Received>>>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(move |req: http::Request<Body>| {
+            let seen = seen.clone();
+            async move {
+                let previous = req
+                    .headers()
+                    .get("grpc-previous-rpc-attempts")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let at = Instant::now();
+                let body = req.into_body().collect().await?.to_bytes();
+                seen.lock().unwrap().push((at, previous, body));
+                Ok::<_, BoxError>(tonic::Status::unavailable("busy").into_http())
+            }
+        })
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn a_request_still_streaming_is_sent_once_not_hedged() {
-        let calls = Arc::new(AtomicU32::new(0));
+    async fn a_request_still_streaming_is_hedged_and_every_hedge_sends_all_of_it() {
+        let seen = Arc::default();
         let layer = layer();
-        let mut svc = layer.layer(unavailable(calls.clone()));
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<bytes::Bytes>, BoxError>>(4);
-        tx.send(Ok(Frame::data(bytes::Bytes::from_static(
-            b"\0\0\0\0\x02hi",
-        ))))
-        .await
-        .unwrap();
+        let mut svc = layer.layer(recording(Arc::clone(&seen)));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\0\0\0\0\x02hi"))))
+            .await
+            .unwrap();
         let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         let req = http::Request::builder()
             .uri(format!("http://test{PATH}"))
             .body(Body::new(body))
             .unwrap();
-        let resp = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+        let call = ServiceExt::<http::Request<Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req);
+        let call = tokio::spawn(call);
+        // Hedges at 0 and 10 ms get the first message; the rest comes at 15 ms, while
+        // both are out. They fail then, and the third hedge goes out at once with the
+        // whole request.
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\0\0\0\0\x03you"))))
+            .await
+            .unwrap();
+        drop(tx);
+        let resp = call.await.unwrap().unwrap();
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::AttemptsExhausted);
+        assert_eq!(report.hedges(), Some(3));
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 3);
+        let start = seen[0].0;
+        for (i, (at, previous, body)) in seen.iter().enumerate() {
+            assert_eq!(&body[..], b"\0\0\0\0\x02hi\0\0\0\0\x03you", "hedge {i}");
+            assert_eq!(previous.as_deref(), [None, Some("1"), Some("2")][i]);
+            assert_eq!(*at - start, Duration::from_millis([0, 10, 15][i]));
+        }
+        assert_eq!(layer.replay_bytes_held(), 0);
+    }
+
+    fn hedged_layer(
+        extra: &str,
+        builder: impl FnOnce(RetryLayerBuilder) -> RetryLayerBuilder,
+    ) -> RetryLayer {
+        let config = ServiceConfig::from_json(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "shop.v1.Orders"}}], {extra}
+                "hedgingPolicy": {{"maxAttempts": 2, "hedgingDelay": "0.05s",
+                                  "nonFatalStatusCodes": ["UNAVAILABLE"]}}}}],
+                "retryThrottling": {{"maxTokens": 10, "tokenRatio": 0.1}}}}"#
+        ))
+        .unwrap();
+        builder(
+            RetryLayer::builder()
+                .service_config(config)
+                .jitter(FixedJitter(0.5)),
+        )
+        .build()
+        .unwrap()
+    }
+
+    /// What a request gets: a connect failure (nothing sent), a response after a wait.
+    #[derive(Clone, Copy)]
+    enum Answer {
+        NotConnected,
+        OkAfter(u64),
+    }
+
+    /// Answers requests from `script` (then OK at once), recording when each came and its
+    /// `grpc-previous-rpc-attempts`.
+    fn scripted(
+        script: Vec<Answer>,
+        seen: Arc<Mutex<Vec<Arrived>>>,
+    ) -> impl Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = BoxError,
+        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
+                 + Send
+                 + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        let script = Arc::new(Mutex::new(std::collections::VecDeque::from(script)));
+        tower::service_fn(move |req: http::Request<Body>| {
+            let previous = req
+                .headers()
+                .get("grpc-previous-rpc-attempts")
+                .map(|v| v.to_str().unwrap().to_owned());
+            seen.lock().unwrap().push((Instant::now(), previous));
+            let answer = script
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or(Answer::OkAfter(0));
+            async move {
+                match answer {
+                    Answer::NotConnected => Err(Box::new(tonic::ConnectError(
+                        "tcp connect error: Connection refused".into(),
+                    )) as BoxError),
+                    Answer::OkAfter(ms) => {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        Ok(http::Response::new(Body::empty()))
+                    }
+                }
+            }
+        })
+    }
+
+    async fn send<S>(svc: &mut S) -> http::Response<Body>
+    where
+        S: Service<http::Request<Body>, Response = http::Response<Body>, Error = BoxError>,
+    {
+        let req = http::Request::builder()
+            .uri(format!("http://test{PATH}"))
+            .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+                b"\0\0\0\0\x02hi",
+            ))))
+            .unwrap();
+        ServiceExt::<http::Request<Body>>::ready(svc)
             .await
             .unwrap()
             .call(req)
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    fn gaps(seen: &[Arrived]) -> Vec<u64> {
+        seen.windows(2)
+            .map(|w| (w[1].0 - w[0].0).as_millis() as u64)
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_ready_hedges_wait_for_the_channel_without_using_hedges_or_tokens() {
+        use Answer::*;
+        let seen = Arc::default();
+        let layer = hedged_layer(r#""waitForReady": true,"#, |b| b);
+        // The channel connects on the third try; that request is slow, so the second
+        // hedge goes out one hedgingDelay after it, and wins.
+        let script = vec![NotConnected, NotConnected, OkAfter(1000), OkAfter(0)];
+        let mut svc = layer.layer(scripted(script, Arc::clone(&seen)));
+        let resp = send(&mut svc).await;
         let report = *resp.extensions().get::<CallReport>().unwrap();
-        assert_eq!(report.outcome, CallOutcome::NotHedged);
+        assert_eq!(report.outcome, CallOutcome::Committed);
+        assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+        let seen = seen.lock().unwrap().clone();
+        // Waits of 100 and 160 ms (jitter at its midpoint) between the tries of the first
+        // request, which keeps its index; no hedge goes out while the channel cannot
+        // connect; the second hedge 50 ms after the request that got through.
+        assert_eq!(gaps(&seen), [100, 160, 50]);
+        let previous: Vec<_> = seen.iter().map(|s| s.1.as_deref()).collect();
+        assert_eq!(previous, [None, None, None, Some("1")]);
+        // No token for the connect failures; one tenth back for the success.
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+        let stats = layer.stats().snapshot();
+        assert_eq!((stats.attempts, stats.retries), (2, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_ready_hedges_wait_until_the_deadline_and_end_with_deadline_exceeded() {
+        let seen = Arc::default();
+        let layer = hedged_layer(r#""waitForReady": true, "timeout": "1s","#, |b| b);
+        let script = vec![Answer::NotConnected; 100];
+        let mut svc = layer.layer(scripted(script, Arc::clone(&seen)));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+        assert_eq!(
+            status.message(),
+            "deadline exceeded while waiting for the channel to become ready"
+        );
+        let report = CallReport::from_status(&status).unwrap();
+        assert_eq!(
+            (report.outcome, report.hedges()),
+            (CallOutcome::Deadline, Some(1))
+        );
+        // One request at a time, every one the first hedge's.
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.iter().all(|s| s.1.is_none()), "{seen:?}");
+        assert_eq!(gaps(&seen)[..3], [100, 160, 256]);
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_for_ready_hedges_without_a_deadline_give_up_after_the_limit() {
+        let layer = hedged_layer(r#""waitForReady": true,"#, |b| {
+            b.wait_for_ready_limit(Duration::from_secs(5))
+        });
+        let script = vec![Answer::NotConnected; 100];
+        let mut svc = layer.layer(scripted(script, Arc::default()));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            status.message(),
+            "the channel did not become ready within 5s (waitForReady): tcp connect error: \
+             Connection refused"
+        );
+        let report = CallReport::from_status(&status).unwrap();
+        assert_eq!(report.outcome, CallOutcome::NotReady);
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 10_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_wait_for_ready_a_connect_failure_is_a_failed_hedge() {
+        let seen = Arc::default();
+        let layer = hedged_layer("", |b| b);
+        let script = vec![Answer::NotConnected, Answer::OkAfter(0)];
+        let mut svc = layer.layer(scripted(script, Arc::clone(&seen)));
+        let resp = send(&mut svc).await;
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        // UNAVAILABLE is non-fatal: the next hedge goes out at once, and wins.
+        assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+        assert_eq!(gaps(&seen.lock().unwrap()), [0]);
+        // The failure took a token; the success gave a tenth back.
+        assert_eq!(layer.throttle().unwrap().milli_tokens(), 9_100);
+
+        // Fatal (UNAVAILABLE not listed): the call fails at once.
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
+                "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.05s",
+                                  "nonFatalStatusCodes": ["ABORTED"]}}]}"#,
+        )
+        .unwrap();
+        let layer = RetryLayer::from_config(&config);
+        let mut svc = layer.layer(scripted(vec![Answer::NotConnected], Arc::default()));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        let report = CallReport::from_status(&status).unwrap();
+        assert_eq!(
+            (report.outcome, report.hedges()),
+            (CallOutcome::NonRetryableCode, Some(1))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_over_the_replay_limit_at_the_start_is_sent_once() {
+        // A6: a request that does not fit the buffer is not retried (hedged), "but the
+        // original RPC will still be sent".
+        let calls = Arc::new(AtomicU32::new(0));
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
+                "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.01s",
+                                  "nonFatalStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap();
+        let layer = RetryLayer::builder()
+            .service_config(config)
+            .max_replay_bytes_per_call(4)
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(unavailable(calls.clone()));
+        let resp = send(&mut svc).await;
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::BodyTooLarge);
         assert_eq!((report.attempts, report.hedges()), (1, None));
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1);
-        drop(tx);
+        assert_eq!(layer.replay_bytes_held(), 0);
+    }
+
+    /// Ready once (for the caller), then fails `poll_ready`; every request is answered OK
+    /// after `answer_after`.
+    #[derive(Clone)]
+    struct ReadyOnce {
+        polls: Arc<AtomicU32>,
+        calls: Arc<AtomicU32>,
+        answer_after: Duration,
+    }
+
+    impl Service<http::Request<Body>> for ReadyOnce {
+        type Response = http::Response<Body>;
+        type Error = BoxError;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<http::Response<Body>, BoxError>> + Send>,
+        >;
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), BoxError>> {
+            match self.polls.fetch_add(1, Ordering::SeqCst) {
+                0 => std::task::Poll::Ready(Ok(())),
+                _ => std::task::Poll::Ready(Err("the channel's worker is gone".into())),
+            }
+        }
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let wait = self.answer_after;
+            Box::pin(async move {
+                tokio::time::sleep(wait).await;
+                Ok(http::Response::new(Body::empty()))
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_inner_service_that_fails_readiness_sends_no_more_hedges_and_the_one_out_answers() {
+        let layer = hedged_layer(r#""waitForReady": true,"#, |b| b);
+        let calls = Arc::new(AtomicU32::new(0));
+        let mut svc = layer.layer(ReadyOnce {
+            polls: Arc::default(),
+            calls: calls.clone(),
+            answer_after: Duration::from_millis(200),
+        });
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        // The second hedge was due at 50 ms; the service failed to become ready for it, so
+        // it never went out, and the first request's answer came at 200 ms.
+        assert_eq!(start.elapsed(), Duration::from_millis(200));
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
+        assert_eq!(report.outcome, CallOutcome::Committed);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test(start_paused = true)]

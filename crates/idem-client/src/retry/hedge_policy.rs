@@ -16,6 +16,9 @@
 //!   more hedges;
 //! - the throttle counts non-fatal failures and pushbacks that say stop; a hedge after the
 //!   first goes out only while it allows retries;
+//! - a request that is no longer kept whole (it passed a replay limit, or the caller's
+//!   stream failed: the call committed to one hedge) sends no more hedges, and its
+//!   hedge's failure is not counted by the throttle (as a retry of a body sent once);
 //! - when no more hedges may go out and none is still running, the call ends with the
 //!   last hedge's status;
 //! - no hedge starts past the deadline (or with less than the minimum attempt time
@@ -45,6 +48,9 @@ pub(crate) struct HedgeState {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HedgeLimits<'a> {
     pub(crate) policy: &'a HedgingPolicy,
+    /// Set when the request is not kept whole any more: no hedge can follow, and this is
+    /// the outcome when one would otherwise be sent.
+    pub(crate) sent_once: Option<CallOutcome>,
     /// Time left before the call's deadline; `None` without a deadline.
     pub(crate) time_left: Option<Duration>,
     /// A hedge must start with at least this much time left.
@@ -72,9 +78,18 @@ pub(crate) enum HedgeDecision {
 }
 
 /// When the hedge after the one just sent goes out: `hedgingDelay` later, unless that
-/// was the last one or the deadline is too close.
+/// was the last one or the deadline comes first. The deadline only stops this timer: a
+/// non-fatal status may still send the next hedge at once (A6: it "shortcuts" the delay).
 pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Next {
-    schedule(state, limits.policy.hedging_delay, limits)
+    let delay = limits.policy.hedging_delay;
+    match state.frozen {
+        Some(_) => Next::Never,
+        None if state.sent >= limits.policy.max_attempts => {
+            freeze(state, CallOutcome::AttemptsExhausted)
+        }
+        None if too_late(delay, limits) => Next::Never,
+        None => Next::After(delay),
+    }
 }
 
 /// Whether the hedge now due may go out: `None` to send it; otherwise what follows
@@ -89,13 +104,14 @@ pub(crate) fn may_send(state: &mut HedgeState, throttle_allows: bool) -> Option<
 }
 
 /// Decides what follows a hedge that ended, in A6's order: success or commit ends the
-/// call (this hedge wins); the deadline ends it; a fatal code ends it; a non-fatal one
-/// counts against the throttle and sends the next hedge now (or after the server's
+/// call (this hedge wins); the deadline ends it; a fatal code ends it; a request no longer
+/// kept whole sends no more hedges; a non-fatal code counts against the throttle and sends the next hedge now (or after the server's
 /// pushback), unless the throttle, a pushback, `maxAttempts` or the deadline says no
 /// more; with no more hedges and none running, the call ends with this one.
 ///
 /// `throttle` counts a failure and says whether retries are still allowed; it is called
-/// at most once, only for non-fatal codes and pushbacks that say stop (A6).
+/// at most once, only for non-fatal codes and pushbacks that say stop (A6), and not for a
+/// request sent once.
 pub(crate) fn decide(
     state: &mut HedgeState,
     attempted: &Attempted,
@@ -113,11 +129,17 @@ pub(crate) fn decide(
     };
     let fatal = !limits.policy.non_fatal_status_codes.contains(code);
     let stop = attempted.pushback == Pushback::Stop;
-    let allowed = if !fatal || stop { throttle() } else { true };
     if fatal {
+        if stop {
+            throttle();
+        }
         return HedgeDecision::Done(CallOutcome::NonRetryableCode);
     }
-    let next = if !allowed {
+    if let Some(outcome) = limits.sent_once {
+        let next = freeze(state, outcome);
+        return settle(state, next);
+    }
+    let next = if !throttle() {
         freeze(state, CallOutcome::Throttled)
     } else if stop {
         freeze(state, CallOutcome::PushbackStop)
@@ -143,13 +165,18 @@ fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) ->
     if state.sent >= limits.policy.max_attempts {
         return freeze(state, CallOutcome::AttemptsExhausted);
     }
-    if limits
-        .time_left
-        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
-    {
+    if too_late(wait, limits) {
         return freeze(state, CallOutcome::Deadline);
     }
     Next::After(wait)
+}
+
+/// Whether a hedge `wait` from now would start past the deadline, or with less than the
+/// minimum attempt time left.
+fn too_late(wait: Duration, limits: &HedgeLimits<'_>) -> bool {
+    limits
+        .time_left
+        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
 }
 
 /// No more hedges; the first reason given is kept.
@@ -208,15 +235,28 @@ mod tests {
             Just(Some(CallOutcome::PushbackStop)),
             Just(Some(CallOutcome::AttemptsExhausted)),
             Just(Some(CallOutcome::Deadline)),
+            Just(Some(CallOutcome::BodyTooLarge)),
+        ]
+    }
+
+    fn sent_once() -> impl Strategy<Value = Option<CallOutcome>> {
+        prop_oneof![
+            Just(None),
+            Just(Some(CallOutcome::BodyTooLarge)),
+            Just(Some(CallOutcome::ReplayBudgetExhausted)),
+            Just(Some(CallOutcome::BodyError)),
         ]
     }
 
     /// The outcomes a call may end with once its hedges ran out.
-    const GAVE_UP: [CallOutcome; 4] = [
+    const GAVE_UP: [CallOutcome; 7] = [
         CallOutcome::Throttled,
         CallOutcome::PushbackStop,
         CallOutcome::AttemptsExhausted,
         CallOutcome::Deadline,
+        CallOutcome::BodyTooLarge,
+        CallOutcome::ReplayBudgetExhausted,
+        CallOutcome::BodyError,
     ];
 
     proptest! {
@@ -235,11 +275,12 @@ mod tests {
             min_attempt_time in durations(),
             max_retry_delay in durations(),
             allowed in any::<bool>(),
+            sent_once in sent_once(),
         ) {
             let sent = sent.min(max_attempts);
             let non_fatal: CodeSet = ALL_CODES.iter().copied().filter(|c| codes & (1 << *c as u32) != 0).collect();
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: non_fatal };
-            let limits = HedgeLimits { policy: &policy, time_left, min_attempt_time, max_retry_delay };
+            let limits = HedgeLimits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay };
             let attempted = Attempted { end, pushback, retry_info };
             let mut state = HedgeState { sent, running, frozen };
             let mut asked = 0;
@@ -268,11 +309,20 @@ mod tests {
                 AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Code::Cancelled,
             };
             let fatal = !non_fatal.contains(code);
-            // The throttle counts non-fatal failures and pushbacks that say stop, only.
-            prop_assert_eq!(asked == 1, !fatal || pushback == Pushback::Stop);
+            // The throttle counts non-fatal failures and pushbacks that say stop, only, and
+            // never the failure of a request sent once.
+            prop_assert_eq!(
+                asked == 1,
+                (fatal && pushback == Pushback::Stop) || (!fatal && sent_once.is_none())
+            );
             if fatal {
                 prop_assert_eq!(decision, HedgeDecision::Done(CallOutcome::NonRetryableCode));
                 return Ok(());
+            }
+            if let Some(why) = sent_once {
+                // No hedge can follow a request no longer kept whole.
+                prop_assert!(!matches!(decision, HedgeDecision::Continue(Next::After(_))));
+                prop_assert_eq!(state.frozen, Some(frozen.unwrap_or(why)));
             }
             match decision {
                 HedgeDecision::Done(outcome) => {
@@ -317,15 +367,23 @@ mod tests {
         ) {
             let sent = sent.min(max_attempts);
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: CodeSet::of(Code::Unavailable) };
-            let limits = HedgeLimits { policy: &policy, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
+            let limits = HedgeLimits { policy: &policy, sent_once: None, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
             let mut state = HedgeState { sent, running: sent, frozen: None };
+            let late = time_left.is_some_and(|left| delay >= left || left - delay < min_attempt_time);
             match after_send(&mut state, &limits) {
                 Next::After(wait) => {
                     prop_assert_eq!(wait, delay);
                     prop_assert!(sent < max_attempts);
-                    prop_assert!(time_left.is_none_or(|left| delay < left && left - delay >= min_attempt_time));
+                    prop_assert!(!late);
                 }
-                Next::Never => prop_assert!(state.frozen.is_some()),
+                Next::Never if sent >= max_attempts => {
+                    prop_assert_eq!(state.frozen, Some(CallOutcome::AttemptsExhausted));
+                }
+                Next::Never => {
+                    // The deadline stops the timer, not the hedges a failure sends at once.
+                    prop_assert!(late);
+                    prop_assert_eq!(state.frozen, None);
+                }
             }
         }
     }

@@ -10,6 +10,7 @@ mod context;
 mod deadline;
 pub mod future;
 mod hedge;
+mod hedge_body;
 mod hedge_policy;
 mod layer;
 mod limit;

@@ -80,7 +80,8 @@ call_outcomes! {
     /// The call's deadline passed, or the next retry could not have started (with at least
     /// the minimum attempt time left) before it.
     Deadline => "deadline", "stopped at the deadline";
-    /// The request body was larger than the per-call replay buffer: sent once.
+    /// The request body was larger than the per-call replay buffer: sent once (hedging:
+    /// the call committed to one hedge, the others were cancelled).
     BodyTooLarge => "body_too_large", "sent once: the request body was over the replay buffer";
     /// The channel's total replay budget was used up by other calls: sent once.
     ReplayBudgetExhausted => "replay_budget_exhausted", "sent once: the replay budget was used up";
@@ -96,9 +97,10 @@ call_outcomes! {
     /// [`wait_for_ready_limit`](crate::RetryLayerBuilder::wait_for_ready_limit) (calls
     /// without a deadline; with one, the call ends as [`Deadline`](Self::Deadline)).
     NotReady => "not_ready", "gave up: the channel did not become ready (waitForReady)";
-    /// The method has a `hedgingPolicy`, but the caller was still producing its request
-    /// stream when the call started: hedging sends only requests that are whole at the
-    /// start, so this one was sent once, as a call without a policy.
+    /// No longer reported: hedging now sends streaming requests to every hedge (a
+    /// request over a replay limit is reported as [`BodyTooLarge`](Self::BodyTooLarge) or
+    /// [`ReplayBudgetExhausted`](Self::ReplayBudgetExhausted)). Kept so that reports and
+    /// metrics of earlier versions still parse.
     NotHedged => "not_hedged", "sent once: the request was still streaming (hedging needs it whole)";
 }
 

@@ -1,0 +1,971 @@
+//! The request of a hedged call, handed to every hedge: a copy of a request that was
+//! complete when the call started, or, for a request the caller is still producing
+//! (client-streaming and bidi calls, or a body not fully read yet), one stream read once
+//! from the caller and fanned out to the hedges.
+//!
+//! Each hedge's body ([`HedgeBody`]) sends the messages read so far, then follows the
+//! live stream: whichever hedge is furthest along reads the next message from the
+//! caller, keeps a copy and wakes the others, so a hedge that starts later (or is sent
+//! on a slower path) sends the same bytes, in the same frames. As gRFC A6 says for
+//! hedged RPCs, the call commits
+//! - when response headers arrive: the race gives that hedge the request
+//!   ([`HedgeRequest::commit`]); the others are cancelled;
+//! - when the copy would pass `maxReplayBytesPerCall` or what is left of the layer's
+//!   `maxReplayBytesTotal`: to the hedge that read the message that did not fit, one of
+//!   those that sent the most messages (A6: "the currently in-flight attempt on which the
+//!   maximum number of messages have already been sent"). The race learns it from
+//!   [`HedgeRequest::poll_overflow`], cancels the other hedges and sends no more.
+//!
+//! Once committed nothing more is kept: the messages the committed hedge has sent are
+//! freed and their bytes go back to the budget; the committed hedge goes on after the
+//! race has answered the caller.
+//!
+//! A hedge that is cancelled or has ended ([`HedgeRequest::retire`]) has its body fail
+//! on its next poll (a task waiting on the caller is woken), so the transport resets its
+//! stream instead of ending it as if the request were complete. When the caller's body
+//! fails (or a message is over `maxRequestMessageBytes`), every hedge's body fails after
+//! the messages before it, and no hedge can be sent again.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Wake, Waker};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame};
+
+use super::body::{self, Lease, Overflow, Partial};
+use super::limit::RequestCheck;
+use super::outcome::CallOutcome;
+use crate::BoxError;
+
+/// What every hedge of one call sends.
+pub(crate) enum HedgeRequest {
+    /// Complete before the first hedge (every unary call): each hedge gets a copy; its
+    /// bytes stay in the budget until the call ends.
+    Replay { replay: body::Replay, _lease: Lease },
+    /// Still coming from the caller: read once, fanned out.
+    Stream(HedgeStream),
+}
+
+impl HedgeRequest {
+    /// The body of hedge `hedge`.
+    pub(crate) fn body(&self, hedge: u32) -> tonic::body::Body {
+        match self {
+            HedgeRequest::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
+            HedgeRequest::Stream(s) => tonic::body::Body::new(s.body(hedge)),
+        }
+    }
+
+    /// Hedge `hedge` ended (or is cancelled): its body stops reading.
+    pub(crate) fn retire(&self, hedge: u32) {
+        if let HedgeRequest::Stream(s) = self {
+            s.retire(hedge);
+        }
+    }
+
+    /// Hedge `hedge` won: the request is its own from now on, and goes on after the race.
+    pub(crate) fn commit(&self, hedge: u32) {
+        if let HedgeRequest::Stream(s) = self {
+            s.commit(hedge);
+        }
+    }
+
+    /// The hedge the request committed to because it passed a replay limit, once.
+    pub(crate) fn poll_overflow(&self, cx: &mut Context<'_>) -> Poll<u32> {
+        match self {
+            HedgeRequest::Replay { .. } => Poll::Pending,
+            HedgeRequest::Stream(s) => s.poll_overflow(cx),
+        }
+    }
+
+    /// Set when no more hedges may go out because the request is not kept whole: the
+    /// outcome of the call if a hedge would otherwise be sent.
+    pub(crate) fn sent_once(&self) -> Option<CallOutcome> {
+        match self {
+            HedgeRequest::Replay { .. } => None,
+            HedgeRequest::Stream(s) => s.sent_once(),
+        }
+    }
+
+    /// Whether a hedge's response may be peeked at before the caller gets it: not for a
+    /// streaming request, whose caller may wait for the headers before it sends more.
+    pub(crate) fn may_peek(&self) -> bool {
+        matches!(self, HedgeRequest::Replay { .. })
+    }
+}
+
+/// The race's handle on a streaming request. Dropping it before the call committed ends
+/// the request for every hedge: the caller's body is dropped, the copy is freed, and
+/// hedge bodies still held by the transport fail.
+pub(crate) struct HedgeStream {
+    state: Arc<Mutex<State>>,
+    wakers: Arc<Wakers>,
+}
+
+/// One hedge's request body.
+pub(crate) struct HedgeBody {
+    state: Arc<Mutex<State>>,
+    wakers: Arc<Wakers>,
+    /// This body's reader (a hedge sent again gets a new one).
+    id: u64,
+}
+
+/// The error a hedge's body fails with once it no longer has the request (cancelled,
+/// ended, or the request committed to another hedge).
+#[derive(Debug, thiserror::Error)]
+#[error("hedge cancelled: the request went to another hedge or the call ended")]
+pub(crate) struct Retired;
+
+/// The error the other hedges' bodies fail with when the caller's body failed.
+#[derive(Debug, thiserror::Error)]
+#[error("the request stream failed: {0}")]
+pub(crate) struct SourceFailed(Arc<str>);
+
+/// Why the request commits to one hedge.
+#[derive(Debug, Clone, Copy)]
+struct Commit {
+    hedge: u32,
+    /// `None`: response headers came; else the limit it passed.
+    overflow: Option<Overflow>,
+}
+
+/// Where one hedge's body is in the request.
+#[derive(Debug)]
+struct Reader {
+    id: u64,
+    hedge: u32,
+    /// How many messages of the request it has sent.
+    pos: usize,
+    trailers_sent: bool,
+    /// It got the caller's error: nothing more.
+    done: bool,
+}
+
+struct State {
+    /// The caller's body, until it ends, fails, or the call is abandoned.
+    source: Option<tonic::body::Body>,
+    /// Polls the caller's body: wakes every hedge waiting for its next message.
+    source_waker: Waker,
+    ended: bool,
+    trailers: Option<HeaderMap>,
+    /// The caller's body failed (or a message was over its limit), as text for the
+    /// hedges that did not read the error themselves.
+    failed: Option<Arc<str>>,
+    /// Messages kept: every one read while uncommitted; afterwards, those the committed
+    /// hedge has not sent yet.
+    chunks: VecDeque<Bytes>,
+    /// Messages read from the caller in all: `chunks` are the last of them.
+    read: usize,
+    readers: Vec<Reader>,
+    next_id: u64,
+    commit: Option<Commit>,
+    /// An overflow commit not yet seen by the race.
+    announce: bool,
+    /// The race's task, woken by an overflow commit.
+    race: Option<Waker>,
+    kept: usize,
+    cap: usize,
+    lease: Lease,
+    check: Option<RequestCheck>,
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The tasks of the hedge bodies waiting for the caller's next message, by reader. The
+/// caller's body is polled with a waker that wakes them all, so the next message reaches
+/// every hedge whichever of them polled last, and a hedge that goes away strands no one.
+#[derive(Default)]
+struct Wakers(Mutex<Vec<(u64, Waker)>>);
+
+impl Wakers {
+    fn list(&self) -> MutexGuard<'_, Vec<(u64, Waker)>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+    fn register(&self, id: u64, waker: &Waker) {
+        let mut list = self.list();
+        match list.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, w)) => w.clone_from(waker),
+            None => list.push((id, waker.clone())),
+        }
+    }
+    /// Wakes the readers other than `except` (every one with `None`).
+    fn wake_all_but(&self, except: Option<u64>) {
+        let woken: Vec<Waker> = {
+            let mut list = self.list();
+            let mut woken = Vec::with_capacity(list.len());
+            list.retain(|(i, w)| {
+                if Some(*i) == except {
+                    return true;
+                }
+                woken.push(w.clone());
+                false
+            });
+            woken
+        };
+        woken.into_iter().for_each(Waker::wake);
+    }
+    /// Wakes (and forgets) reader `id`.
+    fn wake_one(&self, id: u64) {
+        let waker = {
+            let mut list = self.list();
+            let i = list.iter().position(|(r, _)| *r == id);
+            i.map(|i| list.swap_remove(i).1)
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+impl Wake for Wakers {
+    fn wake(self: Arc<Self>) {
+        self.wake_all_but(None);
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wake_all_but(None);
+    }
+}
+
+impl HedgeStream {
+    /// Goes on from what [`read_ready`](super::body::read_ready) read of `source`, kept
+    /// whole (`start.overflow` is `None`); `lease` holds its bytes.
+    pub(crate) fn new(
+        start: Partial,
+        source: tonic::body::Body,
+        lease: Lease,
+        cap: usize,
+        check: Option<RequestCheck>,
+    ) -> Self {
+        let wakers = Arc::new(Wakers::default());
+        let state = State {
+            source: Some(source),
+            source_waker: Waker::from(wakers.clone()),
+            ended: false,
+            trailers: start.trailers,
+            failed: None,
+            read: start.read.len(),
+            chunks: start.read,
+            readers: Vec::new(),
+            next_id: 0,
+            commit: None,
+            announce: false,
+            race: None,
+            kept: start.kept,
+            cap,
+            lease,
+            check,
+        };
+        HedgeStream {
+            state: Arc::new(Mutex::new(state)),
+            wakers,
+        }
+    }
+
+    /// The body of a new hedge (or of a hedge sent again): the whole request so far,
+    /// then the live stream. After a commit it fails at once: no hedge starts then.
+    fn body(&self, hedge: u32) -> HedgeBody {
+        let mut s = lock(&self.state);
+        let id = s.next_id;
+        s.next_id += 1;
+        let stale: Vec<u64> = s.take_readers(|r| r.hedge == hedge);
+        if s.commit.is_none() {
+            s.readers.push(Reader {
+                id,
+                hedge,
+                pos: 0,
+                trailers_sent: false,
+                done: false,
+            });
+        }
+        drop(s);
+        stale.into_iter().for_each(|id| self.wakers.wake_one(id));
+        HedgeBody {
+            state: self.state.clone(),
+            wakers: self.wakers.clone(),
+            id,
+        }
+    }
+
+    fn retire(&self, hedge: u32) {
+        let stale = lock(&self.state).take_readers(|r| r.hedge == hedge);
+        stale.into_iter().for_each(|id| self.wakers.wake_one(id));
+    }
+
+    fn commit(&self, hedge: u32) {
+        let mut s = lock(&self.state);
+        if s.commit.is_none() {
+            s.commit_to(hedge, None, &self.wakers);
+        }
+    }
+
+    fn poll_overflow(&self, cx: &mut Context<'_>) -> Poll<u32> {
+        let mut s = lock(&self.state);
+        match s.commit {
+            Some(c) if s.announce => {
+                s.announce = false;
+                Poll::Ready(c.hedge)
+            }
+            _ => {
+                s.race = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+
+    fn sent_once(&self) -> Option<CallOutcome> {
+        let s = lock(&self.state);
+        if s.failed.is_some() {
+            return Some(CallOutcome::BodyError);
+        }
+        Some(match s.commit?.overflow? {
+            Overflow::PerCall => CallOutcome::BodyTooLarge,
+            Overflow::Budget => CallOutcome::ReplayBudgetExhausted,
+            Overflow::Error => CallOutcome::BodyError,
+        })
+    }
+}
+
+impl Drop for HedgeStream {
+    fn drop(&mut self) {
+        let mut s = lock(&self.state);
+        if let Some(c) = s.commit
+            && s.readers.iter().any(|r| r.hedge == c.hedge)
+        {
+            // The committed hedge goes on with the request.
+            return;
+        }
+        // The call ended without a hedge to go on: every hedge's body fails.
+        s.readers.clear();
+        s.source = None;
+        s.ended = true;
+        s.chunks.clear();
+        s.kept = 0;
+        s.lease.release_all();
+        drop(s);
+        self.wakers.wake_all_but(None);
+    }
+}
+
+impl State {
+    fn position(&self, id: u64) -> Option<usize> {
+        self.readers.iter().position(|r| r.id == id)
+    }
+
+    /// Removes the readers `f` picks; their ids, to wake them.
+    fn take_readers(&mut self, f: impl Fn(&Reader) -> bool) -> Vec<u64> {
+        let mut taken = Vec::new();
+        self.readers.retain(|r| {
+            if f(r) {
+                taken.push(r.id);
+                return false;
+            }
+            true
+        });
+        taken
+    }
+
+    /// The request is `hedge`'s: the messages it has sent are freed, nothing more is
+    /// kept, and the other hedges' bodies fail.
+    fn commit_to(&mut self, hedge: u32, overflow: Option<Overflow>, wakers: &Wakers) {
+        self.commit = Some(Commit { hedge, overflow });
+        let sent = self
+            .readers
+            .iter()
+            .find(|r| r.hedge == hedge)
+            .map_or(self.read, |r| r.pos);
+        let base = self.read - self.chunks.len();
+        let freed = sent.saturating_sub(base).min(self.chunks.len());
+        self.chunks.drain(..freed);
+        self.kept = 0;
+        self.lease.release_all();
+        let others = self.take_readers(|r| r.hedge != hedge);
+        others.into_iter().for_each(|id| wakers.wake_one(id));
+    }
+
+    /// The next message kept that reader `i` has not sent.
+    fn unsent(&mut self, i: usize) -> Option<Bytes> {
+        let pos = self.readers[i].pos;
+        if pos >= self.read {
+            return None;
+        }
+        let base = self.read - self.chunks.len();
+        let chunk = if self.commit.is_some() {
+            // Only the committed hedge reads: what it has sent is freed.
+            self.chunks.pop_front()
+        } else {
+            self.chunks.get(pos.checked_sub(base)?).cloned()
+        };
+        self.readers[i].pos += 1;
+        chunk
+    }
+
+    /// Reads the caller's body for reader `i`, at the front of the request.
+    fn poll_source(
+        &mut self,
+        i: usize,
+        wakers: &Wakers,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let id = self.readers[i].id;
+        let Some(source) = self.source.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let waker = self.source_waker.clone();
+        let frame = match Pin::new(source).poll_frame(&mut Context::from_waker(&waker)) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => {
+                self.source = None;
+                self.ended = true;
+                wakers.wake_all_but(Some(id));
+                return Poll::Ready(self.end(i));
+            }
+            Poll::Ready(Some(Err(e))) => {
+                return Poll::Ready(Some(Err(self.fail(i, e.into(), wakers))));
+            }
+            Poll::Ready(Some(Ok(frame))) => frame,
+        };
+        match frame.into_data() {
+            Ok(chunk) => {
+                if let Some(Err(e)) = self.check.as_mut().map(|c| c.check(&chunk)) {
+                    // The call fails: nothing of it may be sent again.
+                    return Poll::Ready(Some(Err(self.fail(i, e.into(), wakers))));
+                }
+                self.keep(id, &chunk, wakers);
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
+            Err(frame) => {
+                if let Some(t) = frame.trailers_ref() {
+                    self.trailers
+                        .get_or_insert_with(HeaderMap::new)
+                        .extend(t.clone());
+                    self.readers[i].trailers_sent = true;
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+        }
+    }
+
+    /// The end of the request for reader `i`: its trailers, if the caller sent some and
+    /// it has not, then the end.
+    fn end(&mut self, i: usize) -> Option<Result<Frame<Bytes>, BoxError>> {
+        let r = &mut self.readers[i];
+        if std::mem::replace(&mut r.trailers_sent, true) {
+            return None;
+        }
+        self.trailers.clone().map(|t| Ok(Frame::trailers(t)))
+    }
+
+    /// The message reader `id` just read: kept for the other hedges while it fits, else
+    /// the request commits to this hedge, the one furthest along (A6).
+    fn keep(&mut self, id: u64, chunk: &Bytes, wakers: &Wakers) {
+        let Some(hedge) = self.readers.iter().find(|r| r.id == id).map(|r| r.hedge) else {
+            return;
+        };
+        if self.commit.is_none() {
+            let len = chunk.len();
+            let why = if self.kept.saturating_add(len) > self.cap {
+                Some(Overflow::PerCall)
+            } else if !self.lease.reserve(len) {
+                Some(Overflow::Budget)
+            } else {
+                None
+            };
+            match why {
+                None => {
+                    self.kept += len;
+                    self.chunks.push_back(chunk.clone());
+                    wakers.wake_all_but(Some(id));
+                }
+                Some(why) => {
+                    self.commit_to(hedge, Some(why), wakers);
+                    self.announce = true;
+                    if let Some(w) = self.race.take() {
+                        w.wake();
+                    }
+                }
+            }
+        }
+        self.read += 1;
+        if let Some(r) = self.readers.iter_mut().find(|r| r.id == id) {
+            r.pos = self.read;
+        }
+    }
+
+    /// The caller's body failed (or a message was over its limit) under reader `i`: it
+    /// gets the error, every other hedge gets it as text after the messages before it.
+    fn fail(&mut self, i: usize, e: BoxError, wakers: &Wakers) -> BoxError {
+        // The caller's body is a tonic body: its errors are statuses.
+        let message = match e.downcast_ref::<tonic::Status>() {
+            Some(status) => status.message().to_owned(),
+            None => e.to_string(),
+        };
+        self.failed = Some(Arc::from(message));
+        self.source = None;
+        self.ended = true;
+        self.readers[i].done = true;
+        if self.commit.is_none() {
+            self.kept = 0;
+            self.lease.release_all();
+        }
+        wakers.wake_all_but(Some(self.readers[i].id));
+        e
+    }
+}
+
+impl Body for HedgeBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut s = lock(&self.state);
+        let Some(i) = s.position(self.id) else {
+            return Poll::Ready(Some(Err(Retired.into())));
+        };
+        if let Some(chunk) = s.unsent(i) {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        if s.readers[i].done {
+            return Poll::Ready(None);
+        }
+        if let Some(message) = s.failed.clone() {
+            s.readers[i].done = true;
+            return Poll::Ready(Some(Err(SourceFailed(message).into())));
+        }
+        if s.ended {
+            return Poll::Ready(s.end(i));
+        }
+        // At the front: register before polling, so a message that comes in between
+        // wakes this hedge too.
+        self.wakers.register(self.id, cx.waker());
+        s.poll_source(i, &self.wakers)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let s = lock(&self.state);
+        s.readers.iter().find(|r| r.id == self.id).is_some_and(|r| {
+            s.ended
+                && s.failed.is_none()
+                && r.pos >= s.read
+                && (r.trailers_sent || s.trailers.is_none())
+        })
+    }
+
+    // No `size_hint`: unknown, so hyper adds no `content-length` (see `ReplayBody`).
+}
+
+impl Drop for HedgeBody {
+    fn drop(&mut self) {
+        // Forget this body's task; its reader stays until the race retires the hedge.
+        let mut list = self.wakers.list();
+        list.retain(|(id, _)| *id != self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::body::{Read, ReplayBudget, read_ready};
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::mpsc;
+
+    /// The caller's request stream: chunks (or an error) as they are sent, the end when
+    /// the sender drops.
+    struct Feed(mpsc::UnboundedReceiver<Result<Bytes, String>>);
+    impl Body for Feed {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|b| b.map(|b| b.map(Frame::data).map_err(Into::into)))
+        }
+    }
+
+    struct Call {
+        request: HedgeRequest,
+        tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
+        budget: Arc<ReplayBudget>,
+    }
+
+    impl Call {
+        fn send(&self, chunk: &'static str) {
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Ok(Bytes::from(chunk))).unwrap();
+        }
+        fn fail(&self, message: &str) {
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Err(message.to_owned())).unwrap();
+        }
+        fn body(&self, hedge: u32) -> tonic::body::Body {
+            self.request.body(hedge)
+        }
+    }
+
+    /// A hedged call whose caller has produced nothing yet; `cap` per call, `total` in
+    /// the layer's budget.
+    fn call(cap: usize, total: usize) -> Call {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let budget = Arc::new(ReplayBudget::new(total));
+        let mut lease = Lease::new(budget.clone());
+        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
+            panic!("a stream with nothing ready yet is partial");
+        };
+        Call {
+            request: HedgeRequest::Stream(HedgeStream::new(start, source, lease, cap, None)),
+            tx: Some(tx),
+            budget,
+        }
+    }
+
+    async fn next(body: &mut tonic::body::Body) -> Option<Result<String, String>> {
+        let frame = body.frame().await?;
+        Some(match frame {
+            Ok(f) => Ok(String::from_utf8(f.into_data().unwrap().to_vec()).unwrap()),
+            Err(e) => Err(e.message().to_owned()),
+        })
+    }
+
+    fn ok(s: &str) -> Option<Result<String, String>> {
+        Some(Ok(s.to_owned()))
+    }
+
+    const RETIRED: &str = "hedge cancelled: the request went to another hedge or the call ended";
+
+    fn poll_once(
+        body: &mut tonic::body::Body,
+        waker: &Waker,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        Pin::new(body).poll_frame(&mut Context::from_waker(waker))
+    }
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn counter() -> (Arc<Count>, Waker) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (count.clone(), Waker::from(count))
+    }
+
+    #[tokio::test]
+    async fn a_later_hedge_sends_what_was_read_then_follows_the_live_stream() {
+        let mut c = call(100, 100);
+        let mut first = c.body(0);
+        c.send("a");
+        c.send("bc");
+        assert_eq!(next(&mut first).await, ok("a"));
+        assert_eq!(next(&mut first).await, ok("bc"));
+        assert_eq!(c.budget.held(), 3);
+        // Hedge 1 starts: the messages so far, then what the caller sends next; hedge 0
+        // gets the next message too, whichever of them read it from the caller.
+        let mut second = c.body(1);
+        assert_eq!(next(&mut second).await, ok("a"));
+        assert_eq!(next(&mut second).await, ok("bc"));
+        c.send("d");
+        assert_eq!(next(&mut second).await, ok("d"));
+        assert_eq!(next(&mut first).await, ok("d"));
+        c.tx = None;
+        assert_eq!(next(&mut first).await, None);
+        assert!(first.is_end_stream());
+        assert_eq!(next(&mut second).await, None);
+        // A third hedge after the end sends the whole request.
+        let third = c.body(2);
+        assert_eq!(&third.collect().await.unwrap().to_bytes()[..], b"abcd");
+        assert_eq!(c.budget.held(), 4);
+        assert_eq!(c.request.sent_once(), None);
+        drop(c.request);
+        assert_eq!(
+            c.budget.held(),
+            0,
+            "an uncommitted call frees its copy when it ends"
+        );
+    }
+
+    #[test]
+    fn every_hedge_waiting_on_the_caller_is_woken_by_its_next_message() {
+        let c = call(100, 100);
+        let (count0, waker0) = counter();
+        let (count1, waker1) = counter();
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        assert!(poll_once(&mut first, &waker0).is_pending());
+        assert!(poll_once(&mut second, &waker1).is_pending());
+        // The caller's body remembers only the last waker it was polled with; both wake.
+        c.send("x");
+        assert_eq!(count0.0.load(Ordering::SeqCst), 1);
+        assert_eq!(count1.0.load(Ordering::SeqCst), 1);
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut second, &waker1) else {
+            panic!("hedge 1 reads the message");
+        };
+        assert_eq!(f.into_data().unwrap(), "x");
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut first, &waker0) else {
+            panic!("hedge 0 gets the copy");
+        };
+        assert_eq!(f.into_data().unwrap(), "x");
+        // A hedge whose body went away strands no one.
+        assert!(poll_once(&mut first, &waker0).is_pending());
+        assert!(poll_once(&mut second, &waker1).is_pending());
+        drop(second);
+        c.send("y");
+        assert_eq!(count0.0.load(Ordering::SeqCst), 2);
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut first, &waker0) else {
+            panic!("hedge 0 reads on");
+        };
+        assert_eq!(f.into_data().unwrap(), "y");
+    }
+
+    #[tokio::test]
+    async fn past_a_limit_the_request_commits_to_the_hedge_furthest_along() {
+        for (cap, total, why) in [
+            (3, 100, CallOutcome::BodyTooLarge),
+            (100, 3, CallOutcome::ReplayBudgetExhausted),
+        ] {
+            let c = call(cap, total);
+            let mut first = c.body(0);
+            let mut second = c.body(1);
+            c.send("ab");
+            assert_eq!(next(&mut second).await, ok("ab"));
+            assert_eq!(c.budget.held(), 2);
+            let mut cx = Context::from_waker(Waker::noop());
+            assert!(c.request.poll_overflow(&mut cx).is_pending());
+            // Hedge 1 reads the message that does not fit: the request is its own.
+            c.send("cd");
+            assert_eq!(next(&mut second).await, ok("cd"));
+            assert_eq!(c.request.poll_overflow(&mut cx), Poll::Ready(1));
+            assert!(c.request.poll_overflow(&mut cx).is_pending(), "said once");
+            assert_eq!(c.request.sent_once(), Some(why));
+            assert_eq!(c.budget.held(), 0);
+            assert_eq!(next(&mut first).await, Some(Err(RETIRED.into())));
+            // No hedge starts now.
+            let mut late = c.body(2);
+            assert_eq!(next(&mut late).await, Some(Err(RETIRED.into())));
+            // The committed hedge goes on, after the race too; nothing is kept.
+            c.send("ef");
+            assert_eq!(next(&mut second).await, ok("ef"));
+            assert_eq!(c.budget.held(), 0);
+            let tx = c.tx.clone().unwrap();
+            drop(c);
+            tx.send(Ok(Bytes::from_static(b"gh"))).unwrap();
+            assert_eq!(next(&mut second).await, ok("gh"));
+            drop(tx);
+            assert_eq!(next(&mut second).await, None);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_winner_behind_the_others_gets_the_rest_of_the_copy_then_the_live_stream() {
+        let c = call(100, 100);
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        c.send("a");
+        c.send("b");
+        assert_eq!(next(&mut first).await, ok("a"));
+        assert_eq!(next(&mut first).await, ok("b"));
+        assert_eq!(next(&mut second).await, ok("a"));
+        // Hedge 1 gets response headers having sent "a" of "a", "b".
+        c.request.commit(1);
+        assert_eq!(c.budget.held(), 0);
+        assert_eq!(
+            c.request.sent_once(),
+            None,
+            "committed by headers, not by a limit"
+        );
+        assert_eq!(next(&mut first).await, Some(Err(RETIRED.into())));
+        let tx = c.tx.clone().unwrap();
+        drop(c);
+        assert_eq!(next(&mut second).await, ok("b"));
+        tx.send(Ok(Bytes::from_static(b"c"))).unwrap();
+        assert_eq!(next(&mut second).await, ok("c"));
+        drop(tx);
+        assert_eq!(next(&mut second).await, None);
+    }
+
+    #[tokio::test]
+    async fn the_callers_error_reaches_every_hedge_after_the_messages_before_it() {
+        let c = call(100, 100);
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        c.send("a");
+        assert_eq!(next(&mut first).await, ok("a"));
+        c.fail("caller broke");
+        assert_eq!(next(&mut first).await, Some(Err("caller broke".into())));
+        assert_eq!(next(&mut first).await, None);
+        assert_eq!(next(&mut second).await, ok("a"));
+        assert_eq!(
+            next(&mut second).await,
+            Some(Err("the request stream failed: caller broke".into()))
+        );
+        assert_eq!(c.request.sent_once(), Some(CallOutcome::BodyError));
+        assert_eq!(c.budget.held(), 0);
+    }
+
+    #[test]
+    fn a_retired_hedge_waiting_on_the_caller_is_woken_and_fails() {
+        let c = call(100, 100);
+        let (count, waker) = counter();
+        let mut first = c.body(0);
+        assert!(poll_once(&mut first, &waker).is_pending());
+        c.request.retire(0);
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            1,
+            "woken, so the transport resets it"
+        );
+        let Poll::Ready(Some(Err(e))) = poll_once(&mut first, &waker) else {
+            panic!("a retired hedge's body fails");
+        };
+        assert_eq!(e.message(), RETIRED);
+        // The same hedge sent again (waitForReady) gets a new body with the whole request.
+        c.send("a");
+        let mut again = c.body(0);
+        let Poll::Ready(Some(Ok(f))) = poll_once(&mut again, &waker) else {
+            panic!("the hedge sent again reads");
+        };
+        assert_eq!(f.into_data().unwrap(), "a");
+    }
+
+    #[test]
+    fn the_call_ending_uncommitted_fails_every_hedge_and_frees_the_budget() {
+        let c = call(100, 100);
+        let (count, waker) = counter();
+        let mut first = c.body(0);
+        let mut second = c.body(1);
+        c.send("abc");
+        let Poll::Ready(Some(Ok(_))) = poll_once(&mut first, &waker) else {
+            panic!("reads");
+        };
+        assert!(poll_once(&mut first, &waker).is_pending());
+        assert_eq!(c.budget.held(), 3);
+        drop(c.request);
+        assert_eq!(c.budget.held(), 0);
+        assert!(count.0.load(Ordering::SeqCst) >= 1);
+        for body in [&mut first, &mut second] {
+            let Poll::Ready(Some(Err(e))) = poll_once(body, &waker) else {
+                panic!("every hedge's body fails");
+            };
+            assert_eq!(e.message(), RETIRED);
+        }
+    }
+
+    /// One step of a hedged streaming call, as the property test plays it.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// The caller sends a message of this many bytes.
+        Send(usize),
+        /// The caller's stream ends, or fails.
+        End,
+        Fail,
+        /// A new body for hedge `h` (a new hedge, or one sent again).
+        Start(u32),
+        /// The transport polls hedge `h`'s body once.
+        Poll(u32),
+        Retire(u32),
+        Commit(u32),
+        /// The transport drops hedge `h`'s body.
+        Drop(u32),
+    }
+
+    fn ops() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (1usize..40).prop_map(Op::Send),
+            1 => Just(Op::End),
+            1 => Just(Op::Fail),
+            2 => (0u32..4).prop_map(Op::Start),
+            8 => (0u32..4).prop_map(Op::Poll),
+            1 => (0u32..4).prop_map(Op::Retire),
+            1 => (0u32..4).prop_map(Op::Commit),
+            1 => (0u32..4).prop_map(Op::Drop),
+        ]
+    }
+
+    /// What one hedge's body has yielded.
+    #[derive(Default)]
+    struct Seen {
+        chunks: Vec<Bytes>,
+        failed: bool,
+        ended: bool,
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_hedge_sends_a_prefix_of_the_request_and_the_budget_comes_back(
+            steps in proptest::collection::vec(ops(), 0..80),
+            cap in 1usize..200,
+        ) {
+            let mut c = call(cap, 150);
+            let mut sent: Vec<Bytes> = Vec::new();
+            let (mut ended, mut failed) = (false, false);
+            let mut bodies: Vec<Option<(tonic::body::Body, Seen)>> = (0..4).map(|_| None).collect();
+            let waker = Waker::noop();
+            for op in steps {
+                match op {
+                    Op::Send(n) if !ended && !failed => {
+                        // Distinct messages: a byte of their position, n times.
+                        let chunk = Bytes::from(vec![sent.len() as u8; n]);
+                        c.tx.as_ref().unwrap().send(Ok(chunk.clone())).unwrap();
+                        sent.push(chunk);
+                    }
+                    Op::End if !ended && !failed => {
+                        c.tx = None;
+                        ended = true;
+                    }
+                    Op::Fail if !ended && !failed => {
+                        c.fail("caller broke");
+                        failed = true;
+                    }
+                    Op::Start(h) => bodies[h as usize] = Some((c.body(h), Seen::default())),
+                    Op::Poll(h) => {
+                        let Some((body, seen)) = bodies[h as usize].as_mut() else { continue };
+                        if seen.failed || seen.ended {
+                            continue;
+                        }
+                        match poll_once(body, waker) {
+                            Poll::Ready(Some(Ok(f))) => {
+                                if let Ok(d) = f.into_data() {
+                                    seen.chunks.push(d);
+                                }
+                            }
+                            Poll::Ready(Some(Err(_))) => seen.failed = true,
+                            Poll::Ready(None) => seen.ended = true,
+                            Poll::Pending => {}
+                        }
+                    }
+                    Op::Retire(h) => c.request.retire(h),
+                    Op::Commit(h) => c.request.commit(h),
+                    Op::Drop(h) => bodies[h as usize] = None,
+                    _ => {}
+                }
+                let mut cx = Context::from_waker(waker);
+                let _ = c.request.poll_overflow(&mut cx);
+                proptest::prop_assert!(c.budget.held() <= cap.min(150));
+                for (_, seen) in bodies.iter().flatten() {
+                    // What a hedge sent is the request's first messages, in order.
+                    proptest::prop_assert!(seen.chunks.len() <= sent.len());
+                    proptest::prop_assert_eq!(&seen.chunks[..], &sent[..seen.chunks.len()]);
+                    if seen.ended {
+                        proptest::prop_assert!(ended && !failed);
+                        proptest::prop_assert_eq!(seen.chunks.len(), sent.len());
+                    }
+                }
+            }
+            drop(bodies);
+            drop(c.request);
+            proptest::prop_assert_eq!(c.budget.held(), 0);
+        }
+    }
+}
