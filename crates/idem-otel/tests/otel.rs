@@ -301,6 +301,15 @@ async fn two_retries_then_ok() {
         Some(Value::Gauge(1.0))
     );
     assert_eq!(otel.unit("idem.store.memory.size"), "By");
+    assert!(
+        matches!(otel.value("idem.store.memory.size", &[]), Some(Value::Gauge(b)) if b > 0.0),
+        "the stored response is charged"
+    );
+    assert_eq!(
+        otel.value("idem.store.memory.in_flight", &[]),
+        Some(Value::Gauge(0.0)),
+        "the record was completed"
+    );
     let claim = [
         ("idem.store.kind", "memory"),
         ("idem.store.operation", "claim"),
