@@ -1,9 +1,8 @@
 //! [`ClientMetrics`]: gRPC's client metrics (gRFC A66, A96) and idem's, from a
 //! [`RetryLayer`]'s observer events.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
 
 use idem_client::metrics::{CallEnded, CallObserver};
 use idem_client::{AttemptEnd, CallOutcome, RetryLayer};
@@ -12,7 +11,7 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
-use crate::labels::{self, MethodLabels};
+use crate::labels::{self, MethodCounters, MethodLabels};
 use crate::{LATENCY_BUCKETS, RETRY_BUCKETS};
 
 /// Records a retry layer's calls as OpenTelemetry instruments (see the
@@ -34,7 +33,7 @@ pub struct ClientMetrics(Arc<Inner>);
 struct Inner {
     meter: Meter,
     target: KeyValue,
-    counts: Arc<Counts>,
+    counts: Arc<MethodCounters<Counts>>,
     attempt_duration: Histogram<f64>,
     call_duration: Histogram<f64>,
     call_retries: Histogram<u64>,
@@ -42,62 +41,11 @@ struct Inner {
     retry_delay: Histogram<f64>,
 }
 
-/// The two counters, kept here per method label and read by the SDK at each collection:
-/// an SDK counter update hashes its attributes (about 1,400 instructions), an atomic add
-/// here costs a few, and counters lose nothing by being read late.
+/// The client's counters per method label (see [`MethodCounters`]).
+#[derive(Default)]
 struct Counts {
-    methods: MethodLabels,
-    /// Path → its label's counts; bounded (unknown paths past it look their label up).
-    by_path: RwLock<HashMap<String, Arc<MethodCounts>>>,
-    /// Label → counts: paths with one label (`"other"`) share them.
-    by_label: RwLock<HashMap<String, Arc<MethodCounts>>>,
-}
-
-/// Most paths remembered by [`Counts::by_path`].
-const PATHS_MAX: usize = 2_000;
-
-struct MethodCounts {
-    method: KeyValue,
     attempts: AtomicU64,
     outcomes: [AtomicU64; CallOutcome::COUNT],
-}
-
-impl Counts {
-    fn of(&self, path: &str) -> Arc<MethodCounts> {
-        if let Some(c) = read(&self.by_path).get(path) {
-            return c.clone();
-        }
-        let label = self.methods.of(path);
-        let counts = write(&self.by_label)
-            .entry(label.as_str().into_owned())
-            .or_insert_with(|| {
-                Arc::new(MethodCounts {
-                    method: KeyValue::new("grpc.method", label),
-                    attempts: AtomicU64::new(0),
-                    outcomes: std::array::from_fn(|_| AtomicU64::new(0)),
-                })
-            })
-            .clone();
-        let mut by_path = write(&self.by_path);
-        if by_path.len() < PATHS_MAX {
-            by_path.insert(path.to_owned(), counts.clone());
-        }
-        counts
-    }
-
-    fn each(&self, mut f: impl FnMut(&MethodCounts)) {
-        for c in read(&self.by_label).values() {
-            f(c);
-        }
-    }
-}
-
-fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for ClientMetrics {
@@ -115,11 +63,9 @@ impl ClientMetrics {
     pub fn new(meter: &Meter, target: impl Into<String>, config: &ServiceConfig) -> Self {
         // Shared, not owned: an owned string value is copied at every clone.
         let target = KeyValue::new("grpc.target", Value::from(Arc::<str>::from(target.into())));
-        let counts = Arc::new(Counts {
-            methods: MethodLabels::from_config(config, true),
-            by_path: RwLock::default(),
-            by_label: RwLock::default(),
-        });
+        let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
+            config, true,
+        )));
         let (c, t) = (counts.clone(), target.clone());
         meter
             .u64_observable_counter("grpc.client.attempt.started")
@@ -127,7 +73,7 @@ impl ClientMetrics {
             .with_description("Attempts started, retries included.")
             .with_callback(move |o| {
                 c.each(|m| {
-                    let n = m.attempts.load(Ordering::Relaxed);
+                    let n = m.counts.attempts.load(Ordering::Relaxed);
                     if n > 0 {
                         o.observe(n, &[m.method.clone(), t.clone()]);
                     }
@@ -141,7 +87,7 @@ impl ClientMetrics {
             .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
             .with_callback(move |o| {
                 c.each(|m| {
-                    for (outcome, n) in CallOutcome::ALL.iter().zip(&m.outcomes) {
+                    for (outcome, n) in CallOutcome::ALL.iter().zip(&m.counts.outcomes) {
                         let n = n.load(Ordering::Relaxed);
                         if n > 0 {
                             let outcome = KeyValue::new("idem.outcome", outcome.as_str());
@@ -199,7 +145,7 @@ impl ClientMetrics {
     /// Labels `method` (`pkg.Service/Method`) by its name too.
     pub fn method(mut self, method: &str) -> Self {
         match Arc::get_mut(&mut self.0).and_then(|i| Arc::get_mut(&mut i.counts)) {
-            Some(counts) => counts.methods.add(method),
+            Some(counts) => counts.add_method(method),
             None => tracing::warn!("ClientMetrics::method called after the metrics were shared"),
         }
         self
@@ -229,6 +175,7 @@ impl CallObserver for ClientMetrics {
         self.0
             .counts
             .of(method)
+            .counts
             .attempts
             .fetch_add(1, Ordering::Relaxed);
     }
@@ -240,7 +187,7 @@ impl CallObserver for ClientMetrics {
             .iter()
             .position(|o| *o == call.report.outcome)
         {
-            counts.outcomes[i].fetch_add(1, Ordering::Relaxed);
+            counts.counts.outcomes[i].fetch_add(1, Ordering::Relaxed);
         }
         let mut attrs = [
             counts.method.clone(),

@@ -1,7 +1,9 @@
 //! [`ServerMetrics`]: gRPC's server metrics (gRFC A66) for protected methods and idem's
 //! own, from an [`IdempotencyLayer`]'s observer events, its counters and its store.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use idem_core::ServiceConfig;
@@ -9,11 +11,11 @@ use idem_server::IdempotencyLayer;
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_store::instrumented::{InstrumentedStore, OpResult, StoreObserver, StoreOp};
 use idem_store::{MemoryStore, Store};
-use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, Meter};
+use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::{KeyValue, Value};
 
 use crate::LATENCY_BUCKETS;
-use crate::labels::{self, Learned, MethodLabels};
+use crate::labels::{self, Learned, MethodCounters, MethodLabels, read, write};
 
 /// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -37,13 +39,31 @@ pub struct ServerMetrics(Arc<Inner>);
 
 struct Inner {
     meter: Meter,
-    methods: MethodLabels,
+    counts: Arc<MethodCounters<Counts>>,
     /// `idem.tenant` values, when opted in.
     tenants: Option<Learned>,
-    started: Counter<u64>,
     duration: Histogram<f64>,
-    outcome: Counter<u64>,
     store_duration: Histogram<f64>,
+}
+
+/// The server's counters per method label (see [`MethodCounters`]).
+#[derive(Default)]
+struct Counts {
+    started: AtomicU64,
+    outcomes: RwLock<HashMap<OutcomeKey, Arc<AtomicU64>>>,
+}
+
+/// One `idem.server.call.outcome` series of a method: outcome, reason, tenant label.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct OutcomeKey(&'static str, Option<&'static str>, Option<Arc<str>>);
+
+impl Counts {
+    fn outcome(&self, key: OutcomeKey) -> Arc<AtomicU64> {
+        if let Some(n) = read(&self.outcomes).get(&key) {
+            return n.clone();
+        }
+        write(&self.outcomes).entry(key).or_default().clone()
+    }
 }
 
 impl std::fmt::Debug for ServerMetrics {
@@ -57,24 +77,51 @@ impl ServerMetrics {
     /// are labelled by name; others `"other"` (add more with [`method`](Self::method)):
     /// the layer runs before the router, so a caller could make up method names.
     pub fn new(meter: &Meter, config: &ServiceConfig) -> Self {
+        let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
+            config, false,
+        )));
+        let c = counts.clone();
+        meter
+            .u64_observable_counter("grpc.server.call.started")
+            .with_unit("{call}")
+            .with_description("Calls received, protected or passed through.")
+            .with_callback(move |o| {
+                c.each(|m| {
+                    let n = m.counts.started.load(Ordering::Relaxed);
+                    if n > 0 {
+                        o.observe(n, std::slice::from_ref(&m.method));
+                    }
+                })
+            })
+            .build();
+        let c = counts.clone();
+        meter
+            .u64_observable_counter("idem.server.call.outcome")
+            .with_unit("{call}")
+            .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
+            .with_callback(move |o| {
+                c.each(|m| {
+                    for (OutcomeKey(outcome, reason, tenant), n) in read(&m.counts.outcomes).iter() {
+                        let mut attrs = vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
+                        if let Some(r) = reason {
+                            attrs.push(KeyValue::new("idem.reason", *r));
+                        }
+                        if let Some(t) = tenant {
+                            attrs.push(KeyValue::new("idem.tenant", Value::from(t.clone())));
+                        }
+                        o.observe(n.load(Ordering::Relaxed), &attrs);
+                    }
+                })
+            })
+            .build();
         ServerMetrics(Arc::new(Inner {
-            methods: MethodLabels::from_config(config, false),
+            counts,
             tenants: None,
-            started: meter
-                .u64_counter("grpc.server.call.started")
-                .with_unit("{call}")
-                .with_description("Calls received, protected or passed through.")
-                .build(),
             duration: meter
                 .f64_histogram("grpc.server.call.duration")
                 .with_unit("s")
                 .with_description("Calls, from arrival to the end of the response.")
                 .with_boundaries(LATENCY_BUCKETS.to_vec())
-                .build(),
-            outcome: meter
-                .u64_counter("idem.server.call.outcome")
-                .with_unit("{call}")
-                .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
                 .build(),
             store_duration: meter
                 .f64_histogram("idem.store.operation.duration")
@@ -88,8 +135,8 @@ impl ServerMetrics {
 
     /// Labels `method` (`pkg.Service/Method`) by its name too.
     pub fn method(mut self, method: &str) -> Self {
-        match Arc::get_mut(&mut self.0) {
-            Some(inner) => inner.methods.add(method),
+        match Arc::get_mut(&mut self.0).and_then(|i| Arc::get_mut(&mut i.counts)) {
+            Some(counts) => counts.add_method(method),
             None => tracing::warn!("ServerMetrics::method called after the metrics were shared"),
         }
         self
@@ -196,28 +243,28 @@ impl ServerMetrics {
 
 impl ServerObserver for ServerMetrics {
     fn call_started(&self, method: &str) {
-        let m = &self.0;
-        m.started
-            .add(1, &[KeyValue::new("grpc.method", m.methods.of(method))]);
+        self.0
+            .counts
+            .of(method)
+            .counts
+            .started
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     fn call_ended(&self, call: &ProtectedCallEnded<'_>) {
         let m = &self.0;
-        let method = KeyValue::new("grpc.method", m.methods.of(call.method));
-        let attrs = [method.clone(), labels::status(call.status)];
+        let counts = m.counts.of(call.method);
+        let attrs = [counts.method.clone(), labels::status(call.status)];
         m.duration.record(call.duration.as_secs_f64(), &attrs);
-        let outcome = KeyValue::new("idem.outcome", call.outcome);
         let tenant = m
             .tenants
             .as_ref()
             .zip(call.tenant)
-            .map(|(labels, t)| KeyValue::new("idem.tenant", labels.of(t)));
-        let reason = call.reason.map(|r| KeyValue::new("idem.reason", r));
-        match (reason, tenant) {
-            (None, None) => m.outcome.add(1, &[method, outcome]),
-            (Some(x), None) | (None, Some(x)) => m.outcome.add(1, &[method, outcome, x]),
-            (Some(r), Some(t)) => m.outcome.add(1, &[method, outcome, r, t]),
-        }
+            .map(|(labels, t)| Arc::<str>::from(labels.of(t).as_str()));
+        counts
+            .counts
+            .outcome(OutcomeKey(call.outcome, call.reason, tenant))
+            .fetch_add(1, Ordering::Relaxed);
     }
 }
 
