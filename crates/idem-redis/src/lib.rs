@@ -171,6 +171,7 @@
 
 mod builder;
 mod check;
+mod conn;
 mod notify;
 mod quota;
 mod scripts;
@@ -179,7 +180,7 @@ mod store;
 pub use builder::{
     ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX,
     DEFAULT_MAX_IN_FLIGHT_PER_TENANT, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN, NOTIFY_POLL_MAX,
-    NOTIFY_POLL_MIN, RedisStoreBuilder, WaitStrategy,
+    NOTIFY_POLL_MIN, RedisStoreBuilder, ReplicaAcks, WaitStrategy,
 };
 pub use check::ServerReport;
 pub use store::RedisStore;
