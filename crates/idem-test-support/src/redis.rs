@@ -269,6 +269,20 @@ impl RedisServer {
     }
 }
 
+/// A Redis store with the default settings: a Redis Cluster when `url` is a
+/// comma-separated list of seed nodes (how the demo passes a cluster around), else one
+/// endpoint.
+pub async fn connect_store(url: &str) -> Result<idem_redis::RedisStore, idem_redis::ConnectError> {
+    if url.contains(',') {
+        let nodes = url.split(',').map(str::trim).filter(|n| !n.is_empty());
+        idem_redis::RedisStore::cluster_builder(nodes)
+            .connect()
+            .await
+    } else {
+        idem_redis::RedisStore::connect(url.to_owned()).await
+    }
+}
+
 /// A node of a [`RedisCluster`], as `CLUSTER NODES` describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterNode {
