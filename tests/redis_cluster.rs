@@ -267,10 +267,12 @@ impl Load {
             .filter(|(_, c)| *c == Code::Unavailable)
             .count()
     }
-    /// From `from` (since the load began) to the last failure.
+    /// From `from` (since the load began) to the last UNAVAILABLE (a duplicate that
+    /// waited out its deadline for an in-flight record is not the store failing).
     fn failing_window_after(&self, from: Duration) -> Duration {
         self.failures
             .iter()
+            .filter(|(_, c)| *c == Code::Unavailable)
             .map(|(t, _)| *t)
             .filter(|t| *t >= from)
             .max()
@@ -365,7 +367,7 @@ struct Failover {
     load: Load,
     /// From the SIGKILL to the replica's promotion (as `CLUSTER NODES` shows it).
     promoted_after: Duration,
-    /// From the SIGKILL to the last failed call.
+    /// From the SIGKILL to the last UNAVAILABLE.
     window: Duration,
     /// Failed attempts before the SIGKILL (the stalled replica, with confirmation).
     failed_before_kill: usize,
@@ -433,7 +435,7 @@ async fn master_killed_mid_run_fails_closed_then_recovers_and_replica_acks_preve
         println!(
             "failover, {name}: {} intents, {} OK, {} asked again later, {} failed attempts \
              ({} UNAVAILABLE, {} before the SIGKILL), replica promoted {:?} after the SIGKILL, \
-             failing window after the SIGKILL {:?}, run {:?}, double executions {} {:?}",
+             UNAVAILABLE until {:?} after the SIGKILL, run {:?}, double executions {} {:?}",
             r.load.intents,
             r.load.ok,
             r.load.asked_again,

@@ -44,7 +44,8 @@ impl RedisStore {
     ///   record, so retries after it run again.
     ///
     /// Called by [`RedisStoreBuilder::connect`](crate::RedisStoreBuilder::connect) unless
-    /// skipped. A server that refuses `CONFIG GET` gets a warning that the settings could
+    /// skipped. On a Redis Cluster the cluster client sends `CONFIG GET` to one node
+    /// (any), so the report is that node's settings: keep them the same on every node. A server that refuses `CONFIG GET` gets a warning that the settings could
     /// not be checked, not an error.
     ///
     /// # Errors
