@@ -984,7 +984,12 @@ async fn store_pair(
         },
     )
     .await;
-    t.pair(&format!("server: fresh keys, {name}"), conc, &p, "(reported)");
+    t.pair(
+        &format!("server: fresh keys, {name}"),
+        conc,
+        &p,
+        "(reported)",
+    );
     let ks = keys(calls);
     for s in [a, b] {
         let c = s.client();

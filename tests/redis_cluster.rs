@@ -5,8 +5,8 @@
 //!
 //! - 500 keys spread over every slot range, each called at once on all three instances
 //!   → one execution per key, identical responses;
-//! - a master SIGKILLed mid-run while its replica lags (`DEBUG SLEEP`), restarted a
-//!   second later as a supervisor would: calls on its slots fail closed (UNAVAILABLE)
+//! - a master SIGKILLed mid-run while cut off from its replica, restarted once the
+//!   replica is promoted, as a supervisor would: calls on its slots fail closed (UNAVAILABLE)
 //!   during the failover, then recover. Without replica confirmation the promoted
 //!   replica has lost writes and retries run handlers a second time; with it
 //!   (`replicaAcks: 1`) no handler runs twice. The failover window and the double
@@ -283,8 +283,15 @@ impl Load {
 /// `intents` keys at `concurrency`; each intent retries failures every 25 ms (same key)
 /// until it gets an OK, and for `drop` of them the client acts as if that OK was lost:
 /// it asks again 1.5 to 3 s later, in a task of its own (a replay, unless the record was
-/// lost meanwhile).
-async fn load(inst: &Instances, intents: usize, concurrency: usize, drop: f64, seed: u64) -> Load {
+/// lost meanwhile). `done` counts the intents that got their first OK.
+async fn load(
+    inst: &Instances,
+    intents: usize,
+    concurrency: usize,
+    drop: f64,
+    seed: u64,
+    done: Arc<std::sync::atomic::AtomicUsize>,
+) -> Load {
     let started = Instant::now();
     let report = Arc::new(Mutex::new(Load {
         intents,
@@ -298,6 +305,7 @@ async fn load(inst: &Instances, intents: usize, concurrency: usize, drop: f64, s
         let report = report.clone();
         let later = later.clone();
         let next = next.clone();
+        let done = done.clone();
         workers.push(tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed + w as u64);
             loop {
@@ -307,6 +315,7 @@ async fn load(inst: &Instances, intents: usize, concurrency: usize, drop: f64, s
                 }
                 let key = new_key(i);
                 until_ok(&clients, i, &key, &report, started).await;
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if rng.random_bool(drop) {
                     report.lock().unwrap().asked_again += 1;
                     let wait = Duration::from_millis(rng.random_range(1500..3000));
@@ -369,29 +378,39 @@ struct Failover {
     promoted_after: Duration,
     /// From the SIGKILL to the last UNAVAILABLE.
     window: Duration,
-    /// Failed attempts before the SIGKILL (the stalled replica, with confirmation).
+    /// Failed attempts before the SIGKILL (the cut replica, with confirmation).
     failed_before_kill: usize,
     doubles: Vec<(String, u32)>,
 }
 
-/// One load over a fresh prefix. 1.2 s in, the replica of slot 0's master stalls for
-/// 1.2 s and falls behind (`stall_replication`); 0.6 s later the master is SIGKILLed,
-/// so the replica it fails over to lacks its last acknowledged writes. Once the replica
-/// is promoted, the killed node is started again (it rejoins as the new master's
-/// replica, as under a supervisor; started before the promotion, an empty master would
-/// take its slots back and wipe its replica, since these nodes keep no data on disk).
-/// Waits for the cluster to be healthy again before returning.
+/// One load over a fresh prefix. When 500 of the 1,500 intents are done, the master of
+/// slot 0 is cut off from its replica (`cut_replication`: its acknowledged writes stop
+/// reaching it); 300 intents later (or after 3 s) the master is SIGKILLed, so the replica it fails over to lacks its last writes. Once
+/// the replica is promoted, the killed node is started again (it rejoins as the new
+/// master's replica, as under a supervisor; started before the promotion, an empty
+/// master would take its slots back and wipe its replica, since these nodes keep no
+/// data on disk). Waits for the cluster to be healthy again before returning.
 async fn failover_run(cluster: &mut RedisCluster, replica_acks: bool, seed: u64) -> Failover {
     let prefix = format!("failover-{replica_acks}:");
     let inst = Instances::start(cluster, &prefix, replica_acks, Duration::ZERO).await;
     let victim = cluster.master_of_slot(0);
     let replica = cluster.replica_of(&victim.id);
-    let run = load(&inst, 1500, 32, 0.25, seed);
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let run = load(&inst, 1500, 32, 0.25, seed, done.clone());
+    let reached = |n: usize, limit: Duration| {
+        let done = done.clone();
+        async move {
+            let until = Instant::now() + limit;
+            while done.load(std::sync::atomic::Ordering::Relaxed) < n && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
     let chaos = async {
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        reached(500, Duration::from_secs(30)).await;
         let c: &RedisCluster = cluster;
-        tokio::task::block_in_place(|| c.stall_replication(victim.port, replica.port, 1.2));
-        tokio::time::sleep(Duration::from_millis(550)).await;
+        tokio::task::block_in_place(|| c.cut_replication(victim.port, replica.port));
+        reached(800, Duration::from_secs(3)).await;
         let killed_at = Instant::now();
         cluster.kill(victim.port);
         let limit = killed_at + Duration::from_secs(20);
@@ -472,8 +491,8 @@ async fn master_killed_mid_run_fails_closed_then_recovers_and_replica_acks_preve
     );
     assert!(
         !without.doubles.is_empty(),
-        "the lagging replica lost acknowledged writes: without confirmation some \
-         retries run again (or this test does not make the replica lag)"
+        "the cut-off replica lacked acknowledged writes: without confirmation some \
+         retries run again (or this test no longer cuts the replica off)"
     );
 }
 
@@ -498,7 +517,7 @@ async fn slots_migrated_mid_run_no_double_execution() {
     };
     let before = (slots_of(a.port), slots_of(b.port));
     let started = Instant::now();
-    let run = load(&inst, 3000, 32, 0.25, 3);
+    let run = load(&inst, 3000, 32, 0.25, 3, Arc::default());
     let reshard = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let t0 = started.elapsed();

@@ -87,7 +87,7 @@
 //! - Tested (`tests/cluster.rs` here, `tests/redis_cluster.rs` and the cluster case of
 //!   `tests/chaos.rs` in the workspace) against a private 3-master, 3-replica cluster:
 //!   the conformance suite, 500 keys called on three instances at once, a master
-//!   SIGKILLed mid-run while its replica lagged, and slots migrated mid-run.
+//!   SIGKILLed mid-run while cut off from its replica, and slots migrated mid-run.
 //!
 //! # Replica confirmation
 //! Redis replication is asynchronous: a master acknowledges a write before its replicas
@@ -105,8 +105,9 @@
 //! closed, so after a failover the shard refuses new claims until a replica is back; run
 //! `n + 1` replicas per master to ride out the loss of one. It is not consensus: Redis
 //! can still promote a replica that missed a write (the confirming replica failing with
-//! its master). In `tests/redis_cluster.rs`, a master killed while its replica lagged
-//! cost double executions without confirmation and none with it.
+//! its master). In `tests/redis_cluster.rs`, a master killed while cut off from its
+//! replica cost 21–26 double executions out of 1,500 intents without confirmation and
+//! none with it.
 //!
 //! # Key layout
 //! One Redis hash per record, named `<prefix>{<scope hex>}`: the scope is the SHA-256

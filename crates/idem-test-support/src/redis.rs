@@ -365,9 +365,6 @@ impl RedisCluster {
                             // A replica that (re)joins syncs at once, not after 5 s.
                             "--repl-diskless-sync-delay",
                             "0",
-                            // DEBUG from loopback (DEBUG SLEEP: a node made to stall).
-                            "--enable-debug-command",
-                            "local",
                         ]
                         .map(String::from)
                         .to_vec(),
@@ -550,42 +547,32 @@ impl RedisCluster {
             .stop();
     }
 
-    /// Makes the replica on `replica` fall behind its master on `master` for `secs`
-    /// seconds: the replica stalls (`DEBUG SLEEP`, on a thread of its own) and the
-    /// master gets 24 MB of filler in its slots, more than the loopback socket buffers
-    /// hold, so the writes the master acknowledges next wait in its memory instead of
-    /// reaching the replica. A master SIGKILLed meanwhile takes them along: the
-    /// replica it fails over to lacks them, as after a partition or a slow replica.
-    pub fn stall_replication(&self, master: u16, replica: u16, secs: f64) {
-        let sleeper = RedisServer {
-            binary: PathBuf::new(),
-            port: replica,
-            dir: PathBuf::new(),
-            child: None,
-            extra: Vec::new(),
-        };
-        std::thread::spawn(move || {
-            let _ = sleeper.cmd(&["DEBUG", "SLEEP", &secs.to_string()]);
-            // Not ours to stop or clean up: the cluster owns the process and its dir.
-            std::mem::forget(sleeper);
-        });
-        std::thread::sleep(Duration::from_millis(50));
-        let owner = self
-            .topology()
-            .into_iter()
-            .find(|n| n.port == master)
-            .expect("the master");
-        let key = (0..)
-            .map(|i| format!("filler-{i}"))
-            .find(|k| {
-                let slot = self.slot_of(k);
-                owner.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot))
-            })
-            .expect("a key in the master's slots");
-        let filler = vec![b'x'; 24 << 20];
-        match self.cmd_bytes(master, &[b"SET", key.as_bytes(), &filler]) {
+    /// Cuts the replica on `replica` off from its master on `master`, as a partition
+    /// between them would: the replica is given a `masterauth` the master does not
+    /// know and its link is killed (`CLIENT KILL TYPE replica`), so its reconnections
+    /// fail authentication and the writes the master acknowledges from now on reach no
+    /// replica. A master SIGKILLed meanwhile takes them along: the replica it fails
+    /// over to (`cluster-replica-validity-factor 0` keeps it eligible) lacks them.
+    pub fn cut_replication(&self, master: u16, replica: u16) {
+        match self.cmd(replica, &["CONFIG", "SET", "masterauth", "idem-test-cut"]) {
             Ok(Resp::Simple(ok)) if ok == "OK" => {}
-            other => panic!("filler SET on {master}: {other:?}"),
+            other => panic!("CONFIG SET masterauth on {replica}: {other:?}"),
+        }
+        let started = Instant::now();
+        loop {
+            let _ = self.cmd(master, &["CLIENT", "KILL", "TYPE", "replica"]);
+            std::thread::sleep(Duration::from_millis(20));
+            let info = self
+                .cmd(master, &["INFO", "replication"])
+                .expect("INFO replication")
+                .text();
+            if info.contains("connected_slaves:0") {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the replica stayed connected: {info}"
+            );
         }
     }
 
