@@ -868,6 +868,30 @@ mod tests {
     }
 
     #[test]
+    fn evalsha_and_wait_replies_of_any_shape_never_panic() {
+        let ok = Value::Array(vec![Value::BulkString(b"OK".to_vec())]);
+        assert!(matches!(
+            script_and_acks(vec![ok.clone(), Value::Int(1)]),
+            Ok((_, Some(1)))
+        ));
+        // Too short, WAIT not an integer, a script error: errors, not panics.
+        assert!(script_and_acks(vec![]).is_err());
+        assert!(script_and_acks(vec![ok.clone()]).is_err());
+        assert!(script_and_acks(vec![ok.clone(), Value::Nil]).is_err());
+        assert!(
+            script_and_acks(vec![
+                redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n")
+                    .expect("an error reply parses as a value"),
+                Value::Int(1),
+            ])
+            .is_err_and(|e| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript))
+        );
+        // A WAIT error reply (e.g. a replica refusing it) is an error too.
+        let wait_err = redis::RedisError::from((ErrorKind::Io, "gone"));
+        assert!(map_error(wait_err).to_string().contains("gone"));
+    }
+
+    #[test]
     fn durations_become_at_least_one_millisecond() {
         assert_eq!(ms(Duration::ZERO), 1);
         assert_eq!(ms(Duration::from_micros(1500)), 1);
