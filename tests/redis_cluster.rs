@@ -504,7 +504,14 @@ async fn slots_migrated_mid_run_no_double_execution() {
     let Some(cluster) = RedisCluster::start() else {
         return;
     };
-    let inst = Instances::start(&cluster, "reshard:", false, Duration::ZERO).await;
+    // Without, then with replica confirmation (EVALSHA + WAIT pipelines redirected too).
+    for acks in [false, true] {
+        reshard_run(&cluster, acks).await;
+    }
+}
+
+async fn reshard_run(cluster: &RedisCluster, acks: bool) {
+    let inst = Instances::start(cluster, &format!("reshard-{acks}:"), acks, Duration::ZERO).await;
     let masters = cluster.masters();
     let (a, b) = (masters[0].clone(), masters[1].clone());
     let slots_of = |port: u16| -> usize {
@@ -521,16 +528,16 @@ async fn slots_migrated_mid_run_no_double_execution() {
     let reshard = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let t0 = started.elapsed();
-        let c = &cluster;
-        tokio::task::block_in_place(|| c.reshard(a.port, b.port, 1000));
+        let keys_there = tokio::task::block_in_place(|| cluster.reshard(a.port, b.port, 1000));
         let moved = (slots_of(a.port), slots_of(b.port));
-        tokio::task::block_in_place(|| c.reshard(b.port, a.port, 1000));
-        (t0, started.elapsed(), moved)
+        let keys_back = tokio::task::block_in_place(|| cluster.reshard(b.port, a.port, 1000));
+        (t0, started.elapsed(), moved, keys_there + keys_back)
     };
-    let (load, (t0, t1, moved)) = tokio::join!(run, reshard);
+    let (load, (t0, t1, moved, keys_moved)) = tokio::join!(run, reshard);
     println!(
-        "resharding: 2 x 1000 slots moved from {t0:?} to {t1:?} of a {:?} run; {} intents, \
-         {} OK, {} asked again later, {} failed attempts ({} UNAVAILABLE), double executions {}",
+        "resharding (replica acks: {acks}): 2 x 1000 slots moved from {t0:?} to {t1:?} of a \
+         {:?} run, {keys_moved} keys migrated; {} intents, {} OK, {} asked again later, \
+         {} failed attempts ({} UNAVAILABLE), double executions {}",
         load.elapsed,
         load.intents,
         load.ok,
@@ -546,6 +553,10 @@ async fn slots_migrated_mid_run_no_double_execution() {
         "and moved back"
     );
     assert!(t1 < load.elapsed, "the resharding ended while calls ran");
+    assert!(
+        keys_moved > 50,
+        "records (and tenant counts) were migrated under the calls: {keys_moved}"
+    );
     assert_eq!(load.ok, load.intents, "{load:?}");
     assert_eq!(inst.doubles(), vec![], "no handler ran twice");
 }

@@ -653,8 +653,9 @@ impl RedisCluster {
 
     /// Moves `slots` slots from the master on `from` to the master on `to` with
     /// `redis-cli --cluster reshard` (MIGRATING/IMPORTING, `MIGRATE` of every key, then
-    /// `SETSLOT NODE`): clients meanwhile get `ASK` and `MOVED`.
-    pub fn reshard(&self, from: u16, to: u16, slots: usize) {
+    /// `SETSLOT NODE`): clients meanwhile get `ASK` and `MOVED`. Returns the keys moved
+    /// (the dots redis-cli prints per migrated key).
+    pub fn reshard(&self, from: u16, to: u16, slots: usize) -> usize {
         let topology = self.topology();
         let id = |port| {
             topology
@@ -679,6 +680,15 @@ impl RedisCluster {
         );
         // Until every node knows the slots' new owner, another reshard would refuse.
         self.wait_healthy(Duration::from_secs(30));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_prefix("Moving slot "))
+            .map(|l| {
+                l.rsplit(':')
+                    .next()
+                    .map_or(0, |dots| dots.matches('.').count())
+            })
+            .sum()
     }
 }
 
