@@ -320,6 +320,14 @@ impl RedisStoreBuilder {
             scripts: Scripts::new(sharded),
             replica_acks: self.replica_acks,
         });
+        if !sharded && store.is_cluster_node().await {
+            return Err(ConnectError::InvalidSetting(
+                "url: the server is a Redis Cluster node; a single-endpoint store would \
+                 reach only its slots (every other record: MOVED, UNAVAILABLE): give the \
+                 cluster's nodes instead (clusterNodes, RedisStoreBuilder::cluster)"
+                    .into(),
+            ));
+        }
         store
             .load_scripts()
             .await
@@ -429,6 +437,18 @@ mod tests {
         // Port 1 on loopback: nothing listens there.
         let started = std::time::Instant::now();
         let err = RedisStoreBuilder::new("redis://127.0.0.1:1/0")
+            .connect_timeout(Duration::from_millis(300))
+            .connect()
+            .await
+            .err();
+        assert!(matches!(err, Some(ConnectError::Unavailable(_))), "{err:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn unreachable_cluster_seeds_are_unavailable_within_the_connect_timeout() {
+        let started = std::time::Instant::now();
+        let err = RedisStoreBuilder::cluster(["redis://127.0.0.1:1", "redis://127.0.0.1:2"])
             .connect_timeout(Duration::from_millis(300))
             .connect()
             .await

@@ -60,6 +60,9 @@
 //! .await?;
 //! # let _ = store; Ok(()) }
 //! ```
+//! - A cluster node given as a single endpoint ([`RedisStore::connect`], `url`) is
+//!   refused at connect (`INFO cluster` says `cluster_enabled:1`): that connection
+//!   would reach only the node's own slots and every other record would fail.
 //! - **Same scripts, one slot each.** Everything about a record is one hash whose name
 //!   carries the record's hash tag (`{<scope hex>}`), and each script touches only its
 //!   `KEYS[1]`, so no script is ever `CROSSSLOT`. The per-tenant in-flight count is a

@@ -462,3 +462,31 @@ fn serde_json_array(items: &[String]) -> String {
     let quoted: Vec<String> = items.iter().map(|s| format!("\"{s}\"")).collect();
     format!("[{}]", quoted.join(", "))
 }
+
+/// A cluster node given as a single endpoint (`url`) is refused at connect, naming the
+/// setting to use instead; and cluster seeds that are not a cluster are refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_and_single_endpoint_mix_ups_are_refused_at_connect() {
+    let Some(cluster) = RedisCluster::shared() else {
+        return;
+    };
+    let err = RedisStore::connect(format!("{}/0", cluster.urls()[0]))
+        .await
+        .err();
+    assert!(
+        matches!(&err, Some(idem_redis::ConnectError::InvalidSetting(m)) if m.contains("clusterNodes")),
+        "{err:?}"
+    );
+    let Some(single) = idem_test_support::redis::RedisServer::start() else {
+        return;
+    };
+    let err = RedisStore::cluster_builder([single.url()])
+        .connect_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .err();
+    assert!(
+        matches!(&err, Some(idem_redis::ConnectError::Unavailable(m)) if m.to_lowercase().contains("cluster")),
+        "{err:?}"
+    );
+}
