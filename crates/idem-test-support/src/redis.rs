@@ -100,6 +100,36 @@ impl RedisServer {
     /// Starts a server, or returns `None` (outside CI only) when `redis-server` is
     /// missing. Panics when it cannot start.
     pub fn start() -> Option<RedisServer> {
+        Self::start_with(&[])
+    }
+
+    /// A replica of `master` (`--replicaof`), once its link is up; `None` as for
+    /// [`start`](Self::start).
+    pub fn start_replica_of(master: &RedisServer) -> Option<RedisServer> {
+        // The master syncs a new replica at once, not after its default 5 s delay.
+        master
+            .cmd(&["CONFIG", "SET", "repl-diskless-sync-delay", "0"])
+            .expect("CONFIG SET on the master");
+        let port = master.port.to_string();
+        let replica = Self::start_with(&["--replicaof", "127.0.0.1", &port])?;
+        let started = Instant::now();
+        while !replica
+            .cmd(&["INFO", "replication"])
+            .is_ok_and(|r| r.text().contains("master_link_status:up"))
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the replica on {} never synced with {}",
+                replica.port,
+                master.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(replica)
+    }
+
+    /// Starts a server with `extra` arguments after the standard ones.
+    pub fn start_with(extra: &[&str]) -> Option<RedisServer> {
         let Some(binary) = find_binary() else {
             if std::env::var_os("CI").is_some() {
                 panic!(
@@ -126,7 +156,7 @@ impl RedisServer {
                 port: free_port(),
                 dir: dir.clone(),
                 child: None,
-                extra: Vec::new(),
+                extra: extra.iter().map(|a| (*a).to_owned()).collect(),
             };
             if server.spawn().is_ok() {
                 return Some(server);
