@@ -7,7 +7,8 @@
 //! so drift on a shared machine hits both sides of a ratio alike.
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
-//! (`client`, `server`, `replay`, `redis`, `dup`, `retry`, `metrics`); none runs all.
+//! (`client`, `server`, `replay`, `redis`, `cluster`, `dup`, `retry`, `metrics`); none
+//! runs all.
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
 //! `profile-client-metrics` / `profile-server-bare` /
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
@@ -462,6 +463,9 @@ fn main() {
         if wants("redis") {
             redis(&mut t, rounds, n(2000), n(10000)).await;
         }
+        if wants("redis-cluster") {
+            redis_cluster(&mut t, rounds, n(2000), n(10000)).await;
+        }
         if wants("duplicates") {
             duplicates(&mut t, rounds).await;
         }
@@ -881,6 +885,128 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             "(reported)",
         );
     }
+}
+
+/// Redis Cluster (3 masters, 3 replicas, all on this machine) vs one Redis vs memory,
+/// fresh keys and replays; then replica confirmation (`replica_acks(1, 100 ms)`: WAIT
+/// for one replica on every claim and completion) vs the same cluster without it.
+async fn redis_cluster(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let (Some(single), Some(cluster)) = (
+        idem_test_support::redis::RedisServer::start(),
+        idem_test_support::redis::RedisCluster::start(),
+    ) else {
+        t.note("redis-cluster: SKIPPED (no redis-server or redis-cli found)".into());
+        return;
+    };
+    let single_store = idem_redis::RedisStore::connect(single.url())
+        .await
+        .expect("connect to the bench redis");
+    let cluster_store = |prefix: &'static str, acks: bool| {
+        let mut b = idem_redis::RedisStore::cluster_builder(cluster.urls()).key_prefix(prefix);
+        if acks {
+            b = b.replica_acks(1, Duration::from_millis(100));
+        }
+        b.connect()
+    };
+    let layer = |s| Some(IdempotencyLayer::new(s, &config()));
+    let mem = serve(Duration::ZERO, layer_of(memory_store())).await;
+    let one = serve(Duration::ZERO, layer(single_store)).await;
+    let plain = serve(
+        Duration::ZERO,
+        layer(cluster_store("plain:", false).await.expect("cluster")),
+    )
+    .await;
+    let acked = serve(
+        Duration::ZERO,
+        layer(cluster_store("acked:", true).await.expect("cluster")),
+    )
+    .await;
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        for (name, a, b) in [
+            ("Redis Cluster vs MemoryStore", &mem, &plain),
+            ("Redis Cluster vs one Redis", &one, &plain),
+            ("cluster + replicaAcks 1 vs cluster", &plain, &acked),
+        ] {
+            store_pair(t, name, rounds, calls, conc, a, b).await;
+        }
+    }
+}
+
+fn layer_of(s: MemoryStore) -> Option<IdempotencyLayer<MemoryStore>> {
+    Some(IdempotencyLayer::new(s, &config()))
+}
+
+/// Fresh keys, then replays of keys run once before, on server `b` against server `a`.
+async fn store_pair(
+    t: &mut Table,
+    name: &str,
+    rounds: usize,
+    calls: usize,
+    conc: usize,
+    a: &Running,
+    b: &Running,
+) {
+    let (ca, cb) = (a.client(), b.client());
+    let p = ab(
+        rounds,
+        calls,
+        conc,
+        move |_| {
+            let mut c = ca.clone();
+            async move {
+                c.create_order(order(Some(&fresh_key()))).await.expect("a");
+            }
+        },
+        move |_| {
+            let mut c = cb.clone();
+            async move {
+                c.create_order(order(Some(&fresh_key()))).await.expect("b");
+            }
+        },
+    )
+    .await;
+    t.pair(
+        &format!("server: fresh keys, {name}"),
+        conc,
+        &p,
+        "(reported)",
+    );
+    let ks = keys(calls);
+    for s in [a, b] {
+        let c = s.client();
+        let ks2 = ks.clone();
+        drive(calls, 64, move |i| {
+            let mut c = c.clone();
+            let k = ks2[i].clone();
+            async move {
+                c.create_order(order(Some(&k))).await.expect("first run");
+            }
+        })
+        .await;
+    }
+    let (ca, cb) = (a.client(), b.client());
+    let ka = ks.clone();
+    let p = ab(
+        rounds,
+        calls,
+        conc,
+        move |i| {
+            let mut c = ca.clone();
+            let k = ka[i].clone();
+            async move {
+                c.create_order(order(Some(&k))).await.expect("a replay");
+            }
+        },
+        move |i| {
+            let mut c = cb.clone();
+            let k = ks[i].clone();
+            async move {
+                c.create_order(order(Some(&k))).await.expect("b replay");
+            }
+        },
+    )
+    .await;
+    t.pair(&format!("server: replay, {name}"), conc, &p, "(reported)");
 }
 
 /// 1,000 concurrent calls with one key (MemoryStore, WAIT policy): time until all have

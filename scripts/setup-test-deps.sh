@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what idem's tests need on a fresh machine, and nothing when it is already there:
-# - redis-server (Debian package) for the Redis store tests;
+# - redis-server and redis-cli (Debian packages) for the Redis store tests, the Redis
+#   Cluster ones included;
 # - PostgreSQL server binaries (Debian package) for the PostgreSQL store tests, which
 #   start private servers of their own (the cluster the package creates is not started);
 # - cargo-deny, for CI's license/ban/source checks;
@@ -23,6 +24,13 @@ if ! command -v redis-server >/dev/null 2>&1; then
   apt_install redis-server
 fi
 redis-server --version
+# redis-cli creates and reshards the Redis Cluster tests' clusters (Debian: redis-tools,
+# which redis-server depends on).
+if ! command -v redis-cli >/dev/null 2>&1; then
+  echo "installing redis-tools (redis-cli)"
+  apt_install redis-tools
+fi
+redis-cli --version
 
 # Debian keeps initdb/postgres in /usr/lib/postgresql/<major>/bin, off PATH; the tests
 # look there (or in $PG_BIN).

@@ -2,7 +2,9 @@
 //!
 //! Every intent must take effect exactly once with idem: on the in-memory store, on an
 //! in-memory store that blips (claims, completions and releases failing now and then),
-//! on Redis shared by three instances, and when an instance is redeployed mid-run. The run without idem must show duplicates (the faults are real).
+//! on Redis shared by three instances, on a Redis Cluster (3 masters, 3 replicas)
+//! shared by three instances, with and without replica confirmation, and when an
+//! instance is redeployed mid-run. The run without idem must show duplicates (the faults are real).
 
 use idem_test_support::demo as harness;
 
@@ -108,6 +110,45 @@ async fn redis_three_instances_2000_intents_exactly_once() {
     let (with, without) = with_and_without(&options(3, 12), &store).await;
     assert_exactly_once(&with);
     assert!(without.duplicates > 50, "{without:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_three_instances_2000_intents_exactly_once() {
+    let Some(cluster) = idem_test_support::redis::RedisCluster::start() else {
+        return;
+    };
+    let store = RedisStore::cluster_builder(cluster.urls())
+        .key_prefix("chaos:")
+        .connect()
+        .await
+        .expect("connect");
+    let (with, without) = with_and_without(&options(3, 15), &store_of(store)).await;
+    assert_exactly_once(&with);
+    assert!(without.duplicates > 50, "{without:?}");
+    // Replica confirmation on (WAIT 1 replica), an instance redeployed mid-run.
+    let store = RedisStore::cluster_builder(cluster.urls())
+        .key_prefix("chaos-acks:")
+        .replica_acks(1, Duration::from_millis(100))
+        .connect()
+        .await
+        .expect("connect");
+    let o = Options {
+        restart_after: Some(700),
+        ..options(3, 16)
+    };
+    let r = tokio::time::timeout(
+        Duration::from_secs(120),
+        run(&o, true, &config(), &store_of(store)),
+    )
+    .await
+    .expect("run finished in time")
+    .expect("run");
+    assert!(r.restarted, "{r:?}");
+    assert_exactly_once(&r);
+}
+
+fn store_of(s: RedisStore) -> Store {
+    Store::Redis(s)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,8 @@
 //! cargo run --release --example demo -- --store redis --instances 3 --crash-every 200
 //! cargo run --release --example demo -- --metrics-out metrics.prom
 //! cargo run --release --example demo -- --store postgres --instances 3 --crash-every 200
+//! cargo run --release --example demo -- --store redis-cluster --instances 3
+//! cargo run --release --example demo -- --redis-cluster redis://10.0.0.1:7000,redis://10.0.0.2:7000
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -27,9 +29,11 @@
 //! With `--crash-every N` the instances are separate OS processes: every N intents one of
 //! them is killed with SIGKILL at a random point of its work and started again on the
 //! same port, and orders are counted from where the processes write them.
-//! `--store memory|redis|postgres` chooses where records live (`--redis URL` implies
-//! `redis`, `--postgres URL` implies `postgres`; without a URL the demo starts a private
-//! `redis-server` or PostgreSQL server on a free port). With `memory` and `redis`,
+//! `--store memory|redis|redis-cluster|postgres` chooses where records live (`--redis
+//! URL` implies `redis`, `--redis-cluster URL,URL…` (seed nodes) `redis-cluster`,
+//! `--postgres URL` `postgres`; without a URL the demo starts a private `redis-server`,
+//! a private Redis Cluster (3 masters, 3 replicas, on free loopback ports, created with
+//! `redis-cli --cluster create`) or a PostgreSQL server). With `memory` and `redis`,
 //! orders are lines of a ledger file; a cache store cannot make a crash after the side
 //! effect harmless, and the table shows how many duplicates it lets through. With
 //! `postgres`, each order is a row written in the same transaction as the completion of
@@ -51,13 +55,14 @@ use idem::core::ServiceConfig;
 use idem::store::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
-[--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|postgres] \
-[--redis URL] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE]";
+[--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|redis-cluster|postgres] \
+[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE]";
 
 /// What the command line asked for beyond the workload's options.
 struct Args {
     o: Options,
-    /// `--store`, or `redis` when only `--redis URL` is given.
+    /// `--store`, or `redis` when only `--redis URL` is given (`redis-cluster` for
+    /// `--redis-cluster NODES`, whose comma-separated seed nodes are in `o.redis`).
     store: Option<String>,
     /// `--crash-every N`: instances as processes, one killed every N intents.
     crash_every: Option<usize>,
@@ -70,6 +75,7 @@ fn parse_args() -> Result<Args, String> {
     let mut store = None;
     let mut crash_every = None;
     let mut postgres = None;
+    let mut cluster_nodes = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -92,17 +98,28 @@ fn parse_args() -> Result<Args, String> {
             "--app-retries" => o.app_retries = value.parse().map_err(|e| bad(&e))?,
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
+            "--redis-cluster" => {
+                // A trailing comma keeps a single seed node a cluster (`connect_store`).
+                o.redis = Some(if value.contains(',') {
+                    value
+                } else {
+                    format!("{value},")
+                });
+                cluster_nodes = true;
+            }
             "--config" => o.config = Some(value),
             // The Prometheus exposition of both layers of the run with idem (with
             // --crash-every: the instances' server side, scraped before each SIGKILL).
             "--metrics-out" => o.metrics_out = Some(value.into()),
             "--postgres" => postgres = Some(value),
-            "--store" if ["memory", "redis", "postgres"].contains(&value.as_str()) => {
+            "--store"
+                if ["memory", "redis", "redis-cluster", "postgres"].contains(&value.as_str()) =>
+            {
                 store = Some(value)
             }
             "--store" => {
                 return Err(format!(
-                    "--store {value}: must be memory, redis or postgres"
+                    "--store {value}: must be memory, redis, redis-cluster or postgres"
                 ));
             }
             "--crash-every" => crash_every = Some(value.parse().map_err(|e| bad(&e))?),
@@ -119,14 +136,22 @@ fn parse_args() -> Result<Args, String> {
     if o.intents == 0 || o.concurrency == 0 || o.instances == 0 {
         return Err("--intents, --concurrency and --instances must be > 0".into());
     }
-    if o.redis.is_some() && store.as_deref().is_some_and(|s| s != "redis") {
-        return Err("--redis URL goes with --store redis".into());
+    let redis_kind = if cluster_nodes {
+        "redis-cluster"
+    } else {
+        "redis"
+    };
+    if o.redis.is_some() && store.as_deref().is_some_and(|s| s != redis_kind) {
+        return Err(
+            "--redis URL goes with --store redis, --redis-cluster NODES with --store redis-cluster"
+                .into(),
+        );
     }
     if postgres.is_some() && store.as_deref().is_some_and(|s| s != "postgres") {
         return Err("--postgres URL goes with --store postgres".into());
     }
     if o.redis.is_some() {
-        store = Some("redis".into());
+        store = Some(redis_kind.into());
     }
     if postgres.is_some() {
         store = Some("postgres".into());
@@ -139,7 +164,7 @@ fn parse_args() -> Result<Args, String> {
     let memory = store.as_deref().unwrap_or("memory") == "memory";
     if o.instances > 1 && memory {
         return Err(
-            "--instances > 1 needs --store redis or postgres (in-memory stores are per instance)"
+            "--instances > 1 needs --store redis, redis-cluster or postgres (in-memory stores are per instance)"
                 .into(),
         );
     }
@@ -291,10 +316,29 @@ async fn demo() {
         }
     };
     let redis_wanted = store_choice.as_deref() == Some("redis");
-    // A private redis-server when --store redis comes without a URL.
+    let cluster_wanted = store_choice.as_deref() == Some("redis-cluster");
+    // A private redis-server when --store redis comes without a URL, a private cluster
+    // for --store redis-cluster; a cluster's seed nodes travel as one comma-separated
+    // string (`idem_test_support::redis::connect_store`).
     let mut private_redis = None;
+    let mut private_cluster = None;
     let redis_url = match (&o.redis, redis_wanted) {
         (Some(url), _) => Some(url.clone()),
+        (None, false) if cluster_wanted => match idem_test_support::redis::RedisCluster::start() {
+            Some(cluster) => {
+                let nodes = cluster.urls().join(",");
+                eprintln!("private Redis Cluster (3 masters, 3 replicas): {nodes}");
+                private_cluster = Some(cluster);
+                Some(nodes)
+            }
+            None => {
+                eprintln!(
+                    "--store redis-cluster needs redis-server and redis-cli: pass --redis-cluster NODES, \
+                     or install them (Debian/Ubuntu: apt-get install redis-server)"
+                );
+                std::process::exit(2);
+            }
+        },
         (None, true) => match idem_test_support::redis::RedisServer::start() {
             Some(server) => {
                 let url = server.url();
@@ -336,6 +380,8 @@ async fn demo() {
     };
     let store_label = if postgres_url.is_some() {
         "PostgreSQL"
+    } else if cluster_wanted {
+        "Redis Cluster"
     } else if redis_url.is_some() {
         "Redis"
     } else {
@@ -357,6 +403,7 @@ async fn demo() {
         None => in_process_runs(&o, &config, redis_url.as_deref()).await,
     };
     drop(private_redis);
+    drop(private_cluster);
     drop(private_postgres);
     print_table(&o, store_label, crash_every, &reports);
     let idem = &reports[0];
@@ -410,7 +457,7 @@ async fn in_process_runs(
 ) -> Vec<RunReport> {
     let store = match redis {
         None => Store::Memory(MemoryStore::new(config.settings().memory_store.clone())),
-        Some(url) => match idem::redis::RedisStore::connect(url.to_owned()).await {
+        Some(url) => match idem_test_support::redis::connect_store(url).await {
             Ok(s) => Store::Redis(s),
             Err(e) => {
                 eprintln!("cannot connect to Redis at {url}: {e}");

@@ -268,8 +268,21 @@ fn process_wide(s: &idem_core::config::IdemSettings) -> String {
     };
     let redis = match &s.redis {
         Some(r) => format!(
-            "{} (keyPrefix {:?}, commandTimeout {}, connectTimeout {}, maxInFlightPerTenant {})",
-            r.url,
+            "{}{} (keyPrefix {:?}, commandTimeout {}, connectTimeout {}, maxInFlightPerTenant {})",
+            if r.cluster_nodes.is_empty() {
+                r.url.clone()
+            } else {
+                format!("Redis Cluster via {}", r.cluster_nodes.join(", "))
+            },
+            if r.replica_acks == 0 {
+                String::new()
+            } else {
+                format!(
+                    ", each claim and completion confirmed on {} replica(s) within {}",
+                    r.replica_acks,
+                    format_duration(r.replica_ack_timeout)
+                )
+            },
             r.key_prefix,
             format_duration(r.command_timeout),
             format_duration(r.connect_timeout),

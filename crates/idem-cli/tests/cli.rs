@@ -200,6 +200,15 @@ fn the_newer_settings_are_printed() {
         out.contains("maxInFlightPerTenant none (no bound))"),
         "{out}"
     );
+    let cluster = br#"{"idem": {"redis": {"clusterNodes": ["redis://a:7000", "redis://b:7000"], "replicaAcks": 1, "replicaAckTimeout": "0.05s"}}}"#;
+    let out = stdout(&idem(&["check-config", "-"], Some(cluster)));
+    assert!(
+        out.contains(
+            "idem.redis: Redis Cluster via redis://a:7000, redis://b:7000, each claim and \
+             completion confirmed on 1 replica(s) within 0.05s (keyPrefix"
+        ),
+        "{out}"
+    );
 }
 
 #[test]

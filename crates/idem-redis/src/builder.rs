@@ -3,8 +3,10 @@
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
 
-use crate::notify::Notifier;
+use crate::conn::Conn;
+use crate::notify::{Notifier, Target};
 use crate::scripts::Scripts;
 use crate::store::{Inner, RedisStore, map_error};
 
@@ -21,6 +23,25 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(2);
 /// Default longest polling interval of [`wait`](idem_store::Store::wait).
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_millis(50);
+
+/// Confirmation of claims and completions on replicas with Redis `WAIT` (see
+/// [`RedisStoreBuilder::replica_acks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaAcks {
+    /// How many replicas must acknowledge each claim, renewal and completion.
+    pub replicas: usize,
+    /// How long `WAIT` waits for them (less than the command timeout).
+    pub timeout: Duration,
+}
+
+/// Where the store connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Endpoint {
+    /// One Redis endpoint.
+    Url(String),
+    /// Redis Cluster seed nodes.
+    Cluster(Vec<String>),
+}
 
 /// How [`wait`](idem_store::Store::wait) learns that an in-flight record changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -66,6 +87,7 @@ pub enum ConnectError {
 /// | [`command_timeout`](Self::command_timeout) | 500 ms | `commandTimeout` |
 /// | [`connect_timeout`](Self::connect_timeout) | 2 s | `connectTimeout` |
 /// | [`max_in_flight_per_tenant`](Self::max_in_flight_per_tenant) | 1000 | `maxInFlightPerTenant` (`0`: none) |
+/// | [`replica_acks`](Self::replica_acks) | off | `replicaAcks`, `replicaAckTimeout` |
 /// | [`wait_strategy`](Self::wait_strategy) | [`WaitStrategy::Notify`] | — |
 /// | [`wait_poll_interval`](Self::wait_poll_interval) | 2 ms doubling to 50 ms | — |
 ///
@@ -81,7 +103,7 @@ pub enum ConnectError {
 /// ```
 #[derive(Debug, Clone)]
 pub struct RedisStoreBuilder {
-    url: String,
+    endpoint: Endpoint,
     key_prefix: String,
     command_timeout: Duration,
     connect_timeout: Duration,
@@ -90,13 +112,37 @@ pub struct RedisStoreBuilder {
     poll_max: Duration,
     wait_strategy: WaitStrategy,
     check_server: bool,
+    replica_acks: Option<ReplicaAcks>,
 }
 
 impl RedisStoreBuilder {
     /// A builder for `url` with the defaults above.
     pub fn new(url: impl Into<String>) -> Self {
+        Self::with_endpoint(Endpoint::Url(url.into()))
+    }
+
+    /// A builder for a Redis Cluster (Redis 7.0 or newer) reached through `nodes`, seed
+    /// node URLs such as `redis://10.0.0.1:7000` (one reachable node is enough: the
+    /// client learns the others and the slot map from it), with the defaults above.
+    ///
+    /// Every command goes to the master of its key's slot (all keys of a record share
+    /// one slot; the tenant's in-flight count is a step of its own on its own key);
+    /// `MOVED` and `ASK` (resharding) and failovers are followed by the client, under
+    /// the command timeout. Waiters subscribe with `SSUBSCRIBE` on the record's sharded
+    /// channel. See the crate docs, "Redis Cluster".
+    pub fn cluster<I, S>(nodes: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::with_endpoint(Endpoint::Cluster(
+            nodes.into_iter().map(Into::into).collect(),
+        ))
+    }
+
+    fn with_endpoint(endpoint: Endpoint) -> Self {
         RedisStoreBuilder {
-            url: url.into(),
+            endpoint,
             key_prefix: DEFAULT_KEY_PREFIX.to_owned(),
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
@@ -105,17 +151,54 @@ impl RedisStoreBuilder {
             poll_max: DEFAULT_POLL_MAX,
             wait_strategy: WaitStrategy::default(),
             check_server: true,
+            replica_acks: None,
         }
     }
 
     /// A builder from the `idem.redis` config object (URL, prefix, timeouts, quota);
     /// the other settings keep their defaults.
+    /// With `clusterNodes`, a cluster builder ([`cluster`](Self::cluster)).
     pub fn from_settings(settings: &idem_core::config::RedisSettings) -> Self {
-        RedisStoreBuilder::new(settings.url.clone())
+        let builder = if settings.cluster_nodes.is_empty() {
+            RedisStoreBuilder::new(settings.url.clone())
+        } else {
+            RedisStoreBuilder::cluster(settings.cluster_nodes.iter().cloned())
+        };
+        let builder = builder
             .key_prefix(settings.key_prefix.clone())
             .command_timeout(settings.command_timeout)
             .connect_timeout(settings.connect_timeout)
-            .max_in_flight_per_tenant(settings.max_in_flight_per_tenant)
+            .max_in_flight_per_tenant(settings.max_in_flight_per_tenant);
+        match settings.replica_acks {
+            0 => builder,
+            n => builder.replica_acks(n, settings.replica_ack_timeout),
+        }
+    }
+
+    /// Confirms every claim and completion on `replicas` replicas with Redis `WAIT`,
+    /// waiting at most `timeout` (off by default). Without it, a failover can lose the
+    /// last writes acknowledged by the master (replication is asynchronous): a claim or
+    /// a completion lost that way lets a retry run the handler again. With it, the store
+    /// answers only once that many replicas have the write; a claim not confirmed in
+    /// time is released and refused (`StoreError::Unavailable`, UNAVAILABLE: nothing
+    /// ran), a completion not confirmed is retried by the layer like any store failure
+    /// (for `completionRetryTimeout`, the lease renewed meanwhile).
+    ///
+    /// Lease renewals are not confirmed: a renewal lost in a failover leaves the lease
+    /// of the renewal before it (at least two thirds of a lease), and the next renewal
+    /// lands on the new master; confirming them would let leases run out whenever a
+    /// shard has fewer live replicas than asked for, which is exactly after a failover.
+    ///
+    /// Costs: a replay nothing; a fresh call one round trip more (the claim's
+    /// confirmation) and two replication delays. Writes to a shard with fewer than
+    /// `replicas` live replicas fail closed (UNAVAILABLE) until one is back: run
+    /// `replicas + 1` replicas per master to ride out the loss of one. It narrows the
+    /// window, it is not consensus: Redis may still promote a replica that missed a
+    /// write, e.g. when the confirming replica fails with its master. `timeout` must be
+    /// shorter than the command timeout.
+    pub fn replica_acks(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.replica_acks = Some(ReplicaAcks { replicas, timeout });
+        self
     }
 
     /// Prefix of every key (default `"idem:"`). Must not contain `{` or `}`: the braces
@@ -188,6 +271,19 @@ impl RedisStoreBuilder {
         if self.poll_min.is_zero() || self.poll_max < self.poll_min {
             return bad("wait poll interval: must have 0 < min <= max");
         }
+        if let Some(a) = self.replica_acks {
+            if a.replicas == 0 {
+                return bad("replicaAcks: must be > 0 (no confirmation: leave it off)");
+            }
+            if a.timeout.is_zero() || a.timeout >= self.command_timeout {
+                return bad("replicaAckTimeout: must be > 0 and < commandTimeout");
+            }
+        }
+        if let Endpoint::Cluster(nodes) = &self.endpoint
+            && nodes.is_empty()
+        {
+            return bad("clusterNodes: must name at least one node");
+        }
         Ok(())
     }
 
@@ -200,36 +296,18 @@ impl RedisStoreBuilder {
     /// timeout. Once connected, the store reconnects on its own.
     pub async fn connect(self) -> Result<RedisStore, ConnectError> {
         self.validate()?;
-        let client = redis::Client::open(self.url.as_str())
-            .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.connect_timeout))
-            .set_response_timeout(Some(self.command_timeout))
-            .set_number_of_retries(3)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_secs(1));
+        let (conn, notify_target) = match &self.endpoint {
+            Endpoint::Url(url) => self.connect_single(url).await?,
+            Endpoint::Cluster(nodes) => self.connect_cluster(nodes).await?,
+        };
         let notifier = (self.wait_strategy == WaitStrategy::Notify).then(|| {
             std::sync::Arc::new(Notifier::new(
-                client.clone(),
+                notify_target,
                 self.connect_timeout,
                 self.command_timeout,
             ))
         });
-        let conn = match tokio::time::timeout(
-            self.connect_timeout,
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(ConnectError::Unavailable(map_error(e).to_string())),
-            Err(_) => {
-                return Err(ConnectError::Unavailable(format!(
-                    "no connection within {:?}",
-                    self.connect_timeout
-                )));
-            }
-        };
+        let sharded = conn.is_cluster();
         let store = RedisStore::from_inner(Inner {
             conn,
             prefix: self.key_prefix,
@@ -239,8 +317,17 @@ impl RedisStoreBuilder {
             poll_min: self.poll_min,
             poll_max: self.poll_max,
             notifier,
-            scripts: Scripts::new(),
+            scripts: Scripts::new(sharded),
+            replica_acks: self.replica_acks,
         });
+        if !sharded && store.is_cluster_node().await {
+            return Err(ConnectError::InvalidSetting(
+                "url: the server is a Redis Cluster node; a single-endpoint store would \
+                 reach only its slots (every other record: MOVED, UNAVAILABLE): give the \
+                 cluster's nodes instead (clusterNodes, RedisStoreBuilder::cluster)"
+                    .into(),
+            ));
+        }
         store
             .load_scripts()
             .await
@@ -252,6 +339,60 @@ impl RedisStoreBuilder {
                 .map_err(|e| ConnectError::Unavailable(e.to_string()))?;
         }
         Ok(store)
+    }
+
+    async fn connect_single(&self, url: &str) -> Result<(Conn, Target), ConnectError> {
+        let client =
+            redis::Client::open(url).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(Some(self.command_timeout))
+            .set_number_of_retries(3)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_secs(1));
+        let conn = tokio::time::timeout(
+            self.connect_timeout,
+            ConnectionManager::new_with_config(client.clone(), config),
+        )
+        .await;
+        Ok((Conn::Single(self.connected(conn)?), Target::Single(client)))
+    }
+
+    async fn connect_cluster(&self, nodes: &[String]) -> Result<(Conn, Target), ConnectError> {
+        for n in nodes {
+            redis::Client::open(n.as_str())
+                .map_err(|e| ConnectError::InvalidUrl(format!("{n}: {e}")))?;
+        }
+        // Few retries inside the client (a redirect or two, a reconnection): the layer
+        // retries what fails, and a request the client retries after the caller's
+        // timeout would land late.
+        let client = ClusterClientBuilder::new(nodes.to_vec())
+            .connection_timeout(self.connect_timeout)
+            .response_timeout(self.command_timeout)
+            .retries(3)
+            .min_retry_wait(10)
+            .max_retry_wait(200)
+            .build()
+            .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+        let conn = tokio::time::timeout(self.connect_timeout, client.get_async_connection()).await;
+        Ok((
+            Conn::Cluster(self.connected(conn)?),
+            Target::Cluster(nodes.to_vec()),
+        ))
+    }
+
+    fn connected<C>(
+        &self,
+        attempt: Result<redis::RedisResult<C>, tokio::time::error::Elapsed>,
+    ) -> Result<C, ConnectError> {
+        match attempt {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(ConnectError::Unavailable(map_error(e).to_string())),
+            Err(_) => Err(ConnectError::Unavailable(format!(
+                "no connection within {:?}",
+                self.connect_timeout
+            ))),
+        }
     }
 }
 
@@ -270,6 +411,11 @@ mod tests {
             b().connect_timeout(Duration::ZERO),
             b().max_in_flight_per_tenant(Some(0)),
             b().wait_poll_interval(Duration::from_millis(5), Duration::from_millis(1)),
+            b().replica_acks(0, Duration::from_millis(10)),
+            b().replica_acks(1, Duration::ZERO),
+            // WAIT must end before the command timeout (500 ms by default) cuts it off.
+            b().replica_acks(1, Duration::from_millis(500)),
+            RedisStoreBuilder::cluster(Vec::<String>::new()),
         ] {
             let err = builder.connect().await.err();
             assert!(
@@ -278,6 +424,11 @@ mod tests {
             );
         }
         let err = RedisStoreBuilder::new("http://nope").connect().await.err();
+        assert!(matches!(err, Some(ConnectError::InvalidUrl(_))), "{err:?}");
+        let err = RedisStoreBuilder::cluster(["redis://127.0.0.1:1", "http://nope"])
+            .connect()
+            .await
+            .err();
         assert!(matches!(err, Some(ConnectError::InvalidUrl(_))), "{err:?}");
     }
 
@@ -294,6 +445,18 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5));
     }
 
+    #[tokio::test]
+    async fn unreachable_cluster_seeds_are_unavailable_within_the_connect_timeout() {
+        let started = std::time::Instant::now();
+        let err = RedisStoreBuilder::cluster(["redis://127.0.0.1:1", "redis://127.0.0.1:2"])
+            .connect_timeout(Duration::from_millis(300))
+            .connect()
+            .await
+            .err();
+        assert!(matches!(err, Some(ConnectError::Unavailable(_))), "{err:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
     #[test]
     fn from_settings_takes_url_prefix_and_timeouts() {
         let s = idem_core::config::RedisSettings {
@@ -302,12 +465,35 @@ mod tests {
             command_timeout: Duration::from_millis(123),
             connect_timeout: Duration::from_millis(456),
             max_in_flight_per_tenant: Some(7),
+            cluster_nodes: vec![],
+            replica_acks: 0,
+            replica_ack_timeout: Duration::from_millis(100),
         };
         let b = RedisStoreBuilder::from_settings(&s);
-        assert_eq!(b.url, "redis://example:6380/2");
+        assert_eq!(b.endpoint, Endpoint::Url("redis://example:6380/2".into()));
+        assert_eq!(b.replica_acks, None);
         assert_eq!(b.key_prefix, "p:");
         assert_eq!(b.command_timeout, Duration::from_millis(123));
         assert_eq!(b.connect_timeout, Duration::from_millis(456));
         assert_eq!(b.max_in_flight_per_tenant, Some(7));
+        let cluster = idem_core::config::RedisSettings {
+            url: String::new(),
+            cluster_nodes: vec!["redis://a:7000".into(), "redis://b:7001".into()],
+            replica_acks: 1,
+            replica_ack_timeout: Duration::from_millis(50),
+            ..s
+        };
+        let b = RedisStoreBuilder::from_settings(&cluster);
+        assert_eq!(
+            b.endpoint,
+            Endpoint::Cluster(vec!["redis://a:7000".into(), "redis://b:7001".into()])
+        );
+        assert_eq!(
+            b.replica_acks,
+            Some(ReplicaAcks {
+                replicas: 1,
+                timeout: Duration::from_millis(50)
+            })
+        );
     }
 }

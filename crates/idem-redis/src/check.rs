@@ -44,7 +44,8 @@ impl RedisStore {
     ///   record, so retries after it run again.
     ///
     /// Called by [`RedisStoreBuilder::connect`](crate::RedisStoreBuilder::connect) unless
-    /// skipped. A server that refuses `CONFIG GET` gets a warning that the settings could
+    /// skipped. On a Redis Cluster the cluster client sends `CONFIG GET` to one node
+    /// (any), so the report is that node's settings: keep them the same on every node. A server that refuses `CONFIG GET` gets a warning that the settings could
     /// not be checked, not an error.
     ///
     /// # Errors
@@ -83,6 +84,24 @@ impl RedisStore {
         Ok(report)
     }
 
+    /// Whether the server says `cluster_enabled:1` (`INFO cluster`); `false` when it
+    /// does not answer or refuses `INFO`, so only a clear yes stops a connect.
+    pub(crate) async fn is_cluster_node(&self) -> bool {
+        let mut conn = self.connection();
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("cluster");
+        let reply = self
+            .bounded(self.command_timeout(), async move {
+                cmd.query_async::<Value>(&mut conn).await
+            })
+            .await;
+        match reply {
+            Ok(Value::BulkString(b)) => cluster_enabled(&String::from_utf8_lossy(&b)),
+            Ok(Value::VerbatimString { text, .. }) => cluster_enabled(&text),
+            _ => false,
+        }
+    }
+
     /// `CONFIG GET name` → its value; `None` when the server refuses the command.
     async fn config_get(&self, name: &str) -> Result<Option<String>, StoreError> {
         let mut conn = self.connection();
@@ -104,6 +123,11 @@ impl RedisStore {
             }
         }
     }
+}
+
+/// `cluster_enabled:1` in an `INFO cluster` reply.
+fn cluster_enabled(info: &str) -> bool {
+    info.lines().any(|l| l.trim() == "cluster_enabled:1")
 }
 
 /// Whether an error message is the server refusing `CONFIG` (unknown/renamed command,
@@ -149,6 +173,14 @@ mod tests {
         assert_eq!(config_value(resp3, "save").as_deref(), Some(""));
         assert_eq!(config_value(Value::Array(vec![]), "save"), None);
         assert_eq!(config_value(Value::Int(1), "save"), None);
+    }
+
+    #[test]
+    fn cluster_mode_is_read_from_info_cluster() {
+        assert!(cluster_enabled("# Cluster\r\ncluster_enabled:1\r\n"));
+        assert!(!cluster_enabled("# Cluster\r\ncluster_enabled:0\r\n"));
+        assert!(!cluster_enabled(""));
+        assert!(!cluster_enabled("cluster_enabled:10"));
     }
 
     #[test]

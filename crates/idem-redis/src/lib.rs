@@ -36,18 +36,81 @@
 //! - Persistence: `appendonly yes` with `appendfsync everysec` (at most about a second
 //!   of records lost on a crash); RDB snapshots alone lose minutes.
 //! - Replication: a failover to a replica that had not received the latest writes
-//!   loses those records. `WAIT` is not used; accept the window or use a Redis with
-//!   synchronous replication.
-//! - **Redis Cluster**: the key layout is ready for it (everything about a record is in
-//!   one key, one slot; each script touches only its `KEYS[1]`; the per-tenant count
-//!   is a separate single-slot step, see "Per-tenant quota"), but this store connects to one
-//!   endpoint: a standalone Redis, a Sentinel- or operator-managed primary, or a
-//!   cluster-aware proxy. A native Cluster client is not implemented.
-//! - Redis 6.2 or newer (tested with 7.0). Scripts need `EVALSHA`/`SCRIPT LOAD`, and
-//!   `CONFIG GET` is used at start only (refusing it only skips the checks).
+//!   loses those records, and a retry then runs the handler again. Either accept that
+//!   window, or have every claim and completion confirmed on replicas with `WAIT`
+//!   ([`RedisStoreBuilder::replica_acks`], `idem.redis.replicaAcks`; see "Replica
+//!   confirmation").
+//! - Redis 6.2 or newer (tested with 7.0; Redis Cluster needs 7.0 for sharded pub/sub).
+//!   Scripts need `EVALSHA`/`SCRIPT LOAD`, and `CONFIG GET` is used at start only
+//!   (refusing it only skips the checks).
 //!
 //! At connect, [`RedisStore::check_server`] warns through `tracing` when the eviction
 //! policy could drop records or persistence is off.
+//!
+//! # Redis Cluster
+//! [`RedisStore::cluster_builder`] (or `idem.redis.clusterNodes`) connects to a Redis
+//! Cluster through the `redis` crate's cluster client, given one or more seed nodes:
+//! ```no_run
+//! # async fn f() -> Result<(), idem_redis::ConnectError> {
+//! let store = idem_redis::RedisStore::cluster_builder([
+//!     "redis://10.0.0.1:7000",
+//!     "redis://10.0.0.2:7000",
+//! ])
+//! .connect()
+//! .await?;
+//! # let _ = store; Ok(()) }
+//! ```
+//! - A cluster node given as a single endpoint ([`RedisStore::connect`], `url`) is
+//!   refused at connect (`INFO cluster` says `cluster_enabled:1`): that connection
+//!   would reach only the node's own slots and every other record would fail.
+//! - **Same scripts, one slot each.** Everything about a record is one hash whose name
+//!   carries the record's hash tag (`{<scope hex>}`), and each script touches only its
+//!   `KEYS[1]`, so no script is ever `CROSSSLOT`. The per-tenant in-flight count is a
+//!   key of its own (tagged with the tenant), written in a step of its own (see
+//!   "Per-tenant quota"): a tenant's count and its records live in different slots by
+//!   design. Trade-off: the count of one tenant is one key on one master, which every
+//!   fresh call of that tenant writes; a single-tenant service at high rates makes that
+//!   master the hot spot (`max_in_flight_per_tenant(None)` removes the step).
+//!   Tagging the records with the tenant instead would put a whole tenant on one master,
+//!   which is worse.
+//! - **Routing and topology changes** are the client's: each command goes to the master
+//!   of its key's slot; `MOVED` (a slot moved) refreshes the slot map; `ASK` (a slot
+//!   being migrated, the key already on the target) sends `ASKING` and the command to
+//!   the target; a node lost is reconnected, and after a failover the promoted replica
+//!   is found. Every command stays under the command timeout, so while a shard has no
+//!   master the calls on its slots fail closed (UNAVAILABLE) and the client retries.
+//!   A script missing on a node (`NOSCRIPT`: a node that joined, or a restart) is loaded
+//!   on every node and the call sent again.
+//! - **Waiting** uses sharded pub/sub: the complete and release scripts `SPUBLISH` on
+//!   the record's channel `<key>:done` (the same hash tag, so the same slot and master),
+//!   and waiters `SSUBSCRIBE` through a RESP3 cluster connection of their own, which
+//!   subscribes again after reconnections and slot moves. Messages published while it
+//!   was away are lost; a disconnection wakes the waiters, which read the record again,
+//!   and the polling fallback covers the rest. [`WaitStrategy::Poll`] works too.
+//! - Tested (`tests/cluster.rs` here, `tests/redis_cluster.rs` and the cluster case of
+//!   `tests/chaos.rs` in the workspace) against a private 3-master, 3-replica cluster:
+//!   the conformance suite, 500 keys called on three instances at once, a master
+//!   SIGKILLed mid-run while cut off from its replica, and slots migrated mid-run.
+//!
+//! # Replica confirmation
+//! Redis replication is asynchronous: a master acknowledges a write before its replicas
+//! have it, and a failover to a replica that missed the write forgets it. For an
+//! idempotency store that means a claim or a completion the store confirmed can vanish,
+//! and a retry then runs the handler a second time. [`RedisStoreBuilder::replica_acks`]
+//! (`"replicaAcks": 1, "replicaAckTimeout": "0.1s"`) closes most of that window: the
+//! store sends `WAIT <n> <timeout>` behind each claim and completion, in the same
+//! pipeline (so on the connection that wrote), and answers only when `n` replicas have
+//! the write. A claim that is not confirmed in time is released and refused
+//! (UNAVAILABLE; nothing ran); a completion is retried by the layer, its lease renewed
+//! meanwhile. Lease renewals are not confirmed (see the builder). Costs, measured in
+//! BENCHMARKS.md: a replay nothing; a fresh call one more round trip and two replication
+//! delays. And availability: writes to a shard with fewer than `n` live replicas fail
+//! closed, so after a failover the shard refuses new claims until a replica is back; run
+//! `n + 1` replicas per master to ride out the loss of one. It is not consensus: Redis
+//! can still promote a replica that missed a write (the confirming replica failing with
+//! its master). In `tests/redis_cluster.rs`, a master killed while cut off from its
+//! replica cost 21–26 double executions out of 1,500 intents without confirmation and
+//! none with it.
 //!
 //! # Key layout
 //! One Redis hash per record, named `<prefix>{<scope hex>}`: the scope is the SHA-256
@@ -171,6 +234,7 @@
 
 mod builder;
 mod check;
+mod conn;
 mod notify;
 mod quota;
 mod scripts;
@@ -179,7 +243,7 @@ mod store;
 pub use builder::{
     ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX,
     DEFAULT_MAX_IN_FLIGHT_PER_TENANT, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN, NOTIFY_POLL_MAX,
-    NOTIFY_POLL_MIN, RedisStoreBuilder, WaitStrategy,
+    NOTIFY_POLL_MIN, RedisStoreBuilder, ReplicaAcks, WaitStrategy,
 };
 pub use check::ServerReport;
 pub use store::RedisStore;

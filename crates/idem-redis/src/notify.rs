@@ -2,7 +2,9 @@
 //! pub/sub.
 //!
 //! The complete and release scripts `PUBLISH` the record's fence on
-//! `<prefix>{<scope hex>}:done`. A store that waits with
+//! `<prefix>{<scope hex>}:done` (on Redis Cluster `SPUBLISH`: a sharded channel, which
+//! carries the record's hash tag, so it lives in the record's slot and the message stays
+//! on that shard instead of crossing the whole cluster bus). A store that waits with
 //! [`WaitStrategy::Notify`](crate::WaitStrategy::Notify) keeps one subscriber
 //! connection (opened on the first wait), subscribes to a record's channel while
 //! somebody in this process waits on it (one `SUBSCRIBE` per waiter, one `UNSUBSCRIBE`
@@ -10,6 +12,12 @@
 //! completes before the waiter reads the record, so a completion between the read and
 //! the wake-up is never missed while the connection lives; if the connection drops,
 //! every waiter is woken and falls back to polling.
+//!
+//! On Redis Cluster the subscriber is a cluster connection of its own (RESP3, push
+//! messages), which sends each `SSUBSCRIBE` to the master of the channel's slot and
+//! subscribes again by itself after a reconnection or a slot move (a failover, a
+//! resharding). Messages published while it was away are lost, so a disconnection
+//! wakes every waiter: they read the record again and keep polling as a fallback.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,6 +26,9 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::aio::PubSubSink;
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{ProtocolVersion, PushInfo, PushKind, Value};
 use tokio::sync::Notify;
 
 /// Waiters of one channel in this process.
@@ -27,15 +38,45 @@ struct Channel {
     watchers: usize,
 }
 
+/// Where the subscriber connects.
+pub(crate) enum Target {
+    /// One endpoint: `SUBSCRIBE` on a pub/sub connection.
+    Single(redis::Client),
+    /// Redis Cluster seed nodes: `SSUBSCRIBE` on a cluster connection.
+    Cluster(Vec<String>),
+}
+
+/// The subscribing half of the live subscriber connection.
+enum Sink {
+    Single(PubSubSink),
+    Cluster(ClusterConnection),
+}
+
+impl Sink {
+    async fn subscribe(&mut self, channel: &str) -> redis::RedisResult<()> {
+        match self {
+            Sink::Single(s) => s.subscribe(channel).await,
+            Sink::Cluster(c) => c.ssubscribe(channel).await,
+        }
+    }
+
+    async fn unsubscribe(&mut self, channel: &str) -> redis::RedisResult<()> {
+        match self {
+            Sink::Single(s) => s.unsubscribe(channel).await,
+            Sink::Cluster(c) => c.sunsubscribe(channel).await,
+        }
+    }
+}
+
 /// The live subscriber connection.
 struct Conn {
-    sink: PubSubSink,
+    sink: Sink,
     dead: Arc<AtomicBool>,
 }
 
 /// Shared by every clone of a store.
 pub(crate) struct Notifier {
-    client: redis::Client,
+    target: Target,
     connect_timeout: Duration,
     command_timeout: Duration,
     /// Serialises SUBSCRIBE / UNSUBSCRIBE with the watcher counts, so an unsubscribe
@@ -76,12 +117,12 @@ impl Drop for Watch {
 
 impl Notifier {
     pub(crate) fn new(
-        client: redis::Client,
+        target: Target,
         connect_timeout: Duration,
         command_timeout: Duration,
     ) -> Self {
         Notifier {
-            client,
+            target,
             connect_timeout,
             command_timeout,
             conn: tokio::sync::Mutex::new(None),
@@ -152,7 +193,14 @@ impl Notifier {
 
     /// Opens a subscriber connection and its dispatch task.
     async fn connect(&self) -> Option<Conn> {
-        let pubsub = tokio::time::timeout(self.connect_timeout, self.client.get_async_pubsub())
+        match &self.target {
+            Target::Single(client) => self.connect_single(client).await,
+            Target::Cluster(nodes) => self.connect_cluster(nodes).await,
+        }
+    }
+
+    async fn connect_single(&self, client: &redis::Client) -> Option<Conn> {
+        let pubsub = tokio::time::timeout(self.connect_timeout, client.get_async_pubsub())
             .await
             .ok()?
             .map_err(
@@ -176,6 +224,87 @@ impl Notifier {
             }
             task_dead.store(true, Ordering::Release);
         });
-        Some(Conn { sink, dead })
+        Some(Conn {
+            sink: Sink::Single(sink),
+            dead,
+        })
+    }
+
+    async fn connect_cluster(&self, nodes: &[String]) -> Option<Conn> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<PushInfo>();
+        let client = ClusterClientBuilder::new(nodes.to_vec())
+            .use_protocol(ProtocolVersion::RESP3)
+            .push_sender(tx)
+            .connection_timeout(self.connect_timeout)
+            .response_timeout(self.command_timeout)
+            .build()
+            .map_err(|e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub client"))
+            .ok()?;
+        let conn = tokio::time::timeout(self.connect_timeout, client.get_async_connection())
+            .await
+            .ok()?
+            .map_err(
+                |e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub connect failed"),
+            )
+            .ok()?;
+        let dead = Arc::new(AtomicBool::new(false));
+        let channels = self.channels.clone();
+        let task_dead = dead.clone();
+        tokio::spawn(async move {
+            while let Some(push) = rx.recv().await {
+                match push.kind {
+                    PushKind::SMessage | PushKind::Message => {
+                        if let Some(name) = channel_name(&push.data)
+                            && let Some(c) = lock(&channels).get(name)
+                        {
+                            c.notify.notify_waiters();
+                        }
+                    }
+                    // A node connection dropped: what was published meanwhile is lost.
+                    // The client subscribes again by itself; the waiters read again now.
+                    PushKind::Disconnection => {
+                        for c in lock(&channels).values() {
+                            c.notify.notify_waiters();
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            // The connection itself is gone (the store was dropped or it failed).
+            for (_, c) in lock(&channels).drain() {
+                c.notify.notify_waiters();
+            }
+            task_dead.store(true, Ordering::Release);
+        });
+        Some(Conn {
+            sink: Sink::Cluster(conn),
+            dead,
+        })
+    }
+}
+
+/// The channel of a pushed `message`/`smessage` (`[channel, payload]`); `None` for a
+/// push of another shape (a reply from the server is never trusted to be well formed).
+fn channel_name(data: &[Value]) -> Option<&str> {
+    match data.first()? {
+        Value::BulkString(b) => std::str::from_utf8(b).ok(),
+        Value::SimpleString(s) => Some(s),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pushed_channel_names_of_any_shape_never_panic() {
+        assert_eq!(
+            channel_name(&[Value::BulkString(b"a:done".to_vec()), Value::Int(1)]),
+            Some("a:done")
+        );
+        assert_eq!(channel_name(&[]), None);
+        assert_eq!(channel_name(&[Value::Int(3)]), None);
+        assert_eq!(channel_name(&[Value::BulkString(vec![0xff, 0xfe])]), None);
     }
 }

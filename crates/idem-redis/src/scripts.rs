@@ -16,7 +16,8 @@
 //! the server's clock and instances whose clocks disagree still agree on who holds a
 //! lease. Scripts that write set the key's expiry (`PEXPIRE`) in the same script.
 //! Complete and release `PUBLISH` the fence on `<key>:done` for waiters (see
-//! `notify.rs`); with no subscriber that costs next to nothing.
+//! `notify.rs`; `SPUBLISH` on Redis Cluster, a sharded channel in the record's slot);
+//! with no subscriber that costs next to nothing.
 //! Errors the scripts raise themselves start with `IDEMCORRUPT` and become
 //! `StoreError::Corrupt`.
 
@@ -164,6 +165,24 @@ if redis.call('PTTL', key) < lease + 1000 then redis.call('PEXPIRE', key, lease 
 return {'OK'}
 "#;
 
+/// `ARGV[1]`: fence. Reply `{'OK'}` or `{'F', current or -1}`.
+///
+/// Used before `WAIT` when claims and completions are confirmed on replicas: it writes
+/// (sets the fence field to the value it has), so the `WAIT` that follows on the same
+/// connection has a write of its own to wait for, after the claim or completion it
+/// confirms in the replication stream. It checks the fence, in flight or completed: on
+/// a master that lost the record (a failover) it answers `F`.
+const CONFIRM: &str = r#"
+local key = KEYS[1]
+local r = redis.call('HMGET', key, 's', 'f')
+if not r[1] then return {'F', -1} end
+local cur = tonumber(r[2])
+if not cur then return corrupt('record without a fence') end
+if r[2] ~= ARGV[1] or (r[1] ~= 'i' and r[1] ~= 'c') then return {'F', cur} end
+redis.call('HSET', key, 'f', r[2])
+return {'OK'}
+"#;
+
 /// `ARGV[1]`: `1` to include the fingerprint and outcome. Reply `{}` (no record) or
 /// `{state, fence, lease ms left (0 when expired or not in flight), fp, kind, bytes}`.
 const READ: &str = r#"
@@ -200,11 +219,20 @@ pub(crate) struct Scripts {
     pub(crate) release: Script,
     pub(crate) read: Script,
     pub(crate) account: Script,
+    pub(crate) confirm: Script,
 }
 
 impl Scripts {
-    pub(crate) fn new() -> Self {
-        let fenced = |body: &str| Script::new(&format!("{PRELUDE}{FENCE_CHECK}{body}"));
+    /// The scripts; `sharded` (Redis Cluster) publishes completions with `SPUBLISH`.
+    pub(crate) fn new(sharded: bool) -> Self {
+        let publish = |body: &str| {
+            if sharded {
+                body.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
+            } else {
+                body.to_owned()
+            }
+        };
+        let fenced = |body: &str| Script::new(&format!("{PRELUDE}{FENCE_CHECK}{}", publish(body)));
         Scripts {
             claim: Script::new(&format!("{PRELUDE}{CLAIM}")),
             renew: fenced(RENEW),
@@ -212,10 +240,11 @@ impl Scripts {
             release: fenced(RELEASE),
             read: Script::new(&format!("{PRELUDE}{READ}")),
             account: Script::new(&format!("{PRELUDE}{ACCOUNT}")),
+            confirm: Script::new(&format!("{PRELUDE}{CONFIRM}")),
         }
     }
 
-    pub(crate) fn all(&self) -> [&Script; 6] {
+    pub(crate) fn all(&self) -> [&Script; 7] {
         [
             &self.claim,
             &self.renew,
@@ -223,6 +252,23 @@ impl Scripts {
             &self.release,
             &self.read,
             &self.account,
+            &self.confirm,
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_scripts_publish_on_the_sharded_channel() {
+        let plain = Scripts::new(false);
+        let sharded = Scripts::new(true);
+        assert_ne!(plain.complete.get_hash(), sharded.complete.get_hash());
+        assert_ne!(plain.release.get_hash(), sharded.release.get_hash());
+        assert_eq!(plain.claim.get_hash(), sharded.claim.get_hash());
+        assert!(COMPLETE.contains("redis.call('PUBLISH'"));
+        assert!(RELEASE.contains("redis.call('PUBLISH'"));
     }
 }

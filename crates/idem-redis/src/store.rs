@@ -9,18 +9,18 @@ use idem_store::{
     Cause, Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
 };
-use redis::aio::ConnectionManager;
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::time::Instant;
 
-use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
+use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder, ReplicaAcks};
+use crate::conn::Conn;
 use crate::notify::Notifier;
 use crate::quota::{self, Held};
 use crate::scripts::Scripts;
 
 /// An idempotency [`Store`] on Redis, shared by every server instance that points at the
-/// same Redis. Cheap to clone (one `Arc`); every clone shares one reconnecting
-/// connection.
+/// same Redis (one endpoint, or one Redis Cluster). Cheap to clone (one `Arc`); every
+/// clone shares one reconnecting connection (one per node on a cluster).
 ///
 /// Build it with [`RedisStore::connect`], [`RedisStore::builder`] or
 /// [`RedisStore::from_settings`]. See the [crate docs](crate) for the key layout, the
@@ -31,7 +31,7 @@ pub struct RedisStore {
 }
 
 pub(crate) struct Inner {
-    pub(crate) conn: ConnectionManager,
+    pub(crate) conn: Conn,
     pub(crate) prefix: String,
     pub(crate) command_timeout: Duration,
     pub(crate) max_in_flight_per_tenant: Option<usize>,
@@ -40,6 +40,7 @@ pub(crate) struct Inner {
     pub(crate) poll_max: Duration,
     pub(crate) notifier: Option<Arc<Notifier>>,
     pub(crate) scripts: Scripts,
+    pub(crate) replica_acks: Option<ReplicaAcks>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -51,6 +52,8 @@ impl fmt::Debug for RedisStore {
                 "max_in_flight_per_tenant",
                 &self.inner.max_in_flight_per_tenant,
             )
+            .field("cluster", &self.inner.conn.is_cluster())
+            .field("replica_acks", &self.inner.replica_acks)
             .finish_non_exhaustive()
     }
 }
@@ -67,6 +70,22 @@ impl RedisStore {
     /// documented defaults.
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
         RedisStoreBuilder::new(url)
+    }
+
+    /// A builder for a Redis Cluster reached through `nodes` (seed nodes, e.g.
+    /// `redis://10.0.0.1:7000`; one reachable node is enough to learn the rest), with
+    /// the documented defaults. See [`RedisStoreBuilder::cluster`].
+    pub fn cluster_builder<I, S>(nodes: I) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisStoreBuilder::cluster(nodes)
+    }
+
+    /// Whether the store talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.conn.is_cluster()
     }
 
     /// Connects to `url` with the default settings (see [`RedisStoreBuilder`]).
@@ -111,7 +130,7 @@ impl RedisStore {
         &self.inner.prefix
     }
 
-    pub(crate) fn connection(&self) -> ConnectionManager {
+    pub(crate) fn connection(&self) -> Conn {
         self.inner.conn.clone()
     }
 
@@ -141,16 +160,103 @@ impl RedisStore {
         args: &[&[u8]],
         limit: Duration,
     ) -> Result<Value, StoreError> {
-        let mut inv = script.key(key);
+        Ok(self
+            .eval_confirmed(script, key, args, limit, false)
+            .await?
+            .0)
+    }
+
+    /// Runs `script` on `key` (`EVALSHA`, loading the script on `NOSCRIPT`, e.g. after a
+    /// Redis restart or on a node that joined the cluster). With `confirm` and replica
+    /// confirmation on, `WAIT` follows in the same pipeline, so it runs on the
+    /// connection that wrote and waits for this write; the second value is then the
+    /// number of replicas that acknowledged it.
+    async fn eval_confirmed(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[&[u8]],
+        limit: Duration,
+        confirm: bool,
+    ) -> Result<(Value, Option<i64>), StoreError> {
+        let acks = self.inner.replica_acks.filter(|_| confirm);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash()).arg(1).arg(key);
         for a in args {
-            inv.arg(*a);
+            cmd.arg(*a);
         }
         let mut conn = self.connection();
-        self.bounded(
-            limit,
-            async move { inv.invoke_async::<Value>(&mut conn).await },
-        )
+        self.bounded(limit, async move {
+            let mut loaded = false;
+            loop {
+                let reply = match acks {
+                    None => cmd.query_async::<Value>(&mut conn).await.map(|v| (v, None)),
+                    Some(a) => {
+                        let mut pipe = redis::pipe();
+                        pipe.add_command(cmd.clone())
+                            .cmd("WAIT")
+                            .arg(a.replicas)
+                            .arg(ms(a.timeout));
+                        pipe.query_async::<Vec<Value>>(&mut conn)
+                            .await
+                            .and_then(script_and_acks)
+                    }
+                };
+                match reply {
+                    Err(e)
+                        if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+                    {
+                        script.prepare_invoke().load_async(&mut conn).await?;
+                        loaded = true;
+                    }
+                    r => return r,
+                }
+            }
+        })
         .await
+    }
+
+    /// `Unavailable` unless the write was acknowledged by the replicas asked for.
+    fn check_acks(&self, acks: Option<i64>) -> Result<(), StoreError> {
+        let (Some(want), Some(got)) = (self.inner.replica_acks, acks) else {
+            return Ok(());
+        };
+        if usize::try_from(got).is_ok_and(|got| got >= want.replicas) {
+            return Ok(());
+        }
+        Err(StoreError::Unavailable(
+            format!(
+                "write acknowledged by {got} of {} replicas within {:?} (WAIT)",
+                want.replicas, want.timeout
+            )
+            .into(),
+        ))
+    }
+
+    /// Confirms on the replicas that the record holds `fence` (in flight or completed):
+    /// a write of the record to itself, then `WAIT`. `Fenced` when the record is not
+    /// there with that fence (a failover lost it, or it was taken over).
+    async fn confirm(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
+        let key = self.key_for(scope);
+        let fence_s = fence.to_string();
+        let (v, acks) = self
+            .eval_confirmed(
+                &self.inner.scripts.confirm,
+                &key,
+                &[fence_s.as_bytes()],
+                self.inner.command_timeout,
+                true,
+            )
+            .await?;
+        let mut it = array(v)?.into_iter();
+        match tag(it.next())?.as_slice() {
+            b"OK" => self.check_acks(acks),
+            b"F" => Err(StoreError::Fenced {
+                presented: fence,
+                current: u64::try_from(int(it.next())?).ok(),
+            }),
+            _ => Err(corrupt("unexpected confirm reply tag")),
+        }
     }
 
     /// Loads every script into the script cache, so the first calls are one `EVALSHA`
@@ -204,27 +310,38 @@ impl RedisStore {
         }
     }
 
+    /// Runs a fenced script (renew, complete, release). With `confirm` and replica
+    /// confirmation on, the write is confirmed by `WAIT`; so is an earlier write of the
+    /// same fence that this call finds already landed (a retry after a lost reply).
     async fn fenced(
         &self,
         script: &Script,
         scope: &Scope,
         fence_presented: Fence,
         rest: &[&[u8]],
+        confirm: bool,
     ) -> Result<(), StoreError> {
         let key = self.key_for(scope);
         let fence_s = fence_presented.to_string();
         let mut args: Vec<&[u8]> = Vec::with_capacity(rest.len() + 1);
         args.push(fence_s.as_bytes());
         args.extend_from_slice(rest);
-        let v = self
-            .eval(script, &key, &args, self.inner.command_timeout)
+        let (v, acks) = self
+            .eval_confirmed(script, &key, &args, self.inner.command_timeout, confirm)
             .await?;
         let items = array(v)?;
         let mut it = items.into_iter();
         match tag(it.next())?.as_slice() {
-            b"OK" => Ok(()),
+            b"OK" => self.check_acks(acks),
             b"F" => {
                 let cur = int(it.next())?;
+                if confirm
+                    && self.inner.replica_acks.is_some()
+                    && u64::try_from(cur).ok() == Some(fence_presented)
+                {
+                    // Landed earlier, reply lost: confirm it before saying so.
+                    self.confirm(scope, fence_presented).await?;
+                }
                 Err(StoreError::Fenced {
                     presented: fence_presented,
                     current: u64::try_from(cur).ok(),
@@ -266,6 +383,30 @@ impl RedisStore {
             }),
             b"M" => Ok(Claim::Mismatch),
             _ => Err(corrupt("unexpected claim reply tag")),
+        }
+    }
+
+    /// Confirms an acquired claim on the replicas (replica confirmation on). Not
+    /// confirmed in time: the claim is released again (best effort; nothing ran) and the
+    /// caller gets `Unavailable`, so no handler runs on a claim a failover could forget.
+    async fn confirm_claim(&self, req: &ClaimRequest<'_>, fence: Fence) -> Result<(), StoreError> {
+        match self.confirm(req.scope, fence).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if matches!(e, StoreError::Unavailable(_))
+                    && let Err(r) = self
+                        .fenced(&self.inner.scripts.release, req.scope, fence, &[], false)
+                        .await
+                {
+                    tracing::debug!(error = %r, "unconfirmed claim not released; it lapses with its lease");
+                }
+                Err(match e {
+                    StoreError::Fenced { .. } => StoreError::Unavailable(
+                        "the claim was lost before replicas confirmed it (failover?)".into(),
+                    ),
+                    e => e,
+                })
+            }
         }
     }
 
@@ -327,9 +468,10 @@ impl RedisStore {
         scope: &Scope,
         fence: Fence,
         rest: &[&[u8]],
+        confirm: bool,
     ) -> Result<(), StoreError> {
         let (res, ()) = tokio::join!(
-            self.fenced(script, scope, fence, rest),
+            self.fenced(script, scope, fence, rest, confirm),
             self.uncount(scope, fence)
         );
         // Unavailable: the layer retries with the same fence, so keep the note.
@@ -348,6 +490,9 @@ impl Store for RedisStore {
     /// the second step.
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let claim = self.claim_record(&req).await?;
+        if let (Claim::Acquired { fence, .. }, Some(_)) = (&claim, self.inner.replica_acks) {
+            self.confirm_claim(&req, *fence).await?;
+        }
         let (Claim::Acquired { fence, .. }, Some(quota)) =
             (&claim, self.inner.max_in_flight_per_tenant)
         else {
@@ -366,7 +511,7 @@ impl Store for RedisStore {
             }
             Ok(false) => {
                 if let Err(e) = self
-                    .fenced(&self.inner.scripts.release, req.scope, fence, &[])
+                    .fenced(&self.inner.scripts.release, req.scope, fence, &[], false)
                     .await
                 {
                     // The record stays in flight until its lease ends; then the next
@@ -395,6 +540,8 @@ impl Store for RedisStore {
                 scope,
                 fence,
                 &[lease_ms.as_bytes()],
+                // Not confirmed: see `RedisStoreBuilder::replica_acks`.
+                false,
             )
             .await;
         match (&res, self.inner.max_in_flight_per_tenant) {
@@ -429,12 +576,13 @@ impl Store for RedisStore {
             scope,
             fence,
             &[kind, body, ttl.as_bytes()],
+            true,
         )
         .await
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        self.finish(&self.inner.scripts.release, scope, fence, &[])
+        self.finish(&self.inner.scripts.release, scope, fence, &[], false)
             .await
     }
 
@@ -580,6 +728,18 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
     }
 }
 
+/// The replies of an `EVALSHA` + `WAIT` pipeline: the script's reply (an error reply
+/// raised as the error it is) and the number of replicas that acknowledged.
+fn script_and_acks(items: Vec<Value>) -> Result<(Value, Option<i64>), RedisError> {
+    let bad = || RedisError::from((ErrorKind::UnexpectedReturnType, "EVALSHA + WAIT reply"));
+    let mut it = items.into_iter();
+    let script = it.next().ok_or_else(bad)?.extract_error()?;
+    match it.next().ok_or_else(bad)?.extract_error()? {
+        Value::Int(n) => Ok((script, Some(n))),
+        _ => Err(bad()),
+    }
+}
+
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("redis: {what}").into())
 }
@@ -705,6 +865,30 @@ mod tests {
         ));
         let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert!(matches!(map_error(io), StoreError::Unavailable(_)));
+    }
+
+    #[test]
+    fn evalsha_and_wait_replies_of_any_shape_never_panic() {
+        let ok = Value::Array(vec![Value::BulkString(b"OK".to_vec())]);
+        assert!(matches!(
+            script_and_acks(vec![ok.clone(), Value::Int(1)]),
+            Ok((_, Some(1)))
+        ));
+        // Too short, WAIT not an integer, a script error: errors, not panics.
+        assert!(script_and_acks(vec![]).is_err());
+        assert!(script_and_acks(vec![ok.clone()]).is_err());
+        assert!(script_and_acks(vec![ok.clone(), Value::Nil]).is_err());
+        assert!(
+            script_and_acks(vec![
+                redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n")
+                    .expect("an error reply parses as a value"),
+                Value::Int(1),
+            ])
+            .is_err_and(|e| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript))
+        );
+        // A WAIT error reply (e.g. a replica refusing it) is an error too.
+        let wait_err = redis::RedisError::from((ErrorKind::Io, "gone"));
+        assert!(map_error(wait_err).to_string().contains("gone"));
     }
 
     #[test]

@@ -58,7 +58,8 @@ pub const SERVE_ENV: &str = "IDEM_SERVE_INSTANCE";
 pub enum StoreKind {
     /// Each process its own memory store (lost when the process dies).
     Memory,
-    /// Redis at this URL, shared by every process.
+    /// Redis at this URL, shared by every process (a Redis Cluster when it is a
+    /// comma-separated list of seed nodes, see `redis::connect_store`).
     Redis(String),
     /// PostgreSQL at this URL, shared by every process; orders are rows of the same
     /// database, written in the transaction that completes the record.
@@ -375,7 +376,7 @@ async fn serve_service<T: Orders>(
                 .await?;
         }
         (StoreKind::Redis(url), None) => {
-            let store = idem_redis::RedisStore::connect(url.clone()).await?;
+            let store = crate::redis::connect_store(url).await?;
             let layer = metrics.server(store, "redis", config).tenant(tenant);
             router
                 .layer(layer)

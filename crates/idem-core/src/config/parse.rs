@@ -85,6 +85,9 @@ const REDIS_FIELDS: &[&str] = &[
     "commandTimeout",
     "connectTimeout",
     "maxInFlightPerTenant",
+    "clusterNodes",
+    "replicaAcks",
+    "replicaAckTimeout",
 ];
 /// Default of `idem.redis.maxInFlightPerTenant`.
 const REDIS_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
@@ -1292,19 +1295,59 @@ impl Validator {
         let o = self.object(v, path, REDIS_FIELDS)?;
         let errors_before = self.errors.len();
         const URL_RULE: &str = "must be a redis://, rediss://, redis+unix:// or unix:// URL";
-        let url = match self.required(&o, "url", URL_RULE) {
-            Some(Value::String(s))
-                if ["redis://", "rediss://", "redis+unix://", "unix://"]
-                    .iter()
-                    .any(|scheme| s.len() > scheme.len() && s.starts_with(scheme)) =>
+        const NODE_RULE: &str = "must be a redis:// or rediss:// URL";
+        let is_url = |s: &str, schemes: &[&str]| {
+            schemes
+                .iter()
+                .any(|scheme| s.len() > scheme.len() && s.starts_with(scheme))
+        };
+        let cluster_nodes = match o.get("clusterNodes") {
+            None => None,
+            Some(Value::Array(items)) if !items.is_empty() => {
+                let mut nodes = Vec::with_capacity(items.len());
+                for (k, item) in items.iter().enumerate() {
+                    match item {
+                        Value::String(s) if is_url(s, &["redis://", "rediss://"]) => {
+                            nodes.push(s.clone());
+                        }
+                        _ => self.error(format!("{}[{k}]", o.path("clusterNodes")), NODE_RULE),
+                    }
+                }
+                Some(nodes)
+            }
+            Some(_) => {
+                self.error(
+                    o.path("clusterNodes"),
+                    "must be a non-empty array of redis:// URLs (Redis Cluster seed nodes)",
+                );
+                None
+            }
+        };
+        let url = match (o.get("url"), o.get("clusterNodes")) {
+            (Some(_), Some(_)) => {
+                self.error(
+                    o.path("url"),
+                    "must not be given with clusterNodes (one endpoint, or a cluster)",
+                );
+                None
+            }
+            (None, Some(_)) => Some(String::new()),
+            (Some(Value::String(s)), None)
+                if is_url(s, &["redis://", "rediss://", "redis+unix://", "unix://"]) =>
             {
                 Some(s.clone())
             }
-            Some(_) => {
+            (Some(_), None) => {
                 self.error(o.path("url"), URL_RULE);
                 None
             }
-            None => None,
+            (None, None) => {
+                self.error(
+                    o.path("url"),
+                    format!("is required (or clusterNodes) and {URL_RULE}"),
+                );
+                None
+            }
         };
         let key_prefix = self
             .string_field(&o, "keyPrefix")
@@ -1328,15 +1371,37 @@ impl Validator {
             Some(0) => None,
             Some(n) => usize::try_from(n).ok(),
         };
+        let replica_acks = self
+            .integer_field(
+                &o,
+                "replicaAcks",
+                0,
+                1000,
+                "must be an integer in 0..=1000 (0: no confirmation)",
+            )
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(0);
+        let replica_ack_timeout = self
+            .duration_field(&o, "replicaAckTimeout", Zero::Refused)
+            .unwrap_or(Duration::from_millis(100));
+        if replica_acks > 0 && replica_ack_timeout >= command_timeout {
+            self.error(
+                o.path("replicaAckTimeout"),
+                "must be shorter than commandTimeout (WAIT runs within a command)",
+            );
+        }
         if self.errors.len() > errors_before {
             return None;
         }
         Some(RedisSettings {
             url: url?,
+            cluster_nodes: cluster_nodes.unwrap_or_default(),
             key_prefix,
             command_timeout,
             connect_timeout,
             max_in_flight_per_tenant,
+            replica_acks,
+            replica_ack_timeout,
         })
     }
 

@@ -1729,6 +1729,9 @@ fn idem_redis() {
             command_timeout: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(2),
             max_in_flight_per_tenant: Some(1000),
+            cluster_nodes: vec![],
+            replica_acks: 0,
+            replica_ack_timeout: Duration::from_millis(100),
         })
     );
     let quota = |v: serde_json::Value| {
@@ -1754,7 +1757,7 @@ fn idem_redis() {
     let bad = [
         (
             json!({}),
-            format!("idem.redis.url: is required and {url_rule}"),
+            format!("idem.redis.url: is required (or clusterNodes) and {url_rule}"),
         ),
         (
             json!({"url": "http://cache"}),
@@ -1772,6 +1775,30 @@ fn idem_redis() {
             json!({"url": "redis://c", "keyPrefix": 1}),
             "idem.redis.keyPrefix: must be a string, not a number".to_owned(),
         ),
+        (
+            json!({"url": "redis://c", "clusterNodes": ["redis://a:7000"]}),
+            "idem.redis.url: must not be given with clusterNodes (one endpoint, or a cluster)"
+                .to_owned(),
+        ),
+        (
+            json!({"clusterNodes": []}),
+            "idem.redis.clusterNodes: must be a non-empty array of redis:// URLs (Redis Cluster seed nodes)"
+                .to_owned(),
+        ),
+        (
+            json!({"clusterNodes": ["redis://a:7000", "unix:///tmp/s"]}),
+            "idem.redis.clusterNodes[1]: must be a redis:// or rediss:// URL".to_owned(),
+        ),
+        (
+            json!({"url": "redis://c", "replicaAcks": -1}),
+            "idem.redis.replicaAcks: must be an integer in 0..=1000 (0: no confirmation)"
+                .to_owned(),
+        ),
+        (
+            json!({"url": "redis://c", "replicaAcks": 1, "replicaAckTimeout": "0.5s"}),
+            "idem.redis.replicaAckTimeout: must be shorter than commandTimeout (WAIT runs within a command)"
+                .to_owned(),
+        ),
     ];
     for (value, message) in bad {
         assert_eq!(
@@ -1780,6 +1807,25 @@ fn idem_redis() {
             "{value}"
         );
     }
+    // Two bad nodes: both named.
+    assert_eq!(
+        settings(json!({"redis": {"clusterNodes": ["http://a", "redis://b:1", 7]}})),
+        Err(vec![
+            "idem.redis.clusterNodes[0]: must be a redis:// or rediss:// URL".to_owned(),
+            "idem.redis.clusterNodes[2]: must be a redis:// or rediss:// URL".to_owned(),
+        ])
+    );
+    let (s, _) = settings(json!({"redis": {"clusterNodes": ["redis://10.0.0.1:7000", "rediss://10.0.0.2:7000"], "replicaAcks": 1, "replicaAckTimeout": "0.05s"}})).unwrap();
+    let r = s.redis.unwrap();
+    assert_eq!(r.url, "");
+    assert_eq!(
+        r.cluster_nodes,
+        vec!["redis://10.0.0.1:7000", "rediss://10.0.0.2:7000"]
+    );
+    assert_eq!(
+        (r.replica_acks, r.replica_ack_timeout),
+        (1, Duration::from_millis(50))
+    );
 }
 
 #[test]

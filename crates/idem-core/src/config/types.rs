@@ -513,11 +513,22 @@ pub enum TenantSource {
 ///
 /// # Defaults
 /// `keyPrefix` `"idem:"`, `commandTimeout` `"0.5s"`, `connectTimeout` `"2s"`,
-/// `maxInFlightPerTenant` 1000 (`0`: no per-tenant bound).
+/// `maxInFlightPerTenant` 1000 (`0`: no per-tenant bound), `replicaAcks` 0 (off),
+/// `replicaAckTimeout` `"0.1s"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// `redis://host:port/db` (required when the object is present).
+    /// `redis://host:port/db`: one endpoint. Empty when `clusterNodes` is given (exactly
+    /// one of the two is).
     pub url: String,
+    /// `clusterNodes`: seed nodes of a Redis Cluster (`redis://host:port`); empty for a
+    /// single endpoint.
+    pub cluster_nodes: Vec<String>,
+    /// `replicaAcks`: replicas that must confirm each claim and completion (Redis
+    /// `WAIT`) before the store answers; 0: no confirmation.
+    pub replica_acks: usize,
+    /// `replicaAckTimeout`: how long `WAIT` waits for them (less than
+    /// `commandTimeout`).
+    pub replica_ack_timeout: Duration,
     /// Prefix of every key idem writes.
     pub key_prefix: String,
     /// Timeout of every command; past it the call gets UNAVAILABLE.

@@ -1,0 +1,105 @@
+//! Replica confirmation (`replica_acks`, Redis `WAIT`) on a single endpoint: a master
+//! with one replica, both private `redis-server`s on free ports.
+
+use std::time::Duration;
+
+use idem_redis::RedisStore;
+use idem_store::{
+    Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
+};
+use idem_test_support::redis::{RedisServer, Resp};
+
+fn request<'a>(scope: &'a Scope, fp: &'a Fingerprint) -> ClaimRequest<'a> {
+    const TENANT: TenantId = TenantId([1; 16]);
+    ClaimRequest {
+        scope,
+        tenant: &TENANT,
+        fingerprint: fp,
+        claimant: ClaimantId::random(),
+        lease: Duration::from_secs(5),
+    }
+}
+
+fn state_on(replica: &RedisServer, key: &str) -> Option<String> {
+    match replica
+        .cmd(&["HGET", key, "s"])
+        .expect("HGET on the replica")
+    {
+        Resp::Bulk(Some(b)) => Some(String::from_utf8_lossy(&b).into_owned()),
+        Resp::Bulk(None) => None,
+        other => panic!("HGET: {other:?}"),
+    }
+}
+
+/// Confirmed claims and completions are on the replica when answered; asking for more
+/// replicas than there are, or losing the replica, makes fresh claims fail closed
+/// (`Unavailable`, released: nothing left in flight) while replays still answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_and_completions_wait_for_the_replica_and_fail_closed_without_it() {
+    let Some(master) = RedisServer::start() else {
+        return;
+    };
+    let Some(mut replica) = RedisServer::start_replica_of(&master) else {
+        return;
+    };
+    let acked = RedisStore::builder(master.url())
+        .key_prefix("acks:")
+        .replica_acks(1, Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("connect");
+    let fp = Fingerprint([1; 32]);
+    let mut completed = None;
+    for i in 0..50 {
+        let scope = Scope(rand::random());
+        let key = acked.key_for(&scope);
+        let Ok(Claim::Acquired { fence, .. }) = acked.claim(request(&scope, &fp)).await else {
+            panic!("claim {i}")
+        };
+        assert_eq!(state_on(&replica, &key).as_deref(), Some("i"), "claim {i}");
+        acked
+            .complete(
+                &scope,
+                fence,
+                StoredOutcome::NotRetained,
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("complete");
+        assert_eq!(
+            state_on(&replica, &key).as_deref(),
+            Some("c"),
+            "completion {i}"
+        );
+        completed = Some(scope);
+    }
+    let completed = completed.expect("a completed record");
+
+    // Two replicas asked for, one there: refused after the WAIT timeout, released.
+    let greedy = RedisStore::builder(master.url())
+        .key_prefix("acks:")
+        .replica_acks(2, Duration::from_millis(50))
+        .connect()
+        .await
+        .expect("connect");
+    let scope = Scope(rand::random());
+    assert!(matches!(
+        greedy.claim(request(&scope, &fp)).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert_eq!(greedy.get(&scope).await.expect("get"), None, "released");
+
+    // The replica gone (SIGKILL): fresh claims fail closed, replays still answer.
+    replica.stop();
+    let scope = Scope(rand::random());
+    let r = acked.claim(request(&scope, &fp)).await;
+    assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+    assert_eq!(acked.get(&scope).await.expect("get"), None, "released");
+    assert_eq!(
+        acked
+            .claim(request(&completed, &fp))
+            .await
+            .expect("a replay needs no replica"),
+        Claim::Completed(StoredOutcome::NotRetained)
+    );
+}
