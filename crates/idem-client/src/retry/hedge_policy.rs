@@ -196,37 +196,9 @@ fn settle(state: &HedgeState, next: Next) -> HedgeDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::strategies::{durations, ends, pushbacks};
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
-
-    fn ends() -> impl Strategy<Value = AttemptEnd> {
-        prop_oneof![
-            Just(AttemptEnd::Committed),
-            Just(AttemptEnd::TransportError),
-            Just(AttemptEnd::RecvTimeout),
-            Just(AttemptEnd::Deadline),
-            Just(AttemptEnd::Cancelled),
-            (0usize..17).prop_map(|i| AttemptEnd::Status(ALL_CODES[i])),
-        ]
-    }
-
-    fn pushbacks() -> impl Strategy<Value = Pushback> {
-        prop_oneof![
-            Just(Pushback::Absent),
-            Just(Pushback::Stop),
-            (0u64..=u64::MAX).prop_map(|ms| Pushback::Wait(Duration::from_millis(ms))),
-            (0u64..5_000).prop_map(|ms| Pushback::Wait(Duration::from_millis(ms))),
-        ]
-    }
-
-    fn durations() -> impl Strategy<Value = Duration> {
-        prop_oneof![
-            (0u64..10_000_000).prop_map(Duration::from_micros),
-            (0u64..=u64::MAX).prop_map(Duration::from_secs),
-            Just(Duration::MAX),
-            Just(Duration::ZERO),
-        ]
-    }
 
     fn frozen() -> impl Strategy<Value = Option<CallOutcome>> {
         prop_oneof![
@@ -262,7 +234,7 @@ mod tests {
     proptest! {
         #[test]
         fn decisions_keep_every_a6_hedging_rule(
-            end in ends(),
+            end in ends(true),
             pushback in pushbacks(),
             retry_info in proptest::option::of(durations()),
             max_attempts in 2u32..=5,

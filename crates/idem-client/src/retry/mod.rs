@@ -32,4 +32,6 @@ pub use service::Retry;
 pub use throttle::RetryThrottle;
 
 #[cfg(test)]
+mod strategies;
+#[cfg(test)]
 mod tests;
