@@ -293,6 +293,20 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// One side of a scenario: a `CreateOrder` per call on a clone of `$client`, with the
+/// order key `$key` (`None`, or `Some(&fresh_key())` evaluated per call).
+macro_rules! creates {
+    ($client:expr, $key:expr, $what:literal) => {{
+        let client = $client;
+        move |_| {
+            let mut c = client.clone();
+            async move {
+                c.create_order(order($key)).await.expect($what);
+            }
+        }
+    }};
+}
+
 /// Runs `a` (baseline) and `b` in `rounds` alternating rounds: round `r` runs A then B
 /// when `r` is even, B then A when odd.
 async fn ab<FA, FAF, FB, FBF>(rounds: usize, calls: usize, concurrency: usize, a: FA, b: FB) -> Pair
@@ -524,18 +538,8 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             rounds,
             calls,
             conc,
-            move |_| {
-                let mut c = a.clone();
-                async move {
-                    c.create_order(order(None)).await.expect("metrics off");
-                }
-            },
-            move |_| {
-                let mut c = b.clone();
-                async move {
-                    c.create_order(order(None)).await.expect("metrics on");
-                }
-            },
+            creates!(a, None, "metrics off"),
+            creates!(b, None, "metrics on"),
         )
         .await;
         let ok = p.tp_ratio >= 0.97;
@@ -550,22 +554,8 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             rounds,
             calls,
             conc,
-            move |_| {
-                let mut c = a.clone();
-                async move {
-                    c.create_order(order(Some(&fresh_key())))
-                        .await
-                        .expect("metrics off");
-                }
-            },
-            move |_| {
-                let mut c = b.clone();
-                async move {
-                    c.create_order(order(Some(&fresh_key())))
-                        .await
-                        .expect("metrics on");
-                }
-            },
+            creates!(a, Some(&fresh_key()), "metrics off"),
+            creates!(b, Some(&fresh_key()), "metrics on"),
         )
         .await;
         let ok = p.tp_ratio >= 0.97;
@@ -607,18 +597,8 @@ async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             rounds,
             calls,
             conc,
-            move |_| {
-                let mut c = a.clone();
-                async move {
-                    c.create_order(order(None)).await.expect("bare call");
-                }
-            },
-            move |_| {
-                let mut c = b.clone();
-                async move {
-                    c.create_order(order(None)).await.expect("layered call");
-                }
-            },
+            creates!(a, None, "bare call"),
+            creates!(b, None, "layered call"),
         )
         .await;
         let ok = p.tp_ratio >= 0.97 && p.p50_ratio <= 1.05;
@@ -647,12 +627,7 @@ async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
                     c.create_order(req).await.expect("bare call with key");
                 }
             },
-            move |_| {
-                let mut c = b.clone();
-                async move {
-                    c.create_order(order(None)).await.expect("layered call");
-                }
-            },
+            creates!(b, None, "layered call"),
         )
         .await;
         let ok = p.tp_ratio >= 0.97 && p.p50_ratio <= 1.05;
@@ -681,22 +656,8 @@ async fn server_fresh(t: &mut Table, rounds: usize, calls1: usize, calls64: usiz
             rounds,
             calls,
             conc,
-            move |_| {
-                let mut c = a.clone();
-                async move {
-                    c.create_order(order(Some(&fresh_key())))
-                        .await
-                        .expect("bare");
-                }
-            },
-            move |_| {
-                let mut c = b.clone();
-                async move {
-                    c.create_order(order(Some(&fresh_key())))
-                        .await
-                        .expect("idem");
-                }
-            },
+            creates!(a, Some(&fresh_key()), "bare"),
+            creates!(b, Some(&fresh_key()), "idem"),
         )
         .await;
         assert_eq!(
@@ -816,22 +777,8 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             rounds,
             calls,
             conc,
-            move |_| {
-                let mut c = a.clone();
-                async move {
-                    c.create_order(order(Some(&fresh_key())))
-                        .await
-                        .expect("memory");
-                }
-            },
-            move |_| {
-                let mut c = b.clone();
-                async move {
-                    c.create_order(order(Some(&fresh_key())))
-                        .await
-                        .expect("redis");
-                }
-            },
+            creates!(a, Some(&fresh_key()), "memory"),
+            creates!(b, Some(&fresh_key()), "redis"),
         )
         .await;
         t.pair(
@@ -951,18 +898,8 @@ async fn store_pair(
         rounds,
         calls,
         conc,
-        move |_| {
-            let mut c = ca.clone();
-            async move {
-                c.create_order(order(Some(&fresh_key()))).await.expect("a");
-            }
-        },
-        move |_| {
-            let mut c = cb.clone();
-            async move {
-                c.create_order(order(Some(&fresh_key()))).await.expect("b");
-            }
-        },
+        creates!(ca, Some(&fresh_key()), "a"),
+        creates!(cb, Some(&fresh_key()), "b"),
     )
     .await;
     t.pair(
@@ -1025,24 +962,13 @@ async fn duplicates(t: &mut Table, rounds: usize) {
         // One plain call (median of 50, so one number is not one outlier).
         let r = drive(50, 1, {
             let c = bare.client();
-            move |_| {
-                let mut c = c.clone();
-                async move {
-                    c.create_order(order(None)).await.expect("plain");
-                }
-            }
+            creates!(c, None, "plain")
         })
         .await;
         one.push(us(r.pct(0.5)));
         // 1000 concurrent plain calls, distinct, to the bare server.
         let c = bare.client();
-        let r = drive(N, N, move |_| {
-            let mut c = c.clone();
-            async move {
-                c.create_order(order(None)).await.expect("plain burst");
-            }
-        })
-        .await;
+        let r = drive(N, N, creates!(c, None, "plain burst")).await;
         burst.push(us(r.elapsed));
         // 1000 concurrent duplicates of one fresh key.
         let key = Arc::new(fresh_key());
@@ -1125,12 +1051,7 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
         rounds,
         calls,
         1,
-        move |_| {
-            let mut c = a.clone();
-            async move {
-                c.create_order(order(None)).await.expect("plain");
-            }
-        },
+        creates!(a, None, "plain"),
         retried.clone(),
     )
     .await;
