@@ -103,7 +103,8 @@ impl RedisServer {
         Self::start_with(&[])
     }
 
-    /// A replica of `master` (`--replicaof`), once its link is up; `None` as for
+    /// A replica of `master` (`--replicaof`), once the master counts its acknowledgements
+    /// (`WAIT 1` answers 1); `None` as for
     /// [`start`](Self::start).
     pub fn start_replica_of(master: &RedisServer) -> Option<RedisServer> {
         // The master syncs a new replica at once, not after its default 5 s delay.
@@ -125,6 +126,21 @@ impl RedisServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // The replica's side of the link comes up before the master counts it as online
+        // and acknowledging: until then `WAIT` answers 0. Wait until a write is
+        // acknowledged (then the key is removed, replicated too).
+        while !(master.cmd(&["SET", "idem-test:replica-sync", "1"]).is_ok()
+            && matches!(master.cmd(&["WAIT", "1", "500"]), Ok(Resp::Int(n)) if n >= 1))
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the replica on {} never acknowledged a write to {}",
+                replica.port,
+                master.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = master.cmd(&["DEL", "idem-test:replica-sync"]);
         Some(replica)
     }
 
