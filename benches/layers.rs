@@ -10,7 +10,7 @@
 //! (`client`, `server`, `replay`, `redis`, `cluster`, `dup`, `retry`, `metrics`); none
 //! runs all.
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
-//! `profile-client-metrics` / `profile-server-bare` /
+//! `profile-client-metrics` / `profile-server-bare` / `profile-server-metrics` /
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
 //! calls, no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
@@ -1078,6 +1078,14 @@ async fn profile(which: &str, calls: usize) {
             (serve::<MemoryStore>(Duration::ZERO, None).await, false)
         }
         "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
+        "server-metrics" => {
+            // The provider lives as long as the process: the meter records into it.
+            let prometheus = Box::leak(Box::new(idem_otel::prometheus::Prometheus::new()));
+            let m = idem_otel::ServerMetrics::new(&prometheus.meter("bench"), &config());
+            let store = m.instrument_store(memory_store(), "memory");
+            let layer = IdempotencyLayer::new(store, &config()).observer(m.clone());
+            (serve(Duration::ZERO, Some(layer)).await, true)
+        }
         other => panic!("unknown profile {other:?}"),
     };
     let ks = keys(calls);
