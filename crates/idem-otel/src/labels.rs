@@ -111,7 +111,9 @@ impl MethodLabels {
 /// instructions), a lookup here by the call's path and an atomic add cost a fraction,
 /// and a counter loses nothing by being read late.
 pub(crate) struct MethodCounters<T> {
-    methods: MethodLabels,
+    /// Read on a path's first call only (then `by_path` answers); written by
+    /// [`add_method`](Self::add_method).
+    methods: RwLock<MethodLabels>,
     /// Path → its label's counters; bounded (unknown paths past it look their label up).
     by_path: RwLock<HashMap<String, Arc<PerMethod<T>>>>,
     /// Label → counters: the paths of one label (`"other"`) share them.
@@ -131,15 +133,17 @@ pub(crate) struct PerMethod<T> {
 impl<T: Default> MethodCounters<T> {
     pub(crate) fn new(methods: MethodLabels) -> Self {
         MethodCounters {
-            methods,
+            methods: RwLock::new(methods),
             by_path: RwLock::default(),
             by_label: RwLock::default(),
         }
     }
 
-    /// Labels one more method by name (before the counters are shared).
-    pub(crate) fn add_method(&mut self, method: &str) {
-        self.methods.add(method);
+    /// Labels one more method by name, for its calls from now on.
+    pub(crate) fn add_method(&self, method: &str) {
+        write(&self.methods).add(method);
+        // A path seen before keeps no stale label.
+        write(&self.by_path).clear();
     }
 
     /// The counters of the call to `path`.
@@ -147,7 +151,7 @@ impl<T: Default> MethodCounters<T> {
         if let Some(c) = read(&self.by_path).get(path) {
             return c.clone();
         }
-        let label = self.methods.of(path);
+        let label = read(&self.methods).of(path);
         let counts = write(&self.by_label)
             .entry(label.as_str().into_owned())
             .or_insert_with(|| {

@@ -134,11 +134,8 @@ impl ServerMetrics {
     }
 
     /// Labels `method` (`pkg.Service/Method`) by its name too.
-    pub fn method(mut self, method: &str) -> Self {
-        match Arc::get_mut(&mut self.0).and_then(|i| Arc::get_mut(&mut i.counts)) {
-            Some(counts) => counts.add_method(method),
-            None => tracing::warn!("ServerMetrics::method called after the metrics were shared"),
-        }
+    pub fn method(self, method: &str) -> Self {
+        self.0.counts.add_method(method);
         self
     }
 

@@ -719,3 +719,31 @@ async fn the_tenant_label_is_opt_in_and_bounded() {
         }
     }
 }
+
+/// `method` labels a method the config does not name, on both sides.
+#[tokio::test]
+async fn a_method_added_by_name_gets_its_own_label() {
+    let otel = Otel::new();
+    let cfg = config(false);
+    let get = "shop.v1.Orders/GetOrder";
+    let server = ServerMetrics::new(&otel.meter(), &cfg).method(get);
+    let layer = IdempotencyLayer::new(MemoryStore::default(), &cfg).observer(server);
+    let addr = serve(layer, 0).await;
+    let metrics = ClientMetrics::new(&otel.meter(), "t", &cfg).method(get);
+    let layer = RetryLayer::builder()
+        .service_config(cfg.clone())
+        .observer(metrics)
+        .build()
+        .unwrap();
+    let mut c = OrdersClient::new(tower::Layer::layer(&layer, net::channel(addr)));
+    let s = c
+        .get_order(idem_test_support::shop::GetOrderRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::Unimplemented);
+    let m = ("grpc.method", get);
+    otel.expect("grpc.client.attempt.started", &[m], Value::Sum(1.0))
+        .await;
+    otel.expect("grpc.server.call.started", &[m], Value::Sum(1.0))
+        .await;
+}
