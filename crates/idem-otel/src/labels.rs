@@ -27,7 +27,8 @@ pub(crate) struct MethodLabels {
 #[derive(Debug)]
 pub(crate) struct Learned {
     most: usize,
-    values: RwLock<HashMap<String, Value>>,
+    values: RwLock<HashMap<String, Arc<str>>>,
+    other: Arc<str>,
 }
 
 impl Learned {
@@ -36,11 +37,12 @@ impl Learned {
         Learned {
             most,
             values: RwLock::default(),
+            other: Arc::from(OTHER),
         }
     }
 
     /// The label of `name`: itself while fewer than the bound have been seen.
-    pub(crate) fn of(&self, name: &str) -> Value {
+    pub(crate) fn of(&self, name: &str) -> Arc<str> {
         if let Some(v) = self
             .values
             .read()
@@ -51,9 +53,9 @@ impl Learned {
         }
         let mut values = self.values.write().unwrap_or_else(PoisonError::into_inner);
         if values.len() >= self.most {
-            return Value::from(OTHER);
+            return self.other.clone();
         }
-        let v = Value::from(Arc::<str>::from(name));
+        let v = Arc::<str>::from(name);
         values.insert(name.to_owned(), v.clone());
         v
     }
@@ -102,7 +104,7 @@ impl MethodLabels {
         if !service.is_some_and(|s| self.services.contains(s)) {
             return Value::from(OTHER);
         }
-        self.learned.of(&path[1..])
+        Value::from(self.learned.of(&path[1..]))
     }
 }
 

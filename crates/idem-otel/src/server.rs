@@ -257,7 +257,7 @@ impl ServerObserver for ServerMetrics {
             .tenants
             .as_ref()
             .zip(call.tenant)
-            .map(|(labels, t)| Arc::<str>::from(labels.of(t).as_str()));
+            .map(|(labels, t)| labels.of(t));
         counts
             .counts
             .outcome(OutcomeKey(call.outcome, call.reason, tenant))

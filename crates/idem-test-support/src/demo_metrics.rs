@@ -49,10 +49,7 @@ impl DemoMetrics {
         kind: &'static str,
         config: &ServiceConfig,
     ) -> IdempotencyLayer<InstrumentedStore<St>> {
-        let layer = IdempotencyLayer::new(self.server.instrument_store(store, kind), config)
-            .observer(self.server.clone());
-        self.server.watch(&layer);
-        layer
+        observed_layer(&self.server, store, kind, config)
     }
 
     /// The exposition now.
@@ -64,6 +61,19 @@ impl DemoMetrics {
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         std::fs::write(path, self.render())
     }
+}
+
+/// A server layer on `store` (timed, labelled `kind`), observed and watched by `server`.
+fn observed_layer<St: Store>(
+    server: &ServerMetrics,
+    store: St,
+    kind: &'static str,
+    config: &ServiceConfig,
+) -> IdempotencyLayer<InstrumentedStore<St>> {
+    let layer = IdempotencyLayer::new(server.instrument_store(store, kind), config)
+        .observer(server.clone());
+    server.watch(&layer);
+    layer
 }
 
 /// The server side of one instance process of a `--crash-every` run: its layer's metrics,
@@ -93,10 +103,7 @@ impl InstanceMetrics {
         kind: &'static str,
         config: &ServiceConfig,
     ) -> IdempotencyLayer<InstrumentedStore<St>> {
-        let layer = IdempotencyLayer::new(self.server.instrument_store(store, kind), config)
-            .observer(self.server.clone());
-        self.server.watch(&layer);
-        layer
+        observed_layer(&self.server, store, kind, config)
     }
 
     /// Serves `GET /metrics` on 127.0.0.1:`port` until the process ends.
@@ -112,6 +119,13 @@ impl InstanceMetrics {
 
 /// The exposition an instance serves on 127.0.0.1:`port` (HTTP/1.0 GET /metrics).
 pub async fn scrape(port: u16) -> std::io::Result<String> {
+    // An instance that hangs must not hang the demo: its scrape is lost instead.
+    tokio::time::timeout(std::time::Duration::from_secs(2), scrape_now(port))
+        .await
+        .map_err(|_| std::io::Error::other(format!("scrape of 127.0.0.1:{port} timed out")))?
+}
+
+async fn scrape_now(port: u16) -> std::io::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
@@ -223,5 +237,43 @@ impl DemoMetrics {
             self.render()
         );
         std::fs::write(path, text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_adds_counters_and_histograms_and_keeps_the_live_gauges() {
+        let life = |n: u32, g: u32| {
+            format!(
+                "# HELP c_total c\n# TYPE c_total counter\nc_total{{a=\"x\"}} {n}\n\
+                 # TYPE h_seconds histogram\nh_seconds_bucket{{le=\"1\"}} {n}\nh_seconds_count {n}\n\
+                 # TYPE g gauge\ng {g}\n"
+            )
+        };
+        let out = merge(&[life(2, 7), life(3, 8)], &[life(4, 1)]);
+        assert_eq!(out.matches("# TYPE c_total counter").count(), 1, "{out}");
+        assert!(out.contains("c_total{a=\"x\"} 9\n"), "{out}");
+        assert!(out.contains("h_seconds_bucket{le=\"1\"} 9\n"), "{out}");
+        assert!(out.contains("h_seconds_count 9\n"), "{out}");
+        assert!(
+            out.contains("\ng 1\n"),
+            "gauges from the live instance only: {out}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_scrape_of_an_instance_that_never_answers_gives_up() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _held = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            std::future::pending::<()>().await;
+            drop(socket);
+        });
+        let err = scrape(port).await.unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
     }
 }
