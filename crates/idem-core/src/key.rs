@@ -66,8 +66,13 @@ impl IdempotencyKey {
                 reason: "has a character outside [A-Za-z0-9_-]",
             });
         }
-        // Every byte is ASCII, so this cannot fail.
-        Ok(IdempotencyKey(String::from_utf8_lossy(bytes).into_owned()))
+        // Every byte is ASCII, so this cannot fail (and is a plain copy).
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(IdempotencyKey(s.to_owned())),
+            Err(_) => Err(InvalidKey {
+                reason: "has a character outside [A-Za-z0-9_-]",
+            }),
+        }
     }
 
     /// A fresh random key: 128 bits from the thread-local CSPRNG, as 32 hex characters.

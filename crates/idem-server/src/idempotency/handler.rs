@@ -1,9 +1,13 @@
-//! The handler's run under a claimed record: in a task of its own (a caller that goes
-//! away does not cancel it), its response forwarded to the caller as it is produced and
+//! The handler's run under a claimed record: polled by the caller's future, and moved to
+//! a task of its own if that future goes away first (a caller that goes away does not
+//! cancel it), its response forwarded to the caller as it is produced and
 //! collected for the record, then its outcome recorded.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::task::Poll;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
@@ -39,9 +43,12 @@ type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
 /// Runs the handler for `call` under the record it claimed with `fence`, and answers
 /// with the response as soon as it starts.
 ///
-/// The lease's renewal starts here, before the handler's task is spawned, so it is
-/// queued where another worker can pick it up even if the handler blocks its thread.
-/// `permit` (one of the layer's handler runs) is held until the outcome is recorded.
+/// The run is polled by the caller's own future while the caller waits: a unary call
+/// (whose response leaves whole, after the outcome is recorded) costs no task of its
+/// own. Whatever is left of the run when the response leaves (the rest of a streamed
+/// response) or when the caller's future is dropped (the caller went away) moves to a
+/// task of its own and runs to the end there; see [`Detach`]. `permit` (one of the
+/// layer's handler runs) is held until the outcome is recorded.
 pub(crate) async fn execute<S, St, ResBody>(
     call: Call<St>,
     inner: S,
@@ -57,6 +64,9 @@ where
     St: Store,
 {
     let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
+    if lease.started_renewal_task() {
+        tokio::task::yield_now().await;
+    }
     parts.extensions.insert(RecordFence(fence));
     let record = RecordRef::new(
         call.scope,
@@ -67,25 +77,77 @@ where
     parts.extensions.insert(record.clone());
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
-    let (tx, rx) = oneshot::channel();
-    // Boxed: the handler's future holds the service's own future inline and is large;
-    // a task stores and moves its future by value (on spawn and at every stage change),
-    // so spawning it unboxed copied tens of kilobytes per call.
-    let run = Box::pin(run(call, inner, lease, record, req, inbound, tx));
-    tokio::spawn(
+    let (tx, mut rx) = oneshot::channel();
+    let mut run = Detach(Some(boxed_run(
+        call, inner, lease, record, req, inbound, tx, permit,
+    )));
+    let answer = std::future::poll_fn(|cx| {
+        if let Some(r) = run.0.as_mut()
+            && r.as_mut().poll(cx).is_ready()
+        {
+            run.0 = None;
+        }
+        match Pin::new(&mut rx).poll(cx) {
+            Poll::Ready(r) => Poll::Ready(r.ok()),
+            // The run ended without answering (it cannot, but never hang the caller).
+            Poll::Pending if run.0.is_none() => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await;
+    drop(run);
+    answer.unwrap_or_else(|| Ok(status::handler_task_lost().into_http()))
+}
+
+/// The run, boxed: it holds the service's own future inline and is large. Made in a
+/// plain function, so the caller's future holds only the box's pointer (made inside it,
+/// the future would reserve room for the whole run and be copied with it), and a
+/// detached run moves into its task by that pointer.
+#[allow(clippy::too_many_arguments)]
+fn boxed_run<S, St, ResBody>(
+    call: Call<St>,
+    inner: S,
+    lease: Lease<St>,
+    record: RecordRef,
+    req: Request<Body>,
+    inbound: InboundScope,
+    reply: Reply<S::Error>,
+    permit: OwnedSemaphorePermit,
+) -> Pin<Box<dyn Future<Output = ()> + Send>>
+where
+    S: Inner<ResBody>,
+    ResBody: ResponseBody,
+    St: Store,
+{
+    Box::pin(
         async move {
-            run.await;
+            run(call, inner, lease, record, req, inbound, reply).await;
             drop(permit);
         }
         .instrument(tracing::Span::current()),
-    );
-    match rx.await {
-        Ok(r) => r,
-        Err(_) => Ok(status::handler_task_lost().into_http()),
+    )
+}
+
+/// A handler's run, polled by the caller's future until the response leaves; dropped
+/// before the run ends (the rest of a streamed response, or a caller that went away),
+/// it hands the run to a task of its own, so the outcome is still recorded.
+struct Detach(Option<Pin<Box<dyn Future<Output = ()> + Send>>>);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        let Some(run) = self.0.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn(run)),
+            // Only a future dropped outside any runtime gets here: the run cannot go on,
+            // and its record is left to its lease.
+            Err(_) => tracing::error!(
+                "an idempotent handler's run was dropped outside a tokio runtime; its record stays in flight until its lease ends"
+            ),
+        }
     }
 }
 
-/// The handler's task: produce (forwarding as it goes), record, deliver the rest.
+/// The handler's run: produce (forwarding as it goes), record, deliver the rest.
 ///
 /// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
 /// the record's scope, so client calls it makes derive their keys from this call's
@@ -184,7 +246,7 @@ async fn record<St: Store>(
     lease.complete(outcome, policy.record_ttl, attempted).await;
 }
 
-/// What the handler's task has produced so far. It lives outside the future that
+/// What the handler's run has produced so far. It lives outside the future that
 /// polls the handler, so it survives a panic there.
 struct Output<E> {
     forward: Forwarder<E>,

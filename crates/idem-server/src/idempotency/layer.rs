@@ -88,6 +88,8 @@ pub(crate) struct Shared<St> {
     pub(crate) observer: Option<crate::metrics::SharedObserver>,
     /// Tenants' store names, computed once each.
     pub(crate) tenant_ids: Arc<super::digest::TenantIds>,
+    /// The leases of records this layer's handlers hold, renewed by one task.
+    pub(crate) renewals: Arc<super::renewal::Renewals>,
 }
 
 impl<St: Clone> Clone for Shared<St> {
@@ -107,6 +109,7 @@ impl<St: Clone> Clone for Shared<St> {
             logged_at_call: AtomicBool::new(false),
             observer: self.observer.clone(),
             tenant_ids: self.tenant_ids.clone(),
+            renewals: self.renewals.clone(),
         }
     }
 }
@@ -219,6 +222,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 logged_at_call: AtomicBool::new(false),
                 observer: None,
                 tenant_ids: Arc::default(),
+                renewals: Arc::default(),
             }),
         }
     }

@@ -1,9 +1,10 @@
-//! A claimed record's lease: kept alive by a task of its own while the handler runs and
-//! until the outcome is recorded, then given up by recording it (complete or release).
+//! A claimed record's lease: kept alive by the layer's renewal task (see
+//! [`renewal`](super::renewal)) while the handler runs and until the outcome is recorded,
+//! then given up by recording it (complete or release).
 //!
-//! The renewal task does not share the handler's task, so a handler that blocks its
-//! thread (a synchronous driver, a long computation) keeps its lease as long as the
-//! process runs. A completion or release the store refuses transiently is retried with
+//! The renewal task is not the handler's, so a handler that blocks its thread (a
+//! synchronous driver, a long computation) keeps its lease as long as the process
+//! runs. A completion or release the store refuses transiently is retried with
 //! backoff, the lease still renewed, for up to `completionRetryTimeout`: a duplicate
 //! waiting for the outcome gets it, instead of running the handler again when the lease
 //! ends.
@@ -14,11 +15,10 @@ use std::time::Duration;
 use idem_core::config::IdempotencyPolicy;
 use idem_store::{Fence, Scope, Store, StoreError, StoredOutcome};
 use tokio::sync::oneshot;
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::layer::Shared;
+use super::renewal::Registration;
 use super::stats::IdempotencyStats;
 
 /// Backoff between attempts to record an outcome: 20 ms doubling to 1 s, ±20 % jitter.
@@ -33,18 +33,9 @@ pub(crate) struct Lease<St> {
     fence: Fence,
     stats: IdempotencyStats,
     retry_for: Duration,
-    _renewal: AbortOnDrop,
+    renewal: Registration,
     /// The call's trace, told what became of the record.
     trace: Option<std::sync::Arc<crate::metrics::CallTrace>>,
-}
-
-/// Stops the renewal task when the lease is done with, however that happens.
-struct AbortOnDrop(AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Why an outcome could not be recorded.
@@ -57,31 +48,34 @@ enum Unrecorded {
 }
 
 impl<St: Store> Lease<St> {
-    /// Starts renewing the lease held with `fence` every `leaseTtl / 3`, in a task of
-    /// its own.
+    /// Starts renewing the lease held with `fence` every `leaseTtl / 3`.
     pub(crate) fn start(
         shared: &Shared<St>,
         scope: Scope,
         fence: Fence,
         policy: &IdempotencyPolicy,
     ) -> Self {
-        let renewal = renew(
-            shared.store.clone(),
-            scope,
-            fence,
-            policy.lease_ttl,
-            shared.stats.clone(),
-        );
-        let renewal = tokio::spawn(renewal.instrument(tracing::Span::current()));
+        let renewal =
+            shared
+                .renewals
+                .register(&shared.store, &shared.stats, scope, fence, policy.lease_ttl);
         Lease {
             store: shared.store.clone(),
             scope,
             fence,
             stats: shared.stats.clone(),
             retry_for: policy.completion_retry_timeout,
-            _renewal: AbortOnDrop(renewal.abort_handle()),
+            renewal,
             trace: crate::metrics::current(),
         }
+    }
+
+    /// This lease started the layer's renewal task. The task then sits in this worker's
+    /// next-task slot, which other workers cannot take: the caller yields once before
+    /// the handler runs, so that a handler that blocks its thread does not hold the
+    /// renewals back.
+    pub(crate) fn started_renewal_task(&self) -> bool {
+        self.renewal.started_task
     }
 
     /// Records the outcome, so duplicates replay it. A response the store has no room
@@ -216,37 +210,6 @@ impl<St: Store> Lease<St> {
 
     fn short_scope(&self) -> String {
         self.scope.short_hex()
-    }
-}
-
-/// Renews the lease every `lease / 3` until aborted, or until the store says it is no
-/// longer this claimant's.
-async fn renew<St: Store>(
-    store: St,
-    scope: Scope,
-    fence: Fence,
-    lease: Duration,
-    stats: IdempotencyStats,
-) {
-    let period = (lease / 3).max(Duration::from_millis(1));
-    loop {
-        tokio::time::sleep(period).await;
-        match store.renew(&scope, fence, lease).await {
-            Ok(()) => {}
-            // Recorded (a renewal that raced the completion): nothing left to renew.
-            Err(StoreError::Fenced { presented, current }) if current == Some(presented) => {
-                return;
-            }
-            Err(StoreError::Fenced { .. }) => {
-                stats.inc(|c| &c.renew_failures);
-                tracing::warn!(fence, "lease lost: another claimant took the record over");
-                return;
-            }
-            Err(e) => {
-                stats.inc(|c| &c.renew_failures);
-                tracing::warn!(error = %e, fence, "could not renew the idempotency lease");
-            }
-        }
     }
 }
 

@@ -144,9 +144,10 @@
 //!      extensions; with the latter a handler can complete the record in its own
 //!      database transaction (`idem-postgres`'s `RecordTx`), and the layer then does not
 //!      record the outcome again. The lease is renewed every `leaseTtl / 3` by
-//!      a task of its own, so a handler that blocks its thread keeps its lease. The
-//!      response streams to the caller as it is produced and is collected (headers,
-//!      every DATA frame, trailers); the last frame (trailers, or the whole
+//!      the layer's renewal task (one per layer, not the handler's task), so a handler
+//!      that blocks its thread keeps its lease. The response streams to the caller as
+//!      it is produced and is collected (headers, every DATA frame, trailers); the last
+//!      frame (trailers, or the whole
 //!      Trailers-Only response) is held back until the store has been asked to record
 //!      the outcome, so a caller that saw the end of its response and retries finds the
 //!      record completed. By the `grpc-status` (or an [`IdemDecision`] /
@@ -248,6 +249,7 @@ mod handler;
 mod inflate;
 mod layer;
 mod lease;
+mod renewal;
 mod request;
 mod service;
 mod stats;

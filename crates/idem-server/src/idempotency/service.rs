@@ -185,11 +185,12 @@ fn call_span(path: &str, scope: Option<&idem_store::Scope>) -> tracing::Span {
         .trim_start_matches('/')
         .split_once('/')
         .unwrap_or((path, ""));
-    // Field values are computed only when the span is enabled.
-    tracing::info_span!(
+    // The scope's hex is formatted only for an enabled span: a disabled span's field
+    // values are still evaluated when `tracing`'s `log` feature is on (sqlx turns it on).
+    let span = tracing::info_span!(
         "idempotency",
         method = %path,
-        scope = scope.map(|s| field::display(s.short_hex())),
+        scope = field::Empty,
         rpc.system = "grpc",
         rpc.service = service,
         rpc.method = method,
@@ -197,5 +198,11 @@ fn call_span(path: &str, scope: Option<&idem_store::Scope>) -> tracing::Span {
         outcome = field::Empty,
         idem.record = field::Empty,
         fence = field::Empty,
-    )
+    );
+    if let Some(s) = scope
+        && !span.is_disabled()
+    {
+        span.record("scope", field::display(s.short_hex()));
+    }
+    span
 }

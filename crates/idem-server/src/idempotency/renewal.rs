@@ -1,0 +1,402 @@
+//! Lease renewal for every record a layer holds, from one task.
+//!
+//! A claimed record's lease is registered here when its handler starts and removed when
+//! the outcome is recorded (or the [`Lease`](super::lease::Lease) is dropped). One task
+//! per layer renews each registered lease every `leaseTtl / 3`: a call costs an insert
+//! and a removal in a slab, not a task and a timer of its own. The task is not the
+//! handler's, so a handler that blocks its thread keeps its lease while the process runs.
+//! Renewals run concurrently, so one slow store answer does not hold the others back.
+//!
+//! The task starts with the first lease and ends when none is left; a later lease starts
+//! it again (also when the runtime that ran it has shut down). It holds no timer while
+//! it has nothing to renew.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use idem_store::{Fence, Scope, Store, StoreError};
+use slab::Slab;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::stats::IdempotencyStats;
+
+/// The leases one layer holds (shared by its clones).
+#[derive(Debug, Default)]
+pub(crate) struct Renewals {
+    state: Mutex<State>,
+    /// Wakes the task: a lease due earlier than its next wake-up was registered.
+    wake: Notify,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    leases: Slab<Entry>,
+    /// Tells a registration from a later one that reuses its slab slot.
+    next_ticket: u64,
+    task: Option<JoinHandle<()>>,
+    /// When the task wakes next by its timer; `None` when it has none (it then wakes
+    /// when told).
+    wake_at: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    ticket: u64,
+    scope: Scope,
+    fence: Fence,
+    lease: Duration,
+    due: Instant,
+    /// A renewal of it is in flight.
+    renewing: bool,
+    /// The call's span, for what the renewal logs.
+    span: tracing::Span,
+}
+
+/// One lease's place in [`Renewals`]; removing it stops the renewals.
+#[derive(Debug)]
+pub(crate) struct Registration {
+    renewals: Arc<Renewals>,
+    key: usize,
+    ticket: u64,
+    /// This registration started the renewal task.
+    pub(crate) started_task: bool,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut state = self.renewals.lock();
+        if state
+            .leases
+            .get(self.key)
+            .is_some_and(|e| e.ticket == self.ticket)
+        {
+            state.leases.remove(self.key);
+        }
+    }
+}
+
+fn period(lease: Duration) -> Duration {
+    (lease / 3).max(Duration::from_millis(1))
+}
+
+impl Renewals {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Renews the lease held on `scope` with `fence` every `lease / 3` until the
+    /// returned registration is dropped, or the store says the record is no longer
+    /// this claimant's.
+    pub(crate) fn register<St: Store>(
+        self: &Arc<Self>,
+        store: &St,
+        stats: &IdempotencyStats,
+        scope: Scope,
+        fence: Fence,
+        lease: Duration,
+    ) -> Registration {
+        let due = Instant::now() + period(lease);
+        let mut state = self.lock();
+        let ticket = state.next_ticket;
+        state.next_ticket += 1;
+        let key = state.leases.insert(Entry {
+            ticket,
+            scope,
+            fence,
+            lease,
+            due,
+            renewing: false,
+            span: tracing::Span::current(),
+        });
+        let started_task = state.task.as_ref().is_none_or(JoinHandle::is_finished);
+        if started_task {
+            state.wake_at = None;
+            let task = run(self.clone(), store.clone(), stats.clone());
+            state.task = Some(tokio::spawn(task));
+        } else if state.wake_at.is_none_or(|at| due < at) {
+            state.wake_at = Some(due);
+            self.wake.notify_one();
+        }
+        drop(state);
+        Registration {
+            renewals: self.clone(),
+            key,
+            ticket,
+            started_task,
+        }
+    }
+
+    /// Marks the leases due by `now` as renewing and returns them; sets the next wake-up.
+    fn take_due(&self, now: Instant) -> (Vec<Due>, Wake) {
+        let mut state = self.lock();
+        let mut due = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (key, e) in state.leases.iter_mut() {
+            if e.renewing {
+                continue;
+            }
+            if e.due <= now {
+                e.renewing = true;
+                due.push(Due {
+                    key,
+                    ticket: e.ticket,
+                    scope: e.scope,
+                    fence: e.fence,
+                    lease: e.lease,
+                });
+            } else {
+                next = Some(next.map_or(e.due, |n| n.min(e.due)));
+            }
+        }
+        state.wake_at = next;
+        let wake = match next {
+            Some(at) => Wake::At(at),
+            None if state.leases.is_empty() => Wake::Idle,
+            None => Wake::Notified,
+        };
+        (due, wake)
+    }
+
+    /// A renewal ended: schedule the next, or forget a lease that is not this
+    /// claimant's any more.
+    fn renewed(
+        &self,
+        key: usize,
+        ticket: u64,
+        r: Result<(), StoreError>,
+        stats: &IdempotencyStats,
+    ) {
+        let mut state = self.lock();
+        let Some(e) = state.leases.get_mut(key).filter(|e| e.ticket == ticket) else {
+            return;
+        };
+        let _span = e.span.clone().entered();
+        let fence = e.fence;
+        let keep = match r {
+            Ok(()) => true,
+            // Recorded (a renewal that raced the completion): nothing left to renew.
+            Err(StoreError::Fenced { presented, current }) if current == Some(presented) => false,
+            Err(StoreError::Fenced { .. }) => {
+                stats.inc(|c| &c.renew_failures);
+                tracing::warn!(fence, "lease lost: another claimant took the record over");
+                false
+            }
+            Err(err) => {
+                stats.inc(|c| &c.renew_failures);
+                tracing::warn!(error = %err, fence, "could not renew the idempotency lease");
+                true
+            }
+        };
+        if !keep {
+            state.leases.remove(key);
+            return;
+        }
+        e.renewing = false;
+        e.due = Instant::now() + period(e.lease);
+        let due = e.due;
+        if state.wake_at.is_none_or(|at| due < at) {
+            state.wake_at = Some(due);
+            self.wake.notify_one();
+        }
+    }
+
+    /// The task ends if no lease came in meanwhile (decided under the lock that
+    /// registrations take, so none is left without a task).
+    fn exit_if_idle(&self) -> bool {
+        let mut state = self.lock();
+        if state.leases.is_empty() {
+            state.task = None;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// A lease to renew now.
+struct Due {
+    key: usize,
+    ticket: u64,
+    scope: Scope,
+    fence: Fence,
+    lease: Duration,
+}
+
+/// When the task wakes next.
+enum Wake {
+    At(Instant),
+    /// Every lease is being renewed: wake when one is done (or one is registered).
+    Notified,
+    /// No lease left.
+    Idle,
+}
+
+async fn run<St: Store>(renewals: Arc<Renewals>, store: St, stats: IdempotencyStats) {
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        let (due, wake) = renewals.take_due(Instant::now());
+        for Due {
+            key,
+            ticket,
+            scope,
+            fence,
+            lease,
+        } in due
+        {
+            let store = &store;
+            in_flight.push(async move { (key, ticket, store.renew(&scope, fence, lease).await) });
+        }
+        let at = match wake {
+            Wake::At(at) => Some(at),
+            Wake::Notified => None,
+            Wake::Idle if in_flight.is_empty() => {
+                if renewals.exit_if_idle() {
+                    return;
+                }
+                continue;
+            }
+            Wake::Idle => None,
+        };
+        let sleep = async {
+            match at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            Some((key, ticket, r)) = in_flight.next(), if !in_flight.is_empty() => {
+                renewals.renewed(key, ticket, r, &stats);
+            }
+            () = renewals.wake.notified() => {}
+            () = sleep => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_store::{Claim, ClaimRequest, ClaimantId, Fingerprint, MemoryStore, TenantId};
+    use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
+
+    use super::*;
+
+    async fn claim(store: &impl Store, n: u8, lease: Duration) -> (Scope, Fence) {
+        let scope = Scope([n; 32]);
+        let req = ClaimRequest {
+            scope: &scope,
+            tenant: &TenantId([0; 16]),
+            fingerprint: &Fingerprint([n; 32]),
+            claimant: ClaimantId(1),
+            lease,
+        };
+        match store.claim(req).await.unwrap() {
+            Claim::Acquired { fence, .. } => (scope, fence),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn idle(renewals: &Renewals) -> bool {
+        let state = renewals.lock();
+        state.leases.is_empty() && state.task.is_none()
+    }
+
+    /// Lets the renewal task run what is due at the paused clock's current instant.
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_lease_is_renewed_every_third_of_its_own_ttl_until_dropped() {
+        let store = FaultyStore::new(MemoryStore::default());
+        let stats = IdempotencyStats::default();
+        let renewals = Arc::new(Renewals::default());
+        let (short, long) = (Duration::from_secs(3), Duration::from_secs(30));
+        let (a, fa) = claim(&store, 1, short).await;
+        let (b, fb) = claim(&store, 2, long).await;
+        let ra = renewals.register(&store, &stats, a, fa, short);
+        let rb = renewals.register(&store, &stats, b, fb, long);
+        assert!(ra.started_task && !rb.started_task, "one task for both");
+
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        settle().await;
+        assert_eq!(
+            store.calls(Op::Renew),
+            3,
+            "the 3 s lease at 1 s, 2 s and 3 s"
+        );
+        // Past its first 3 s the short lease is alive only because it was renewed.
+        assert!(matches!(store.renew(&a, fa, short).await, Ok(())));
+        drop(ra);
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        settle().await;
+        assert_eq!(
+            store.calls(Op::Renew),
+            4 + 1,
+            "the short lease is no longer renewed; the long one once, at 10 s"
+        );
+        drop(rb);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        settle().await;
+        assert_eq!(store.calls(Op::Renew), 5);
+        assert!(idle(&renewals), "the task ends with the last lease");
+        assert_eq!(stats.snapshot().renew_failures, 0);
+
+        // A later lease starts it again.
+        let (c, fc) = claim(&store, 3, short).await;
+        let rc = renewals.register(&store, &stats, c, fc, short);
+        assert!(rc.started_task);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        settle().await;
+        assert_eq!(store.calls(Op::Renew), 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_taken_over_stops_being_renewed_and_failures_keep_trying() {
+        let store = FaultyStore::new(MemoryStore::default());
+        let stats = IdempotencyStats::default();
+        let renewals = Arc::new(Renewals::default());
+        let lease = Duration::from_secs(3);
+        let (a, fa) = claim(&store, 1, lease).await;
+        let (b, fb) = claim(&store, 2, lease).await;
+        // `b`'s claimant already recorded its outcome: the record holds its fence but is
+        // not in flight; `a` was never this fence's.
+        store
+            .complete(&b, fb, idem_store::StoredOutcome::NotRetained, lease * 10)
+            .await
+            .unwrap();
+        let _ra = renewals.register(&store, &stats, a, fa + 1, lease);
+        let _rb = renewals.register(&store, &stats, b, fb, lease);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        settle().await;
+        assert_eq!(store.calls(Op::Renew), 2);
+        assert!(
+            renewals.lock().leases.is_empty(),
+            "neither is renewed again"
+        );
+        assert_eq!(
+            stats.snapshot().renew_failures,
+            1,
+            "only the lease lost to another fence counts as a failure"
+        );
+
+        // A store that cannot answer: the lease stays registered and is tried again.
+        let (c, fc) = claim(&store, 3, lease).await;
+        store.inject(Op::Renew, Fault::Unavailable, 1);
+        let _rc = renewals.register(&store, &stats, c, fc, lease);
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        settle().await;
+        assert_eq!(store.calls(Op::Renew), 2 + 2);
+        assert_eq!(stats.snapshot().renew_failures, 1 + 1);
+        tokio::time::sleep(Duration::from_millis(2000)).await;
+        assert!(
+            matches!(store.renew(&c, fc, lease).await, Ok(())),
+            "the second renewal kept the lease past its first 3 s"
+        );
+    }
+}
