@@ -49,7 +49,11 @@ type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
 /// response) or when the caller's future is dropped (the caller went away) moves to a
 /// task of its own and runs to the end there; see [`Detach`]. `permit` (one of the
 /// layer's handler runs) is held until the outcome is recorded.
-pub(crate) async fn execute<S, St, ResBody>(
+///
+/// The run is boxed here, in a plain function: it holds the service's own future inline
+/// and is large; made inside the returned future, that future would reserve room for
+/// the whole run and be copied with it. A detached run moves into its task by pointer.
+pub(crate) fn execute<S, St, ResBody>(
     call: Call<St>,
     inner: S,
     mut parts: http::request::Parts,
@@ -57,16 +61,14 @@ pub(crate) async fn execute<S, St, ResBody>(
     fence: Fence,
     inbound: InboundScope,
     permit: OwnedSemaphorePermit,
-) -> Result<Response<Body>, S::Error>
+) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
 where
     S: Inner<ResBody>,
     ResBody: ResponseBody,
     St: Store,
 {
     let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
-    if lease.started_renewal_task() {
-        tokio::task::yield_now().await;
-    }
+    let started_renewals = lease.started_renewal_task();
     parts.extensions.insert(RecordFence(fence));
     let record = RecordRef::new(
         call.scope,
@@ -78,66 +80,50 @@ where
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
     let (tx, mut rx) = oneshot::channel();
-    let mut run = Detach(Some(boxed_run(
-        call, inner, lease, record, req, inbound, tx, permit,
-    )));
-    let answer = std::future::poll_fn(|cx| {
-        if let Some(r) = run.0.as_mut()
-            && r.as_mut().poll(cx).is_ready()
-        {
-            run.0 = None;
+    let mut run = Detach {
+        run: Some(Box::pin(run(
+            call, inner, lease, record, req, inbound, tx, permit,
+        ))),
+        span: tracing::Span::current(),
+    };
+    async move {
+        if started_renewals {
+            tokio::task::yield_now().await;
         }
-        match Pin::new(&mut rx).poll(cx) {
-            Poll::Ready(r) => Poll::Ready(r.ok()),
-            // The run ended without answering (it cannot, but never hang the caller).
-            Poll::Pending if run.0.is_none() => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    })
-    .await;
-    drop(run);
-    answer.unwrap_or_else(|| Ok(status::handler_task_lost().into_http()))
-}
-
-/// The run, boxed: it holds the service's own future inline and is large. Made in a
-/// plain function, so the caller's future holds only the box's pointer (made inside it,
-/// the future would reserve room for the whole run and be copied with it), and a
-/// detached run moves into its task by that pointer.
-#[allow(clippy::too_many_arguments)]
-fn boxed_run<S, St, ResBody>(
-    call: Call<St>,
-    inner: S,
-    lease: Lease<St>,
-    record: RecordRef,
-    req: Request<Body>,
-    inbound: InboundScope,
-    reply: Reply<S::Error>,
-    permit: OwnedSemaphorePermit,
-) -> Pin<Box<dyn Future<Output = ()> + Send>>
-where
-    S: Inner<ResBody>,
-    ResBody: ResponseBody,
-    St: Store,
-{
-    Box::pin(
-        async move {
-            run(call, inner, lease, record, req, inbound, reply).await;
-            drop(permit);
-        }
-        .instrument(tracing::Span::current()),
-    )
+        let answer = std::future::poll_fn(|cx| {
+            if let Some(r) = run.run.as_mut()
+                && r.as_mut().poll(cx).is_ready()
+            {
+                run.run = None;
+            }
+            match Pin::new(&mut rx).poll(cx) {
+                Poll::Ready(r) => Poll::Ready(r.ok()),
+                // The run ended without answering (it cannot, but never hang the caller).
+                Poll::Pending if run.run.is_none() => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await;
+        drop(run);
+        answer.unwrap_or_else(|| Ok(status::handler_task_lost().into_http()))
+    }
 }
 
 /// A handler's run, polled by the caller's future until the response leaves; dropped
 /// before the run ends (the rest of a streamed response, or a caller that went away),
 /// it hands the run to a task of its own, so the outcome is still recorded.
-struct Detach(Option<Pin<Box<dyn Future<Output = ()> + Send>>>);
+struct Detach {
+    run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The call's span: the caller's future polls the run inside it; a detached run
+    /// is instrumented with it.
+    span: tracing::Span,
+}
 
 impl Drop for Detach {
     fn drop(&mut self) {
-        let Some(run) = self.0.take() else { return };
+        let Some(run) = self.run.take() else { return };
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn(run)),
+            Ok(rt) => drop(rt.spawn(run.instrument(self.span.clone()))),
             // Only a future dropped outside any runtime gets here: the run cannot go on,
             // and its record is left to its lease.
             Err(_) => tracing::error!(
@@ -152,6 +138,8 @@ impl Drop for Detach {
 /// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
 /// the record's scope, so client calls it makes derive their keys from this call's
 /// (the same keys on every run of it: a run after a crash replays downstream).
+/// `_permit` is held to the end.
+#[allow(clippy::too_many_arguments)]
 async fn run<S, St, ResBody>(
     call: Call<St>,
     inner: S,
@@ -160,6 +148,7 @@ async fn run<S, St, ResBody>(
     req: Request<Body>,
     inbound: InboundScope,
     reply: Reply<S::Error>,
+    _permit: OwnedSemaphorePermit,
 ) where
     S: Inner<ResBody>,
     ResBody: ResponseBody,
