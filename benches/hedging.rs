@@ -28,12 +28,12 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use idem_client::{Retry, RetryLayer};
-use idem_core::ServiceConfig;
-use idem_server::IdempotencyLayer;
+use idem_client::retry::{Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
+use idem_server::idempotency::IdempotencyLayer;
+use idem_server::idempotency::tenant::SingleTenant;
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
-use idem_server::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_store::memory::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};

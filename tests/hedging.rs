@@ -32,13 +32,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use idem_client::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
-use idem_core::ServiceConfig;
+use idem_client::retry::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
 use idem_core::deadline::parse_grpc_timeout;
-use idem_server::IdempotencyLayer;
+use idem_server::idempotency::IdempotencyLayer;
+use idem_server::idempotency::tenant::SingleTenant;
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
-use idem_server::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_store::memory::MemoryStore;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, Order};

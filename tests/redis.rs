@@ -27,11 +27,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
 use idem_redis::{RedisStore, WaitStrategy};
-use idem_server::scope_for;
-use idem_server::{IdempotencyLayer, IdempotencyStats};
+use idem_server::idempotency::scope_for;
+use idem_server::idempotency::{IdempotencyLayer, IdempotencyStats};
 use idem_store::{Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome};
 use idem_test_support::redis::RedisServer;
 use shop::orders_client::OrdersClient;
@@ -584,7 +584,7 @@ async fn throughput_of_fresh_and_replayed_calls() {
         let mut clients = Vec::new();
         let mut stops = Vec::new();
         for i in 0..3 {
-            let store = idem_store::MemoryStore::new(Default::default());
+            let store = idem_store::memory::MemoryStore::new(Default::default());
             let (addr, _, stop) = serve(store, &config, i, runs.clone(), Duration::ZERO).await;
             clients.push(OrdersClient::new(net::channel(addr)));
             stops.push(stop);

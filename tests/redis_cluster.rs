@@ -25,9 +25,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_redis::RedisStore;
-use idem_server::{IdempotencyLayer, scope_for};
+use idem_server::idempotency::{IdempotencyLayer, scope_for};
 use idem_test_support::redis::RedisCluster;
 use rand::{Rng, SeedableRng};
 use shop::orders_client::OrdersClient;

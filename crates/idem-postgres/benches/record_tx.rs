@@ -12,11 +12,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_postgres::{PostgresStore, TxError};
-use idem_server::IdempotencyLayer;
+use idem_server::idempotency::IdempotencyLayer;
 use idem_server::idempotency::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_store::memory::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop;

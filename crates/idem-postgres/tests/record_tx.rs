@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_postgres::{PostgresStore, TxError};
-use idem_server::IdempotencyLayer;
+use idem_server::idempotency::IdempotencyLayer;
 use idem_server::idempotency::scope_for;
 use idem_server::idempotency::tenant::SingleTenant;
 use idem_store::{RecordRef, RecordState, Scope, Store, StoredOutcome};

@@ -434,7 +434,7 @@ async fn config_with_cluster_nodes_connects_to_the_cluster() {
         r#"{{"idem": {{"redis": {{"clusterNodes": {nodes}, "keyPrefix": "{}", "replicaAcks": 1, "replicaAckTimeout": "0.2s"}}}}}}"#,
         prefix("config")
     );
-    let config = idem_core::ServiceConfig::from_json(&json).expect("valid config");
+    let config = idem_core::config::ServiceConfig::from_json(&json).expect("valid config");
     let store = RedisStore::from_settings(config.settings().redis.as_ref().expect("idem.redis"))
         .await
         .expect("connect from the config");

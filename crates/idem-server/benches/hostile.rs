@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, Bytes};
 use http::{HeaderValue, Request, Response};
 use http_body_util::Full;
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_core::config::{
     Compression, CompressionSet, IdemSettings, IdempotencyPolicy, MethodConfig,
 };
-use idem_server::IdempotencyLayer;
-use idem_server::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_server::idempotency::IdempotencyLayer;
+use idem_server::idempotency::tenant::SingleTenant;
+use idem_store::memory::MemoryStore;
 use sha2::{Digest, Sha256};
 use tonic::body::Body;
 use tower::{Layer, Service, ServiceExt};

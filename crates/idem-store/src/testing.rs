@@ -8,7 +8,7 @@
 //! // In your backend's tests (enable the `testing` feature in dev-dependencies):
 //! idem_store::store_conformance_tests! {
 //!     #[tokio::test(start_paused = true)]
-//!     make = async { Some((idem_store::MemoryStore::default(), ())) };
+//!     make = async { Some((idem_store::memory::MemoryStore::default(), ())) };
 //! }
 //! ```
 //!
@@ -714,6 +714,6 @@ macro_rules! store_conformance_tests {
 mod memory_store {
     crate::store_conformance_tests! {
         #[tokio::test(start_paused = true)]
-        make = async { Some((crate::MemoryStore::default(), ())) };
+        make = async { Some((crate::memory::MemoryStore::default(), ())) };
     }
 }

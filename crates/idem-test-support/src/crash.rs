@@ -23,12 +23,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_client::{Retry, RetryLayer};
-use idem_core::ServiceConfig;
+use idem_client::retry::{Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
 use idem_postgres::PostgresStore;
-use idem_server::InboundLayer;
 use idem_server::idempotency::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_server::inbound::InboundLayer;
+use idem_store::memory::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};

@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use idem_client::{RetryLayer, with_key};
-use idem_core::{IdempotencyKey, ServiceConfig};
+use idem_client::{retry::RetryLayer, with_key};
+use idem_core::{config::ServiceConfig, key::IdempotencyKey};
 use idem_server::idempotency::tenant::SingleTenant;
-use idem_server::{IdempotencyLayer, InboundLayer};
-use idem_store::MemoryStore;
+use idem_server::{idempotency::IdempotencyLayer, inbound::InboundLayer};
+use idem_store::memory::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tonic::transport::{Channel, Endpoint, Server};

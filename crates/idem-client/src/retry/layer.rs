@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
-use idem_core::ServiceConfig;
 use idem_core::code::{Code, CodeSet};
+use idem_core::config::ServiceConfig;
 use idem_core::config::{InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling};
 
 use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
