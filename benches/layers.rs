@@ -31,8 +31,7 @@ use idem_client::retry::{Retry, RetryLayer};
 use idem_core::config::ServiceConfig;
 use idem_server::idempotency::IdempotencyLayer;
 use idem_store::Store;
-use idem_store::memory::MemoryStore;
-use idem_store::memory::MemoryStoreSettings;
+use idem_store::memory::{MemoryStore, MemoryStoreSettings};
 
 // tonic's `MetadataMap` takes `&'static str` names: the names of `idem_core::headers`.
 const IDEMPOTENCY_KEY: &str = "x-idempotency-key";

@@ -27,8 +27,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use idem_client::retry::backoff::FixedJitter;
-use idem_client::retry::{CallOutcome, CallReport, Retry, RetryLayer, RetryLayerBuilder};
+use idem_client::retry::{
+    CallOutcome, CallReport, Retry, RetryLayer, RetryLayerBuilder, backoff::FixedJitter,
+};
 use idem_core::deadline::parse_grpc_timeout;
 use stream::tally_client::TallyClient;
 use stream::tally_server::{Tally, TallyServer};

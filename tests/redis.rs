@@ -22,7 +22,6 @@ use idem_test_support::net;
 use idem_test_support::shop;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -30,13 +29,12 @@ use std::time::{Duration, Instant};
 use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
 use idem_redis::{RedisStore, WaitStrategy};
-use idem_server::idempotency::scope_for;
-use idem_server::idempotency::{IdempotencyLayer, IdempotencyStats};
+use idem_server::idempotency::{IdempotencyLayer, IdempotencyStats, scope_for};
 use idem_store::{Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome};
 use idem_test_support::redis::RedisServer;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, Order};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
@@ -70,12 +68,9 @@ struct Shop {
     delay: Duration,
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        req: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Shop, why = "not in these tests";
+    create_order(&self, req) {
         let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
@@ -88,20 +83,6 @@ impl Orders for Shop {
             quantity: r.quantity,
             created_by: self.name.clone(),
         }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not in these tests"))
-    }
-
-    type ListOrdersStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not in these tests"))
     }
 }
 

@@ -40,20 +40,9 @@ async fn store(strategy: WaitStrategy) -> Option<(RedisStore, ())> {
     Some((store_on(cluster, "conformance", strategy).await, ()))
 }
 
-mod notify {
-    use super::*;
-    idem_store::store_conformance_tests! {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        make = store(WaitStrategy::Notify);
-    }
-}
-
-mod polling {
-    use super::*;
-    idem_store::store_conformance_tests! {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        make = store(WaitStrategy::Poll);
-    }
+idem_store::store_conformance_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    make_each = store(WaitStrategy::Notify) => notify, store(WaitStrategy::Poll) => polling;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,8 +16,7 @@ use std::net::SocketAddr;
 
 use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
-use idem_server::idempotency::IdempotencyLayer;
-use idem_server::idempotency::tenant::FromExtension;
+use idem_server::idempotency::{IdempotencyLayer, tenant::FromExtension};
 use idem_store::memory::MemoryStore;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Status};

@@ -13,8 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
-use idem_server::idempotency::IdempotencyLayer;
-use idem_server::idempotency::tenant::FromExtension;
+use idem_server::idempotency::{IdempotencyLayer, tenant::FromExtension};
 use idem_store::{
     Store,
     memory::{MemoryStore, MemoryStoreSettings},

@@ -19,11 +19,11 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
-use idem_core::config::ServiceConfig;
-use idem_core::config::{IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig};
+use idem_core::config::{
+    IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig, ServiceConfig,
+};
 use idem_core::headers::reason;
-use idem_server::idempotency::tenant::FromExtension;
-use idem_server::idempotency::{IdempotencyLayer, StatsSnapshot, scope_for};
+use idem_server::idempotency::{IdempotencyLayer, StatsSnapshot, scope_for, tenant::FromExtension};
 use idem_store::{RecordState, Store, memory::MemoryStore};
 use prost::Message;
 use shop::orders_client::OrdersClient;

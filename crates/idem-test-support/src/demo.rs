@@ -23,8 +23,8 @@ use tower::{Layer, Service, ServiceBuilder};
 
 use crate::shop;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, Order};
 
 pub const DEFAULT_CONFIG: &str = r#"{
   "methodConfig": [
@@ -157,12 +157,9 @@ impl OrdersImpl {
     }
 }
 
-#[tonic::async_trait]
-impl Orders for OrdersImpl {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+crate::create_only_orders! {
+    OrdersImpl, why = "the demo only creates orders";
+    create_order(&self, request) {
         let r = request.into_inner();
         let id = self.ledger.create(&r.note);
         Ok(Response::new(Order {
@@ -172,19 +169,6 @@ impl Orders for OrdersImpl {
             quantity: r.quantity,
             created_by: self.instance.clone(),
         }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("the demo only creates orders"))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
     }
 }
 

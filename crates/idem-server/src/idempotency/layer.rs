@@ -7,8 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
-use idem_core::config::ServiceConfig;
-use idem_core::config::TenantSource;
+use idem_core::config::{ServiceConfig, TenantSource};
 use idem_store::{Store, memory::MemoryStore};
 use tokio::sync::Semaphore;
 use tower_layer::Layer;

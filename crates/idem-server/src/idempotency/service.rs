@@ -6,8 +6,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use idem_core::config::IdempotencyPolicy;
-use idem_core::config::ServiceConfig;
+use idem_core::config::{IdempotencyPolicy, ServiceConfig};
 use idem_core::key::IdempotencyKey;
 use idem_store::Store;
 use tonic::Status;

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use idem_core::config::ServiceConfig;
-use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, TenantSource};
+use idem_core::config::{
+    IdemSettings, IdempotencyPolicy, MethodConfig, ServiceConfig, TenantSource,
+};
 use tonic::body::Body;
 use tower::{ServiceExt, service_fn};
 use tower_layer::Layer;
