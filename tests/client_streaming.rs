@@ -33,7 +33,7 @@ use idem_client::retry::{
 use idem_core::deadline::parse_grpc_timeout;
 use stream::tally_client::TallyClient;
 use stream::tally_server::{Tally, TallyServer};
-use stream::{Number, Total};
+use stream::{Number, Total, number, padded};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::Stream;
@@ -257,21 +257,6 @@ fn builder() -> RetryLayerBuilder {
 
 fn client(addr: std::net::SocketAddr, layer: &RetryLayer) -> Client {
     TallyClient::new(tower::Layer::layer(layer, net::channel(addr)))
-}
-
-fn number(value: i64) -> Number {
-    Number {
-        value,
-        note: String::new(),
-    }
-}
-
-/// A number whose encoded message is about `bytes` long.
-fn padded(value: i64, bytes: usize) -> Number {
-    Number {
-        value,
-        note: "x".repeat(bytes),
-    }
 }
 
 type Sender = mpsc::UnboundedSender<Number>;

@@ -19,7 +19,7 @@ use idem_test_support::shop;
 use idem_test_support::shop_fake::{self, Shop};
 use idem_test_support::stream::tally_client::TallyClient;
 use idem_test_support::stream::tally_server::{Tally, TallyServer};
-use idem_test_support::stream::{Number, Total};
+use idem_test_support::stream::{Number, Total, number, padded};
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -1163,20 +1163,6 @@ fn tally_client(addrs: &[SocketAddr], layer: &RetryLayer) -> TallyHedged {
         late: vec![],
     };
     TallyClient::new(Retry::new(router, layer))
-}
-
-fn number(value: i64) -> Number {
-    Number {
-        value,
-        note: String::new(),
-    }
-}
-
-fn padded(value: i64, bytes: usize) -> Number {
-    Number {
-        value,
-        note: "x".repeat(bytes),
-    }
 }
 
 /// The caller's stream of numbers, fed by the test.

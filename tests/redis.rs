@@ -32,6 +32,7 @@ use idem_redis::{RedisStore, WaitStrategy};
 use idem_server::idempotency::{IdempotencyLayer, IdempotencyStats, scope_for};
 use idem_store::{Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome};
 use idem_test_support::redis::RedisServer;
+use idem_test_support::store::complete_not_retained;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, Order};
@@ -913,14 +914,7 @@ async fn waiters_survive_a_lost_notification_connection() {
                 .expect("CLIENT KILL");
             assert_eq!(killed, idem_test_support::redis::Resp::Int(1));
         }
-        a.complete(
-            &scope,
-            fence,
-            StoredOutcome::NotRetained,
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("complete");
+        complete_not_retained(&a, &scope, fence, "complete").await;
         tokio::time::timeout(PATIENCE, waiter)
             .await
             .expect("the waiter saw the completion")

@@ -13,6 +13,7 @@ pub mod pg_orders;
 pub mod postgres;
 pub mod redis;
 pub mod shop_fake;
+pub mod store;
 
 /// The generated code of `proto/shop/v1/orders.proto` (messages, client and server).
 pub mod shop {
@@ -25,6 +26,22 @@ pub mod shop {
 pub mod stream {
     #![allow(missing_docs, unreachable_pub, clippy::all)]
     tonic::include_proto!("stream.v1");
+
+    /// A `Number` with no note.
+    pub fn number(value: i64) -> Number {
+        Number {
+            value,
+            note: String::new(),
+        }
+    }
+
+    /// A `Number` whose encoded message is about `bytes` long.
+    pub fn padded(value: i64, bytes: usize) -> Number {
+        Number {
+            value,
+            note: "x".repeat(bytes),
+        }
+    }
 }
 
 /// The `ListOrdersStream` of the [`create_only_orders!`] doubles: they list nothing.
@@ -35,7 +52,7 @@ pub type NoOrders = tokio_stream::Empty<Result<shop::Order, tonic::Status>>;
 /// UNIMPLEMENTED with the message `why`, like `list_orders`. The caller names the
 /// receiver (`&self`) and the request, so the bodies read as methods:
 ///
-/// ```ignore
+/// ```text
 /// idem_test_support::create_only_orders! {
 ///     Shop, why = "not in these tests";
 ///     create_order(&self, request) { Ok(tonic::Response::new(self.order(request))) }
