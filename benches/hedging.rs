@@ -28,20 +28,19 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use idem_client::{Retry, RetryLayer};
-use idem_core::ServiceConfig;
-use idem_server::IdempotencyLayer;
+use idem_client::retry::{Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
+use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
-use idem_server::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_store::memory::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
-use idem_test_support::shop::orders_server::{Orders, OrdersServer};
+use idem_test_support::shop::orders_server::OrdersServer;
 use idem_test_support::shop::{self, CreateOrderRequest, Order};
 use idem_test_support::shop_fake;
+use tonic::Response;
 use tonic::body::Body;
 use tonic::transport::{Channel, Endpoint, Server};
-use tonic::{Request, Response, Status};
 use tower::Service;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -76,12 +75,9 @@ struct Shop {
     slow: Slow,
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        _: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Shop, why = "";
+    create_order(&self, _) {
         self.runs.fetch_add(1, Ordering::Relaxed);
         if self.slow.now() {
             tokio::time::sleep(STALL).await;
@@ -90,19 +86,6 @@ impl Orders for Shop {
             order_id: "o-1".into(),
             ..Default::default()
         }))
-    }
-    async fn get_order(
-        &self,
-        _: Request<shop::GetOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented(""))
-    }
-    type ListOrdersStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send>>;
-    async fn list_orders(
-        &self,
-        _: Request<shop::ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented(""))
     }
 }
 

@@ -27,12 +27,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_client::{Retry, RetryLayer};
-use idem_core::ServiceConfig;
-use idem_core::config::MemoryStoreSettings;
-use idem_server::IdempotencyLayer;
-use idem_store::MemoryStore;
+use idem_client::retry::{Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
+use idem_server::idempotency::IdempotencyLayer;
 use idem_store::Store;
+use idem_store::memory::{MemoryStore, MemoryStoreSettings};
 
 // tonic's `MetadataMap` takes `&'static str` names: the names of `idem_core::headers`.
 const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
@@ -1072,7 +1071,7 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
                     .create_order(order_sku(None, "flaky"))
                     .await
                     .expect("retried call");
-                let report = idem_client::CallReport::from_response(&r).expect("report");
+                let report = idem_client::retry::CallReport::from_response(&r).expect("report");
                 assert_eq!(report.attempts, 2);
             }
         }

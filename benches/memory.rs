@@ -13,8 +13,7 @@ use std::alloc::System;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::config::MemoryStoreSettings;
-use idem_store::MemoryStore;
+use idem_store::memory::{MemoryStore, MemoryStoreSettings};
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoredOutcome,
 };

@@ -9,8 +9,11 @@
 //! response: one order, not two), reuses the key for a different request (refused), and
 //! reads the orders back. The retry layer reads `examples/service_config.json`.
 
-use idem::client::{CallReport, RetryLayer, with_key};
-use idem::core::{IdempotencyKey, ServiceConfig};
+use idem::client::{
+    retry::{CallReport, RetryLayer},
+    with_key,
+};
+use idem::core::{config::ServiceConfig, key::IdempotencyKey};
 use tonic::Request;
 use tower::ServiceBuilder;
 

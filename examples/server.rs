@@ -14,13 +14,13 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 
-use idem::core::ServiceConfig;
+use idem::core::config::ServiceConfig;
 use idem::otel::ServerMetrics;
 use idem::otel::prometheus::Prometheus;
 use idem::redis::RedisStore;
 use idem::server::idempotency::RecordFence;
-use idem::server::{IdempotencyLayer, InboundLayer};
-use idem::store::{MemoryStore, Store};
+use idem::server::{idempotency::IdempotencyLayer, inbound::InboundLayer};
+use idem::store::{Store, memory::MemoryStore};
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 

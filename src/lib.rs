@@ -6,7 +6,7 @@
 //! - [`server`] (`idem-server`, feature `server`): a tower layer for tonic servers that
 //!   runs each key once and replays the stored response to duplicates.
 //! - [`store`] (`idem-store`, with `server`): the store contract and the embedded
-//!   [`MemoryStore`](store::MemoryStore).
+//!   [`MemoryStore`](store::memory::MemoryStore).
 //! - `redis` (`idem-redis`, feature `redis`): a Redis store so several server instances
 //!   act as one.
 //! - `postgres` (`idem-postgres`, feature `postgres`): a PostgreSQL store, in which a
@@ -40,8 +40,6 @@ pub use idem_redis as redis;
 pub use idem_server as server;
 #[cfg(feature = "server")]
 pub use idem_store as store;
-
-pub use idem_core::{ConfigError, ServiceConfig};
 
 /// What idem commits to: the semantics both layers and every store follow
 /// (`docs/semantics.md` in the repository).

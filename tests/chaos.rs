@@ -11,9 +11,9 @@ use idem_test_support::demo as harness;
 use std::time::Duration;
 
 use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
-use idem::core::ServiceConfig;
+use idem::core::config::ServiceConfig;
 use idem::redis::RedisStore;
-use idem::store::MemoryStore;
+use idem::store::memory::MemoryStore;
 
 fn config() -> ServiceConfig {
     ServiceConfig::from_json(DEFAULT_CONFIG).expect("the demo's config is valid")

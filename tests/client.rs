@@ -16,14 +16,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_client::{
-    CallOutcome, CallReport, IdempotencyKeyInterceptor, Retry, RetryLayer, with_key,
+    IdempotencyKeyInterceptor,
+    retry::{CallOutcome, CallReport, Retry, RetryLayer},
+    with_key,
 };
 use idem_core::code::{Code, CodeSet};
 use idem_core::config::{
     IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, RetryThrottling,
 };
 use idem_core::deadline::parse_grpc_timeout;
-use idem_core::{IdempotencyKey, ServiceConfig};
+use idem_core::{config::ServiceConfig, key::IdempotencyKey};
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};

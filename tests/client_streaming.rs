@@ -27,12 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use idem_client::retry::backoff::FixedJitter;
-use idem_client::{CallOutcome, CallReport, Retry, RetryLayer, RetryLayerBuilder};
+use idem_client::retry::{
+    CallOutcome, CallReport, Retry, RetryLayer, RetryLayerBuilder, backoff::FixedJitter,
+};
 use idem_core::deadline::parse_grpc_timeout;
 use stream::tally_client::TallyClient;
 use stream::tally_server::{Tally, TallyServer};
-use stream::{Number, Total};
+use stream::{Number, Total, number, padded};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::Stream;
@@ -256,21 +257,6 @@ fn builder() -> RetryLayerBuilder {
 
 fn client(addr: std::net::SocketAddr, layer: &RetryLayer) -> Client {
     TallyClient::new(tower::Layer::layer(layer, net::channel(addr)))
-}
-
-fn number(value: i64) -> Number {
-    Number {
-        value,
-        note: String::new(),
-    }
-}
-
-/// A number whose encoded message is about `bytes` long.
-fn padded(value: i64, bytes: usize) -> Number {
-    Number {
-        value,
-        note: "x".repeat(bytes),
-    }
 }
 
 type Sender = mpsc::UnboundedSender<Number>;

@@ -13,12 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem::core::ServiceConfig;
+use idem::core::config::ServiceConfig;
 use idem::postgres::PostgresStore;
-use idem::server::IdempotencyLayer;
-use idem::server::idempotency::scope_for;
-use idem::server::idempotency::tenant::SingleTenant;
-use idem::store::{MemoryStore, RecordState, Store};
+use idem::server::idempotency::{IdempotencyLayer, scope_for, tenant::SingleTenant};
+use idem::store::{RecordState, Store, memory::MemoryStore};
 use idem_test_support::crash::{
     self, Instance, Launch, PausePoint, ServeArgs, StoreKind, free_port,
 };

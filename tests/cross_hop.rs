@@ -16,11 +16,11 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::client::{Retry, RetryLayer};
-use idem::core::ServiceConfig;
+use idem::client::retry::{Retry, RetryLayer};
+use idem::core::config::ServiceConfig;
 use idem::core::deadline::parse_grpc_timeout;
-use idem::server::{IdempotencyLayer, InboundLayer};
-use idem::store::MemoryStore;
+use idem::server::{idempotency::IdempotencyLayer, inbound::InboundLayer};
+use idem::store::memory::MemoryStore;
 use idem_test_support::shop_fake::create_only;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::{Orders, OrdersServer};
@@ -194,7 +194,7 @@ fn message() -> CreateOrderRequest {
 /// A CreateOrder request with its own idempotency key (A's method is protected).
 fn request() -> Request<CreateOrderRequest> {
     let mut req = Request::new(message());
-    idem::client::with_key(&mut req, &idem::core::IdempotencyKey::generate());
+    idem::client::with_key(&mut req, &idem::core::key::IdempotencyKey::generate());
     req
 }
 

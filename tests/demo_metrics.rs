@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use idem::core::ServiceConfig;
-use idem::store::MemoryStore;
+use idem::core::config::ServiceConfig;
+use idem::store::memory::MemoryStore;
 use idem_test_support::demo::{DEFAULT_CONFIG, Options, Store, run};
 
 /// `name{labels} value` lines of a Prometheus text exposition, by name and labels.

@@ -19,7 +19,7 @@ use idem_test_support::shop;
 use idem_test_support::shop_fake::{self, Shop};
 use idem_test_support::stream::tally_client::TallyClient;
 use idem_test_support::stream::tally_server::{Tally, TallyServer};
-use idem_test_support::stream::{Number, Total};
+use idem_test_support::stream::{Number, Total, number, padded};
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -32,15 +32,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use idem_client::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
-use idem_core::ServiceConfig;
+use idem_client::retry::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
 use idem_core::deadline::parse_grpc_timeout;
-use idem_server::IdempotencyLayer;
+use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
-use idem_server::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_store::memory::MemoryStore;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
+use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, Order};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -152,12 +151,9 @@ struct Instance {
     log: Log,
 }
 
-#[tonic::async_trait]
-impl Orders for Instance {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Instance, why = "not in these tests";
+    create_order(&self, request) {
         let md = request.metadata();
         self.log.seen.lock().unwrap().push(Seen {
             instance: self.id,
@@ -199,22 +195,6 @@ impl Orders for Instance {
                 ..Default::default()
             })
         })
-    }
-
-    async fn get_order(
-        &self,
-        _: Request<shop::GetOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not in these tests"))
-    }
-
-    type ListOrdersStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<shop::ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not in these tests"))
     }
 }
 
@@ -1183,20 +1163,6 @@ fn tally_client(addrs: &[SocketAddr], layer: &RetryLayer) -> TallyHedged {
         late: vec![],
     };
     TallyClient::new(Retry::new(router, layer))
-}
-
-fn number(value: i64) -> Number {
-    Number {
-        value,
-        note: String::new(),
-    }
-}
-
-fn padded(value: i64, bytes: usize) -> Number {
-    Number {
-        value,
-        note: "x".repeat(bytes),
-    }
 }
 
 /// The caller's stream of numbers, fed by the test.

@@ -44,15 +44,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use idem_client::{CallOutcome, CallReport, Retry, RetryLayer};
+use idem_client::retry::{CallOutcome, CallReport, Retry, RetryLayer};
 use idem_core::config::TenantSource;
 use idem_core::headers::{
     ERROR_DOMAIN, GRPC_STATUS_DETAILS, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED,
     PREVIOUS_RPC_ATTEMPTS, RETRY_ATTEMPTS, RETRY_OUTCOME, RETRY_PUSHBACK_MS, reason,
 };
-use idem_core::{IdempotencyKey, ServiceConfig};
-use idem_server::{IdempotencyLayer, InboundLayer};
-use idem_store::MemoryStore;
+use idem_core::{config::ServiceConfig, key::IdempotencyKey};
+use idem_server::{idempotency::IdempotencyLayer, inbound::InboundLayer};
+use idem_store::memory::MemoryStore;
 use idem_test_support::shop_fake::create_only;
 use serde_json::Value;
 use shop::orders_client::OrdersClient;

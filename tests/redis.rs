@@ -22,21 +22,20 @@ use idem_test_support::net;
 use idem_test_support::shop;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
 use idem_redis::{RedisStore, WaitStrategy};
-use idem_server::scope_for;
-use idem_server::{IdempotencyLayer, IdempotencyStats};
+use idem_server::idempotency::{IdempotencyLayer, IdempotencyStats, scope_for};
 use idem_store::{Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome};
 use idem_test_support::redis::RedisServer;
+use idem_test_support::store::complete_not_retained;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, Order};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
@@ -70,12 +69,9 @@ struct Shop {
     delay: Duration,
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        req: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Shop, why = "not in these tests";
+    create_order(&self, req) {
         let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
@@ -88,20 +84,6 @@ impl Orders for Shop {
             quantity: r.quantity,
             created_by: self.name.clone(),
         }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not in these tests"))
-    }
-
-    type ListOrdersStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not in these tests"))
     }
 }
 
@@ -584,7 +566,7 @@ async fn throughput_of_fresh_and_replayed_calls() {
         let mut clients = Vec::new();
         let mut stops = Vec::new();
         for i in 0..3 {
-            let store = idem_store::MemoryStore::new(Default::default());
+            let store = idem_store::memory::MemoryStore::new(Default::default());
             let (addr, _, stop) = serve(store, &config, i, runs.clone(), Duration::ZERO).await;
             clients.push(OrdersClient::new(net::channel(addr)));
             stops.push(stop);
@@ -932,14 +914,7 @@ async fn waiters_survive_a_lost_notification_connection() {
                 .expect("CLIENT KILL");
             assert_eq!(killed, idem_test_support::redis::Resp::Int(1));
         }
-        a.complete(
-            &scope,
-            fence,
-            StoredOutcome::NotRetained,
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("complete");
+        complete_not_retained(&a, &scope, fence, "complete").await;
         tokio::time::timeout(PATIENCE, waiter)
             .await
             .expect("the waiter saw the completion")

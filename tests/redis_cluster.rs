@@ -21,21 +21,20 @@ use idem_test_support::shop;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_redis::RedisStore;
-use idem_server::{IdempotencyLayer, scope_for};
+use idem_server::idempotency::{IdempotencyLayer, scope_for};
 use idem_test_support::redis::RedisCluster;
 use rand::{Rng, SeedableRng};
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, Order};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Code, Request, Response};
 
 const TENANT: &str = "cluster-e2e";
 const CREATE: &str = "/shop.v1.Orders/CreateOrder";
@@ -62,12 +61,9 @@ struct Shop {
     delay: Duration,
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        req: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Shop, why = "not in these tests";
+    create_order(&self, req) {
         let r = req.into_inner();
         let n = {
             let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
@@ -85,20 +81,6 @@ impl Orders for Shop {
             quantity: r.quantity,
             created_by: String::new(),
         }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("not in these tests"))
-    }
-
-    type ListOrdersStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Order, Status>> + Send + 'static>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Err(Status::unimplemented("not in these tests"))
     }
 }
 

@@ -51,8 +51,8 @@ use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
 use idem_test_support::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
 use std::time::Duration;
 
-use idem::core::ServiceConfig;
-use idem::store::MemoryStore;
+use idem::core::config::ServiceConfig;
+use idem::store::memory::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
 [--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|redis-cluster|postgres] \

@@ -9,9 +9,10 @@ use std::process::ExitCode;
 
 use idem_core::code::code_name;
 use idem_core::config::{
-    ConfigError, Diagnostic, InFlightPolicy, MemoryStoreSettings, MethodConfig, Parsed,
-    ServiceConfig, TenantSource, format_duration,
+    ConfigError, Diagnostic, InFlightPolicy, MethodConfig, Parsed, ServiceConfig, TenantSource,
+    format_duration,
 };
+use idem_store::memory::MemoryStoreSettings;
 
 const USAGE: &str = "\
 idem: effectively-once gRPC writes for tonic

@@ -29,7 +29,7 @@
 use http::{HeaderMap, HeaderName, HeaderValue};
 use idem_core::derive::KeySource;
 use idem_core::headers::IDEMPOTENCY_KEY;
-use idem_core::{IdempotencyKey, ServiceConfig};
+use idem_core::{config::ServiceConfig, key::IdempotencyKey};
 use tonic::metadata::MetadataMap;
 use tonic::service::Interceptor;
 use tonic::{GrpcMethod, Request, Status};
@@ -37,14 +37,14 @@ use tonic::{GrpcMethod, Request, Status};
 /// Sets the idempotency key of `request`, replacing any.
 ///
 /// The key is stored twice: as a typed [`IdempotencyKey`] request extension, which the
-/// retry layer ([`RetryLayer`](crate::RetryLayer)) and [`IdempotencyKeyInterceptor`] move
+/// retry layer ([`RetryLayer`](crate::retry::RetryLayer)) and [`IdempotencyKeyInterceptor`] move
 /// under *their* configured header (`idem.keyHeader`, or
-/// [`RetryLayerBuilder::key_header`](crate::RetryLayerBuilder::key_header)), and under the
+/// [`RetryLayerBuilder::key_header`](crate::retry::RetryLayerBuilder::key_header)), and under the
 /// default header `x-idempotency-key`, for channels without either. The layer keeps the
 /// key on every attempt; it never replaces it with a fresh one.
 ///
 /// ```
-/// use idem_core::IdempotencyKey;
+/// use idem_core::key::IdempotencyKey;
 /// let mut req = tonic::Request::new(());
 /// let key: IdempotencyKey = "order-2024-0001".parse().unwrap();
 /// idem_client::with_key(&mut req, &key);

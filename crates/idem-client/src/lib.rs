@@ -5,8 +5,8 @@
 //! Stack [`RetryLayer`] on a tonic `Channel` and use the generated client unchanged:
 //!
 //! ```
-//! use idem_client::RetryLayer;
-//! use idem_core::ServiceConfig;
+//! use idem_client::retry::RetryLayer;
+//! use idem_core::config::ServiceConfig;
 //! use tower::ServiceBuilder;
 //!
 //! # fn is_grpc_service<T: tonic::client::GrpcService<tonic::body::Body>>(_: &T) {}
@@ -273,14 +273,14 @@ mod key;
 pub mod metrics;
 pub mod retry;
 
+// The crate docs above name these without their module.
+#[cfg(doc)]
+use retry::{AttemptEnd, CallOutcome, CallReport, RetryLayer, RetryLayerBuilder, RetryThrottle};
+
 pub use inspect::{idem_reason, is_replayed};
 pub use key::{
     FreshKey, IdempotencyKeyInterceptor, KeyStep, RequestKeyExt, with_fresh_key, with_key,
     with_step,
-};
-pub use retry::{
-    AttemptEnd, AttemptRecord, BuildError, CallOutcome, CallReport, OutcomeHook, Retry, RetryLayer,
-    RetryLayerBuilder, RetryStats, RetryStatsSnapshot, RetryThrottle,
 };
 
 /// The boxed error type of request bodies.

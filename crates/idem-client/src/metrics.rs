@@ -1,7 +1,7 @@
 //! What the retry layer tells an observer about each call, for metrics (gRFC A66 per
 //! attempt and per call, A96 retries) without the layer knowing any metrics library.
 //!
-//! Give an observer to [`RetryLayerBuilder::observer`](crate::RetryLayerBuilder::observer);
+//! Give an observer to [`RetryLayerBuilder::observer`](crate::retry::RetryLayerBuilder::observer);
 //! `idem-otel` turns these events into OpenTelemetry instruments. Without one, the layer
 //! does nothing more than before (no clock reads, no wrapping).
 //!
@@ -14,7 +14,7 @@
 //!
 //! ```
 //! use idem_client::metrics::{CallEnded, CallObserver};
-//! use idem_client::RetryLayer;
+//! use idem_client::retry::RetryLayer;
 //!
 //! struct Log;
 //! impl CallObserver for Log {
@@ -35,7 +35,7 @@ use tonic::Code;
 
 use crate::retry::CallReport;
 
-/// Told about every attempt and every call of a [`RetryLayer`](crate::RetryLayer).
+/// Told about every attempt and every call of a [`RetryLayer`](crate::retry::RetryLayer).
 ///
 /// Called on the caller's task: keep it short and never block.
 pub trait CallObserver: Send + Sync + 'static {
@@ -166,7 +166,10 @@ mod tests {
 
     fn committed() -> CallReport {
         let mut r = CallReport::new(CallOutcome::Committed);
-        r.record(crate::AttemptEnd::Committed, Duration::from_millis(3));
+        r.record(
+            crate::retry::AttemptEnd::Committed,
+            Duration::from_millis(3),
+        );
         r
     }
 

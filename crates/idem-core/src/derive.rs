@@ -17,7 +17,7 @@
 //! one along, or with [`KeySource::current`] + [`KeySource::run`].
 //!
 //! ```
-//! use idem_core::IdempotencyKey;
+//! use idem_core::key::IdempotencyKey;
 //! use idem_core::derive::{KeySource, Which};
 //! // A toy derivation for the example; the server layer's is SHA-256.
 //! fn derive(seed: &[u8; 32], path: &str, which: Which<'_>) -> IdempotencyKey {
@@ -40,7 +40,7 @@ use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
-use crate::IdempotencyKey;
+use crate::key::IdempotencyKey;
 
 tokio::task_local! {
     static KEYS: KeySource;

@@ -42,7 +42,7 @@ impl IdempotencyKey {
     /// Validates `bytes` (a header value) as a key.
     ///
     /// ```
-    /// use idem_core::IdempotencyKey;
+    /// use idem_core::key::IdempotencyKey;
     /// assert!(IdempotencyKey::parse(b"order-2024-0001").is_ok());
     /// assert!(IdempotencyKey::parse(b"short").is_err());
     /// assert!(IdempotencyKey::parse(b"has space in it").is_err());

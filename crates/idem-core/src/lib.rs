@@ -19,7 +19,3 @@ pub mod derive;
 pub mod headers;
 pub mod key;
 mod macros;
-
-pub use code::CodeSet;
-pub use config::{ConfigError, MethodConfig, ServiceConfig};
-pub use key::IdempotencyKey;

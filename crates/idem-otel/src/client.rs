@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use idem_client::metrics::{CallEnded, CallObserver};
-use idem_client::{AttemptEnd, CallOutcome, RetryLayer};
-use idem_core::ServiceConfig;
+use idem_client::retry::{AttemptEnd, CallOutcome, RetryLayer};
+use idem_core::config::ServiceConfig;
 use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
@@ -18,8 +18,8 @@ use crate::{LATENCY_BUCKETS, RETRY_BUCKETS};
 /// [crate docs](crate) for the table). Cheap to clone.
 ///
 /// ```
-/// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::ServiceConfig) -> Result<(), idem_client::BuildError> {
-/// use idem_client::RetryLayer;
+/// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::config::ServiceConfig) -> Result<(), idem_client::retry::BuildError> {
+/// use idem_client::retry::RetryLayer;
 /// use idem_otel::ClientMetrics;
 ///
 /// let metrics = ClientMetrics::new(&meter, "dns:///orders.internal:443", &config);

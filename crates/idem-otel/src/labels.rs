@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 

@@ -10,11 +10,11 @@
 //! OpenTelemetry code is compiled.
 //!
 //! ```no_run
-//! # fn f(config: idem_core::ServiceConfig) -> Result<(), Box<dyn std::error::Error>> {
+//! # fn f(config: idem_core::config::ServiceConfig) -> Result<(), Box<dyn std::error::Error>> {
 //! let prometheus = idem_otel::prometheus::Prometheus::new(); // or your own MeterProvider
 //! let meter = prometheus.meter("idem");
 //! let metrics = idem_otel::ClientMetrics::new(&meter, "dns:///orders:443", &config);
-//! let layer = idem_client::RetryLayer::builder().service_config(config).observer(metrics.clone()).build()?;
+//! let layer = idem_client::retry::RetryLayer::builder().service_config(config).observer(metrics.clone()).build()?;
 //! metrics.watch(&layer);
 //! # Ok(()) }
 //! ```

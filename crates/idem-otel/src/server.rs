@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use idem_core::ServiceConfig;
-use idem_server::IdempotencyLayer;
+use idem_core::config::ServiceConfig;
+use idem_server::idempotency::IdempotencyLayer;
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_store::instrumented::{InstrumentedStore, OpResult, StoreObserver, StoreOp};
-use idem_store::{MemoryStore, Store};
+use idem_store::{Store, memory::MemoryStore};
 use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
@@ -21,10 +21,10 @@ use crate::labels::{self, Learned, MethodCounters, MethodLabels, read, write};
 /// [crate docs](crate) for the table). Cheap to clone.
 ///
 /// ```
-/// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::ServiceConfig) {
+/// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::config::ServiceConfig) {
 /// use idem_otel::ServerMetrics;
-/// use idem_server::IdempotencyLayer;
-/// use idem_store::MemoryStore;
+/// use idem_server::idempotency::IdempotencyLayer;
+/// use idem_store::memory::MemoryStore;
 ///
 /// let metrics = ServerMetrics::new(&meter, &config);
 /// let store = MemoryStore::default();
@@ -145,7 +145,7 @@ impl ServerMetrics {
     /// tenant (passed through, or refused before one was read) carry none.
     ///
     /// ```
-    /// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::ServiceConfig) {
+    /// # fn f(meter: opentelemetry::metrics::Meter, config: idem_core::config::ServiceConfig) {
     /// let metrics = idem_otel::ServerMetrics::new(&meter, &config).tenant_label(100);
     /// # }
     /// ```
@@ -204,7 +204,7 @@ impl ServerMetrics {
 
     /// Reports `store`'s records, bytes and in-flight records at each collection.
     pub fn watch_memory_store(&self, store: &MemoryStore) {
-        type Read = fn(&idem_store::MemoryStoreStats) -> usize;
+        type Read = fn(&idem_store::memory::MemoryStoreStats) -> usize;
         let gauges: [(&str, &str, &str, Read); 3] = [
             (
                 "idem.store.memory.entries",

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_client::RetryLayer;
-use idem_server::IdempotencyLayer;
-use idem_store::MemoryStore;
+use idem_client::retry::RetryLayer;
+use idem_server::idempotency::IdempotencyLayer;
+use idem_store::memory::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
 

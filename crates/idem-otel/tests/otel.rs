@@ -7,11 +7,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_client::RetryLayer;
-use idem_core::ServiceConfig;
+use idem_client::retry::RetryLayer;
+use idem_core::config::ServiceConfig;
 use idem_otel::{ClientMetrics, ServerMetrics};
-use idem_server::IdempotencyLayer;
-use idem_store::{MemoryStore, Store};
+use idem_server::idempotency::IdempotencyLayer;
+use idem_store::{Store, memory::MemoryStore};
 use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
@@ -178,7 +178,7 @@ fn client(
     otel: &Otel,
     cfg: &ServiceConfig,
     addr: SocketAddr,
-) -> (OrdersClient<idem_client::Retry<Channel>>, RetryLayer) {
+) -> (OrdersClient<idem_client::retry::Retry<Channel>>, RetryLayer) {
     let metrics = ClientMetrics::new(&otel.meter(), format!("dns:///{addr}"), cfg);
     let layer = RetryLayer::builder()
         .service_config(cfg.clone())
@@ -195,7 +195,7 @@ fn server_layer<St: Store>(
     otel: &Otel,
     cfg: &ServiceConfig,
     store: St,
-) -> IdempotencyLayer<idem_store::InstrumentedStore<St>> {
+) -> IdempotencyLayer<idem_store::instrumented::InstrumentedStore<St>> {
     let metrics = ServerMetrics::new(&otel.meter(), cfg);
     let layer = IdempotencyLayer::new(metrics.instrument_store(store, "memory"), cfg)
         .observer(metrics.clone());

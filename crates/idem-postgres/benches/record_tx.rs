@@ -12,17 +12,16 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_postgres::{PostgresStore, TxError};
-use idem_server::IdempotencyLayer;
-use idem_server::idempotency::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
+use idem_store::memory::MemoryStore;
 use idem_test_support::net;
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, Order};
 use sqlx::postgres::PgPool;
 use sqlx::{Executor, Row};
 use tonic::transport::{Channel, Server};
@@ -45,12 +44,9 @@ fn db(e: sqlx::Error) -> Status {
     Status::from(TxError::from(e))
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Shop, why = "";
+    create_order(&self, request) {
         let insert = "INSERT INTO orders (note) VALUES ($1) RETURNING id";
         let note = request.get_ref().note.clone();
         let Some(store) = &self.tx else {
@@ -70,19 +66,6 @@ impl Orders for Shop {
         let reply = order(row.get(0));
         tx.commit_reply(&reply).await?;
         Ok(Response::new(reply))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented(""))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
     }
 }
 

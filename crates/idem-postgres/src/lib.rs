@@ -3,7 +3,7 @@
 //! service already runs.
 //!
 //! # When to use it
-//! The in-memory store (`idem_store::MemoryStore`) is right when one process serves a
+//! The in-memory store (`idem_store::memory::MemoryStore`) is right when one process serves a
 //! method. As soon as a service runs as two or more instances, a retry can land on
 //! another instance than its first attempt; point every instance at one shared store so
 //! a key runs once across all of them. Use [`PostgresStore`] when the service has a

@@ -10,36 +10,18 @@ use bytes::Bytes;
 use idem_postgres::{ConnectError, PostgresStore, PostgresStoreBuilder, WaitStrategy};
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
+    StoredOutcome,
 };
 use idem_test_support::postgres::PostgresServer;
+use idem_test_support::store::{FP, TENANT, acquire, req};
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 use sqlx::{Executor, Row};
 use tokio::time::Instant;
 
-const TENANT: TenantId = TenantId([3; 16]);
-const FP: Fingerprint = Fingerprint([9; 32]);
 const LONG: Duration = Duration::from_secs(60);
 
 fn scope() -> Scope {
     Scope(rand::random())
-}
-
-fn req(scope: &Scope, lease: Duration) -> ClaimRequest<'_> {
-    ClaimRequest {
-        scope,
-        tenant: &TENANT,
-        fingerprint: &FP,
-        claimant: ClaimantId::random(),
-        lease,
-    }
-}
-
-async fn acquire(s: &PostgresStore, scope: &Scope, lease: Duration) -> u64 {
-    match s.claim(req(scope, lease)).await {
-        Ok(Claim::Acquired { fence, .. }) => fence,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
 }
 
 fn response(b: &'static [u8]) -> StoredOutcome {

@@ -5,18 +5,16 @@
 
 use std::time::Duration;
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_postgres::{PostgresStore, TxError};
-use idem_server::IdempotencyLayer;
-use idem_server::idempotency::scope_for;
-use idem_server::idempotency::tenant::SingleTenant;
+use idem_server::idempotency::{IdempotencyLayer, scope_for, tenant::SingleTenant};
 use idem_store::{RecordRef, RecordState, Scope, Store, StoredOutcome};
 use idem_test_support::net;
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, GetOrderRequest, Order};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Executor, Row};
 use tonic::transport::Server;
@@ -48,13 +46,10 @@ fn order(note: &str) -> Order {
     }
 }
 
-#[tonic::async_trait]
-impl Orders for Shop {
-    /// Inserts the order and stores the reply in one transaction.
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+idem_test_support::create_only_orders! {
+    Shop, why = "not in these tests";
+    // Inserts the order and stores the reply in one transaction.
+    create_order(&self, request) {
         let mut tx = self.store.begin_for(&request).await?;
         let note = request.get_ref().note.clone();
         sqlx::query("INSERT INTO orders (note) VALUES ($1)")
@@ -66,22 +61,9 @@ impl Orders for Shop {
         tx.commit_reply(&reply).await?;
         Ok(Response::new(reply))
     }
-
-    /// The same reply without a transaction: the layer records it.
-    async fn get_order(
-        &self,
-        request: Request<GetOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+    // The same reply without a transaction: the layer records it.
+    get_order(&self, request) {
         Ok(Response::new(order(&request.into_inner().order_id)))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
     }
 }
 

@@ -7,28 +7,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_postgres::PostgresStore;
-use idem_store::{
-    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
-};
+use idem_store::{Claim, RecordState, Scope, Store, StoreError, StoredOutcome};
 use idem_test_support::postgres::PostgresServer;
+use idem_test_support::store::{acquire, req};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Executor, Row};
 use tokio::time::Instant;
 
-const TENANT: TenantId = TenantId([4; 16]);
-const FP: Fingerprint = Fingerprint([5; 32]);
 const LONG: Duration = Duration::from_secs(60);
-
-fn req(scope: &Scope, lease: Duration) -> ClaimRequest<'_> {
-    ClaimRequest {
-        scope,
-        tenant: &TENANT,
-        fingerprint: &FP,
-        claimant: ClaimantId::random(),
-        lease,
-    }
-}
 
 /// The store, the server, and the service's own pool with an `orders` table.
 async fn start() -> Option<(PostgresStore, PostgresServer, PgPool)> {
@@ -46,13 +32,6 @@ async fn start() -> Option<(PostgresStore, PostgresServer, PgPool)> {
         .await
         .unwrap();
     Some((store, server, app))
-}
-
-async fn acquire(s: &PostgresStore, scope: &Scope, lease: Duration) -> u64 {
-    match s.claim(req(scope, lease)).await.unwrap() {
-        Claim::Acquired { fence, .. } => fence,
-        other => panic!("{other:?}"),
-    }
 }
 
 async fn orders(app: &PgPool) -> i64 {

@@ -2,7 +2,7 @@
 //! so several instances of a service act as one.
 //!
 //! # When to use it
-//! The in-memory store (`idem_store::MemoryStore`) is right when one process
+//! The in-memory store (`idem_store::memory::MemoryStore`) is right when one process
 //! serves a method: it costs no network hop. As soon as a service runs as two or more
 //! instances behind a load balancer, a retry can land on another instance than the
 //! first attempt; with per-process memory it would run a second time. Point every

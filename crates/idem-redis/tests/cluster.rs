@@ -18,6 +18,7 @@ use idem_store::{
     StoredOutcome, TenantId,
 };
 use idem_test_support::redis::{RedisCluster, Resp};
+use idem_test_support::store::complete_not_retained;
 use tokio::time::Instant;
 
 /// A key prefix no other test of this process uses.
@@ -40,20 +41,9 @@ async fn store(strategy: WaitStrategy) -> Option<(RedisStore, ())> {
     Some((store_on(cluster, "conformance", strategy).await, ()))
 }
 
-mod notify {
-    use super::*;
-    idem_store::store_conformance_tests! {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        make = store(WaitStrategy::Notify);
-    }
-}
-
-mod polling {
-    use super::*;
-    idem_store::store_conformance_tests! {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        make = store(WaitStrategy::Poll);
-    }
+idem_store::store_conformance_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    make_each = store(WaitStrategy::Notify) => notify, store(WaitStrategy::Poll) => polling;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,15 +203,7 @@ async fn waits_are_woken_by_sharded_pubsub_on_the_records_master() {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        holder
-            .complete(
-                &scope,
-                fence,
-                StoredOutcome::NotRetained,
-                Duration::from_secs(60),
-            )
-            .await
-            .expect("complete");
+        complete_not_retained(&holder, &scope, fence, "complete").await;
         tokio::time::timeout(Duration::from_secs(5), wait)
             .await
             .expect("woken by the notification, not the 10 s poll")
@@ -256,15 +238,7 @@ async fn scripts_are_loaded_again_after_a_flush_on_every_node() {
         else {
             panic!("claim after SCRIPT FLUSH")
         };
-        store
-            .complete(
-                &scope,
-                fence,
-                StoredOutcome::NotRetained,
-                Duration::from_secs(60),
-            )
-            .await
-            .expect("complete after SCRIPT FLUSH");
+        complete_not_retained(&store, &scope, fence, "complete after SCRIPT FLUSH").await;
     }
 }
 
@@ -276,14 +250,10 @@ fn state_on_replica(cluster: &RedisCluster, key: &str) -> Option<String> {
         .into_iter()
         .find(|n| n.master_id.as_deref() == Some(master.id.as_str()))
         .expect("the master has a replica");
-    match cluster
+    cluster
         .cmds(replica.port, &[&["READONLY"], &["HGET", key, "s"]])
         .expect("read on the replica")
-    {
-        Resp::Bulk(Some(b)) => Some(String::from_utf8_lossy(&b).into_owned()),
-        Resp::Bulk(None) => None,
-        other => panic!("HGET on the replica: {other:?}"),
-    }
+        .bulk("HGET on the replica")
 }
 
 /// With `replica_acks(1, …)` a claim and a completion are answered only once the
@@ -319,15 +289,7 @@ async fn confirmed_claims_and_completions_are_on_the_replica_when_answered() {
             Some("i"),
             "claim {i} on the replica when answered"
         );
-        store
-            .complete(
-                &scope,
-                fence,
-                StoredOutcome::NotRetained,
-                Duration::from_secs(60),
-            )
-            .await
-            .expect("complete");
+        complete_not_retained(&store, &scope, fence, "complete").await;
         assert_eq!(
             state_on_replica(cluster, &key).as_deref(),
             Some("c"),
@@ -401,15 +363,7 @@ async fn unconfirmed_claims_fail_closed_and_leave_nothing_behind() {
     else {
         panic!("claim")
     };
-    plain
-        .complete(
-            &scope,
-            fence,
-            StoredOutcome::NotRetained,
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("complete");
+    complete_not_retained(&plain, &scope, fence, "complete").await;
     assert_eq!(
         store
             .claim(request(&scope, &tenant, &fp, Duration::from_secs(5)))
@@ -434,7 +388,7 @@ async fn config_with_cluster_nodes_connects_to_the_cluster() {
         r#"{{"idem": {{"redis": {{"clusterNodes": {nodes}, "keyPrefix": "{}", "replicaAcks": 1, "replicaAckTimeout": "0.2s"}}}}}}"#,
         prefix("config")
     );
-    let config = idem_core::ServiceConfig::from_json(&json).expect("valid config");
+    let config = idem_core::config::ServiceConfig::from_json(&json).expect("valid config");
     let store = RedisStore::from_settings(config.settings().redis.as_ref().expect("idem.redis"))
         .await
         .expect("connect from the config");

@@ -17,20 +17,9 @@ async fn store(strategy: WaitStrategy) -> Option<(RedisStore, RedisServer)> {
     Some((store, server))
 }
 
-mod notify {
-    use super::*;
-    idem_store::store_conformance_tests! {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        make = store(WaitStrategy::Notify);
-    }
-}
-
-mod polling {
-    use super::*;
-    idem_store::store_conformance_tests! {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        make = store(WaitStrategy::Poll);
-    }
+idem_store::store_conformance_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    make_each = store(WaitStrategy::Notify) => notify, store(WaitStrategy::Poll) => polling;
 }
 
 /// The per-tenant in-flight quota (`max_in_flight_per_tenant`), with the bound the

@@ -7,7 +7,8 @@ use idem_redis::RedisStore;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
 };
-use idem_test_support::redis::{RedisServer, Resp};
+use idem_test_support::redis::RedisServer;
+use idem_test_support::store::complete_not_retained;
 
 fn request<'a>(scope: &'a Scope, fp: &'a Fingerprint) -> ClaimRequest<'a> {
     const TENANT: TenantId = TenantId([1; 16]);
@@ -21,14 +22,10 @@ fn request<'a>(scope: &'a Scope, fp: &'a Fingerprint) -> ClaimRequest<'a> {
 }
 
 fn state_on(replica: &RedisServer, key: &str) -> Option<String> {
-    match replica
+    replica
         .cmd(&["HGET", key, "s"])
         .expect("HGET on the replica")
-    {
-        Resp::Bulk(Some(b)) => Some(String::from_utf8_lossy(&b).into_owned()),
-        Resp::Bulk(None) => None,
-        other => panic!("HGET: {other:?}"),
-    }
+        .bulk("HGET")
 }
 
 /// Confirmed claims and completions are on the replica when answered; asking for more
@@ -61,15 +58,7 @@ async fn claims_and_completions_wait_for_the_replica_and_fail_closed_without_it(
             panic!("claim {i}: {claimed:?}")
         };
         assert_eq!(state_on(&replica, &key).as_deref(), Some("i"), "claim {i}");
-        acked
-            .complete(
-                &scope,
-                fence,
-                StoredOutcome::NotRetained,
-                Duration::from_secs(60),
-            )
-            .await
-            .expect("complete");
+        complete_not_retained(&acked, &scope, fence, "complete").await;
         assert_eq!(
             state_on(&replica, &key).as_deref(),
             Some("c"),

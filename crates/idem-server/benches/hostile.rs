@@ -14,13 +14,12 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, Bytes};
 use http::{HeaderValue, Request, Response};
 use http_body_util::Full;
-use idem_core::ServiceConfig;
 use idem_core::config::{
-    Compression, CompressionSet, IdemSettings, IdempotencyPolicy, MethodConfig,
+    Compression, CompressionSet, IdemSettings, IdempotencyPolicy, MethodConfig, ServiceConfig,
 };
-use idem_server::IdempotencyLayer;
-use idem_server::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
+use idem_store::memory::MemoryStore;
+use idem_test_support::deflate::empty_fixed_blocks;
 use sha2::{Digest, Sha256};
 use tonic::body::Body;
 use tower::{Layer, Service, ServiceExt};
@@ -44,30 +43,6 @@ const EMPTY_GZIP: [u8; 20] = [
     0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff, 0x03, 0x00, 0, 0, 0, 0, 0, 0, 0, 0,
 ];
 const EMPTY_ZLIB: [u8; 8] = [0x78, 0x9c, 0x03, 0x00, 0, 0, 0, 1];
-
-/// One zlib stream of `n` empty fixed-Huffman blocks (10 bits each), then a final one.
-fn empty_fixed_blocks(n: usize) -> Vec<u8> {
-    let mut out = vec![0x78, 0x9c];
-    let (mut acc, mut bits) = (0u64, 0u32);
-    let mut push = |v: u64, k: u32, out: &mut Vec<u8>| {
-        acc |= v << bits;
-        bits += k;
-        while bits >= 8 {
-            out.push(acc as u8);
-            acc >>= 8;
-            bits -= 8;
-        }
-    };
-    for i in 0..=n {
-        let last = u64::from(i == n);
-        // BFINAL, BTYPE = 01 (fixed), then end-of-block (code 256: seven zero bits).
-        push(last | 0b01 << 1, 3, &mut out);
-        push(0, 7, &mut out);
-    }
-    push(0, 7, &mut out); // pad to a byte
-    out.extend_from_slice(&[0, 0, 0, 1]);
-    out
-}
 
 fn gzip(msg: &[u8]) -> Vec<u8> {
     let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());

@@ -1,20 +1,15 @@
 //! Server half of idem: a tower layer for tonic servers that runs each idempotency key
 //! once and replays the stored response to duplicates.
 //!
-//! - [`idempotency`]: [`IdempotencyLayer`] / [`Idempotency`], the middleware.
-//! - [`inbound`]: [`InboundLayer`], which records the inbound deadline for every call and
+//! - [`idempotency`]: [`IdempotencyLayer`](idempotency::IdempotencyLayer) /
+//!   [`Idempotency`](idempotency::Idempotency), the middleware.
+//! - [`inbound`]: [`InboundLayer`](inbound::InboundLayer), which records the inbound deadline for every call and
 //!   turns an exhausted downstream failure into `grpc-retry-pushback-ms: -1`.
 //!
 //! Records live in a store: the [`Store`](idem_store::Store) trait and the embedded
-//! [`MemoryStore`](idem_store::MemoryStore) are in `idem-store`; `idem-redis` shares
+//! [`MemoryStore`](idem_store::memory::MemoryStore) are in `idem-store`; `idem-redis` shares
 //! records between instances.
 
 pub mod idempotency;
 pub mod inbound;
 pub mod metrics;
-
-pub use idempotency::{
-    IdemDecision, Idempotency, IdempotencyLayer, IdempotencyStats, NoTenantSource, RecordFence,
-    StatsSnapshot, scope_for, tenant,
-};
-pub use inbound::{Inbound, InboundLayer};

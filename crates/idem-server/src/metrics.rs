@@ -50,7 +50,7 @@ use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
 
-use crate::IdempotencyLayer;
+use crate::idempotency::IdempotencyLayer;
 
 /// Told about every call an [`IdempotencyLayer`] sees: protected ones, and those it
 /// passes through (outcome `passthrough`; see the [module docs](self)).

@@ -14,11 +14,10 @@ use idem_test_support::shop_fake::{Shop, create};
 
 use std::net::SocketAddr;
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
-use idem_server::IdempotencyLayer;
-use idem_server::tenant::FromExtension;
-use idem_store::MemoryStore;
+use idem_server::idempotency::{IdempotencyLayer, tenant::FromExtension};
+use idem_store::memory::MemoryStore;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Status};
 use tonic_types::StatusExt;

@@ -11,11 +11,13 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
-use idem_server::IdempotencyLayer;
-use idem_server::tenant::FromExtension;
-use idem_store::{MemoryStore, MemoryStoreSettings, Store};
+use idem_server::idempotency::{IdempotencyLayer, tenant::FromExtension};
+use idem_store::{
+    Store,
+    memory::{MemoryStore, MemoryStoreSettings},
+};
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Status};
 use tonic_types::StatusExt;

@@ -19,12 +19,12 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
-use idem_core::ServiceConfig;
-use idem_core::config::{IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig};
+use idem_core::config::{
+    IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig, ServiceConfig,
+};
 use idem_core::headers::reason;
-use idem_server::tenant::FromExtension;
-use idem_server::{IdempotencyLayer, StatsSnapshot, scope_for};
-use idem_store::{MemoryStore, RecordState, Store};
+use idem_server::idempotency::{IdempotencyLayer, StatsSnapshot, scope_for, tenant::FromExtension};
+use idem_store::{RecordState, Store, memory::MemoryStore};
 use prost::Message;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
@@ -899,7 +899,7 @@ fn decode_orders(frames: &[Bytes]) -> Vec<Order> {
     out
 }
 
-type InProcess<St> = idem_server::Idempotency<OrdersServer<Shop>, St>;
+type InProcess<St> = idem_server::idempotency::Idempotency<OrdersServer<Shop>, St>;
 
 fn in_process<St: Store>(l: &IdempotencyLayer<St>, shop: &Shop) -> InProcess<St> {
     tower::Layer::layer(l, OrdersServer::new(shop.clone()))

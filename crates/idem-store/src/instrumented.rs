@@ -6,7 +6,7 @@
 //!
 //! ```
 //! use idem_store::instrumented::{InstrumentedStore, StoreObserver, StoreOp, OpResult};
-//! use idem_store::MemoryStore;
+//! use idem_store::memory::MemoryStore;
 //! use std::time::Duration;
 //!
 //! struct Print;
@@ -208,7 +208,7 @@ impl<St: Store> Store for InstrumentedStore<St> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ClaimantId, Fingerprint, MemoryStore, TenantId};
+    use crate::{ClaimantId, Fingerprint, TenantId, memory::MemoryStore};
     use std::sync::Mutex;
 
     #[derive(Default)]

@@ -41,6 +41,8 @@
 //! - [`StoreError::Unavailable`] means "the store could not answer": the layer fails
 //!   closed (UNAVAILABLE) unless the method opts in to fail-open. It never means "no
 //!   record".
+//!
+//! [`MemoryStore`]: memory::MemoryStore
 
 use std::fmt;
 use std::future::Future;
@@ -56,8 +58,6 @@ pub mod response;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use instrumented::InstrumentedStore;
-pub use memory::{MemoryStore, MemoryStoreSettings, MemoryStoreStats, TenantUsage};
 pub use record::RecordRef;
 
 /// A generation number of a record; grows on every claim of a scope.

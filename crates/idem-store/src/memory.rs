@@ -492,7 +492,7 @@ struct Inner {
 /// expiry. See the module docs.
 ///
 /// ```
-/// # use idem_store::{MemoryStore, MemoryStoreSettings};
+/// # use idem_store::memory::{MemoryStore, MemoryStoreSettings};
 /// let store = MemoryStore::new(MemoryStoreSettings {
 ///     max_entries: 10_000,
 ///     max_in_flight_per_tenant: Some(100),

@@ -8,7 +8,7 @@
 //! // In your backend's tests (enable the `testing` feature in dev-dependencies):
 //! idem_store::store_conformance_tests! {
 //!     #[tokio::test(start_paused = true)]
-//!     make = async { Some((idem_store::MemoryStore::default(), ())) };
+//!     make = async { Some((idem_store::memory::MemoryStore::default(), ())) };
 //! }
 //! ```
 //!
@@ -680,9 +680,22 @@ pub async fn wait_returns_when_the_record_changes<S: Store>(s: &S) {
 
 /// Instantiates every function of [`testing`](crate::testing) as a test for one store.
 ///
-/// See the [module docs](crate::testing) for the form.
+/// See the [module docs](crate::testing) for the form. With
+/// `make_each = make_a => mod_a, make_b => mod_b;` the suite runs once per store, each
+/// in a module of its own (a backend's wait strategies, say); the modules `use super::*`.
 #[macro_export]
 macro_rules! store_conformance_tests {
+    ($(#[$attr:meta])* make_each = $($make:expr => $module:ident),+ $(,)?;) => {
+        $crate::store_conformance_tests!(@each [$(#[$attr])*]; $($make => $module,)+);
+    };
+    (@each [$($attr:tt)*];) => {};
+    (@each [$($attr:tt)*]; $make:expr => $module:ident, $($rest:tt)*) => {
+        mod $module {
+            use super::*;
+            $crate::store_conformance_tests! { $($attr)* make = $make; }
+        }
+        $crate::store_conformance_tests!(@each [$($attr)*]; $($rest)*);
+    };
     ($(#[$attr:meta])* make = $make:expr;) => {
         $crate::store_conformance_tests!(@cases [$(#[$attr])*] [$make];
             claim_complete_replay,
@@ -714,6 +727,6 @@ macro_rules! store_conformance_tests {
 mod memory_store {
     crate::store_conformance_tests! {
         #[tokio::test(start_paused = true)]
-        make = async { Some((crate::MemoryStore::default(), ())) };
+        make = async { Some((crate::memory::MemoryStore::default(), ())) };
     }
 }

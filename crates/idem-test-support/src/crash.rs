@@ -23,18 +23,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_client::{Retry, RetryLayer};
-use idem_core::ServiceConfig;
+use idem_client::retry::{Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
 use idem_postgres::PostgresStore;
-use idem_server::InboundLayer;
 use idem_server::idempotency::tenant::SingleTenant;
-use idem_store::MemoryStore;
+use idem_server::inbound::InboundLayer;
+use idem_store::memory::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 use tonic::transport::{Channel, Server};
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response};
 use tower::ServiceBuilder;
 
 use crate::demo::{Faults, Ledger, Options, OrdersImpl, RunReport, strip_idempotency};
@@ -42,7 +42,6 @@ use crate::demo_metrics::{DemoMetrics, InstanceMetrics, merge, scrape};
 use crate::pg_orders::{self, PgOrders};
 use crate::shop::orders_client::OrdersClient;
 use crate::shop::orders_server::{Orders, OrdersServer};
-use crate::shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -404,12 +403,9 @@ struct Chained {
     pause: Arc<Pause>,
 }
 
-#[tonic::async_trait]
-impl Orders for Chained {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+crate::create_only_orders! {
+    Chained, why = "the demo only creates orders";
+    create_order(&self, request) {
         let order = self
             .next
             .clone()
@@ -418,19 +414,6 @@ impl Orders for Chained {
             .into_inner();
         self.pause.at(PausePoint::AfterDownstream).await;
         Ok(Response::new(order))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("the demo only creates orders"))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
     }
 }
 

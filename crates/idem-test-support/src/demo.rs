@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use idem_client::{RetryLayer, with_key};
-use idem_core::{IdempotencyKey, ServiceConfig};
+use idem_client::{retry::RetryLayer, with_key};
+use idem_core::{config::ServiceConfig, key::IdempotencyKey};
 use idem_server::idempotency::tenant::SingleTenant;
-use idem_server::{IdempotencyLayer, InboundLayer};
-use idem_store::MemoryStore;
+use idem_server::{idempotency::IdempotencyLayer, inbound::InboundLayer};
+use idem_store::memory::MemoryStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tonic::transport::{Channel, Endpoint, Server};
@@ -23,8 +23,8 @@ use tower::{Layer, Service, ServiceBuilder};
 
 use crate::shop;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::{Orders, OrdersServer};
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::orders_server::OrdersServer;
+use shop::{CreateOrderRequest, Order};
 
 pub const DEFAULT_CONFIG: &str = r#"{
   "methodConfig": [
@@ -157,12 +157,9 @@ impl OrdersImpl {
     }
 }
 
-#[tonic::async_trait]
-impl Orders for OrdersImpl {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+crate::create_only_orders! {
+    OrdersImpl, why = "the demo only creates orders";
+    create_order(&self, request) {
         let r = request.into_inner();
         let id = self.ledger.create(&r.note);
         Ok(Response::new(Order {
@@ -172,19 +169,6 @@ impl Orders for OrdersImpl {
             quantity: r.quantity,
             created_by: self.instance.clone(),
         }))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("the demo only creates orders"))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
     }
 }
 

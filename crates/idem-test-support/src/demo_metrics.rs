@@ -5,12 +5,12 @@
 
 use std::path::Path;
 
-use idem_client::RetryLayerBuilder;
-use idem_core::ServiceConfig;
+use idem_client::retry::RetryLayerBuilder;
+use idem_core::config::ServiceConfig;
 use idem_otel::prometheus::Prometheus;
 use idem_otel::{ClientMetrics, ServerMetrics};
-use idem_server::IdempotencyLayer;
-use idem_store::{InstrumentedStore, Store};
+use idem_server::idempotency::IdempotencyLayer;
+use idem_store::{Store, instrumented::InstrumentedStore};
 
 /// The metrics of one demo run: client and server on one provider.
 #[derive(Clone, Debug)]
@@ -38,7 +38,7 @@ impl DemoMetrics {
     }
 
     /// Watches the built client layer (throttle tokens).
-    pub fn watch_client(&self, layer: &idem_client::RetryLayer) {
+    pub fn watch_client(&self, layer: &idem_client::retry::RetryLayer) {
         self.client.watch(layer);
     }
 

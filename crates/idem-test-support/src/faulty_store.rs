@@ -3,7 +3,7 @@
 //! partition), and counts every operation. Depends on `idem-store` only.
 //!
 //! ```
-//! use idem_store::MemoryStore;
+//! use idem_store::memory::MemoryStore;
 //! use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
 //!
 //! let store = FaultyStore::new(MemoryStore::default());

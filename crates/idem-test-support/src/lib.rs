@@ -4,6 +4,7 @@
 //! published.
 
 pub mod crash;
+pub mod deflate;
 pub mod demo;
 pub mod demo_metrics;
 pub mod faulty_store;
@@ -12,6 +13,7 @@ pub mod pg_orders;
 pub mod postgres;
 pub mod redis;
 pub mod shop_fake;
+pub mod store;
 
 /// The generated code of `proto/shop/v1/orders.proto` (messages, client and server).
 pub mod shop {
@@ -24,4 +26,77 @@ pub mod shop {
 pub mod stream {
     #![allow(missing_docs, unreachable_pub, clippy::all)]
     tonic::include_proto!("stream.v1");
+
+    /// A `Number` with no note.
+    pub fn number(value: i64) -> Number {
+        Number {
+            value,
+            note: String::new(),
+        }
+    }
+
+    /// A `Number` whose encoded message is about `bytes` long.
+    pub fn padded(value: i64, bytes: usize) -> Number {
+        Number {
+            value,
+            note: "x".repeat(bytes),
+        }
+    }
+}
+
+/// The `ListOrdersStream` of the [`create_only_orders!`] doubles: they list nothing.
+pub type NoOrders = tokio_stream::Empty<Result<shop::Order, tonic::Status>>;
+
+/// Implements `shop.v1.Orders` for a double that only creates orders: `create_order` runs
+/// the given body; `get_order` runs its body when one is given, else answers
+/// UNIMPLEMENTED with the message `why`, like `list_orders`. The caller names the
+/// receiver (`&self`) and the request, so the bodies read as methods:
+///
+/// ```text
+/// idem_test_support::create_only_orders! {
+///     Shop, why = "not in these tests";
+///     create_order(&self, request) { Ok(tonic::Response::new(self.order(request))) }
+/// }
+/// ```
+#[macro_export]
+macro_rules! create_only_orders {
+    (
+        $ty:ty, why = $why:expr;
+        create_order(&$this:ident, $request:pat) $create:block
+    ) => {
+        $crate::create_only_orders! {
+            $ty, why = $why;
+            create_order(&$this, $request) $create
+            get_order(&self, _) { Err(::tonic::Status::unimplemented($why)) }
+        }
+    };
+    (
+        $ty:ty, why = $why:expr;
+        create_order(&$this:ident, $request:pat) $create:block
+        get_order(&$this_get:ident, $get_request:pat) $get:block
+    ) => {
+        #[::tonic::async_trait]
+        impl $crate::shop::orders_server::Orders for $ty {
+            async fn create_order(
+                &$this,
+                $request: ::tonic::Request<$crate::shop::CreateOrderRequest>,
+            ) -> ::std::result::Result<::tonic::Response<$crate::shop::Order>, ::tonic::Status>
+            $create
+
+            async fn get_order(
+                &$this_get,
+                $get_request: ::tonic::Request<$crate::shop::GetOrderRequest>,
+            ) -> ::std::result::Result<::tonic::Response<$crate::shop::Order>, ::tonic::Status>
+            $get
+
+            type ListOrdersStream = $crate::NoOrders;
+
+            async fn list_orders(
+                &self,
+                _: ::tonic::Request<$crate::shop::ListOrdersRequest>,
+            ) -> ::std::result::Result<::tonic::Response<$crate::NoOrders>, ::tonic::Status> {
+                Err(::tonic::Status::unimplemented($why))
+            }
+        }
+    };
 }

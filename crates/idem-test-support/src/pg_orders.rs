@@ -12,12 +12,11 @@ use std::sync::Arc;
 use idem_postgres::{PostgresStore, TxError};
 use sqlx::postgres::PgPool;
 use sqlx::{Executor, Row};
-use tonic::{Request, Response, Status};
+use tonic::{Response, Status};
 
 use crate::crash::{Pause, PausePoint};
 use crate::shop;
-use shop::orders_server::Orders;
-use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
+use shop::{CreateOrderRequest, Order};
 
 /// The demo's orders table (the intent id travels in the request's `note`).
 pub const TABLE: &str = "idem_demo_orders";
@@ -74,12 +73,9 @@ fn db(e: sqlx::Error) -> Status {
     Status::from(TxError::from(e))
 }
 
-#[tonic::async_trait]
-impl Orders for PgOrders {
-    async fn create_order(
-        &self,
-        request: Request<CreateOrderRequest>,
-    ) -> Result<Response<Order>, Status> {
+crate::create_only_orders! {
+    PgOrders, why = "the demo only creates orders";
+    create_order(&self, request) {
         let insert =
             "INSERT INTO idem_demo_orders (intent, created_by) VALUES ($1, $2) RETURNING id";
         self.pause.at(PausePoint::BeforeWrite).await;
@@ -107,19 +103,6 @@ impl Orders for PgOrders {
         tx.commit_reply(&reply).await?;
         self.pause.at(PausePoint::AfterCommit).await;
         Ok(Response::new(reply))
-    }
-
-    async fn get_order(&self, _: Request<GetOrderRequest>) -> Result<Response<Order>, Status> {
-        Err(Status::unimplemented("the demo only creates orders"))
-    }
-
-    type ListOrdersStream = tokio_stream::Empty<Result<Order, Status>>;
-
-    async fn list_orders(
-        &self,
-        _: Request<ListOrdersRequest>,
-    ) -> Result<Response<Self::ListOrdersStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
     }
 }
 

@@ -46,6 +46,16 @@ impl Resp {
             Resp::Array(Some(items)) => items.iter().map(Resp::text).collect::<Vec<_>>().join(" "),
         }
     }
+
+    /// A bulk string reply as text, `None` for a nil one; panics with `what` and the
+    /// reply on any other.
+    pub fn bulk(self, what: &str) -> Option<String> {
+        match self {
+            Resp::Bulk(Some(b)) => Some(String::from_utf8_lossy(&b).into_owned()),
+            Resp::Bulk(None) => None,
+            other => panic!("{what}: {other:?}"),
+        }
+    }
 }
 
 pub struct RedisServer {

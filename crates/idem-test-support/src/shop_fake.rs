@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_server::{IdemDecision, RecordFence};
+use idem_server::idempotency::{IdemDecision, RecordFence};
 use idem_store::Fence;
 use tokio::sync::{Notify, Semaphore};
 use tokio_stream::{Stream, StreamExt};

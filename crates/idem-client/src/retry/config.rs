@@ -13,8 +13,9 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use http::HeaderName;
-use idem_core::ServiceConfig;
-use idem_core::config::{ClientSettings, HedgingPolicy, IdemSettings, MethodConfig, RetryPolicy};
+use idem_core::config::{
+    ClientSettings, HedgingPolicy, IdemSettings, MethodConfig, RetryPolicy, ServiceConfig,
+};
 use idem_core::deadline::InboundScope;
 
 use super::backoff::Jitter;

@@ -533,7 +533,7 @@ mod tests {
     use bytes::Bytes;
     use http_body::Frame;
     use http_body_util::BodyExt;
-    use idem_core::ServiceConfig;
+    use idem_core::config::ServiceConfig;
     use tokio::time::Instant;
     use tonic::body::Body;
     use tower::{Layer, Service, ServiceExt};

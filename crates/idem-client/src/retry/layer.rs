@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
-use idem_core::ServiceConfig;
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling};
+use idem_core::config::{
+    InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig,
+};
 
 use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
 use super::config::{self, Overrides, PolicySource, Shared};

@@ -14,7 +14,7 @@ mod hedge_body;
 mod hedge_policy;
 mod layer;
 mod limit;
-pub mod outcome;
+mod outcome;
 mod peek;
 mod policy;
 mod pushback;

@@ -94,7 +94,7 @@ call_outcomes! {
     /// (the response ended with RESOURCE_EXHAUSTED; its trailers carry this outcome).
     MessageTooLarge => "message_too_large", "stopped: a message was over the method's size limit";
     /// `waitForReady`: the channel could not connect for the whole of
-    /// [`wait_for_ready_limit`](crate::RetryLayerBuilder::wait_for_ready_limit) (calls
+    /// [`wait_for_ready_limit`](crate::retry::RetryLayerBuilder::wait_for_ready_limit) (calls
     /// without a deadline; with one, the call ends as [`Deadline`](Self::Deadline)).
     NotReady => "not_ready", "gave up: the channel did not become ready (waitForReady)";
     /// No longer reported: hedging now sends streaming requests to every hedge (a

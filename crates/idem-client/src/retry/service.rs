@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::ServiceConfig;
+use idem_core::config::ServiceConfig;
 use idem_core::deadline::{
     current_scope, earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout,
 };
@@ -201,7 +201,7 @@ fn deadline(headers: &http::HeaderMap, config_timeout: Option<Duration>) -> Opti
 
 #[cfg(test)]
 mod key_tests {
-    use idem_core::IdempotencyKey;
+    use idem_core::key::IdempotencyKey;
 
     #[test]
     fn generated_keys_are_valid_distinct_sensitive_hex() {

@@ -7,9 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body_util::BodyExt;
-use idem_core::ServiceConfig;
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{IdemSettings, MethodConfig, RetryPolicy, RetryThrottling};
+use idem_core::config::{IdemSettings, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig};
 use idem_core::deadline::{InboundScope, parse_grpc_timeout, scope_inbound_deadline};
 use tokio::time::Instant;
 use tonic::body::Body;
@@ -888,7 +887,7 @@ async fn a_callers_key_goes_under_the_configured_header_on_every_attempt() {
     )
     .unwrap();
     let layer = RetryLayer::from_config(&cfg);
-    let key: idem_core::IdempotencyKey = "intent-0001-abcdef".parse().unwrap();
+    let key: idem_core::key::IdempotencyKey = "intent-0001-abcdef".parse().unwrap();
     let script = Script::new([unavailable(), Step::Ok, unavailable(), Step::Ok]);
     for _ in 0..2 {
         let req = tonic::Request::new(()).with_idempotency_key(&key);

@@ -73,15 +73,15 @@ impl Transition {
 ///
 /// The bucket logs when it crosses that threshold, not per call: a `WARN` when retries
 /// stop, an `INFO` when they resume. Each call the throttle stops says so in its
-/// [`CallReport`](crate::CallReport) ([`CallOutcome::Throttled`](crate::CallOutcome::Throttled)).
+/// [`CallReport`](crate::retry::CallReport) ([`CallOutcome::Throttled`](crate::retry::CallOutcome::Throttled)).
 ///
-/// Cloning shares the bucket: every clone of a [`RetryLayer`](crate::RetryLayer) uses the
+/// Cloning shares the bucket: every clone of a [`RetryLayer`](crate::retry::RetryLayer) uses the
 /// same one, and the same handle can be given to layers on several channels to one target
-/// ([`RetryLayerBuilder::throttle`](crate::RetryLayerBuilder::throttle)). A config reload
+/// ([`RetryLayerBuilder::throttle`](crate::retry::RetryLayerBuilder::throttle)). A config reload
 /// keeps the bucket (see [`RetryThrottle::reconfigure`]).
 ///
 /// ```
-/// use idem_client::RetryThrottle;
+/// use idem_client::retry::RetryThrottle;
 /// use idem_core::config::RetryThrottling;
 /// let t = RetryThrottle::new(RetryThrottling { max_milli_tokens: 10_000, token_ratio_milli: 500 });
 /// assert!(t.record_failure()); // 9 tokens left > 5: retry allowed

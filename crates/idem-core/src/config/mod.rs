@@ -10,7 +10,7 @@
 //! - top-level `idem` ([`IdemSettings`]): process-wide settings.
 //!
 //! ```
-//! use idem_core::ServiceConfig;
+//! use idem_core::config::ServiceConfig;
 //! let config = ServiceConfig::from_json(r#"{
 //!   "methodConfig": [{
 //!     "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
@@ -103,7 +103,8 @@
 //! | `max*MessageBytes` | int64, negatives accepted | int ≥ 0 | `uint32` | 0..=4294967295 (`UInt32Value`) |
 //!
 //! idem's own objects follow the same conventions; their fields and defaults are on
-//! [`IdempotencyPolicy`], [`IdemSettings`], [`MemoryStoreSettings`], [`RedisSettings`] and
+//! [`IdempotencyPolicy`], [`IdemSettings`],
+//! [`MemoryStoreSettings`](idem_store::memory::MemoryStoreSettings), [`RedisSettings`] and
 //! [`ClientSettings`]. In `idempotency`, when only one of `cacheableStatusCodes` /
 //! `releaseStatusCodes` is given the other is its complement; when both are given they
 //! must not overlap, and a code in neither is cached (with a warning), because caching

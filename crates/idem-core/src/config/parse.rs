@@ -15,10 +15,11 @@ use serde_json::{Map, Number, Value};
 use super::duration::{format_duration, parse_duration};
 use super::types::{
     ClientSettings, Compression, CompressionSet, ConfigError, Diagnostic, HedgingPolicy,
-    IdemSettings, IdempotencyPolicy, InFlightPolicy, MAX_ATTEMPTS_LIMIT, MemoryStoreSettings,
-    MethodConfig, MethodName, Parsed, RedisSettings, RetryPolicy, RetryThrottling, ServiceConfig,
-    TenantSource,
+    IdemSettings, IdempotencyPolicy, InFlightPolicy, MAX_ATTEMPTS_LIMIT, MethodConfig, MethodName,
+    Parsed, RedisSettings, RetryPolicy, RetryThrottling, ServiceConfig, TenantSource,
 };
+use idem_store::memory::MemoryStoreSettings;
+
 use crate::code::{Code, CodeSet, code_from_i64, code_name, parse_code_name};
 
 /// Top-level fields idem reads. Every other top-level field (loadBalancingConfig,

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::code::{Code, CodeSet};
+use idem_store::memory::MemoryStoreSettings;
 
 fn parse(text: &str) -> Result<Parsed, ConfigError> {
     ServiceConfig::from_json_with_warnings(text)

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::code::{Code, CodeSet};
-pub use idem_store::MemoryStoreSettings;
+use idem_store::memory::MemoryStoreSettings;
 
 /// One finding about a config document: where (a JSON path such as
 /// `methodConfig[0].retryPolicy.maxAttempts`) and what rule it breaks.

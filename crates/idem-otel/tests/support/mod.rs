@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use idem_core::ServiceConfig;
-use idem_server::IdempotencyLayer;
+use idem_core::config::ServiceConfig;
+use idem_server::idempotency::IdempotencyLayer;
 use idem_store::Store;
 use idem_test_support::net;
 use idem_test_support::shop::{CreateOrderRequest, Order};

@@ -4,8 +4,8 @@
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
-use idem_core::IdempotencyKey;
 use idem_core::derive::Which;
+use idem_core::key::IdempotencyKey;
 use idem_store::{Fingerprint, Scope, TenantId};
 
 /// The record name of a call: SHA-256 over the length-prefixed tenant, method path and
@@ -13,7 +13,7 @@ use idem_store::{Fingerprint, Scope, TenantId};
 /// separator inside a value can make two triples collide.
 ///
 /// ```
-/// # use idem_server::scope_for;
+/// # use idem_server::idempotency::scope_for;
 /// assert_ne!(
 ///     scope_for("ab", "/s/m", "keykeykey"),
 ///     scope_for("a", "b/s/m", "keykeykey"),

@@ -7,9 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
-use idem_core::ServiceConfig;
-use idem_core::config::TenantSource;
-use idem_store::{MemoryStore, Store};
+use idem_core::config::{ServiceConfig, TenantSource};
+use idem_store::{Store, memory::MemoryStore};
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
@@ -171,8 +170,8 @@ impl IdempotencyLayer<MemoryStore> {
     /// usual start for a single-process server.
     ///
     /// ```
-    /// # use idem_core::ServiceConfig;
-    /// # use idem_server::IdempotencyLayer;
+    /// # use idem_core::config::ServiceConfig;
+    /// # use idem_server::idempotency::IdempotencyLayer;
     /// let config = ServiceConfig::from_json(r#"{
     ///   "methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "idempotency": {}}],
     ///   "idem": {"tenant": {"single": "acme"}, "memoryStore": {"maxEntries": 10}}

@@ -5,8 +5,8 @@
 //! authenticated source:
 //!
 //! ```no_run
-//! use idem_core::ServiceConfig;
-//! use idem_server::{IdempotencyLayer, tenant::FromExtension};
+//! use idem_core::config::ServiceConfig;
+//! use idem_server::idempotency::{IdempotencyLayer, tenant::FromExtension};
 //! use tonic::service::InterceptorLayer;
 //! use tonic::transport::Server;
 //! use tonic::{Request, Status};
@@ -77,7 +77,7 @@
 //! refuses every protected call with FAILED_PRECONDITION (`TENANT_SOURCE_MISSING`).
 //!
 //! # Stores
-//! [`IdempotencyLayer::from_config`] keeps records in a [`MemoryStore`](idem_store::MemoryStore)
+//! [`IdempotencyLayer::from_config`] keeps records in a [`MemoryStore`](idem_store::memory::MemoryStore)
 //! bounded by the config's `idem.memoryStore`. [`IdempotencyLayer::new`] takes any
 //! [`Store`](idem_store::Store) (e.g. `idem-redis`, built from `idem.redis`); given a
 //! `MemoryStore` whose bounds differ from `idem.memoryStore`, it keeps the store as
@@ -94,7 +94,7 @@
 //!
 //! # Which calls are protected
 //! A call is protected when its method's entry in the service config
-//! ([`ServiceConfig::lookup_path`](idem_core::ServiceConfig::lookup_path)) has an
+//! ([`ServiceConfig::lookup_path`](idem_core::config::ServiceConfig::lookup_path)) has an
 //! `idempotency` object ([`IdempotencyPolicy`](idem_core::config::IdempotencyPolicy)).
 //! Every other call passes through untouched: no buffering, no allocation, whatever
 //! headers it carries. A protected call without a key passes through unprotected when

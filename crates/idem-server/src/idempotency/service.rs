@@ -6,9 +6,8 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use idem_core::IdempotencyKey;
-use idem_core::ServiceConfig;
-use idem_core::config::IdempotencyPolicy;
+use idem_core::config::{IdempotencyPolicy, ServiceConfig};
+use idem_core::key::IdempotencyKey;
 use idem_store::Store;
 use tonic::Status;
 use tonic::body::Body;

@@ -38,7 +38,7 @@ where
 /// first, not `XServer::with_interceptor`.
 ///
 /// ```
-/// # use idem_server::tenant::{FromExtension, TenantResolver};
+/// # use idem_server::idempotency::tenant::{FromExtension, TenantResolver};
 /// #[derive(Clone)]
 /// struct Tenant(String);
 /// impl AsRef<str> for Tenant { fn as_ref(&self) -> &str { &self.0 } }

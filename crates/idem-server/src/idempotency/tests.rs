@@ -8,14 +8,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use idem_core::ServiceConfig;
-use idem_core::config::{IdemSettings, IdempotencyPolicy, MethodConfig, TenantSource};
+use idem_core::config::{
+    IdemSettings, IdempotencyPolicy, MethodConfig, ServiceConfig, TenantSource,
+};
 use tonic::body::Body;
 use tower::{ServiceExt, service_fn};
 use tower_layer::Layer;
 
 use super::IdempotencyLayer;
-use idem_store::MemoryStore;
+use idem_store::memory::MemoryStore;
 
 /// A body that never yields: buffering it would never finish.
 struct Pending;

@@ -2,7 +2,7 @@
 //! layer only.
 //!
 //! [`InboundLayer`] goes on a tonic server (outermost, before authentication or
-//! [`IdempotencyLayer`](crate::IdempotencyLayer)). For every call, protected or not, it:
+//! [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer)). For every call, protected or not, it:
 //!
 //! 1. reads `grpc-timeout` and `grpc-previous-rpc-attempts` and runs the handler inside an
 //!    [`InboundScope`](idem_core::deadline::InboundScope), so a `RetryLayer` client used
@@ -21,7 +21,7 @@
 //!
 //! ```no_run
 //! # async fn run(router: tonic::service::Routes) -> Result<(), Box<dyn std::error::Error>> {
-//! use idem_server::InboundLayer;
+//! use idem_server::inbound::InboundLayer;
 //! tonic::transport::Server::builder()
 //!     .layer(InboundLayer::new())
 //!     .add_routes(router)

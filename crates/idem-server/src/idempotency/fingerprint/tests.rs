@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use bytes::Buf;
 use http::HeaderValue;
 use idem_core::config::CompressionSet;
+use idem_test_support::deflate::empty_fixed_blocks;
 use proptest::prelude::*;
 
 use super::*;
@@ -332,29 +333,6 @@ fn a_decompression_bomb_stops_at_the_limit() {
     assert_eq!(r, Err(FrameError::TooLarge));
     // The buffer doubles from 64 KiB to the limit: a handful of engine calls.
     assert!(work.engine_calls <= 8, "{work:?}");
-}
-
-/// One zlib stream of `n` empty fixed-Huffman blocks (10 bits each), then a final one.
-fn empty_fixed_blocks(n: usize) -> Vec<u8> {
-    let mut out = vec![0x78, 0x9c];
-    let (mut acc, mut bits) = (0u64, 0u32);
-    let mut push = |v: u64, k: u32, out: &mut Vec<u8>| {
-        acc |= v << bits;
-        bits += k;
-        while bits >= 8 {
-            out.push(acc as u8);
-            acc >>= 8;
-            bits -= 8;
-        }
-    };
-    for i in 0..=n {
-        // BFINAL, BTYPE = 01 (fixed), then end-of-block (code 256: seven zero bits).
-        push(u64::from(i == n) | 0b01 << 1, 3, &mut out);
-        push(0, 7, &mut out);
-    }
-    push(0, 7, &mut out);
-    out.extend_from_slice(&[0, 0, 0, 1]);
-    out
 }
 
 /// 4 MiB of empty DEFLATE blocks is valid (the reference decodes it), but the decoder
