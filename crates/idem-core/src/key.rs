@@ -48,6 +48,18 @@ impl IdempotencyKey {
     /// assert!(IdempotencyKey::parse(b"has space in it").is_err());
     /// ```
     pub fn parse(bytes: &[u8]) -> Result<Self, InvalidKey> {
+        Self::validate(bytes).map(|k| IdempotencyKey(k.to_owned()))
+    }
+
+    /// Checks `bytes` as [`parse`](Self::parse) does, and returns them as the key's
+    /// text without copying them.
+    ///
+    /// ```
+    /// use idem_core::key::IdempotencyKey;
+    /// assert_eq!(IdempotencyKey::validate(b"order-2024-0001"), Ok("order-2024-0001"));
+    /// assert!(IdempotencyKey::validate(b"has space in it").is_err());
+    /// ```
+    pub fn validate(bytes: &[u8]) -> Result<&str, InvalidKey> {
         if bytes.len() < MIN_LEN {
             return Err(InvalidKey {
                 reason: "is too short",
@@ -66,13 +78,10 @@ impl IdempotencyKey {
                 reason: "has a character outside [A-Za-z0-9_-]",
             });
         }
-        // Every byte is ASCII, so this cannot fail (and is a plain copy).
-        match std::str::from_utf8(bytes) {
-            Ok(s) => Ok(IdempotencyKey(s.to_owned())),
-            Err(_) => Err(InvalidKey {
-                reason: "has a character outside [A-Za-z0-9_-]",
-            }),
-        }
+        // Every byte is ASCII, so this cannot fail.
+        std::str::from_utf8(bytes).map_err(|_| InvalidKey {
+            reason: "has a character outside [A-Za-z0-9_-]",
+        })
     }
 
     /// A fresh random key: 128 bits from the thread-local CSPRNG, as 32 hex characters.

@@ -691,6 +691,17 @@ impl RedisCluster {
             return Err("nodes do not agree about the slot owners yet".into());
         }
         let topology = self.topology();
+        // Every running node's cluster-bus link is up in the view `topology` reads (a
+        // restarted node can be in sync with its master before that view says
+        // `connected`, and `replica_of` goes by it).
+        let running = |port: u16| {
+            self.nodes
+                .iter()
+                .any(|n| n.port == port && n.child.is_some())
+        };
+        if let Some(n) = topology.iter().find(|n| running(n.port) && !n.connected) {
+            return Err(format!("node {} is not connected yet", n.port));
+        }
         let masters: Vec<_> = topology
             .iter()
             .filter(|n| n.master && !n.slots.is_empty())

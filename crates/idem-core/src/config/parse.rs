@@ -1295,6 +1295,66 @@ impl Validator {
     fn redis(&mut self, v: &Value, path: String) -> Option<RedisSettings> {
         let o = self.object(v, path, REDIS_FIELDS)?;
         let errors_before = self.errors.len();
+        let (url, cluster_nodes) = self.redis_endpoint(&o);
+        let key_prefix = self
+            .string_field(&o, "keyPrefix")
+            .unwrap_or("idem:")
+            .to_owned();
+        let command_timeout = self
+            .duration_field(&o, "commandTimeout", Zero::Refused)
+            .unwrap_or(Duration::from_millis(500));
+        let connect_timeout = self
+            .duration_field(&o, "connectTimeout", Zero::Refused)
+            .unwrap_or(Duration::from_secs(2));
+        let max = u64::try_from(usize::MAX).unwrap_or(u64::MAX);
+        let max_in_flight_per_tenant = match self.integer_field(
+            &o,
+            "maxInFlightPerTenant",
+            0,
+            max,
+            "must be an integer >= 0 (0: no per-tenant bound)",
+        ) {
+            None => Some(REDIS_MAX_IN_FLIGHT_PER_TENANT),
+            Some(0) => None,
+            Some(n) => usize::try_from(n).ok(),
+        };
+        let replica_acks = self
+            .integer_field(
+                &o,
+                "replicaAcks",
+                0,
+                1000,
+                "must be an integer in 0..=1000 (0: no confirmation)",
+            )
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(0);
+        let replica_ack_timeout = self
+            .duration_field(&o, "replicaAckTimeout", Zero::Refused)
+            .unwrap_or(Duration::from_millis(100));
+        if replica_acks > 0 && replica_ack_timeout >= command_timeout {
+            self.error(
+                o.path("replicaAckTimeout"),
+                "must be shorter than commandTimeout (WAIT runs within a command)",
+            );
+        }
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        Some(RedisSettings {
+            url: url?,
+            cluster_nodes: cluster_nodes.unwrap_or_default(),
+            key_prefix,
+            command_timeout,
+            connect_timeout,
+            max_in_flight_per_tenant,
+            replica_acks,
+            replica_ack_timeout,
+        })
+    }
+
+    /// `url` (one endpoint) or `clusterNodes` (a cluster's seeds), exactly one of them;
+    /// with `clusterNodes` the URL is empty.
+    fn redis_endpoint(&mut self, o: &Obj<'_>) -> (Option<String>, Option<Vec<String>>) {
         const URL_RULE: &str = "must be a redis://, rediss://, redis+unix:// or unix:// URL";
         const NODE_RULE: &str = "must be a redis:// or rediss:// URL";
         let is_url = |s: &str, schemes: &[&str]| {
@@ -1350,60 +1410,7 @@ impl Validator {
                 None
             }
         };
-        let key_prefix = self
-            .string_field(&o, "keyPrefix")
-            .unwrap_or("idem:")
-            .to_owned();
-        let command_timeout = self
-            .duration_field(&o, "commandTimeout", Zero::Refused)
-            .unwrap_or(Duration::from_millis(500));
-        let connect_timeout = self
-            .duration_field(&o, "connectTimeout", Zero::Refused)
-            .unwrap_or(Duration::from_secs(2));
-        let max = u64::try_from(usize::MAX).unwrap_or(u64::MAX);
-        let max_in_flight_per_tenant = match self.integer_field(
-            &o,
-            "maxInFlightPerTenant",
-            0,
-            max,
-            "must be an integer >= 0 (0: no per-tenant bound)",
-        ) {
-            None => Some(REDIS_MAX_IN_FLIGHT_PER_TENANT),
-            Some(0) => None,
-            Some(n) => usize::try_from(n).ok(),
-        };
-        let replica_acks = self
-            .integer_field(
-                &o,
-                "replicaAcks",
-                0,
-                1000,
-                "must be an integer in 0..=1000 (0: no confirmation)",
-            )
-            .and_then(|n| usize::try_from(n).ok())
-            .unwrap_or(0);
-        let replica_ack_timeout = self
-            .duration_field(&o, "replicaAckTimeout", Zero::Refused)
-            .unwrap_or(Duration::from_millis(100));
-        if replica_acks > 0 && replica_ack_timeout >= command_timeout {
-            self.error(
-                o.path("replicaAckTimeout"),
-                "must be shorter than commandTimeout (WAIT runs within a command)",
-            );
-        }
-        if self.errors.len() > errors_before {
-            return None;
-        }
-        Some(RedisSettings {
-            url: url?,
-            cluster_nodes: cluster_nodes.unwrap_or_default(),
-            key_prefix,
-            command_timeout,
-            connect_timeout,
-            max_in_flight_per_tenant,
-            replica_acks,
-            replica_ack_timeout,
-        })
+        (url, cluster_nodes)
     }
 
     fn client(&mut self, v: &Value, path: String) -> Option<ClientSettings> {

@@ -33,6 +33,9 @@ impl Body for ChannelBody {
 #[derive(Debug)]
 pub(crate) struct ReplayBody {
     pub(crate) frames: VecDeque<Bytes>,
+    /// A frame after `frames` (a run's last frame, held back: a unary response's one
+    /// frame needs no queue).
+    pub(crate) last: Option<Bytes>,
     pub(crate) trailers: Option<HeaderMap>,
 }
 
@@ -44,18 +47,18 @@ impl Body for ReplayBody {
         mut self: Pin<&mut Self>,
         _: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
-        if let Some(f) = self.frames.pop_front() {
+        if let Some(f) = self.frames.pop_front().or_else(|| self.last.take()) {
             return Poll::Ready(Some(Ok(Frame::data(f))));
         }
         Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.frames.is_empty() && self.trailers.is_none()
+        self.frames.is_empty() && self.last.is_none() && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        let n: usize = self.frames.iter().map(Bytes::len).sum();
+        let n: usize = self.frames.iter().chain(&self.last).map(Bytes::len).sum();
         if self.trailers.is_none() {
             SizeHint::with_exact(n as u64)
         } else {

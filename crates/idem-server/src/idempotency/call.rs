@@ -247,6 +247,7 @@ impl<St: Store> Call<St> {
         );
         let body = ReplayBody {
             frames: VecDeque::from(frames),
+            last: None,
             trailers,
         };
         let body = if body.is_end_stream() {

@@ -456,7 +456,8 @@ impl<E> Forwarder<E> {
                 Body::empty()
             } else {
                 Body::new(ReplayBody {
-                    frames: self.pending.take().into_iter().collect::<VecDeque<_>>(),
+                    frames: VecDeque::new(),
+                    last: self.pending.take(),
                     trailers,
                 })
             };

@@ -134,8 +134,8 @@
 //!    messages over `maxRequestBytes` → RESOURCE_EXHAUSTED. Requests that may take more
 //!    than about half a millisecond are read on tokio's blocking pool.
 //! 7. **Claim** the record:
-//!    - *acquired*: the handler runs in a spawned task (a caller that goes away does not
-//!      cancel it), inside the inbound deadline scope
+//!    - *acquired*: the handler runs in the caller's future, and in a task of its own
+//!      once that future is dropped (a caller that goes away does not cancel it), inside the inbound deadline scope
 //!      ([`scope_inbound_deadline`](idem_core::deadline::scope_inbound_deadline)) and a
 //!      [`KeySource`](idem_core::derive::KeySource) seeded with the scope, so client
 //!      calls it makes without a key get keys derived from this call ([`derived_key`]):

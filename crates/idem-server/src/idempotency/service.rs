@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use idem_core::config::{IdempotencyPolicy, ServiceConfig};
 use idem_core::key::IdempotencyKey;
-use idem_store::Store;
+use idem_store::{Scope, Store};
 use tonic::Status;
 use tonic::body::Body;
 use tower_service::Service;
@@ -70,7 +70,11 @@ impl<S, St: Store> Idempotency<S, St> {
 enum Route {
     Passthrough,
     Reject(Status),
-    Protect { key: IdempotencyKey, tenant: String },
+    /// The record's scope (the key is read only to digest it) and the caller's tenant.
+    Protect {
+        scope: Scope,
+        tenant: String,
+    },
 }
 
 /// Routes a call of a protected method by its key header and tenant. The key is checked
@@ -92,13 +96,16 @@ fn route(
         (None, _) if !policy.key_required => return Route::Passthrough,
         (None, _) => return Route::Reject(status::key_missing(header)),
         (Some(_), Some(_)) => return Route::Reject(status::key_repeated(header)),
-        (Some(v), None) => match IdempotencyKey::parse(v.as_bytes()) {
+        (Some(v), None) => match IdempotencyKey::validate(v.as_bytes()) {
             Ok(k) => k,
             Err(e) => return Route::Reject(status::key_invalid(e)),
         },
     };
     match resolver.tenant(parts) {
-        Some(tenant) => Route::Protect { key, tenant },
+        Some(tenant) => Route::Protect {
+            scope: scope_for(&tenant, parts.uri.path(), key),
+            tenant,
+        },
         None => Route::Reject(status::tenant_missing()),
     }
 }
@@ -155,11 +162,10 @@ where
                     None => resp,
                 })
             }
-            Route::Protect { key, tenant } => {
+            Route::Protect { scope, tenant } => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let path = parts.uri.path().to_owned();
-                let scope = scope_for(&tenant, &path, key.as_str());
                 let span = call_span(&path, Some(&scope));
                 let trace = CallTrace::start(self.shared.observer.as_ref(), &path, &span);
                 let call = Call {
