@@ -31,16 +31,16 @@ pub enum IdemDecision {
 
 /// Removes every [`DECISION_HEADER`] from `h` and returns the last valid one.
 pub(crate) fn take_decision(h: &mut HeaderMap) -> Option<IdemDecision> {
-    let mut d = None;
-    for v in h.get_all(&DECISION) {
-        d = match v.as_bytes() {
-            b"store" => Some(IdemDecision::Store),
-            b"release" => Some(IdemDecision::Release),
-            _ => d,
-        };
-    }
-    h.remove(&DECISION);
-    d
+    // One lookup: the entry's values are taken out together.
+    let http::header::Entry::Occupied(e) = h.entry(&DECISION) else {
+        return None;
+    };
+    let (_, values) = e.remove_entry_mult();
+    values.fold(None, |d, v| match v.as_bytes() {
+        b"store" => Some(IdemDecision::Store),
+        b"release" => Some(IdemDecision::Release),
+        _ => d,
+    })
 }
 
 /// What the response says about who made it.

@@ -40,16 +40,28 @@ pub(crate) async fn read_request(
 ) -> Result<ReadRequest, Status> {
     let compression = compression(headers, policy)?;
     let max = policy.max_request_bytes;
+    // A body that arrives in one frame (a small unary request) is kept as it came, with
+    // no copy; later frames are gathered into one buffer.
+    let mut first: Option<Bytes> = None;
     let mut buf = BytesMut::new();
     while let Some(frame) = body.frame().await {
         if let Ok(data) = frame?.into_data() {
-            if buf.len() + data.len() > max {
+            let len = first.as_ref().map_or(0, Bytes::len) + buf.len();
+            if len + data.len() > max {
                 return Err(status::request_too_large(max));
             }
-            buf.extend_from_slice(&data);
+            match &mut first {
+                None if buf.is_empty() => first = Some(data),
+                _ => {
+                    if let Some(f) = first.take() {
+                        buf.extend_from_slice(&f);
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
         }
     }
-    let body = buf.freeze();
+    let body = first.unwrap_or_else(|| buf.freeze());
     let protobuf = is_protobuf(headers);
     let fingerprint =
         fingerprint(body.clone(), compression, policy, hook.cloned(), protobuf).await?;
@@ -131,6 +143,47 @@ mod tests {
         }
         // Groups are balanced (proto2).
         assert!(check_protobuf(b"\x0b\x10\x01\x0c").is_ok());
+    }
+
+    /// A body of `frames`, as the transport hands it over.
+    fn body_of(frames: &[&'static [u8]]) -> Body {
+        let frames: Vec<Result<http_body::Frame<Bytes>, Status>> = frames
+            .iter()
+            .map(|f| Ok(http_body::Frame::data(Bytes::from_static(f))))
+            .collect();
+        Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames,
+        )))
+    }
+
+    #[tokio::test]
+    async fn a_body_in_one_frame_or_many_reads_and_fingerprints_the_same() {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("content-type", "application/grpc".parse().unwrap());
+        let policy = IdempotencyPolicy::default();
+        let whole: &'static [u8] = b"\x00\x00\x00\x00\x06\x0a\x04abcd";
+        let one = read_request(body_of(&[whole]), &headers, &policy, None)
+            .await
+            .unwrap();
+        let split = [&whole[..2], &whole[2..7], &[][..], &whole[7..]];
+        let many = read_request(body_of(&split), &headers, &policy, None)
+            .await
+            .unwrap();
+        assert_eq!(one.body, whole);
+        assert_eq!(many.body, whole);
+        assert_eq!(one.fingerprint, many.fingerprint);
+
+        let small = IdempotencyPolicy {
+            max_request_bytes: whole.len() - 1,
+            ..policy
+        };
+        for frames in [&[whole][..], &split[..]] {
+            let err = read_request(body_of(frames), &headers, &small, None)
+                .await
+                .err()
+                .expect("over the limit");
+            assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        }
     }
 
     proptest! {
