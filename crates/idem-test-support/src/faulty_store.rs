@@ -55,6 +55,8 @@ pub enum Fault {
     ReplyLost,
     /// The store (or the tenant's share) is full; nothing is applied.
     Full,
+    /// The store's code panics (a bug in a store implementation); nothing is applied.
+    Panic,
 }
 
 /// Text of the errors the double makes: store internals a client must never see.
@@ -169,6 +171,7 @@ impl<St> FaultyStore<St> {
             None => f.await,
             Some(Fault::Unavailable) => Err(StoreError::Unavailable(INTERNAL_DETAIL.into())),
             Some(Fault::Full) => Err(StoreError::Full(INTERNAL_DETAIL.into())),
+            Some(Fault::Panic) => panic!("a store bug in {op:?} (faulty store double)"),
             Some(Fault::ReplyLost) => {
                 let _ = f.await;
                 Err(StoreError::Unavailable(INTERNAL_DETAIL.into()))

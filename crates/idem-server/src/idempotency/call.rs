@@ -67,7 +67,10 @@ impl<St: Store> Call<St> {
     {
         let hook = self.shared.hooks.get(&self.path);
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
-        let ReadRequest { body, fingerprint } = match request {
+        let ReadRequest {
+            mut body,
+            fingerprint,
+        } = match request {
             Ok(r) => r,
             Err(status) => return Ok(self.refuse("rejected", status)),
         };
@@ -113,6 +116,12 @@ impl<St: Store> Call<St> {
                 }
                 Claim::InFlight { lease_remaining } => {
                     drop(permit);
+                    if !waited {
+                        // A body that came in one frame may be a slice of the
+                        // connection's read buffer; a duplicate waiting for another run
+                        // keeps only its own bytes.
+                        body = Bytes::copy_from_slice(&body);
+                    }
                     let first_wait = !waited;
                     waited = true;
                     if let Some(resp) = self.in_flight(lease_remaining, deadline, first_wait).await

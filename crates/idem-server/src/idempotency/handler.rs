@@ -68,7 +68,7 @@ where
     St: Store,
 {
     let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
-    let started_renewals = lease.started_renewal_task();
+    let scheduled_renewals = lease.scheduled_renewal_task();
     parts.extensions.insert(RecordFence(fence));
     let record = RecordRef::new(
         call.scope,
@@ -85,16 +85,25 @@ where
             call, inner, lease, record, req, inbound, tx, permit,
         ))),
         span: tracing::Span::current(),
+        runtime: tokio::runtime::Handle::try_current().ok(),
     };
     async move {
-        if started_renewals {
+        if scheduled_renewals {
             tokio::task::yield_now().await;
         }
         let answer = std::future::poll_fn(|cx| {
-            if let Some(r) = run.run.as_mut()
-                && r.as_mut().poll(cx).is_ready()
-            {
-                run.run = None;
+            if let Some(r) = run.run.as_mut() {
+                // A panic outside the handler's own (in recording the outcome, say) ends
+                // the run here, as it would have ended its task: the caller gets
+                // INTERNAL and the record is left to its lease.
+                match std::panic::catch_unwind(AssertUnwindSafe(|| r.as_mut().poll(cx))) {
+                    Ok(Poll::Pending) => {}
+                    Ok(Poll::Ready(())) => run.run = None,
+                    Err(_) => {
+                        tracing::error!("an idempotent handler's run panicked outside the handler");
+                        run.run = None;
+                    }
+                }
             }
             match Pin::new(&mut rx).poll(cx) {
                 Poll::Ready(r) => Poll::Ready(r.ok()),
@@ -117,16 +126,23 @@ struct Detach {
     /// The call's span: the caller's future polls the run inside it; a detached run
     /// is instrumented with it.
     span: tracing::Span,
+    /// The runtime the call came in on, so a future dropped on another thread still
+    /// detaches its run there.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Drop for Detach {
     fn drop(&mut self) {
         let Some(run) = self.run.take() else { return };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn(run.instrument(self.span.clone()))),
-            // Only a future dropped outside any runtime gets here: the run cannot go on,
-            // and its record is left to its lease.
-            Err(_) => tracing::error!(
+        let runtime = self
+            .runtime
+            .take()
+            .or_else(|| tokio::runtime::Handle::try_current().ok());
+        match runtime {
+            Some(rt) => drop(rt.spawn(run.instrument(self.span.clone()))),
+            // Only a future made and dropped outside any runtime gets here: the run
+            // cannot go on, and its record is left to its lease.
+            None => tracing::error!(
                 "an idempotent handler's run was dropped outside a tokio runtime; its record stays in flight until its lease ends"
             ),
         }

@@ -70,12 +70,12 @@ impl<St: Store> Lease<St> {
         }
     }
 
-    /// This lease started the layer's renewal task. The task then sits in this worker's
-    /// next-task slot, which other workers cannot take: the caller yields once before
-    /// the handler runs, so that a handler that blocks its thread does not hold the
-    /// renewals back.
-    pub(crate) fn started_renewal_task(&self) -> bool {
-        self.renewal.started_task
+    /// This lease started or woke the layer's renewal task. The task then sits in this
+    /// worker's next-task slot, which other workers cannot take: the caller yields once
+    /// before the handler runs, so that a handler that blocks its thread does not hold
+    /// the renewals back.
+    pub(crate) fn scheduled_renewal_task(&self) -> bool {
+        self.renewal.scheduled_task
     }
 
     /// Records the outcome, so duplicates replay it. A response the store has no room

@@ -7,15 +7,21 @@
 //! handler's, so a handler that blocks its thread keeps its lease while the process runs.
 //! Renewals run concurrently, so one slow store answer does not hold the others back.
 //!
-//! The task starts with the first lease and ends when none is left; a later lease starts
-//! it again (also when the runtime that ran it has shut down). It holds no timer while
-//! it has nothing to renew.
+//! The task starts with the first lease and ends when none is left (it notices at its
+//! next wake-up); a later lease starts it again, also when the task died with its
+//! runtime: the leases it was renewing are then due again at once. A renewal that
+//! panics (a store's bug) counts as a failed renewal; the lease stays registered.
+//!
+//! A caller that starts or wakes the task yields once before its handler runs: the task
+//! is then in that worker's next-task slot, which other workers cannot take, and a
+//! handler that blocks its thread would hold every renewal of the layer back.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use idem_store::{Fence, Scope, Store, StoreError};
 use slab::Slab;
 use tokio::sync::Notify;
@@ -62,8 +68,9 @@ pub(crate) struct Registration {
     renewals: Arc<Renewals>,
     key: usize,
     ticket: u64,
-    /// This registration started the renewal task.
-    pub(crate) started_task: bool,
+    /// This registration started or woke the renewal task: the caller must yield before
+    /// it runs anything that may block its thread.
+    pub(crate) scheduled_task: bool,
 }
 
 impl Drop for Registration {
@@ -99,7 +106,9 @@ impl Renewals {
         fence: Fence,
         lease: Duration,
     ) -> Registration {
-        let due = Instant::now() + period(lease);
+        let now = Instant::now();
+        let due = now + period(lease);
+        let span = tracing::Span::current();
         let mut state = self.lock();
         let ticket = state.next_ticket;
         state.next_ticket += 1;
@@ -110,23 +119,31 @@ impl Renewals {
             lease,
             due,
             renewing: false,
-            span: tracing::Span::current(),
+            span,
         });
-        let started_task = state.task.as_ref().is_none_or(JoinHandle::is_finished);
-        if started_task {
+        let mut scheduled_task = true;
+        if state.task.as_ref().is_none_or(JoinHandle::is_finished) {
+            // A task that died (with its runtime) left the renewals it had in flight
+            // marked: they are due again now.
+            for (_, e) in state.leases.iter_mut().filter(|(_, e)| e.renewing) {
+                e.renewing = false;
+                e.due = now;
+            }
             state.wake_at = None;
             let task = run(self.clone(), store.clone(), stats.clone());
             state.task = Some(tokio::spawn(task));
         } else if state.wake_at.is_none_or(|at| due < at) {
             state.wake_at = Some(due);
             self.wake.notify_one();
+        } else {
+            scheduled_task = false;
         }
         drop(state);
         Registration {
             renewals: self.clone(),
             key,
             ticket,
-            started_task,
+            scheduled_task,
         }
     }
 
@@ -174,33 +191,34 @@ impl Renewals {
         let Some(e) = state.leases.get_mut(key).filter(|e| e.ticket == ticket) else {
             return;
         };
-        let _span = e.span.clone().entered();
-        let fence = e.fence;
-        let keep = match r {
-            Ok(()) => true,
-            // Recorded (a renewal that raced the completion): nothing left to renew.
-            Err(StoreError::Fenced { presented, current }) if current == Some(presented) => false,
-            Err(StoreError::Fenced { .. }) => {
-                stats.inc(|c| &c.renew_failures);
-                tracing::warn!(fence, "lease lost: another claimant took the record over");
-                false
-            }
-            Err(err) => {
-                stats.inc(|c| &c.renew_failures);
-                tracing::warn!(error = %err, fence, "could not renew the idempotency lease");
-                true
-            }
-        };
-        if !keep {
+        if let Err(StoreError::Fenced { presented, current }) = &r {
+            // Not lost when the record holds this fence but is no longer in flight: a
+            // renewal that raced the completion. Either way nothing is left to renew.
+            let lost = *current != Some(*presented);
+            let (fence, span) = (e.fence, e.span.clone());
             state.leases.remove(key);
+            drop(state);
+            if lost {
+                stats.inc(|c| &c.renew_failures);
+                span.in_scope(|| {
+                    tracing::warn!(fence, "lease lost: another claimant took the record over");
+                });
+            }
             return;
         }
         e.renewing = false;
         e.due = Instant::now() + period(e.lease);
-        let due = e.due;
+        let (due, fence, span) = (e.due, e.fence, e.span.clone());
         if state.wake_at.is_none_or(|at| due < at) {
             state.wake_at = Some(due);
             self.wake.notify_one();
+        }
+        drop(state);
+        if let Err(err) = r {
+            stats.inc(|c| &c.renew_failures);
+            span.in_scope(|| {
+                tracing::warn!(error = %err, fence, "could not renew the idempotency lease");
+            });
         }
     }
 
@@ -248,7 +266,16 @@ async fn run<St: Store>(renewals: Arc<Renewals>, store: St, stats: IdempotencySt
         } in due
         {
             let store = &store;
-            in_flight.push(async move { (key, ticket, store.renew(&scope, fence, lease).await) });
+            in_flight.push(async move {
+                // A store that panics keeps the lease registered, as a failed renewal.
+                let renewed = AssertUnwindSafe(store.renew(&scope, fence, lease))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(StoreError::Unavailable("the store's renew panicked".into()))
+                    });
+                (key, ticket, renewed)
+            });
         }
         let at = match wake {
             Wake::At(at) => Some(at),
@@ -270,6 +297,10 @@ async fn run<St: Store>(renewals: Arc<Renewals>, store: St, stats: IdempotencySt
         tokio::select! {
             Some((key, ticket, r)) = in_flight.next(), if !in_flight.is_empty() => {
                 renewals.renewed(key, ticket, r, &stats);
+                // Every other renewal that is done, before the next scan of the leases.
+                while let Some(Some((key, ticket, r))) = in_flight.next().now_or_never() {
+                    renewals.renewed(key, ticket, r, &stats);
+                }
             }
             () = renewals.wake.notified() => {}
             () = sleep => {}
@@ -322,14 +353,32 @@ mod tests {
         let (b, fb) = claim(&store, 2, long).await;
         let ra = renewals.register(&store, &stats, a, fa, short);
         let rb = renewals.register(&store, &stats, b, fb, long);
-        assert!(ra.started_task && !rb.started_task, "one task for both");
+        assert!(ra.scheduled_task, "the first lease starts the task");
+        assert!(renewals.lock().task.is_some());
+        settle().await;
+        // The task now sleeps until the 3 s lease's first renewal (1 s): a lease due
+        // later does not wake it, one due sooner does, and its caller must yield.
+        let (d, fd) = claim(&store, 4, long).await;
+        assert!(
+            !renewals
+                .register(&store, &stats, d, fd, long)
+                .scheduled_task
+        );
+        let quick = Duration::from_millis(300);
+        let (e, fe) = claim(&store, 5, quick).await;
+        assert!(
+            renewals
+                .register(&store, &stats, e, fe, quick)
+                .scheduled_task,
+            "it woke the task"
+        );
 
         tokio::time::sleep(Duration::from_millis(3500)).await;
         settle().await;
         assert_eq!(
             store.calls(Op::Renew),
             3,
-            "the 3 s lease at 1 s, 2 s and 3 s"
+            "the 3 s lease at 1 s, 2 s and 3 s (the two dropped at once, never)"
         );
         // Past its first 3 s the short lease is alive only because it was renewed.
         assert!(matches!(store.renew(&a, fa, short).await, Ok(())));
@@ -351,7 +400,7 @@ mod tests {
         // A later lease starts it again.
         let (c, fc) = claim(&store, 3, short).await;
         let rc = renewals.register(&store, &stats, c, fc, short);
-        assert!(rc.started_task);
+        assert!(rc.scheduled_task);
         tokio::time::sleep(Duration::from_millis(1100)).await;
         settle().await;
         assert_eq!(store.calls(Op::Renew), 6);
@@ -399,5 +448,71 @@ mod tests {
             matches!(store.renew(&c, fc, lease).await, Ok(())),
             "the second renewal kept the lease past its first 3 s"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_panics_counts_as_failed_and_the_lease_is_renewed_after() {
+        let store = FaultyStore::new(MemoryStore::default());
+        store.inject(Op::Renew, Fault::Panic, 1);
+        let stats = IdempotencyStats::default();
+        let renewals = Arc::new(Renewals::default());
+        let lease = Duration::from_secs(3);
+        let (a, fa) = claim(&store, 1, lease).await;
+        let _ra = renewals.register(&store, &stats, a, fa, lease);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        settle().await;
+        assert_eq!(
+            stats.snapshot().renew_failures,
+            1,
+            "the panic, as a failure"
+        );
+        // Renewed at 2 s and 3 s: alive past its first 3 s.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        settle().await;
+        assert!(matches!(store.renew(&a, fa, lease).await, Ok(())));
+        assert_eq!(stats.snapshot().renew_failures, 1);
+    }
+
+    #[test]
+    fn a_task_that_died_with_its_runtime_is_started_again_with_its_renewals_due() {
+        let store = FaultyStore::new(MemoryStore::default());
+        let stats = IdempotencyStats::default();
+        let renewals = Arc::new(Renewals::default());
+        let lease = Duration::from_secs(3);
+        let paused = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap()
+        };
+        let first = paused();
+        let (a, fa, ra) = first.block_on(async {
+            let (a, fa) = claim(&store, 1, lease).await;
+            let ra = renewals.register(&store, &stats, a, fa, lease);
+            settle().await;
+            (a, fa, ra)
+        });
+        // The runtime goes with the task; the lease is still registered, and (as if its
+        // renewal had been in flight) marked as being renewed.
+        drop(first);
+        renewals
+            .lock()
+            .leases
+            .iter_mut()
+            .for_each(|(_, e)| e.renewing = true);
+        let second = paused();
+        second.block_on(async {
+            let (b, fb) = claim(&store, 2, lease).await;
+            let rb = renewals.register(&store, &stats, b, fb, lease);
+            assert!(rb.scheduled_task, "a new task");
+            settle().await;
+            assert_eq!(store.calls(Op::Renew), 1, "the stranded renewal, at once");
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+            settle().await;
+            assert_eq!(store.calls(Op::Renew), 3, "then both, a second later");
+            assert!(matches!(store.renew(&a, fa, lease).await, Ok(())));
+            drop((ra, rb));
+        });
     }
 }

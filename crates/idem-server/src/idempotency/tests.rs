@@ -17,6 +17,8 @@ use tower_layer::Layer;
 
 use super::IdempotencyLayer;
 use idem_store::memory::MemoryStore;
+use idem_store::{RecordState, Store};
+use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
 
 /// A body that never yields: buffering it would never finish.
 struct Pending;
@@ -103,4 +105,36 @@ async fn a_protected_call_buffers_its_body() {
             .await
             .is_err()
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_panics_recording_the_outcome_answers_internal_and_leaves_the_record_to_its_lease()
+ {
+    let inner = service_fn(|_: Request<Body>| async {
+        let mut resp = Response::new(Body::empty());
+        resp.headers_mut()
+            .insert("grpc-status", "0".parse().unwrap());
+        Ok::<_, Infallible>(resp)
+    });
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Complete, Fault::Panic, 1);
+    let svc = IdempotencyLayer::new(store.clone(), &config()).layer(inner);
+    let req = Request::builder()
+        .uri("http://x/shop.v1.Orders/CreateOrder")
+        .header("x-idempotency-key", "abcdefgh")
+        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+            b"\0\0\0\0\0",
+        ))))
+        .unwrap();
+    let resp = svc.oneshot(req).await.expect("an answer, not a panic");
+    assert_eq!(
+        resp.headers().get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"13"[..]),
+        "INTERNAL: {resp:?}"
+    );
+    let scope = super::scope_for("t", "/shop.v1.Orders/CreateOrder", "abcdefgh");
+    assert!(matches!(
+        store.get(&scope).await.unwrap(),
+        Some(RecordState::InFlight { .. })
+    ));
 }
