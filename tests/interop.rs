@@ -824,17 +824,17 @@ async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
 
     // Marker on: grpcio honours grpc-retry-pushback-ms: -1 and does not retry, nor do A
     // or B. Marker off: every layer retries what the one below already retried.
-    let cases: [(bool, &[&str], [usize; 3], usize, &str); 2] = [
+    let cases = [
         (
             true,
-            &["-1"],
+            &["-1"][..],
             [1, 1, 1],
             3,
             "retries happen at one layer only",
         ),
         (
             false,
-            &[],
+            &[][..],
             [4, 12, 36],
             108,
             "4, 4 × 3, 4 × 3 × 3 runs; 4 × 3 × 3 × 3 at D",
