@@ -223,15 +223,14 @@ async fn instances(
             Some((store, answers)) => {
                 let layer = IdempotencyLayer::new(store.clone(), &config(r#""maxAttempts": 2"#))
                     .tenant(SingleTenant::new("t"));
+                let answers = answers.clone();
+                let recorder = layer_fn(move |inner| Recorder {
+                    inner,
+                    answers: answers.clone(),
+                });
                 tokio::spawn(
                     Server::builder()
-                        .layer(layer_fn({
-                            let answers = answers.clone();
-                            move |inner| Recorder {
-                                inner,
-                                answers: answers.clone(),
-                            }
-                        }))
+                        .layer(recorder)
                         .layer(layer)
                         .add_service(svc)
                         .serve_with_incoming(incoming),
@@ -1063,14 +1062,13 @@ async fn tallies(waits: &[u64], idem: bool) -> Tallies {
             runs: runs.clone(),
         };
         let (addr, incoming) = net::bind().await;
+        let tapped = requests.clone();
+        let tap = layer_fn(move |inner| Tap {
+            inner,
+            requests: tapped.clone(),
+        });
         let router = Server::builder()
-            .layer(layer_fn({
-                let requests = requests.clone();
-                move |inner| Tap {
-                    inner,
-                    requests: requests.clone(),
-                }
-            }))
+            .layer(tap)
             .layer(tower::util::option_layer(layer.clone()))
             .add_service(TallyServer::new(instance));
         tokio::spawn(router.serve_with_incoming(incoming));
