@@ -47,6 +47,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::body::Body;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Response, Status};
+use tower::layer::layer_fn;
 use tower::{Service, ServiceExt};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -161,9 +162,7 @@ idem_test_support::create_only_orders! {
             key: md
                 .get("x-idempotency-key")
                 .map(|v| v.to_str().unwrap().to_owned()),
-            hedge: md
-                .get("grpc-previous-rpc-attempts")
-                .map_or(0, |v| v.to_str().unwrap().parse().unwrap()),
+            hedge: hedge_of(md.as_ref()),
             timeout: md
                 .get("grpc-timeout")
                 .and_then(|v| parse_grpc_timeout(v.as_bytes())),
@@ -224,9 +223,14 @@ async fn instances(
             Some((store, answers)) => {
                 let layer = IdempotencyLayer::new(store.clone(), &config(r#""maxAttempts": 2"#))
                     .tenant(SingleTenant::new("t"));
+                let answers = answers.clone();
+                let recorder = layer_fn(move |inner| Recorder {
+                    inner,
+                    answers: answers.clone(),
+                });
                 tokio::spawn(
                     Server::builder()
-                        .layer(RecorderLayer(answers.clone()))
+                        .layer(recorder)
                         .layer(layer)
                         .add_service(svc)
                         .serve_with_incoming(incoming),
@@ -258,10 +262,7 @@ impl Service<http::Request<Body>> for Router {
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let hedge: u32 = req
-            .headers()
-            .get("grpc-previous-rpc-attempts")
-            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let hedge = hedge_of(req.headers());
         let channel = self.channels[hedge as usize % self.channels.len()].clone();
         let late = self.late.iter().find(|(h, _)| *h == hedge).map(|(_, d)| *d);
         Box::pin(async move {
@@ -272,6 +273,23 @@ impl Service<http::Request<Body>> for Router {
             Ok(resp)
         })
     }
+}
+
+impl Router {
+    /// To `addrs`, no answer late.
+    fn to(addrs: &[SocketAddr]) -> Self {
+        Router {
+            channels: addrs.iter().map(|a| net::channel(*a)).collect(),
+            late: vec![],
+        }
+    }
+}
+
+/// The hedge a request is: its `grpc-previous-rpc-attempts` (none on hedge 0).
+fn hedge_of(headers: &http::HeaderMap) -> u32 {
+    headers
+        .get("grpc-previous-rpc-attempts")
+        .map_or(0, |v| v.to_str().unwrap().parse().unwrap())
 }
 
 type Client = OrdersClient<Retry<Router>>;
@@ -296,16 +314,48 @@ fn config(hedging: &str) -> ServiceConfig {
     config_with(hedging, None, None)
 }
 
-fn client(addrs: &[SocketAddr], cfg: &ServiceConfig, late: Vec<(u32, Duration)>) -> Client {
-    let router = Router {
-        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
-        late,
-    };
-    let layer = RetryLayer::builder()
+/// The fields of a `hedgingPolicy`: `max` hedges, `delay` apart, UNAVAILABLE non-fatal.
+fn policy(max: u32, delay: &str) -> String {
+    format!(
+        r#""maxAttempts": {max}, "hedgingDelay": "{delay}", "nonFatalStatusCodes": ["UNAVAILABLE"]"#
+    )
+}
+
+fn retry_layer(cfg: &ServiceConfig) -> RetryLayer {
+    RetryLayer::builder()
         .service_config(cfg.clone())
         .build()
-        .unwrap();
-    OrdersClient::new(Retry::new(router, &layer))
+        .unwrap()
+}
+
+fn client(addrs: &[SocketAddr], cfg: &ServiceConfig, late: Vec<(u32, Duration)>) -> Client {
+    let router = Router {
+        late,
+        ..Router::to(addrs)
+    };
+    OrdersClient::new(Retry::new(router, &retry_layer(cfg)))
+}
+
+/// A client on `cfg`, and its layer (for its throttle and counters).
+fn client_and_layer(addrs: &[SocketAddr], cfg: &ServiceConfig) -> (Client, RetryLayer) {
+    let layer = retry_layer(cfg);
+    (
+        OrdersClient::new(Retry::new(Router::to(addrs), &layer)),
+        layer,
+    )
+}
+
+/// One instance per step, the step its first request's, and a client hedging
+/// `CreateOrder` to them with [`policy`]`(max, delay)`.
+async fn hedged(steps: impl IntoIterator<Item = Step>, max: u32, delay: &str) -> (Client, Log) {
+    hedged_with(steps, &config(&policy(max, delay))).await
+}
+
+/// [`hedged`], the client on `cfg`.
+async fn hedged_with(steps: impl IntoIterator<Item = Step>, cfg: &ServiceConfig) -> (Client, Log) {
+    let scripts = steps.into_iter().map(|step| vec![step]).collect();
+    let (addrs, log) = instances(scripts, None).await;
+    (client(&addrs, cfg, vec![]), log)
 }
 
 fn create() -> CreateOrderRequest {
@@ -319,6 +369,32 @@ fn create() -> CreateOrderRequest {
 
 fn report_of(status: &Status) -> CallReport {
     CallReport::from_status(status).unwrap_or_else(|| panic!("no report on {status:?}"))
+}
+
+/// Asserts a call committed after `hedges` hedges, won by hedge `winner`; its report.
+#[track_caller]
+fn assert_won<T>(resp: &Response<T>, hedges: u32, winner: u32) -> CallReport {
+    let report = CallReport::from_response(resp).unwrap();
+    assert_eq!(
+        (report.hedges(), report.winner()),
+        (Some(hedges), Some(winner)),
+        "{report}"
+    );
+    report
+}
+
+/// Asserts a call failed with `code`, its report saying `outcome` after `hedges` hedges;
+/// its report.
+#[track_caller]
+fn assert_failed(status: &Status, code: Code, outcome: CallOutcome, hedges: u32) -> CallReport {
+    assert_eq!(status.code(), code, "{status:?}");
+    let report = report_of(status);
+    assert_eq!(
+        (report.outcome, report.hedges()),
+        (outcome, Some(hedges)),
+        "{report}"
+    );
+    report
 }
 
 fn ends(report: &CallReport) -> Vec<AttemptEnd> {
@@ -338,22 +414,14 @@ fn gaps(seen: &[Seen]) -> Vec<Duration> {
 
 #[tokio::test(start_paused = true)]
 async fn a_slow_instance_is_hedged_around_with_the_same_key_on_both_hedges() {
-    let (addrs, log) = instances(vec![vec![ok_after(1000)], vec![ok_after(0)]], None).await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let (mut c, log) = hedged(vec![ok_after(1000), ok_after(0)], 2, "0.05s").await;
     let start = Instant::now();
     let resp = c.create_order(create()).await.unwrap();
     let took = start.elapsed();
     assert!(took >= ms(50) && took < ms(60), "{took:?}");
     assert_eq!(resp.get_ref().order_id, "o-1-0");
-    let report = CallReport::from_response(&resp).unwrap();
+    let report = assert_won(&resp, 2, 1);
     assert_eq!(report.outcome, CallOutcome::Committed);
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
     assert_eq!(
         ends(&report),
         [AttemptEnd::Cancelled, AttemptEnd::Committed]
@@ -381,29 +449,22 @@ async fn a_slow_instance_is_hedged_around_with_the_same_key_on_both_hedges() {
 
 #[tokio::test(start_paused = true)]
 async fn a_fatal_code_ends_the_call_and_cancels_the_other_hedges() {
-    let (addrs, log) = instances(
-        vec![
-            vec![ok_after(10_000)],
-            vec![fail_after(5, Status::invalid_argument("bad order"))],
-            vec![ok_after(0)],
-        ],
-        None,
-    )
-    .await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let steps = [
+        ok_after(10_000),
+        fail_after(5, Status::invalid_argument("bad order")),
+        ok_after(0),
+    ];
+    let (mut c, log) = hedged(steps, 3, "0.05s").await;
     let start = Instant::now();
     let err = c.create_order(create()).await.unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
     assert_eq!(start.elapsed(), ms(55));
-    let report = report_of(&err);
-    assert_eq!(report.outcome, CallOutcome::NonRetryableCode);
-    assert_eq!((report.hedges(), report.winner()), (Some(2), None));
+    let report = assert_failed(
+        &err,
+        Code::InvalidArgument,
+        CallOutcome::NonRetryableCode,
+        2,
+    );
+    assert_eq!(report.winner(), None);
     assert_eq!(
         ends(&report),
         [
@@ -421,30 +482,19 @@ async fn a_fatal_code_ends_the_call_and_cancels_the_other_hedges() {
 
 #[tokio::test(start_paused = true)]
 async fn a_non_fatal_code_sends_the_next_hedge_at_once_and_the_one_after_a_delay_later() {
-    let (addrs, log) = instances(
-        vec![
-            vec![fail_after(10, unavailable(None))],
-            vec![ok_after(5_000)],
-            vec![ok_after(20)],
-        ],
-        None,
-    )
-    .await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "1s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let steps = [
+        fail_after(10, unavailable(None)),
+        ok_after(5_000),
+        ok_after(20),
+    ];
+    let (mut c, log) = hedged(steps, 3, "1s").await;
     let start = Instant::now();
     let resp = c.create_order(create()).await.unwrap();
     // Hedge 1 right after hedge 0 failed (10 ms, not 1 s); hedge 2 one hedgingDelay later.
     assert_eq!(gaps(&log.seen()), [ms(10), ms(1000)]);
     assert_eq!(start.elapsed(), ms(1030));
     assert_eq!(resp.get_ref().order_id, "o-2-0");
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(2)));
+    let report = assert_won(&resp, 3, 2);
     assert_eq!(
         ends(&report),
         [
@@ -461,45 +511,26 @@ async fn a_non_fatal_code_sends_the_next_hedge_at_once_and_the_one_after_a_delay
 #[tokio::test(start_paused = true)]
 async fn a_non_fatal_code_sends_the_next_hedge_at_once_even_when_the_delay_ends_past_the_deadline()
 {
-    let (addrs, log) = instances(
-        vec![vec![fail_after(10, unavailable(None))], vec![ok_after(0)]],
-        None,
-    )
-    .await;
     // The 5 s hedgingDelay ends past the 1 s deadline: no hedge on the timer, but the
     // failure still sends the next one.
-    let cfg = config_with(
-        r#""maxAttempts": 3, "hedgingDelay": "5s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        Some("1s"),
-        None,
-    );
-    let mut c = client(&addrs, &cfg, vec![]);
+    let cfg = config_with(&policy(3, "5s"), Some("1s"), None);
+    let (mut c, log) =
+        hedged_with(vec![fail_after(10, unavailable(None)), ok_after(0)], &cfg).await;
     let start = Instant::now();
     let resp = c.create_order(create()).await.unwrap();
     assert_eq!(start.elapsed(), ms(10));
     assert_eq!(gaps(&log.seen()), [ms(10)]);
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_won(&resp, 2, 1);
 }
 
 // ---------------------------------------------------------------- (d) maxAttempts
 
 #[tokio::test(start_paused = true)]
 async fn max_attempts_bounds_the_hedges_when_every_one_fails() {
-    let fail = || vec![fail_after(30, unavailable(None))];
-    let (addrs, log) = instances(vec![fail(), fail(), fail(), fail()], None).await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.01s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let (mut c, log) = hedged(vec![fail_after(30, unavailable(None)); 4], 3, "0.01s").await;
     let err = c.create_order(create()).await.unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable);
-    let report = report_of(&err);
-    assert_eq!(report.outcome, CallOutcome::AttemptsExhausted);
-    assert_eq!((report.hedges(), report.winner()), (Some(3), None));
+    let report = assert_failed(&err, Code::Unavailable, CallOutcome::AttemptsExhausted, 3);
+    assert_eq!(report.winner(), None);
     assert_eq!(ends(&report), [AttemptEnd::Status(Code::Unavailable); 3]);
     tokio::time::sleep(ms(500)).await;
     assert_eq!(log.seen().len(), 3);
@@ -507,18 +538,9 @@ async fn max_attempts_bounds_the_hedges_when_every_one_fails() {
 
 #[tokio::test(start_paused = true)]
 async fn max_attempts_bounds_the_hedges_of_a_slow_call_and_the_first_answer_wins() {
-    let slow = || vec![ok_after(1000)];
-    let (addrs, log) = instances(vec![slow(), slow(), slow(), slow()], None).await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.01s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let (mut c, log) = hedged(vec![ok_after(1000); 4], 3, "0.01s").await;
     let resp = c.create_order(create()).await.unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(0)));
+    assert_won(&resp, 3, 0);
     assert_eq!(gaps(&log.seen()), [ms(10), ms(10)]);
     assert_eq!(log.await_cancelled(2).await.len(), 2);
     assert_eq!(log.seen().len(), 3);
@@ -526,12 +548,8 @@ async fn max_attempts_bounds_the_hedges_of_a_slow_call_and_the_first_answer_wins
 
 #[tokio::test(start_paused = true)]
 async fn a_zero_hedging_delay_sends_every_hedge_at_once() {
-    let (addrs, log) = instances(vec![vec![ok_after(100)], vec![ok_after(100)]], None).await;
-    let mut c = client(
-        &addrs,
-        &config(r#""maxAttempts": 4, "nonFatalStatusCodes": ["UNAVAILABLE"]"#),
-        vec![],
-    );
+    let cfg = config(r#""maxAttempts": 4, "nonFatalStatusCodes": ["UNAVAILABLE"]"#);
+    let (mut c, log) = hedged_with(vec![ok_after(100); 2], &cfg).await;
     c.create_order(create()).await.unwrap();
     assert_eq!(gaps(&log.seen()), [Duration::ZERO; 3]);
     let mut hedges: Vec<_> = log.seen().iter().map(|s| s.hedge).collect();
@@ -547,162 +565,90 @@ async fn a_zero_hedging_delay_sends_every_hedge_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn a_positive_pushback_delays_the_next_hedge_by_exactly_that() {
-    let (addrs, log) = instances(
-        vec![
-            vec![fail_after(10, unavailable(Some("300")))],
-            vec![ok_after(0)],
-        ],
-        None,
+    let (mut c, log) = hedged(
+        vec![fail_after(10, unavailable(Some("300"))), ok_after(0)],
+        2,
+        "5s",
     )
     .await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 2, "hedgingDelay": "5s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
     let resp = c.create_order(create()).await.unwrap();
     assert_eq!(gaps(&log.seen()), [ms(310)]);
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_won(&resp, 2, 1);
 }
 
 #[tokio::test(start_paused = true)]
 async fn after_a_pushback_the_hedge_after_next_comes_a_hedging_delay_later() {
     // A6: "Send next hedged request in n ms. Subsequent hedged requests will resume at
     // n + hedgingDelay."
-    let (addrs, log) = instances(
-        vec![
-            vec![fail_after(10, unavailable(Some("300")))],
-            vec![ok_after(1000)],
-            vec![ok_after(0)],
-        ],
-        None,
-    )
-    .await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.1s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let steps = [
+        fail_after(10, unavailable(Some("300"))),
+        ok_after(1000),
+        ok_after(0),
+    ];
+    let (mut c, log) = hedged(steps, 3, "0.1s").await;
     let start = Instant::now();
     let resp = c.create_order(create()).await.unwrap();
-    assert_eq!(gaps(&log.seen()), [ms(310), ms(100)]);
     assert_eq!(start.elapsed(), ms(410));
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(3), Some(2)));
+    assert_eq!(gaps(&log.seen()), [ms(310), ms(100)]);
+    assert_won(&resp, 3, 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_negative_pushback_stops_the_hedges_and_the_ones_out_go_on() {
     // Alone: the call ends with the hedge's status.
-    let (addrs, log) = instances(vec![vec![fail_after(10, unavailable(Some("-1")))]], None).await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let (mut c, log) = hedged(vec![fail_after(10, unavailable(Some("-1")))], 3, "0.05s").await;
     let err = c.create_order(create()).await.unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable);
-    let report = report_of(&err);
-    assert_eq!(
-        (report.outcome, report.hedges()),
-        (CallOutcome::PushbackStop, Some(1))
-    );
+    assert_failed(&err, Code::Unavailable, CallOutcome::PushbackStop, 1);
     tokio::time::sleep(ms(500)).await;
     assert_eq!(log.seen().len(), 1);
 
     // With a hedge out: no third hedge; the first still answers.
-    let (addrs, log) = instances(
-        vec![
-            vec![ok_after(500)],
-            vec![fail_after(10, unavailable(Some("-1")))],
-            vec![ok_after(0)],
-        ],
-        None,
-    )
-    .await;
-    let mut c = client(
-        &addrs,
-        &config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ),
-        vec![],
-    );
+    let steps = [
+        ok_after(500),
+        fail_after(10, unavailable(Some("-1"))),
+        ok_after(0),
+    ];
+    let (mut c, log) = hedged(steps, 3, "0.05s").await;
     let start = Instant::now();
     let resp = c.create_order(create()).await.unwrap();
     assert_eq!(start.elapsed(), ms(500));
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(0)));
+    assert_won(&resp, 2, 0);
     assert_eq!(log.seen().len(), 2);
 }
 
 // ---------------------------------------------------------------- (f) throttling
 
+/// One instance (every hedge goes to it) whose first request fails UNAVAILABLE after
+/// 10 ms and whose next ones answer after `oks` ms, and a client hedging `max` times
+/// 20 ms apart under a throttle of 2 tokens with `token_ratio`.
+async fn throttled(max: u32, token_ratio: &str, oks: &[u64]) -> (Client, RetryLayer, Log) {
+    let mut script = vec![fail_after(10, unavailable(None))];
+    script.extend(oks.iter().map(|ms| ok_after(*ms)));
+    let (addrs, log) = instances(vec![script], None).await;
+    let throttling = format!(r#"{{"maxTokens": 2, "tokenRatio": {token_ratio}}}"#);
+    let cfg = config_with(&policy(max, "0.02s"), None, Some(&throttling));
+    let (c, layer) = client_and_layer(&addrs, &cfg);
+    (c, layer, log)
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_throttle_counts_failed_hedges_and_stops_the_next_ones() {
-    let (addrs, log) = instances(
-        vec![vec![
-            fail_after(10, unavailable(None)),
-            ok_after(100),
-            ok_after(0),
-        ]],
-        None,
-    )
-    .await;
     // maxTokens 2: one failure leaves 1 token, at the half: no more hedges.
-    let cfg = config_with(
-        r#""maxAttempts": 3, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        None,
-        Some(r#"{"maxTokens": 2, "tokenRatio": 0.1}"#),
-    );
-    let mut c = client(&addrs, &cfg, vec![]);
+    let (mut c, _, log) = throttled(3, "0.1", &[100, 0]).await;
     let err = c.create_order(create()).await.unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable);
-    let report = report_of(&err);
-    assert_eq!(
-        (report.outcome, report.hedges()),
-        (CallOutcome::Throttled, Some(1))
-    );
+    assert_failed(&err, Code::Unavailable, CallOutcome::Throttled, 1);
 
     // The next call: its first request always goes out, its hedges do not.
     let resp = c.create_order(create()).await.unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
+    assert_won(&resp, 1, 0);
     assert_eq!(log.seen().len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_throttle_refills_with_successes_and_hedging_resumes() {
-    // One instance: every hedge goes to it.
-    let (addrs, log) = instances(
-        vec![vec![
-            fail_after(10, unavailable(None)),
-            ok_after(100),
-            ok_after(100),
-            ok_after(0),
-        ]],
-        None,
-    )
-    .await;
-    // maxTokens 2, tokenRatio 1: a failure leaves 1 token (the half: no hedges), a
-    // success brings it back to 2 (over the half: hedges again).
-    let cfg = config_with(
-        r#""maxAttempts": 2, "hedgingDelay": "0.02s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        None,
-        Some(r#"{"maxTokens": 2, "tokenRatio": 1}"#),
-    );
-    let layer = RetryLayer::builder().service_config(cfg).build().unwrap();
-    let router = Router {
-        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
-        late: vec![],
-    };
-    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    // tokenRatio 1: a failure leaves 1 token (the half: no hedges), a success brings it
+    // back to 2 (over the half: hedges again).
+    let (mut c, layer, log) = throttled(2, "1", &[100, 100, 0]).await;
     let tokens = || layer.throttle().unwrap().milli_tokens();
     let err = c.create_order(create()).await.unwrap_err();
     assert_eq!(report_of(&err).outcome, CallOutcome::Throttled);
@@ -713,8 +659,7 @@ async fn the_throttle_refills_with_successes_and_hedging_resumes() {
     assert_eq!(tokens(), 2_000);
     // Over the half again: the next slow call is hedged, and the hedge wins.
     let resp = c.create_order(create()).await.unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_won(&resp, 2, 1);
     assert_eq!(log.seen().len(), 4);
 }
 
@@ -722,22 +667,13 @@ async fn the_throttle_refills_with_successes_and_hedging_resumes() {
 
 #[tokio::test(start_paused = true)]
 async fn the_deadline_bounds_every_hedge() {
-    let slow = || vec![ok_after(1000)];
-    let (addrs, log) = instances(vec![slow(), slow(), slow(), slow(), slow()], None).await;
-    let cfg = config_with(
-        r#""maxAttempts": 5, "hedgingDelay": "0.03s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        Some("0.1s"),
-        None,
-    );
-    let mut c = client(&addrs, &cfg, vec![]);
+    let cfg = config_with(&policy(5, "0.03s"), Some("0.1s"), None);
+    let (mut c, log) = hedged_with(vec![ok_after(1000); 5], &cfg).await;
     let start = Instant::now();
     let err = c.create_order(create()).await.unwrap_err();
     assert_eq!(start.elapsed(), ms(100));
-    assert_eq!(err.code(), Code::DeadlineExceeded);
-    let report = report_of(&err);
-    assert_eq!(report.outcome, CallOutcome::Deadline);
     // Hedges at 0, 30, 60 and 90 ms; the fifth would start at 120 ms, past the deadline.
-    assert_eq!(report.hedges(), Some(4));
+    let report = assert_failed(&err, Code::DeadlineExceeded, CallOutcome::Deadline, 4);
     let seen = log.seen();
     assert_eq!(gaps(&seen), [ms(30); 3]);
     let timeouts: Vec<_> = seen.iter().map(|s| s.timeout.unwrap()).collect();
@@ -765,9 +701,7 @@ async fn hedges_to_an_idem_server_run_the_handler_once_and_every_hedge_gets_its_
     )
     .await;
     // Hedge 0's answer reaches the client 100 ms late, so a replay wins the race.
-    let cfg = config(
-        r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-    );
+    let cfg = config(&policy(3, "0.05s"));
     let mut c = client(&addrs, &cfg, vec![(0, ms(100))]);
     let start = Instant::now();
     let resp = c.create_order(create()).await.unwrap();
@@ -810,19 +744,6 @@ struct Recorder<S> {
     answers: Answers,
 }
 
-#[derive(Clone)]
-struct RecorderLayer(Answers);
-
-impl<S> tower::Layer<S> for RecorderLayer {
-    type Service = Recorder<S>;
-    fn layer(&self, inner: S) -> Recorder<S> {
-        Recorder {
-            inner,
-            answers: self.0.clone(),
-        }
-    }
-}
-
 impl<S> Service<http::Request<Body>> for Recorder<S>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
@@ -838,10 +759,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let hedge: u32 = req
-            .headers()
-            .get("grpc-previous-rpc-attempts")
-            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let hedge = hedge_of(req.headers());
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let answers = self.answers.clone();
@@ -876,6 +794,16 @@ struct Summed {
     /// `Some(true)`: answered; `Some(false)`: the request stream failed under it;
     /// `None`: dropped before either (the client cancelled the hedge).
     answered: Option<bool>,
+}
+
+/// What instance *n* saw as hedge *n* (the router's rule).
+fn summed(n: usize, values: &[i64], answered: Option<bool>) -> Summed {
+    Summed {
+        instance: n,
+        hedge: n as u32,
+        values: values.to_vec(),
+        answered,
+    }
 }
 
 #[derive(Clone, Default)]
@@ -921,26 +849,29 @@ impl Drop for SumGuard {
     }
 }
 
+impl TallyInstance {
+    /// Counts a handler run; what it sees is written when the guard drops.
+    fn started<T>(&self, request: &Request<T>) -> SumGuard {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        SumGuard {
+            log: self.log.clone(),
+            entry: Summed {
+                instance: self.id,
+                hedge: hedge_of(request.metadata().as_ref()),
+                values: Vec::new(),
+                answered: None,
+            },
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Tally for TallyInstance {
     async fn sum(
         &self,
         request: Request<tonic::Streaming<Number>>,
     ) -> Result<Response<Total>, Status> {
-        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let hedge = request
-            .metadata()
-            .get("grpc-previous-rpc-attempts")
-            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
-        let mut guard = SumGuard {
-            log: self.log.clone(),
-            entry: Summed {
-                instance: self.id,
-                hedge,
-                values: Vec::new(),
-                answered: None,
-            },
-        };
+        let mut guard = self.started(&request);
         let mut input = request.into_inner();
         loop {
             match input.message().await {
@@ -969,20 +900,7 @@ impl Tally for TallyInstance {
         &self,
         request: Request<tonic::Streaming<Number>>,
     ) -> Result<Response<Self::RunningStream>, Status> {
-        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let hedge = request
-            .metadata()
-            .get("grpc-previous-rpc-attempts")
-            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
-        let mut guard = SumGuard {
-            log: self.log.clone(),
-            entry: Summed {
-                instance: self.id,
-                hedge,
-                values: Vec::new(),
-                answered: None,
-            },
-        };
+        let mut guard = self.started(&request);
         tokio::time::sleep(self.wait).await;
         let mut input = request.into_inner();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -1047,19 +965,6 @@ impl http_body::Body for TapBody {
 }
 
 #[derive(Clone)]
-struct TapLayer(Requests);
-
-impl<S> tower::Layer<S> for TapLayer {
-    type Service = Tap<S>;
-    fn layer(&self, inner: S) -> Tap<S> {
-        Tap {
-            inner,
-            requests: self.0.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
 struct Tap<S> {
     inner: S,
     requests: Requests,
@@ -1076,10 +981,7 @@ where
         self.inner.poll_ready(cx)
     }
     fn call(&mut self, req: http::Request<Body>) -> S::Future {
-        let hedge: u32 = req
-            .headers()
-            .get("grpc-previous-rpc-attempts")
-            .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let hedge = hedge_of(req.headers());
         let requests = self.requests.clone();
         self.inner.call(req.map(|inner| {
             Body::new(TapBody {
@@ -1107,19 +1009,40 @@ impl Tallies {
     fn runs(&self) -> usize {
         self.runs.load(std::sync::atomic::Ordering::SeqCst)
     }
+
+    /// Two hedges ended, each having read the number 1 alone, and neither answered.
+    async fn assert_two_hedges_read_only_1_and_none_answered(&self) {
+        let log = self.log.settled(2).await;
+        assert_eq!(log.len(), 2, "{log:?}");
+        assert!(
+            log.iter()
+                .all(|s| s.values == [1] && s.answered != Some(true)),
+            "{log:?}"
+        );
+    }
 }
 
 /// `stream.v1.Tally/Sum`, hedged with `hedging`, protected.
 fn tally_config(hedging: &str) -> ServiceConfig {
+    tally_method_config("Sum", r#""idempotency": {},"#, hedging)
+}
+
+/// `stream.v1.Tally/{method}`, hedged with `hedging`; `fields`: more fields of the
+/// method, each followed by a comma.
+fn tally_method_config(method: &str, fields: &str, hedging: &str) -> ServiceConfig {
     ServiceConfig::from_json(&format!(
         r#"{{"methodConfig": [{{
-            "name": [{{"service": "stream.v1.Tally", "method": "Sum"}}],
-            "hedgingPolicy": {{ {hedging} }},
-            "idempotency": {{}}
+            "name": [{{"service": "stream.v1.Tally", "method": "{method}"}}],
+            {fields}
+            "hedgingPolicy": {{ {hedging} }}
         }}]}}"#
     ))
     .unwrap()
 }
+
+/// 3 hedges 50 ms apart, non-fatal on every code a broken request stream can end a hedge
+/// with: what ends those calls is not a fatal code.
+const LENIENT_POLICY: &str = r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]"#;
 
 /// One `Tally` instance per wait; `idem`: all behind one `IdempotencyLayer` on one store.
 async fn tallies(waits: &[u64], idem: bool) -> Tallies {
@@ -1139,8 +1062,13 @@ async fn tallies(waits: &[u64], idem: bool) -> Tallies {
             runs: runs.clone(),
         };
         let (addr, incoming) = net::bind().await;
+        let tapped = requests.clone();
+        let tap = layer_fn(move |inner| Tap {
+            inner,
+            requests: tapped.clone(),
+        });
         let router = Server::builder()
-            .layer(TapLayer(requests.clone()))
+            .layer(tap)
             .layer(tower::util::option_layer(layer.clone()))
             .add_service(TallyServer::new(instance));
         tokio::spawn(router.serve_with_incoming(incoming));
@@ -1158,11 +1086,7 @@ async fn tallies(waits: &[u64], idem: bool) -> Tallies {
 type TallyHedged = TallyClient<Retry<Router>>;
 
 fn tally_client(addrs: &[SocketAddr], layer: &RetryLayer) -> TallyHedged {
-    let router = Router {
-        channels: addrs.iter().map(|a| net::channel(*a)).collect(),
-        late: vec![],
-    };
-    TallyClient::new(Retry::new(router, layer))
+    TallyClient::new(Retry::new(Router::to(addrs), layer))
 }
 
 /// The caller's stream of numbers, fed by the test.
@@ -1174,26 +1098,35 @@ fn numbers() -> (
     (tx, UnboundedReceiverStream::new(rx))
 }
 
+type SumCall = tokio::task::JoinHandle<Result<Response<Total>, Status>>;
+
+/// Starts a `Sum` call through `layer` to the instances, the caller having sent `first`:
+/// the sender of the rest of its stream, and the call.
+fn start_sum(
+    t: &Tallies,
+    layer: &RetryLayer,
+    first: Vec<Number>,
+) -> (mpsc::UnboundedSender<Number>, SumCall) {
+    let mut client = tally_client(&t.addrs, layer);
+    let (tx, stream) = numbers();
+    for n in first {
+        tx.send(n).unwrap();
+    }
+    let call = tokio::spawn(async move { client.sum(stream).await });
+    (tx, call)
+}
+
 fn hedged_stream_layer(hedging: &str) -> RetryLayer {
-    RetryLayer::builder()
-        .service_config(tally_config(hedging))
-        .build()
-        .unwrap()
+    retry_layer(&tally_config(hedging))
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_client_stream_hedged_to_a_slow_and_a_fast_instance_gets_the_fast_answer() {
     // Instance 0 answers 1 s after the stream ends, instance 1 at once.
     let t = tallies(&[1000, 0], false).await;
-    let layer = hedged_stream_layer(
-        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-    );
-    let mut client = tally_client(&t.addrs, &layer);
-    let (tx, stream) = numbers();
-    tx.send(number(1)).unwrap();
-    tx.send(number(2)).unwrap();
+    let layer = hedged_stream_layer(&policy(2, "0.05s"));
     let start = Instant::now();
-    let call = tokio::spawn(async move { client.sum(stream).await });
+    let (tx, call) = start_sum(&t, &layer, vec![number(1), number(2)]);
     // Hedge 1 goes out at 50 ms with 1 and 2; the caller sends 3 and ends at 100 ms.
     tokio::time::sleep(ms(100)).await;
     assert!(layer.replay_bytes_held() > 0, "kept for the hedges");
@@ -1202,8 +1135,7 @@ async fn a_client_stream_hedged_to_a_slow_and_a_fast_instance_gets_the_fast_answ
     let resp = call.await.unwrap().unwrap();
     assert_eq!(start.elapsed(), ms(100));
     assert_eq!(resp.get_ref(), &Total { sum: 6, count: 3 });
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    let report = assert_won(&resp, 2, 1);
     assert_eq!(
         ends(&report),
         [AttemptEnd::Cancelled, AttemptEnd::Committed]
@@ -1218,18 +1150,8 @@ async fn a_client_stream_hedged_to_a_slow_and_a_fast_instance_gets_the_fast_answ
     assert_eq!(
         log,
         [
-            Summed {
-                instance: 0,
-                hedge: 0,
-                values: vec![1, 2, 3],
-                answered: None
-            },
-            Summed {
-                instance: 1,
-                hedge: 1,
-                values: vec![1, 2, 3],
-                answered: Some(true)
-            },
+            summed(0, &[1, 2, 3], None),
+            summed(1, &[1, 2, 3], Some(true)),
         ]
     );
 }
@@ -1239,15 +1161,9 @@ async fn a_client_stream_hedged_to_an_idem_server_runs_once_and_every_hedge_send
 {
     // The handler takes 300 ms on either instance.
     let t = tallies(&[300, 300], true).await;
-    let layer = hedged_stream_layer(
-        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-    );
-    let mut client = tally_client(&t.addrs, &layer);
-    let (tx, stream) = numbers();
-    tx.send(number(1)).unwrap();
-    tx.send(number(2)).unwrap();
+    let layer = hedged_stream_layer(&policy(2, "0.05s"));
     let start = Instant::now();
-    let call = tokio::spawn(async move { client.sum(stream).await });
+    let (tx, call) = start_sum(&t, &layer, vec![number(1), number(2)]);
     tokio::time::sleep(ms(100)).await;
     tx.send(number(3)).unwrap();
     drop(tx);
@@ -1275,16 +1191,11 @@ async fn a_client_stream_hedged_to_an_idem_server_runs_once_and_every_hedge_send
 async fn past_the_replay_limit_a_hedged_stream_commits_to_one_hedge_and_sends_no_more() {
     let t = tallies(&[0, 0, 0], false).await;
     let layer = RetryLayer::builder()
-        .service_config(tally_config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ))
+        .service_config(tally_config(&policy(3, "0.05s")))
         .max_replay_bytes_per_call(1000)
         .build()
         .unwrap();
-    let mut client = tally_client(&t.addrs, &layer);
-    let (tx, stream) = numbers();
-    tx.send(padded(1, 600)).unwrap();
-    let call = tokio::spawn(async move { client.sum(stream).await });
+    let (tx, call) = start_sum(&t, &layer, vec![padded(1, 600)]);
     // Both hedges are out with the first message; the second passes the 1000-byte limit.
     tokio::time::sleep(ms(60)).await;
     assert!(layer.replay_bytes_held() >= 600);
@@ -1329,13 +1240,8 @@ async fn past_the_replay_limit_a_hedged_stream_commits_to_one_hedge_and_sends_no
 #[tokio::test(start_paused = true)]
 async fn a_caller_that_goes_away_mid_hedge_cancels_every_hedge_and_runs_nothing() {
     let t = tallies(&[0, 0], true).await;
-    let layer = hedged_stream_layer(
-        r#""maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-    );
-    let mut client = tally_client(&t.addrs, &layer);
-    let (tx, stream) = numbers();
-    tx.send(number(1)).unwrap();
-    let call = tokio::spawn(async move { client.sum(stream).await });
+    let layer = hedged_stream_layer(&policy(2, "0.05s"));
+    let (tx, call) = start_sum(&t, &layer, vec![number(1)]);
     tokio::time::sleep(ms(60)).await;
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
@@ -1354,13 +1260,8 @@ async fn a_caller_that_goes_away_mid_hedge_cancels_every_hedge_and_runs_nothing(
 #[tokio::test(start_paused = true)]
 async fn a_caller_stream_that_fails_mid_hedge_fails_every_hedge_and_ends_the_call() {
     let t = tallies(&[0, 0, 0], false).await;
-    let layer = hedged_stream_layer(
-        r#""maxAttempts": 3, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]"#,
-    );
-    let router = Router {
-        channels: t.addrs.iter().map(|a| net::channel(*a)).collect(),
-        late: vec![],
-    };
+    let layer = hedged_stream_layer(LENIENT_POLICY);
+    let router = Router::to(&t.addrs);
     let mut svc = Retry::new(router, &layer);
     // The caller's body as raw frames: one message, then an error at 60 ms.
     let (tx, rx) = mpsc::unbounded_channel::<Result<http_body::Frame<Bytes>, Status>>();
@@ -1398,13 +1299,7 @@ async fn a_caller_stream_that_fails_mid_hedge_fails_every_hedge_and_ends_the_cal
         "no hedge after the caller's stream failed"
     );
     // Neither instance got a whole request: no handler answered.
-    let log = t.log.settled(2).await;
-    assert_eq!(log.len(), 2, "{log:?}");
-    assert!(
-        log.iter()
-            .all(|s| s.values == [1] && s.answered != Some(true)),
-        "{log:?}"
-    );
+    t.assert_two_hedges_read_only_1_and_none_answered().await;
     assert_eq!(layer.replay_bytes_held(), 0);
 }
 
@@ -1457,15 +1352,7 @@ async fn serve_later(addr: SocketAddr, after: Duration, log: Log) {
 #[tokio::test]
 async fn wait_for_ready_hedges_wait_for_a_server_that_comes_up_and_use_no_hedge_or_token() {
     let addr = closed_port().await;
-    let layer = RetryLayer::builder()
-        .service_config(ready_config(true))
-        .build()
-        .unwrap();
-    let router = Router {
-        channels: vec![net::channel(addr)],
-        late: vec![],
-    };
-    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let (mut c, layer) = client_and_layer(&[addr], &ready_config(true));
     let log = Log::default();
     let start = std::time::Instant::now();
     let (resp, ()) = tokio::join!(
@@ -1493,24 +1380,11 @@ async fn wait_for_ready_hedges_wait_for_a_server_that_comes_up_and_use_no_hedge_
 #[tokio::test]
 async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
     let addr = closed_port().await;
-    let layer = RetryLayer::builder()
-        .service_config(ready_config(false))
-        .build()
-        .unwrap();
-    let router = Router {
-        channels: vec![net::channel(addr)],
-        late: vec![],
-    };
-    let mut c = OrdersClient::new(Retry::new(router, &layer));
+    let (mut c, layer) = client_and_layer(&[addr], &ready_config(false));
     let err = c.create_order(create()).await.unwrap_err();
     // Each connect failure is a failed hedge (UNAVAILABLE, non-fatal): the next goes out
     // at once (a hedgingDelay later would be past the deadline), and each takes a token.
-    assert_eq!(err.code(), Code::Unavailable);
-    let report = report_of(&err);
-    assert_eq!(
-        (report.outcome, report.hedges()),
-        (CallOutcome::AttemptsExhausted, Some(3))
-    );
+    assert_failed(&err, Code::Unavailable, CallOutcome::AttemptsExhausted, 3);
     assert_eq!(layer.throttle().unwrap().milli_tokens(), 7_000);
 }
 
@@ -1612,12 +1486,7 @@ fn get(id: &str) -> shop::GetOrderRequest {
 async fn losing_hedges_parked_on_an_idem_server_hold_no_worker_and_leave_nothing_behind() {
     const CALLS: usize = 64;
     let server = OneWorker::start().await;
-    let layer = RetryLayer::builder()
-        .service_config(config(
-            r#""maxAttempts": 3, "hedgingDelay": "0.005s", "nonFatalStatusCodes": ["UNAVAILABLE"]"#,
-        ))
-        .build()
-        .unwrap();
+    let layer = retry_layer(&config(&policy(3, "0.005s")));
     let client = OrdersClient::new(Retry::new(net::channel(server.addr), &layer));
     // Warm up: the connection, and a protected call through the store.
     client.clone().get_order(get("warm")).await.unwrap();
@@ -1712,26 +1581,14 @@ async fn losing_hedges_parked_on_an_idem_server_hold_no_worker_and_leave_nothing
 async fn a_bidi_call_hedged_goes_on_with_the_hedge_whose_headers_came_first() {
     // Instance 0 sends its headers after 1 s, instance 1 at once.
     let t = tallies(&[1000, 0], false).await;
-    let config = ServiceConfig::from_json(
-        r#"{"methodConfig": [{
-            "name": [{"service": "stream.v1.Tally", "method": "Running"}],
-            "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.05s",
-                              "nonFatalStatusCodes": ["UNAVAILABLE"]}
-        }]}"#,
-    )
-    .unwrap();
-    let layer = RetryLayer::builder()
-        .service_config(config)
-        .build()
-        .unwrap();
+    let layer = retry_layer(&tally_method_config("Running", "", &policy(2, "0.05s")));
     let mut client = tally_client(&t.addrs, &layer);
     let (tx, stream) = numbers();
     tx.send(number(1)).unwrap();
     let start = Instant::now();
     let resp = client.running(stream).await.unwrap();
     assert_eq!(start.elapsed(), ms(50), "hedge 1's headers");
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+    assert_won(&resp, 2, 1);
     assert_eq!(layer.replay_bytes_held(), 0, "headers commit the call");
     // Request, response, request, response on the winner.
     let mut answers = resp.into_inner();
@@ -1754,44 +1611,20 @@ async fn a_bidi_call_hedged_goes_on_with_the_hedge_whose_headers_came_first() {
     let log = t.log.settled(2).await;
     assert_eq!(
         log,
-        [
-            Summed {
-                instance: 0,
-                hedge: 0,
-                values: vec![],
-                answered: None
-            },
-            Summed {
-                instance: 1,
-                hedge: 1,
-                values: vec![1, 2, 3],
-                answered: Some(true)
-            },
-        ]
+        [summed(0, &[], None), summed(1, &[1, 2, 3], Some(true)),]
     );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_request_message_over_its_limit_mid_hedge_ends_the_call_and_every_hedge() {
     let t = tallies(&[0, 0, 0], false).await;
-    let config = ServiceConfig::from_json(
-        r#"{"methodConfig": [{
-            "name": [{"service": "stream.v1.Tally", "method": "Sum"}],
-            "maxRequestMessageBytes": 100,
-            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.05s",
-                              "nonFatalStatusCodes": ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"]}
-        }]}"#,
-    )
-    .unwrap();
-    let layer = RetryLayer::builder()
-        .service_config(config)
-        .build()
-        .unwrap();
-    let mut client = tally_client(&t.addrs, &layer);
-    let (tx, stream) = numbers();
-    tx.send(number(1)).unwrap();
+    let layer = retry_layer(&tally_method_config(
+        "Sum",
+        r#""maxRequestMessageBytes": 100,"#,
+        LENIENT_POLICY,
+    ));
     let start = Instant::now();
-    let call = tokio::spawn(async move { client.sum(stream).await });
+    let (tx, call) = start_sum(&t, &layer, vec![number(1)]);
     tokio::time::sleep(ms(60)).await;
     // Both hedges are out; this message is over maxRequestMessageBytes.
     tx.send(padded(2, 200)).unwrap();
@@ -1802,20 +1635,15 @@ async fn a_request_message_over_its_limit_mid_hedge_ends_the_call_and_every_hedg
         status.message().contains("maxRequestMessageBytes (100)"),
         "{status:?}"
     );
-    let report = report_of(&status);
-    assert_eq!(
-        (report.outcome, report.hedges()),
-        (CallOutcome::MessageTooLarge, Some(2))
+    assert_failed(
+        &status,
+        Code::ResourceExhausted,
+        CallOutcome::MessageTooLarge,
+        2,
     );
     // No instance got the message, none answered, and no third hedge went out.
     tokio::time::sleep(ms(200)).await;
-    let log = t.log.settled(2).await;
-    assert_eq!(log.len(), 2, "{log:?}");
-    assert!(
-        log.iter()
-            .all(|s| s.values == [1] && s.answered != Some(true)),
-        "{log:?}"
-    );
+    t.assert_two_hedges_read_only_1_and_none_answered().await;
     assert_eq!(layer.replay_bytes_held(), 0);
     drop(tx);
 }

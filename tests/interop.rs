@@ -197,6 +197,13 @@ impl Python {
             .collect()
     }
 
+    /// Runs client.py against `addr` in `mode` with `key` and `more` arguments.
+    async fn calls(&self, addr: &str, mode: &str, key: &str, more: &[&str]) -> Vec<Value> {
+        let mut args = vec!["--addr", addr, "--mode", mode, "--key", key];
+        args.extend(more);
+        self.client(&args).await
+    }
+
     /// Starts `server.py` and waits until it listens.
     async fn server(&self, args: &[&str]) -> PyServer {
         let mut child = self
@@ -275,6 +282,14 @@ fn error_info(call: &Value) -> Option<(String, String)> {
     Some((info.domain, info.reason))
 }
 
+/// The status code of every call.
+fn codes(calls: &[Value]) -> Vec<&str> {
+    calls
+        .iter()
+        .map(|c| c["code"].as_str().unwrap_or("?"))
+        .collect()
+}
+
 /// Whether a reply says it was replayed, in its headers or (Trailers-Only) trailers.
 fn replayed(call: &Value) -> bool {
     let mut values = meta(call, "initial", IDEMPOTENCY_REPLAYED);
@@ -306,6 +321,16 @@ struct Journal {
 struct Shop {
     fail_first: usize,
     journal: Arc<Mutex<Journal>>,
+}
+
+impl Journal {
+    /// One field of every execution, in order.
+    fn each<'a>(&'a self, field: impl Fn(&'a Seen) -> &'a Option<String>) -> Vec<Option<&'a str>> {
+        self.executions
+            .iter()
+            .map(|s| field(s).as_deref())
+            .collect()
+    }
 }
 
 impl Shop {
@@ -403,6 +428,15 @@ async fn serve_idem(shop: Shop) -> RustServer {
     .await
 }
 
+/// A [`Shop`] failing its first `fail_first` executions, served by [`serve_idem`]; the
+/// server (stops when dropped) and its address for client.py.
+async fn idem_shop(fail_first: usize) -> (Shop, RustServer, String) {
+    let shop = Shop::failing_first(fail_first);
+    let server = serve_idem(shop.clone()).await;
+    let addr = server.addr.to_string();
+    (shop, server, addr)
+}
+
 /// `SERVICE_CONFIG` written to a file for client.py; removed when dropped.
 struct ConfigFile(PathBuf);
 
@@ -432,27 +466,12 @@ impl Drop for ConfigFile {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_same_key_twice_runs_once_and_replays() {
     let Some(py) = python().await else { return };
-    let shop = Shop::default();
-    let server = serve_idem(shop.clone()).await;
-    let addr = server.addr.to_string();
+    let (shop, _server, addr) = idem_shop(0).await;
     let key = "grpcio-twice-0001";
 
-    let calls = py
-        .client(&[
-            "--addr",
-            &addr,
-            "--mode",
-            "twice",
-            "--key",
-            key,
-            "--quantity",
-            "3",
-        ])
-        .await;
+    let calls = py.calls(&addr, "twice", key, &["--quantity", "3"]).await;
 
-    assert_eq!(calls.len(), 2, "{calls:?}");
-    assert_eq!(calls[0]["code"], "OK", "first call: {}", calls[0]);
-    assert_eq!(calls[1]["code"], "OK", "second call: {}", calls[1]);
+    assert_eq!(codes(&calls), ["OK", "OK"], "{calls:?}");
     assert!(
         !replayed(&calls[0]),
         "the first call ran, it is no replay: {}",
@@ -484,33 +503,23 @@ async fn grpcio_same_key_twice_runs_once_and_replays() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_gzip_then_plain_same_request_is_a_replay() {
     let Some(py) = python().await else { return };
-    let shop = Shop::default();
-    let server = serve_idem(shop.clone()).await;
-    let addr = server.addr.to_string();
+    let (shop, _server, addr) = idem_shop(0).await;
     // Compressible, and large enough that grpcio really compresses it.
     let note = "interop ".repeat(512);
 
     let calls = py
-        .client(&[
-            "--addr",
+        .calls(
             &addr,
-            "--mode",
             "twice",
-            "--key",
             "grpcio-gzip-0001",
-            "--compression",
-            "first",
-            "--note",
-            &note,
-        ])
+            &["--compression", "first", "--note", &note],
+        )
         .await;
 
-    assert_eq!(calls.len(), 2, "{calls:?}");
-    assert_eq!(calls[0]["code"], "OK", "gzip call: {}", calls[0]);
     assert_eq!(
-        calls[1]["code"], "OK",
-        "plain call with the same request: {}",
-        calls[1]
+        codes(&calls),
+        ["OK", "OK"],
+        "the gzip call, then the plain call with the same request: {calls:?}"
     );
     assert!(
         replayed(&calls[1]),
@@ -520,38 +529,21 @@ async fn grpcio_gzip_then_plain_same_request_is_a_replay() {
     assert_eq!(calls[0]["order"], calls[1]["order"]);
     let journal = shop.journal();
     assert_eq!(journal.orders.len(), 1);
-    let encodings: Vec<_> = journal
-        .executions
-        .iter()
-        .map(|s| s.encoding.as_deref())
-        .collect();
+    let encodings = journal.each(|s| &s.encoding);
     assert_eq!(encodings, [Some("gzip")], "only the gzip call ran");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_same_key_other_request_is_failed_precondition() {
     let Some(py) = python().await else { return };
-    let shop = Shop::default();
-    let server = serve_idem(shop.clone()).await;
-    let addr = server.addr.to_string();
+    let (shop, _server, addr) = idem_shop(0).await;
 
-    let calls = py
-        .client(&[
-            "--addr",
-            &addr,
-            "--mode",
-            "different",
-            "--key",
-            "grpcio-reuse-0001",
-        ])
-        .await;
+    let calls = py.calls(&addr, "different", "grpcio-reuse-0001", &[]).await;
 
-    assert_eq!(calls.len(), 2, "{calls:?}");
-    assert_eq!(calls[0]["code"], "OK", "first call: {}", calls[0]);
     assert_eq!(
-        calls[1]["code"], "FAILED_PRECONDITION",
-        "reused key: {}",
-        calls[1]
+        codes(&calls),
+        ["OK", "FAILED_PRECONDITION"],
+        "the first call, then the reused key: {calls:?}"
     );
     assert!(calls[1]["order"].is_null());
     assert_eq!(
@@ -573,23 +565,12 @@ async fn grpcio_service_config_retries_run_once() {
     let Some(py) = python().await else { return };
     // The handler answers UNAVAILABLE twice; idem releases the record on UNAVAILABLE, so
     // grpcio's third attempt runs it again and succeeds.
-    let shop = Shop::failing_first(2);
-    let server = serve_idem(shop.clone()).await;
-    let addr = server.addr.to_string();
+    let (shop, _server, addr) = idem_shop(2).await;
     let config = ConfigFile::write("retries");
     let key = "grpcio-retry-0001";
 
     let calls = py
-        .client(&[
-            "--addr",
-            &addr,
-            "--mode",
-            "retry",
-            "--key",
-            key,
-            "--service-config",
-            config.path(),
-        ])
+        .calls(&addr, "retry", key, &["--service-config", config.path()])
         .await;
 
     assert_eq!(calls.len(), 1, "{calls:?}");
@@ -601,21 +582,13 @@ async fn grpcio_service_config_retries_run_once() {
     assert!(!replayed(&calls[0]), "{}", calls[0]);
     {
         let journal = shop.journal();
-        let keys: Vec<_> = journal
-            .executions
-            .iter()
-            .map(|s| s.key.as_deref())
-            .collect();
+        let keys = journal.each(|s| &s.key);
         assert_eq!(
             keys,
             [Some(key); 3],
             "grpcio sent three attempts, each with the key"
         );
-        let previous: Vec<_> = journal
-            .executions
-            .iter()
-            .map(|s| s.previous_rpc_attempts.as_deref())
-            .collect();
+        let previous = journal.each(|s| &s.previous_rpc_attempts);
         assert_eq!(
             previous,
             [None, Some("1"), Some("2")],
@@ -626,16 +599,7 @@ async fn grpcio_service_config_retries_run_once() {
 
     // The application retrying the whole intent later (same key) gets the stored reply.
     let again = py
-        .client(&[
-            "--addr",
-            &addr,
-            "--mode",
-            "twice",
-            "--key",
-            key,
-            "--service-config",
-            config.path(),
-        ])
+        .calls(&addr, "twice", key, &["--service-config", config.path()])
         .await;
     assert_eq!(again.len(), 2, "{again:?}");
     for call in &again {
@@ -720,9 +684,7 @@ async fn idem_client_retries_grpcio_server_with_one_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_without_key_is_invalid_argument() {
     let Some(py) = python().await else { return };
-    let shop = Shop::default();
-    let server = serve_idem(shop.clone()).await;
-    let addr = server.addr.to_string();
+    let (shop, _server, addr) = idem_shop(0).await;
 
     let calls = py.client(&["--addr", &addr, "--mode", "twice"]).await;
 
@@ -840,16 +802,12 @@ async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun
     });
     let addr = a.addr.to_string();
     let calls = py
-        .client(&[
-            "--addr",
+        .calls(
             &addr,
-            "--mode",
             "retry",
-            "--key",
             "grpcio-chain-0001",
-            "--service-config",
-            file.path(),
-        ])
+            &["--service-config", file.path()],
+        )
         .await;
     assert_eq!(calls.len(), 1, "{calls:?}");
     let runs = |hop: &Relay| hop.executions.load(Ordering::SeqCst);
@@ -864,49 +822,45 @@ async fn grpcio_over_chain(py: &Python, pushback_on_exhausted: bool) -> ChainRun
 async fn grpcio_does_not_retry_an_exhausted_downstream_failure() {
     let Some(py) = python().await else { return };
 
-    let run = grpcio_over_chain(&py, true).await;
-    let call = &run.call;
-    assert_eq!(call["code"], "UNAVAILABLE", "{call}");
-    assert_eq!(meta(call, "trailing", RETRY_PUSHBACK_MS), ["-1"], "{call}");
-    assert_eq!(
-        run.relay_runs,
-        [1, 1, 1],
-        "grpcio honoured grpc-retry-pushback-ms: -1 and did not retry, nor did A or B: {run:?}"
-    );
-    assert_eq!(
-        run.bottom_attempts, 3,
-        "retries happen at one layer only: {run:?}"
-    );
-    for local in [RETRY_OUTCOME, RETRY_ATTEMPTS] {
-        assert!(
-            meta(call, "trailing", &local).is_empty(),
-            "{local} leaked: {call}"
+    // Marker on: grpcio honours grpc-retry-pushback-ms: -1 and does not retry, nor do A
+    // or B. Marker off: every layer retries what the one below already retried.
+    let cases = [
+        (
+            true,
+            &["-1"][..],
+            [1, 1, 1],
+            3,
+            "retries happen at one layer only",
+        ),
+        (
+            false,
+            &[][..],
+            [4, 12, 36],
+            108,
+            "4, 4 × 3, 4 × 3 × 3 runs; 4 × 3 × 3 × 3 at D",
+        ),
+    ];
+    for (marker, pushback, relay_runs, bottom_attempts, why) in cases {
+        let run = grpcio_over_chain(&py, marker).await;
+        let call = &run.call;
+        let case = format!("marker {marker}: {why}: {run:?}");
+        assert_eq!(call["code"], "UNAVAILABLE", "{case}");
+        assert_eq!(
+            meta(call, "trailing", RETRY_PUSHBACK_MS),
+            pushback,
+            "{case}"
         );
-    }
-
-    // The same chain with the marker switched off: every layer retries what the one
-    // below already retried.
-    let run = grpcio_over_chain(&py, false).await;
-    let call = &run.call;
-    assert_eq!(call["code"], "UNAVAILABLE", "{call}");
-    assert!(
-        meta(call, "trailing", RETRY_PUSHBACK_MS).is_empty(),
-        "{call}"
-    );
-    assert_eq!(
-        run.relay_runs,
-        [4, 12, 36],
-        "4, 4 × 3, 4 × 3 × 3 runs: {run:?}"
-    );
-    assert_eq!(
-        run.bottom_attempts, 108,
-        "4 × 3 × 3 × 3 attempts at the bottom: {run:?}"
-    );
-    for local in [RETRY_OUTCOME, RETRY_ATTEMPTS] {
-        assert!(
-            meta(call, "trailing", &local).is_empty(),
-            "{local} leaked: {call}"
+        assert_eq!(run.relay_runs, relay_runs, "runs at A, B, C: {case}");
+        assert_eq!(
+            run.bottom_attempts, bottom_attempts,
+            "attempts at D: {case}"
         );
+        for local in [RETRY_OUTCOME, RETRY_ATTEMPTS] {
+            assert!(
+                meta(call, "trailing", &local).is_empty(),
+                "{local} leaked: {case}"
+            );
+        }
     }
 }
 

@@ -12,9 +12,9 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idem_redis::{RedisStore, WaitStrategy};
+use idem_redis::{RedisStore, RedisStoreBuilder, WaitStrategy};
 use idem_store::{
-    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
+    Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
 };
 use idem_test_support::redis::{RedisCluster, Resp};
@@ -27,9 +27,13 @@ fn prefix(what: &str) -> String {
     format!("{what}{}:", N.fetch_add(1, Ordering::Relaxed))
 }
 
+/// A store on `cluster` under a key prefix of its own.
+fn builder(cluster: &RedisCluster, what: &str) -> RedisStoreBuilder {
+    RedisStore::cluster_builder(cluster.urls()).key_prefix(prefix(what))
+}
+
 async fn store_on(cluster: &RedisCluster, what: &str, strategy: WaitStrategy) -> RedisStore {
-    RedisStore::cluster_builder(cluster.urls())
-        .key_prefix(prefix(what))
+    builder(cluster, what)
         .wait_strategy(strategy)
         .connect()
         .await
@@ -51,8 +55,7 @@ async fn tenant_in_flight_bound() {
     let Some(cluster) = RedisCluster::shared() else {
         return;
     };
-    let store = RedisStore::cluster_builder(cluster.urls())
-        .key_prefix(prefix("bound"))
+    let store = builder(cluster, "bound")
         .max_in_flight_per_tenant(Some(idem_store::testing::TENANT_IN_FLIGHT_BOUND))
         .connect()
         .await
@@ -72,6 +75,32 @@ fn request<'a>(
         fingerprint: fp,
         claimant: ClaimantId::random(),
         lease,
+    }
+}
+
+/// A store whose writes are answered once `replicas` replicas have them (WAIT, at most
+/// `timeout`).
+async fn confirming(
+    cluster: &RedisCluster,
+    what: &str,
+    replicas: usize,
+    timeout: Duration,
+) -> RedisStore {
+    builder(cluster, what)
+        .replica_acks(replicas, timeout)
+        .connect()
+        .await
+        .expect("connect")
+}
+
+/// The lease of the tests' claims.
+const LEASE: Duration = Duration::from_secs(5);
+
+/// Claims with `req` and returns the fence; panics with `what` unless it acquired.
+async fn acquired(store: &RedisStore, req: ClaimRequest<'_>, what: &str) -> Fence {
+    match store.claim(req).await {
+        Ok(Claim::Acquired { fence, .. }) => fence,
+        other => panic!("{what}: {other:?}"),
     }
 }
 
@@ -109,13 +138,12 @@ async fn records_and_tenant_counts_spread_over_every_master() {
     for i in 0..300 {
         let scope = Scope(rand::random());
         let tenant = &tenants[i % 3];
-        let fence = match store
-            .claim(request(&scope, tenant, &fp, Duration::from_secs(5)))
-            .await
-        {
-            Ok(Claim::Acquired { fence, .. }) => fence,
-            other => panic!("claim {i}: {other:?}"),
-        };
+        let fence = acquired(
+            &store,
+            request(&scope, tenant, &fp, LEASE),
+            &format!("claim {i}"),
+        )
+        .await;
         let body = StoredOutcome::Response(format!("reply {i}").into_bytes().into());
         store
             .complete(&scope, fence, body.clone(), Duration::from_secs(60))
@@ -123,7 +151,7 @@ async fn records_and_tenant_counts_spread_over_every_master() {
             .expect("complete");
         assert_eq!(
             store
-                .claim(request(&scope, tenant, &fp, Duration::from_secs(5)))
+                .claim(request(&scope, tenant, &fp, LEASE))
                 .await
                 .expect("replay"),
             Claim::Completed(body)
@@ -169,12 +197,12 @@ async fn waits_are_woken_by_sharded_pubsub_on_the_records_master() {
         let scope = Scope(rand::random());
         let tenant = TenantId([9; 16]);
         let fp = Fingerprint([2; 32]);
-        let Ok(Claim::Acquired { fence, .. }) = holder
-            .claim(request(&scope, &tenant, &fp, Duration::from_secs(30)))
-            .await
-        else {
-            panic!("claim")
-        };
+        let fence = acquired(
+            &holder,
+            request(&scope, &tenant, &fp, Duration::from_secs(30)),
+            "claim",
+        )
+        .await;
         let started = Instant::now();
         let wait = tokio::spawn({
             let waiter = waiter.clone();
@@ -227,17 +255,12 @@ async fn scripts_are_loaded_again_after_a_flush_on_every_node() {
     let fp = Fingerprint([3; 32]);
     for _ in 0..20 {
         let scope = Scope(rand::random());
-        let Ok(Claim::Acquired { fence, .. }) = store
-            .claim(request(
-                &scope,
-                &TenantId([4; 16]),
-                &fp,
-                Duration::from_secs(5),
-            ))
-            .await
-        else {
-            panic!("claim after SCRIPT FLUSH")
-        };
+        let fence = acquired(
+            &store,
+            request(&scope, &TenantId([4; 16]), &fp, LEASE),
+            "claim after SCRIPT FLUSH",
+        )
+        .await;
         complete_not_retained(&store, &scope, fence, "complete after SCRIPT FLUSH").await;
     }
 }
@@ -263,27 +286,17 @@ async fn confirmed_claims_and_completions_are_on_the_replica_when_answered() {
     let Some(cluster) = RedisCluster::shared() else {
         return;
     };
-    let store = RedisStore::cluster_builder(cluster.urls())
-        .key_prefix(prefix("acks"))
-        .replica_acks(1, Duration::from_millis(200))
-        .connect()
-        .await
-        .expect("connect");
+    let store = confirming(cluster, "acks", 1, Duration::from_millis(200)).await;
     let fp = Fingerprint([5; 32]);
     for i in 0..100 {
         let scope = Scope(rand::random());
         let key = store.key_for(&scope);
-        let Ok(Claim::Acquired { fence, .. }) = store
-            .claim(request(
-                &scope,
-                &TenantId([5; 16]),
-                &fp,
-                Duration::from_secs(5),
-            ))
-            .await
-        else {
-            panic!("claim {i}")
-        };
+        let fence = acquired(
+            &store,
+            request(&scope, &TenantId([5; 16]), &fp, LEASE),
+            &format!("claim {i}"),
+        )
+        .await;
         assert_eq!(
             state_on_replica(cluster, &key).as_deref(),
             Some("i"),
@@ -312,22 +325,12 @@ async fn unconfirmed_claims_fail_closed_and_leave_nothing_behind() {
     let Some(cluster) = RedisCluster::shared() else {
         return;
     };
-    let store = RedisStore::cluster_builder(cluster.urls())
-        .key_prefix(prefix("noacks"))
-        .replica_acks(2, Duration::from_millis(50))
-        .connect()
-        .await
-        .expect("connect");
+    let store = confirming(cluster, "noacks", 2, Duration::from_millis(50)).await;
     let fp = Fingerprint([6; 32]);
     for i in 0..10 {
         let scope = Scope(rand::random());
         let r = store
-            .claim(request(
-                &scope,
-                &TenantId([6; 16]),
-                &fp,
-                Duration::from_secs(5),
-            ))
+            .claim(request(&scope, &TenantId([6; 16]), &fp, LEASE))
             .await;
         match r {
             Err(StoreError::Unavailable(cause)) => assert!(
@@ -357,16 +360,11 @@ async fn unconfirmed_claims_fail_closed_and_leave_nothing_behind() {
         .expect("connect");
     let scope = Scope(rand::random());
     let tenant = TenantId([6; 16]);
-    let Ok(Claim::Acquired { fence, .. }) = plain
-        .claim(request(&scope, &tenant, &fp, Duration::from_secs(5)))
-        .await
-    else {
-        panic!("claim")
-    };
+    let fence = acquired(&plain, request(&scope, &tenant, &fp, LEASE), "claim").await;
     complete_not_retained(&plain, &scope, fence, "complete").await;
     assert_eq!(
         store
-            .claim(request(&scope, &tenant, &fp, Duration::from_secs(5)))
+            .claim(request(&scope, &tenant, &fp, LEASE))
             .await
             .expect("replay needs no confirmation"),
         Claim::Completed(StoredOutcome::NotRetained)
@@ -397,12 +395,7 @@ async fn config_with_cluster_nodes_connects_to_the_cluster() {
     let fp = Fingerprint([8; 32]);
     assert!(matches!(
         store
-            .claim(request(
-                &scope,
-                &TenantId([8; 16]),
-                &fp,
-                Duration::from_secs(5)
-            ))
+            .claim(request(&scope, &TenantId([8; 16]), &fp, LEASE))
             .await,
         Ok(Claim::Acquired { .. })
     ));

@@ -69,6 +69,18 @@ async fn acquire<S: Store>(s: &S, scope: &Scope, fp: &Fingerprint, lease: Durati
     }
 }
 
+/// A stored response of `body`.
+fn resp(body: &'static [u8]) -> StoredOutcome {
+    StoredOutcome::Response(Bytes::from_static(body))
+}
+
+/// What a claim by a new claimant gets.
+async fn claim_new<S: Store>(s: &S, sc: &Scope, fp: &Fingerprint, lease: Duration) -> Claim {
+    s.claim(req(sc, fp, ClaimantId::random(), lease))
+        .await
+        .unwrap()
+}
+
 /// Polls `f` every 20 ms until it returns `Some`, for at most `PATIENCE`.
 async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
 where
@@ -107,10 +119,7 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
         .await
         .unwrap();
     for _ in 0..2 {
-        let again = s
-            .claim(req(&sc, &f, ClaimantId::random(), LONG))
-            .await
-            .unwrap();
+        let again = claim_new(s, &sc, &f, LONG).await;
         assert_eq!(
             again,
             Claim::Completed(StoredOutcome::Response(body.clone()))
@@ -138,9 +147,7 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
         .await
         .unwrap();
     assert_eq!(
-        s.claim(req(&sc2, &f, ClaimantId::random(), LONG))
-            .await
-            .unwrap(),
+        claim_new(s, &sc2, &f, LONG).await,
         Claim::Completed(StoredOutcome::NotRetained)
     );
     let sc3 = scope();
@@ -149,9 +156,7 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
         .await
         .unwrap();
     assert_eq!(
-        s.claim(req(&sc3, &f, ClaimantId::random(), LONG))
-            .await
-            .unwrap(),
+        claim_new(s, &sc3, &f, LONG).await,
         Claim::Completed(StoredOutcome::Response(Bytes::new()))
     );
     assert_eq!(s.get(&scope()).await.unwrap(), None);
@@ -161,26 +166,9 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
 pub async fn mismatch_in_flight_and_completed<S: Store>(s: &S) {
     let sc = scope();
     let fence = acquire(s, &sc, &fp(1), LONG).await;
-    assert_eq!(
-        s.claim(req(&sc, &fp(2), ClaimantId::random(), LONG))
-            .await
-            .unwrap(),
-        Claim::Mismatch
-    );
-    s.complete(
-        &sc,
-        fence,
-        StoredOutcome::Response(Bytes::from_static(b"x")),
-        LONG,
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        s.claim(req(&sc, &fp(2), ClaimantId::random(), LONG))
-            .await
-            .unwrap(),
-        Claim::Mismatch
-    );
+    assert_eq!(claim_new(s, &sc, &fp(2), LONG).await, Claim::Mismatch);
+    s.complete(&sc, fence, resp(b"x"), LONG).await.unwrap();
+    assert_eq!(claim_new(s, &sc, &fp(2), LONG).await, Claim::Mismatch);
 }
 
 /// Conformance: in flight duplicate and same claimant.
@@ -191,11 +179,7 @@ pub async fn in_flight_duplicate_and_same_claimant<S: Store>(s: &S) {
     let Claim::Acquired { fence, .. } = s.claim(req(&sc, &f, me, LONG)).await.unwrap() else {
         panic!("not acquired")
     };
-    match s
-        .claim(req(&sc, &f, ClaimantId::random(), LONG))
-        .await
-        .unwrap()
-    {
+    match claim_new(s, &sc, &f, LONG).await {
         Claim::InFlight { lease_remaining } => {
             assert!(
                 lease_remaining > Duration::ZERO && lease_remaining <= LONG,
@@ -228,16 +212,7 @@ pub async fn stale_fences_are_refused<S: Store>(s: &S) {
         other => panic!("expected Fenced, got {other:?}"),
     };
     check(s.renew(&sc, stale, LONG).await, Some(fence));
-    check(
-        s.complete(
-            &sc,
-            stale,
-            StoredOutcome::Response(Bytes::from_static(b"no")),
-            LONG,
-        )
-        .await,
-        Some(fence),
-    );
+    check(s.complete(&sc, stale, resp(b"no"), LONG).await, Some(fence));
     check(s.release(&sc, stale).await, Some(fence));
     // Nothing changed.
     assert!(matches!(
@@ -250,14 +225,7 @@ pub async fn stale_fences_are_refused<S: Store>(s: &S) {
     check(s.release(&none, stale).await, None);
     // A completed record is not in flight: even its own fence is refused now.
     s.renew(&sc, fence, LONG).await.unwrap();
-    s.complete(
-        &sc,
-        fence,
-        StoredOutcome::Response(Bytes::from_static(b"ok")),
-        LONG,
-    )
-    .await
-    .unwrap();
+    s.complete(&sc, fence, resp(b"ok"), LONG).await.unwrap();
     for r in [
         s.renew(&sc, fence, LONG).await,
         s.release(&sc, fence).await,
@@ -270,10 +238,8 @@ pub async fn stale_fences_are_refused<S: Store>(s: &S) {
         );
     }
     assert_eq!(
-        s.claim(req(&sc, &f, ClaimantId::random(), LONG))
-            .await
-            .unwrap(),
-        Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"ok")))
+        claim_new(s, &sc, &f, LONG).await,
+        Claim::Completed(resp(b"ok"))
     );
 }
 
@@ -298,14 +264,7 @@ pub async fn release_then_any_claim_with_a_higher_fence<S: Store>(s: &S) {
     s.release(&sc, f2).await.unwrap();
     let f3 = acquire(s, &sc, &fp(5), LONG).await;
     assert!(f3 > f2, "{f3} > {f2}");
-    s.complete(
-        &sc,
-        f3,
-        StoredOutcome::Response(Bytes::from_static(b"3")),
-        LONG,
-    )
-    .await
-    .unwrap();
+    s.complete(&sc, f3, resp(b"3"), LONG).await.unwrap();
     assert!(matches!(
         s.complete(&sc, f2, StoredOutcome::NotRetained, LONG).await,
         Err(StoreError::Fenced { .. })
@@ -319,11 +278,7 @@ pub async fn release_leaves_nothing_that_blocks_a_new_claim<S: Store>(s: &S) {
     let f1 = acquire(s, &sc, &fp(12), LONG).await;
     s.release(&sc, f1).await.unwrap();
     // Another claimant, another fingerprint: acquired at once, not a takeover.
-    match s
-        .claim(req(&sc, &fp(13), ClaimantId::random(), LONG))
-        .await
-        .unwrap()
-    {
+    match claim_new(s, &sc, &fp(13), LONG).await {
         Claim::Acquired { fence, takeover } => {
             assert!(!takeover, "a released record is not taken over");
             assert!(fence > f1, "{fence} > {f1}");
@@ -354,29 +309,13 @@ pub async fn a_released_fence_cannot_renew_or_complete<S: Store>(s: &S) {
         )
     };
     fenced(s.renew(&sc, old, LONG).await);
-    fenced(
-        s.complete(
-            &sc,
-            old,
-            StoredOutcome::Response(Bytes::from_static(b"late")),
-            LONG,
-        )
-        .await,
-    );
+    fenced(s.complete(&sc, old, resp(b"late"), LONG).await);
     fenced(s.release(&sc, old).await);
     // Nothing was written by those: the next claim still runs.
     let new = acquire(s, &sc, &f, LONG).await;
     assert!(new > old, "{new} > {old}");
     fenced(s.renew(&sc, old, LONG).await);
-    fenced(
-        s.complete(
-            &sc,
-            old,
-            StoredOutcome::Response(Bytes::from_static(b"late")),
-            LONG,
-        )
-        .await,
-    );
+    fenced(s.complete(&sc, old, resp(b"late"), LONG).await);
     fenced(s.release(&sc, old).await);
     assert!(matches!(
         s.get(&sc).await.unwrap(),
@@ -391,11 +330,7 @@ pub async fn takeover_then_release_keeps_the_stale_holder_fenced<S: Store>(s: &S
     let f = fp(15);
     let stale = acquire(s, &sc, &f, LEASE).await;
     let taker = eventually("takeover after the lease", || async {
-        match s
-            .claim(req(&sc, &f, ClaimantId::random(), LONG))
-            .await
-            .unwrap()
-        {
+        match claim_new(s, &sc, &f, LONG).await {
             Claim::InFlight { .. } => None,
             Claim::Acquired { fence, takeover } => {
                 assert!(takeover);
@@ -412,27 +347,13 @@ pub async fn takeover_then_release_keeps_the_stale_holder_fenced<S: Store>(s: &S
         "{third} > {taker} > {stale}"
     );
     for old in [stale, taker] {
-        let r = s
-            .complete(
-                &sc,
-                old,
-                StoredOutcome::Response(Bytes::from_static(b"x")),
-                LONG,
-            )
-            .await;
+        let r = s.complete(&sc, old, resp(b"x"), LONG).await;
         assert!(
             matches!(r, Err(StoreError::Fenced { current: Some(c), .. }) if c == third),
             "{r:?}"
         );
     }
-    s.complete(
-        &sc,
-        third,
-        StoredOutcome::Response(Bytes::from_static(b"3")),
-        LONG,
-    )
-    .await
-    .unwrap();
+    s.complete(&sc, third, resp(b"3"), LONG).await.unwrap();
 }
 
 /// The per-tenant in-flight bound [`tenant_in_flight_bound`] expects the store to have.
@@ -489,19 +410,12 @@ pub async fn tenant_in_flight_bound<S: Store>(s: &S) {
         }
     );
     // Completing one makes room; its replay is not refused either.
-    s.complete(
-        sc0,
-        fence0,
-        StoredOutcome::Response(Bytes::from_static(b"a0")),
-        LONG,
-    )
-    .await
-    .unwrap();
+    s.complete(sc0, fence0, resp(b"a0"), LONG).await.unwrap();
     assert_eq!(
         s.claim(as_tenant(a, sc0, ClaimantId::random()))
             .await
             .unwrap(),
-        Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"a0")))
+        Claim::Completed(resp(b"a0"))
     );
     let next = s
         .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
@@ -529,11 +443,7 @@ pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
     let old = acquire(s, &sc, &f, LEASE).await;
     // Until the lease ends, others see it in flight; then one takes over.
     let (new, takeover) = eventually("takeover after the lease", || async {
-        match s
-            .claim(req(&sc, &f, ClaimantId::random(), LEASE * 10))
-            .await
-            .unwrap()
-        {
+        match claim_new(s, &sc, &f, LEASE * 10).await {
             Claim::InFlight { .. } => None,
             Claim::Acquired { fence, takeover } => Some((fence, takeover)),
             other => panic!("{other:?}"),
@@ -543,14 +453,7 @@ pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
     assert!(takeover);
     assert!(new > old, "{new} > {old}");
     // The crashed claimant's late writes are refused.
-    let r = s
-        .complete(
-            &sc,
-            old,
-            StoredOutcome::Response(Bytes::from_static(b"stale")),
-            LONG,
-        )
-        .await;
+    let r = s.complete(&sc, old, resp(b"stale"), LONG).await;
     assert!(
         matches!(r, Err(StoreError::Fenced { presented, current: Some(c) }) if presented == old && c == new),
         "{r:?}"
@@ -559,19 +462,10 @@ pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
         s.renew(&sc, old, LONG).await,
         Err(StoreError::Fenced { .. })
     ));
-    s.complete(
-        &sc,
-        new,
-        StoredOutcome::Response(Bytes::from_static(b"fresh")),
-        LONG,
-    )
-    .await
-    .unwrap();
+    s.complete(&sc, new, resp(b"fresh"), LONG).await.unwrap();
     assert_eq!(
-        s.claim(req(&sc, &f, ClaimantId::random(), LONG))
-            .await
-            .unwrap(),
-        Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"fresh")))
+        claim_new(s, &sc, &f, LONG).await,
+        Claim::Completed(resp(b"fresh"))
     );
 }
 
@@ -584,9 +478,7 @@ pub async fn renew_keeps_the_lease<S: Store>(s: &S) {
     // Well past the first lease, the record is still held.
     tokio::time::sleep(LEASE * 3).await;
     assert!(matches!(
-        s.claim(req(&sc, &f, ClaimantId::random(), LEASE))
-            .await
-            .unwrap(),
+        claim_new(s, &sc, &f, LEASE).await,
         Claim::InFlight { .. }
     ));
     s.complete(&sc, fence, StoredOutcome::NotRetained, LONG)
@@ -599,14 +491,7 @@ pub async fn completed_records_expire_after_their_ttl<S: Store>(s: &S) {
     let sc = scope();
     let f = fp(9);
     let fence = acquire(s, &sc, &f, LONG).await;
-    s.complete(
-        &sc,
-        fence,
-        StoredOutcome::Response(Bytes::from_static(b"t")),
-        LEASE,
-    )
-    .await
-    .unwrap();
+    s.complete(&sc, fence, resp(b"t"), LEASE).await.unwrap();
     eventually("record gone after its ttl", || async {
         s.get(&sc).await.unwrap().is_none().then_some(())
     })
@@ -615,6 +500,21 @@ pub async fn completed_records_expire_after_their_ttl<S: Store>(s: &S) {
     // its fence is still above every fence the expired record handed out.
     let next = acquire(s, &sc, &fp(10), LONG).await;
     assert!(next > fence, "{next} > {fence}");
+}
+
+/// Waits on `sc` while, 50 ms in, `change` runs: the wait returns after it (`what`).
+async fn wait_across<S: Store>(s: &S, sc: Scope, what: &str, change: impl Future<Output = ()>) {
+    let waiter = {
+        let s = s.clone();
+        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    change.await;
+    tokio::time::timeout(PATIENCE, waiter)
+        .await
+        .unwrap_or_else(|e| panic!("wait returned after {what}: {e}"))
+        .unwrap()
+        .unwrap();
 }
 
 /// Conformance: wait returns when the record changes.
@@ -626,39 +526,14 @@ pub async fn wait_returns_when_the_record_changes<S: Store>(s: &S) {
     let sc = scope();
     let f = fp(11);
     let fence = acquire(s, &sc, &f, LONG).await;
-    let waiter = {
-        let s = s.clone();
-        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    s.complete(
-        &sc,
-        fence,
-        StoredOutcome::Response(Bytes::from_static(b"w")),
-        LONG,
-    )
-    .await
-    .unwrap();
-    tokio::time::timeout(PATIENCE, waiter)
-        .await
-        .expect("wait returned after completion")
-        .unwrap()
-        .unwrap();
+    let complete = async { s.complete(&sc, fence, resp(b"w"), LONG).await.unwrap() };
+    wait_across(s, sc, "completion", complete).await;
 
     // Released.
     let sc = scope();
     let fence = acquire(s, &sc, &f, LONG).await;
-    let waiter = {
-        let s = s.clone();
-        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    s.release(&sc, fence).await.unwrap();
-    tokio::time::timeout(PATIENCE, waiter)
-        .await
-        .expect("wait returned after release")
-        .unwrap()
-        .unwrap();
+    let release = async { s.release(&sc, fence).await.unwrap() };
+    wait_across(s, sc, "release", release).await;
 
     // Lease ended (crash): returns, and the next claim takes over.
     let sc = scope();

@@ -18,6 +18,9 @@ use super::backoff::FixedJitter;
 use super::*;
 use crate::BoxError;
 
+/// A scripted service below the layer.
+type Inner = tower::util::BoxCloneService<http::Request<Body>, http::Response<Body>, BoxError>;
+
 #[derive(Clone)]
 enum Step {
     /// Trailers-Only with this status.
@@ -62,18 +65,16 @@ impl Script {
         let seen = self.seen();
         seen.windows(2).map(|w| w[1].at - w[0].at).collect()
     }
-    fn service(
-        &self,
-    ) -> impl Service<
-        http::Request<Body>,
-        Response = http::Response<Body>,
-        Error = BoxError,
-        Future = impl Send + 'static,
-    > + Clone
-    + Send
-    + 'static {
+    /// The `grpc-timeout` of every request seen.
+    fn timeouts(&self) -> Vec<Duration> {
+        self.seen()
+            .iter()
+            .map(|s| parse_grpc_timeout(s.headers["grpc-timeout"].as_bytes()).unwrap())
+            .collect()
+    }
+    fn service(&self) -> Inner {
         let script = self.clone();
-        tower::service_fn(move |req: http::Request<Body>| {
+        Inner::new(tower::service_fn(move |req: http::Request<Body>| {
             let script = script.clone();
             async move {
                 let at = Instant::now();
@@ -109,7 +110,7 @@ impl Script {
                     Step::Stall => Ok(http::Response::new(Body::new(StalledBody(true)))),
                 }
             }
-        })
+        }))
     }
 }
 
@@ -135,6 +136,12 @@ fn request(path: &str) -> http::Request<Body> {
 
 const PATH: &str = "/shop.v1.Orders/CreateOrder";
 
+fn with_header(path: &str, name: &'static str, value: &'static str) -> http::Request<Body> {
+    let mut req = request(path);
+    req.headers_mut().insert(name, value.parse().unwrap());
+    req
+}
+
 async fn send<S>(svc: &mut S, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = BoxError>,
@@ -142,14 +149,55 @@ where
     svc.ready().await?.call(req).await
 }
 
+/// Sends `req` through `layer` over `script`.
+async fn run(
+    layer: &RetryLayer,
+    script: &Script,
+    req: http::Request<Body>,
+) -> http::Response<Body> {
+    send(&mut layer.layer(script.service()), req).await.unwrap()
+}
+
 fn report(resp: &http::Response<Body>) -> CallReport {
     *resp.extensions().get::<CallReport>().expect("report")
 }
 
-/// `(outcome, attempts, last_code)` of a response's report.
-fn summary(resp: &http::Response<Body>) -> (CallOutcome, u32, Option<Code>) {
+fn ends(r: &CallReport) -> Vec<AttemptEnd> {
+    r.history().map(|a| a.end).collect()
+}
+
+/// Asserts the `(outcome, attempts, last_code)` of a response's report.
+#[track_caller]
+fn assert_summary(
+    resp: &http::Response<Body>,
+    outcome: CallOutcome,
+    attempts: u32,
+    last_code: Option<Code>,
+) {
     let r = report(resp);
-    (r.outcome, r.attempts, r.last_code)
+    assert_eq!(
+        (r.outcome, r.attempts, r.last_code),
+        (outcome, attempts, last_code),
+        "{r}"
+    );
+}
+
+/// The status a Trailers-Only response carries.
+fn status_of(resp: &http::Response<Body>) -> tonic::Status {
+    tonic::Status::from_header_map(resp.headers()).unwrap()
+}
+
+#[track_caller]
+fn assert_status(status: &tonic::Status, code: tonic::Code, message: &str) {
+    assert_eq!((status.code(), status.message()), (code, message));
+}
+
+/// Asserts a call that failed before any attempt was sent: its status (code, message),
+/// and a report of `outcome` after no attempt, the status's code the last.
+#[track_caller]
+fn assert_unsent(resp: &http::Response<Body>, (code, message): (Code, &str), outcome: CallOutcome) {
+    assert_status(&status_of(resp), code, message);
+    assert_summary(resp, outcome, 0, Some(code));
 }
 
 fn builder() -> RetryLayerBuilder {
@@ -179,9 +227,8 @@ async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
             .seed(seed)
             .build()
             .unwrap();
-        let mut svc = layer.layer(script.service());
-        let resp = send(&mut svc, request(PATH)).await.unwrap();
-        assert_eq!(summary(&resp), (CallOutcome::Committed, 5, None));
+        let resp = run(&layer, &script, request(PATH)).await;
+        assert_summary(&resp, CallOutcome::Committed, 5, None);
         let gaps = script.gaps();
         assert_eq!(gaps.len(), 4);
         for (i, gap) in gaps.iter().enumerate() {
@@ -214,8 +261,7 @@ async fn exponent_resets_after_a_pushback() {
         Step::Ok,
     ]);
     let layer = builder().max_attempts(5).build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).attempts, 5);
     // Midpoint jitter: 20, 40, then exactly the pushback, then back to 20.
     let ms: Vec<u128> = script.gaps().iter().map(Duration::as_millis).collect();
@@ -244,8 +290,7 @@ async fn retry_info_is_a_minimum_and_reading_it_never_panics() {
         Step::Ok,
     ]);
     let layer = builder().max_attempts(5).build().unwrap();
-    let mut svc = layer.layer(script.service());
-    send(&mut svc, request(PATH)).await.unwrap();
+    run(&layer, &script, request(PATH)).await;
     let ms: Vec<u128> = script.gaps().iter().map(Duration::as_millis).collect();
     // 500 (RetryInfo above the 20 ms backoff), 40 (backoff above 1 ms), 80 (garbage ignored).
     assert_eq!(ms, [500, 40, 80]);
@@ -259,12 +304,9 @@ async fn deadline_100ms_with_1s_backoff_makes_one_attempt_and_returns_at_once() 
         .max_backoff(Duration::from_secs(1))
         .build()
         .unwrap();
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "100m".parse().unwrap());
+    let req = with_timeout(PATH, "100m");
     let start = Instant::now();
-    let resp = send(&mut svc, req).await.unwrap();
+    let resp = run(&layer, &script, req).await;
     assert_eq!(
         start.elapsed(),
         Duration::ZERO,
@@ -284,12 +326,9 @@ async fn deadline_100ms_with_1s_backoff_makes_one_attempt_and_returns_at_once() 
 async fn pushback_longer_than_the_time_left_ends_the_call_without_waiting() {
     let script = Script::new([with_pushback("300"), Step::Ok]);
     let layer = builder().build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "200m".parse().unwrap());
+    let req = with_timeout(PATH, "200m");
     let start = Instant::now();
-    let resp = send(&mut svc, req).await.unwrap();
+    let resp = run(&layer, &script, req).await;
     assert_eq!(start.elapsed(), Duration::ZERO);
     assert_eq!(report(&resp).outcome, CallOutcome::Deadline);
     assert_eq!(script.seen().len(), 1);
@@ -308,11 +347,8 @@ async fn min_attempt_time_stops_a_retry_that_would_start_too_late() {
             .min_attempt_time(Duration::from_millis(min))
             .build()
             .unwrap();
-        let mut svc = layer.layer(script.service());
-        let mut req = request(PATH);
-        req.headers_mut()
-            .insert("grpc-timeout", "100m".parse().unwrap());
-        let resp = send(&mut svc, req).await.unwrap();
+        let req = with_timeout(PATH, "100m");
+        let resp = run(&layer, &script, req).await;
         assert_eq!(report(&resp).outcome, outcome, "minimum {min} ms");
         assert_eq!(script.seen().len(), attempts, "minimum {min} ms");
     }
@@ -325,18 +361,10 @@ async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
         .initial_backoff(Duration::from_millis(100))
         .build()
         .unwrap();
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "1S".parse().unwrap());
-    send(&mut svc, req).await.unwrap();
-    let timeouts: Vec<Duration> = script
-        .seen()
-        .iter()
-        .map(|s| parse_grpc_timeout(s.headers["grpc-timeout"].as_bytes()).unwrap())
-        .collect();
+    let req = with_timeout(PATH, "1S");
+    run(&layer, &script, req).await;
     assert_eq!(
-        timeouts,
+        script.timeouts(),
         [
             Duration::from_millis(1000),
             Duration::from_millis(900),
@@ -383,22 +411,15 @@ async fn config_timeout_and_inbound_deadline_take_the_earliest() {
     // Config timeout alone.
     send(&mut svc, request(PATH)).await.unwrap();
     // The caller's shorter grpc-timeout.
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "200m".parse().unwrap());
+    let req = with_timeout(PATH, "200m");
     send(&mut svc, req).await.unwrap();
     // An inbound deadline (the cross-hop hook) shorter still.
     let scope = InboundScope::new(Some(Instant::now() + Duration::from_millis(50)), 0);
     scope_inbound_deadline(scope, send(&mut svc, request(PATH)))
         .await
         .unwrap();
-    let timeouts: Vec<Duration> = script
-        .seen()
-        .iter()
-        .map(|s| parse_grpc_timeout(s.headers["grpc-timeout"].as_bytes()).unwrap())
-        .collect();
     assert_eq!(
-        timeouts,
+        script.timeouts(),
         [
             Duration::from_millis(500),
             Duration::from_millis(200),
@@ -411,12 +432,9 @@ async fn config_timeout_and_inbound_deadline_take_the_earliest() {
 async fn a_hanging_attempt_is_cut_at_the_deadline() {
     let script = Script::new([Step::Hang]);
     let layer = builder().build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("grpc-timeout", "100m".parse().unwrap());
+    let req = with_timeout(PATH, "100m");
     let start = Instant::now();
-    let resp = send(&mut svc, req).await.unwrap();
+    let resp = run(&layer, &script, req).await;
     assert_eq!(start.elapsed(), Duration::from_millis(100));
     assert_eq!(resp.headers()["grpc-status"], "4");
     assert_eq!(report(&resp).outcome, CallOutcome::Deadline);
@@ -429,15 +447,13 @@ async fn per_attempt_recv_timeout_cancels_and_retries() {
         .per_attempt_recv_timeout(Duration::from_millis(50))
         .build()
         .unwrap();
-    let mut svc = layer.layer(script.service());
     let start = Instant::now();
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
-    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
+    let resp = run(&layer, &script, request(PATH)).await;
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
     assert_eq!(start.elapsed(), Duration::from_millis(50 + 20));
     // Every attempt hangs: CANCELLED after maxAttempts.
     let script = Script::new([Step::Hang, Step::Hang, Step::Hang]);
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(resp.headers()["grpc-status"], "1");
     assert_eq!(report(&resp).outcome, CallOutcome::AttemptsExhausted);
 }
@@ -446,8 +462,7 @@ async fn per_attempt_recv_timeout_cancels_and_retries() {
 async fn transport_errors_are_retried_like_unavailable() {
     let script = Script::new([Step::Refused, Step::Refused, Step::Ok]);
     let layer = builder().build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).attempts, 3);
     // Not retried when UNAVAILABLE is not retryable; the error comes back as the status
     // tonic would make of it, with a report.
@@ -456,16 +471,12 @@ async fn transport_errors_are_retried_like_unavailable() {
         .retryable_status_codes(CodeSet::of(Code::Aborted))
         .build()
         .unwrap();
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
+    let status = status_of(&resp);
     assert_eq!(status.message(), "connection refused");
     let r = CallReport::from_status(&status).unwrap();
     assert_eq!((r.outcome, r.attempts), (CallOutcome::NonRetryableCode, 1));
-    assert_eq!(
-        r.history().map(|a| a.end).collect::<Vec<_>>(),
-        [AttemptEnd::TransportError]
-    );
+    assert_eq!(ends(&r), [AttemptEnd::TransportError]);
     assert_eq!(
         layer
             .stats()
@@ -479,9 +490,8 @@ async fn transport_errors_are_retried_like_unavailable() {
 async fn a_call_that_fails_on_every_attempt_with_transport_errors_has_a_report() {
     let script = Script::new([Step::Refused, Step::Refused, Step::Refused]);
     let layer = builder().build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
+    let status = status_of(&resp);
     let r = CallReport::from_status(&status).unwrap();
     assert_eq!(r, report(&resp));
     assert_eq!((r.outcome, r.attempts), (CallOutcome::AttemptsExhausted, 3));
@@ -496,8 +506,7 @@ async fn a_call_that_fails_on_every_attempt_with_transport_errors_has_a_report()
 async fn every_attempt_sends_the_whole_body() {
     let script = Script::new([unavailable(), unavailable(), Step::Ok]);
     let layer = builder().build().unwrap();
-    let mut svc = layer.layer(script.service());
-    send(&mut svc, request(PATH)).await.unwrap();
+    run(&layer, &script, request(PATH)).await;
     for s in script.seen() {
         assert_eq!(&s.body[..], b"\0\0\0\0\x02hi");
     }
@@ -508,8 +517,7 @@ async fn every_attempt_sends_the_whole_body() {
 async fn a_body_over_the_replay_budget_is_sent_once() {
     let script = Script::new([unavailable(), Step::Ok]);
     let layer = builder().max_replay_bytes_total(4).build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let err = send(&mut svc, request(PATH)).await.unwrap();
+    let err = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&err).outcome, CallOutcome::ReplayBudgetExhausted);
     assert_eq!(script.seen().len(), 1);
     assert_eq!(&script.seen()[0].body[..], b"\0\0\0\0\x02hi");
@@ -520,8 +528,7 @@ async fn no_policy_passes_through_once_and_unprotected_methods_get_no_key() {
     let cfg = ServiceConfig::from_parts(Vec::new(), None, IdemSettings::default()).unwrap();
     let script = Script::new([unavailable()]);
     let layer = RetryLayer::from_config(&cfg);
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).outcome, CallOutcome::NoRetryPolicy);
     assert_eq!(script.seen().len(), 1);
     assert!(!script.seen()[0].headers.contains_key("x-idempotency-key"));
@@ -557,8 +564,7 @@ async fn reload_swaps_policies_and_keeps_the_throttle_bucket() {
     };
     let script = Script::new([unavailable(), unavailable()]);
     let layer = RetryLayer::from_config(&cfg(2));
-    let mut svc = layer.layer(script.service());
-    send(&mut svc, request(PATH)).await.unwrap();
+    run(&layer, &script, request(PATH)).await;
     let bucket = layer.throttle().unwrap();
     assert_eq!(bucket.milli_tokens(), 18_000);
     layer.reload(&cfg(4));
@@ -568,8 +574,7 @@ async fn reload_swaps_policies_and_keeps_the_throttle_bucket() {
         "bucket survives the reload"
     );
     let script = Script::new([unavailable(), unavailable(), unavailable(), unavailable()]);
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).attempts, 4, "new policy applies");
     assert_eq!(bucket.milli_tokens(), 14_000, "same bucket, shared");
 }
@@ -583,19 +588,12 @@ async fn a_throttle_handle_is_shared_across_layers() {
     let a = builder().throttle(bucket.clone()).build().unwrap();
     let b = builder().throttle(bucket.clone()).build().unwrap();
     let script = Script::new([unavailable(), unavailable()]);
-    let resp = send(&mut a.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
+    let resp = run(&a, &script, request(PATH)).await;
     // 3 → 2 tokens (> 1.5): retried; second failure 2 → 1: throttled.
     assert_eq!(report(&resp).outcome, CallOutcome::Throttled);
     let script = Script::new([unavailable(), Step::Ok]);
-    let resp = send(&mut b.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
-    assert_eq!(
-        summary(&resp),
-        (CallOutcome::Throttled, 1, Some(Code::Unavailable))
-    );
+    let resp = run(&b, &script, request(PATH)).await;
+    assert_summary(&resp, CallOutcome::Throttled, 1, Some(Code::Unavailable));
 }
 
 #[tokio::test(start_paused = true)]
@@ -622,7 +620,7 @@ async fn outcome_hook_and_stats_see_every_call() {
         resp.headers()
             .contains_key(idem_core::headers::RETRY_OUTCOME)
     );
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    let status = status_of(&resp);
     let r = CallReport::from_status(&status).unwrap();
     assert_eq!((r.outcome, r.attempts), (CallOutcome::AttemptsExhausted, 3));
     assert!(r.outcome.retries_gave_up());
@@ -648,18 +646,15 @@ async fn give_up_failures_carry_the_inbound_marker() {
     let layer = builder().build().unwrap();
     // Exhausted: marked.
     let script = Script::new([unavailable(), unavailable(), unavailable()]);
-    let mut svc = layer.layer(script.service());
-    let resp = scope.run(send(&mut svc, request(PATH))).await.unwrap();
+    let resp = scope.run(run(&layer, &script, request(PATH))).await;
     assert!(marker.matches(&resp.headers()[DOWNSTREAM_EXHAUSTED]));
     // A non-retryable failure is the handler's to judge: not marked.
     let script = Script::new([Step::Status(tonic::Status::internal("x"))]);
-    let mut svc = layer.layer(script.service());
-    let resp = scope.run(send(&mut svc, request(PATH))).await.unwrap();
+    let resp = scope.run(run(&layer, &script, request(PATH))).await;
     assert!(!resp.headers().contains_key(DOWNSTREAM_EXHAUSTED));
     // Outside an inbound call: not marked.
     let script = Script::new([unavailable(), unavailable(), unavailable()]);
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert!(!resp.headers().contains_key(DOWNSTREAM_EXHAUSTED));
 }
 
@@ -683,7 +678,7 @@ async fn a_proxy_503_without_grpc_status_is_retried_like_unavailable() {
     });
     let layer = builder().build().unwrap();
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
-    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
     assert_eq!(*calls.lock().unwrap(), 2);
 }
 
@@ -718,19 +713,7 @@ fn headers_then(
         .unwrap()
 }
 
-fn scripted_responses(
-    responses: Vec<http::Response<Body>>,
-) -> (
-    Arc<Mutex<u32>>,
-    impl Service<
-        http::Request<Body>,
-        Response = http::Response<Body>,
-        Error = BoxError,
-        Future = impl Send + 'static,
-    > + Clone
-    + Send
-    + 'static,
-) {
+fn scripted_responses(responses: Vec<http::Response<Body>>) -> (Arc<Mutex<u32>>, Inner) {
     let queue = Arc::new(Mutex::new(VecDeque::from(responses)));
     let calls = Arc::new(Mutex::new(0u32));
     let counter = calls.clone();
@@ -743,7 +726,7 @@ fn scripted_responses(
             Ok::<_, BoxError>(next.unwrap_or_else(|| http::Response::new(Body::empty())))
         }
     });
-    (calls, svc)
+    (calls, Inner::new(svc))
 }
 
 #[tokio::test(start_paused = true)]
@@ -783,7 +766,7 @@ async fn headers_then_error_is_retried_only_with_the_opt_in() {
     let start = Instant::now();
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(70));
-    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
     assert_eq!(*calls.lock().unwrap(), 2);
     // The peeked message is put back in front of the rest.
     let collected = resp.into_body().collect().await.unwrap();
@@ -793,11 +776,8 @@ async fn headers_then_error_is_retried_only_with_the_opt_in() {
     // Opt-in, every attempt fails that way: the caller gets a Trailers-Only error.
     let (_, svc) = scripted_responses(vec![failing(), failing(), failing()]);
     let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
-    assert_eq!(
-        (status.code(), status.message()),
-        (tonic::Code::Unavailable, "down")
-    );
+    let status = status_of(&resp);
+    assert_status(&status, tonic::Code::Unavailable, "down");
     assert_eq!(
         CallReport::from_status(&status).unwrap().outcome,
         CallOutcome::AttemptsExhausted
@@ -824,8 +804,7 @@ async fn keys_are_sensitive_and_the_same_on_every_attempt() {
     // Generated key.
     let script = Script::new([unavailable(), Step::Ok]);
     let layer = builder().key_all_methods(true).build().unwrap();
-    let mut svc = layer.layer(script.service());
-    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).attempts, 2);
     let seen = script.seen();
     let keys: Vec<_> = seen
@@ -838,11 +817,8 @@ async fn keys_are_sensitive_and_the_same_on_every_attempt() {
 
     // A caller's key is kept, and marked sensitive too.
     let script = Script::new([unavailable(), Step::Ok]);
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("x-idempotency-key", "caller-key-7".parse().unwrap());
-    send(&mut svc, req).await.unwrap();
+    let req = with_header(PATH, "x-idempotency-key", "caller-key-7");
+    run(&layer, &script, req).await;
     for s in script.seen() {
         let v = &s.headers["x-idempotency-key"];
         assert_eq!(v, "caller-key-7");
@@ -905,11 +881,8 @@ async fn a_callers_key_goes_under_the_configured_header_on_every_attempt() {
 
     // A key written by hand under the default name is moved, not replaced.
     let script = Script::new([unavailable(), Step::Ok]);
-    let mut svc = layer.layer(script.service());
-    let mut req = request(PATH);
-    req.headers_mut()
-        .insert("x-idempotency-key", "by-hand-key-42".parse().unwrap());
-    send(&mut svc, req).await.unwrap();
+    let req = with_header(PATH, "x-idempotency-key", "by-hand-key-42");
+    run(&layer, &script, req).await;
     for s in script.seen() {
         assert_eq!(s.headers["idempotency-key"], "by-hand-key-42");
         assert!(!s.headers.contains_key("x-idempotency-key"));
@@ -935,10 +908,7 @@ impl http_body::Body for StalledBody {
 }
 
 fn with_timeout(path: &str, grpc_timeout: &'static str) -> http::Request<Body> {
-    let mut req = request(path);
-    req.headers_mut()
-        .insert("grpc-timeout", grpc_timeout.parse().unwrap());
-    req
+    with_header(path, "grpc-timeout", grpc_timeout)
 }
 
 fn no_policy() -> RetryLayer {
@@ -960,14 +930,9 @@ async fn a_server_cannot_park_a_call_without_a_deadline() {
         let script = Script::new([step, Step::Ok]);
         let layer = builder().build().unwrap();
         let start = Instant::now();
-        let resp = send(&mut layer.layer(script.service()), request(PATH))
-            .await
-            .unwrap();
+        let resp = run(&layer, &script, request(PATH)).await;
         assert_eq!(start.elapsed(), Duration::ZERO);
-        assert_eq!(
-            summary(&resp),
-            (CallOutcome::PushbackStop, 1, Some(Code::Unavailable))
-        );
+        assert_summary(&resp, CallOutcome::PushbackStop, 1, Some(Code::Unavailable));
     }
     // Within a raised cap, the server's wait is honoured exactly.
     let script = Script::new([with_pushback("90000"), Step::Ok]);
@@ -975,9 +940,7 @@ async fn a_server_cannot_park_a_call_without_a_deadline() {
         .max_retry_delay(Duration::from_secs(120))
         .build()
         .unwrap();
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).outcome, CallOutcome::Committed);
     assert_eq!(script.gaps(), [Duration::from_secs(90)]);
 }
@@ -986,9 +949,8 @@ async fn a_server_cannot_park_a_call_without_a_deadline() {
 async fn the_deadline_bounds_a_stalled_response_body() {
     for layer in [builder().build().unwrap(), no_policy()] {
         let script = Script::new([Step::Stall]);
-        let mut svc = layer.layer(script.service());
         let start = Instant::now();
-        let resp = send(&mut svc, with_timeout(PATH, "1S")).await.unwrap();
+        let resp = run(&layer, &script, with_timeout(PATH, "1S")).await;
         let mut body = resp.into_body();
         assert!(body.frame().await.unwrap().unwrap().is_data());
         let trailers = body
@@ -1011,18 +973,14 @@ async fn the_deadline_bounds_a_stalled_response_body() {
 async fn a_channel_timeout_at_the_deadline_is_deadline_exceeded_with_a_report() {
     for layer in [builder().build().unwrap(), no_policy()] {
         let script = Script::new([Step::TimeoutExpired]);
-        let mut svc = layer.layer(script.service());
         let start = Instant::now();
-        let resp = send(&mut svc, with_timeout(PATH, "100m")).await.unwrap();
+        let resp = run(&layer, &script, with_timeout(PATH, "100m")).await;
         assert_eq!(start.elapsed(), Duration::from_millis(100));
-        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        let status = status_of(&resp);
         assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
         let r = CallReport::from_status(&status).unwrap();
         assert_eq!(r.outcome, CallOutcome::Deadline);
-        assert_eq!(
-            r.history().map(|a| a.end).collect::<Vec<_>>(),
-            [AttemptEnd::Deadline]
-        );
+        assert_eq!(ends(&r), [AttemptEnd::Deadline]);
     }
 }
 
@@ -1082,13 +1040,11 @@ async fn wait_for_ready_sends_again_without_using_attempts_or_tokens() {
         .wait_for_ready(true)
         .build()
         .unwrap();
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
-    assert_eq!(summary(&resp), (CallOutcome::Committed, 2, None));
+    let resp = run(&layer, &script, request(PATH)).await;
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
     let r = report(&resp);
     assert_eq!(
-        r.history().map(|a| a.end).collect::<Vec<_>>(),
+        ends(&r),
         [AttemptEnd::Status(Code::Unavailable), AttemptEnd::Committed]
     );
     // The waits: 100, 160, 256 ms (jitter at its midpoint), then the policy's 20 ms.
@@ -1112,12 +1068,12 @@ async fn wait_for_ready_sends_again_without_using_attempts_or_tokens() {
 async fn without_wait_for_ready_a_connect_failure_is_an_attempt() {
     let script = Script::new([Step::NotConnected, Step::NotConnected, Step::Ok]);
     let layer = builder().max_attempts(2).build().unwrap();
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
-    assert_eq!(
-        summary(&resp),
-        (CallOutcome::AttemptsExhausted, 2, Some(Code::Unavailable))
+    let resp = run(&layer, &script, request(PATH)).await;
+    assert_summary(
+        &resp,
+        CallOutcome::AttemptsExhausted,
+        2,
+        Some(Code::Unavailable),
     );
 }
 
@@ -1126,20 +1082,10 @@ async fn wait_for_ready_waits_until_the_deadline_and_ends_with_deadline_exceeded
     let script = Script::new(std::iter::repeat_n(Step::NotConnected, 100));
     let layer = builder().wait_for_ready(true).build().unwrap();
     let start = Instant::now();
-    let resp = send(&mut layer.layer(script.service()), with_timeout(PATH, "1S"))
-        .await
-        .unwrap();
+    let resp = run(&layer, &script, with_timeout(PATH, "1S")).await;
     assert_eq!(start.elapsed(), Duration::from_secs(1));
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
-    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
-    assert_eq!(
-        status.message(),
-        "deadline exceeded while waiting for the channel to become ready"
-    );
-    assert_eq!(
-        summary(&resp),
-        (CallOutcome::Deadline, 0, Some(Code::DeadlineExceeded))
-    );
+    let why = "deadline exceeded while waiting for the channel to become ready";
+    assert_unsent(&resp, (Code::DeadlineExceeded, why), CallOutcome::Deadline);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1151,16 +1097,14 @@ async fn wait_for_ready_without_a_deadline_gives_up_after_its_limit() {
         .build()
         .unwrap();
     let start = Instant::now();
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(start.elapsed(), Duration::from_secs(5));
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
-    assert_eq!(status.code(), tonic::Code::Unavailable);
-    assert_eq!(
-        status.message(),
+    let status = status_of(&resp);
+    assert_status(
+        &status,
+        tonic::Code::Unavailable,
         "the channel did not become ready within 5s (waitForReady): tcp connect error: \
-         Connection refused"
+         Connection refused",
     );
     let r = CallReport::from_status(&status).unwrap();
     assert_eq!((r.outcome, r.attempts), (CallOutcome::NotReady, 0));
@@ -1175,13 +1119,13 @@ async fn wait_for_ready_applies_to_methods_without_a_retry_policy() {
     .unwrap();
     let script = Script::new([Step::NotConnected, Step::NotConnected, unavailable()]);
     let layer = RetryLayer::from_config(&cfg);
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     // Sent once it connected; its UNAVAILABLE is not retried (no retry policy).
-    assert_eq!(
-        summary(&resp),
-        (CallOutcome::NoRetryPolicy, 1, Some(Code::Unavailable))
+    assert_summary(
+        &resp,
+        CallOutcome::NoRetryPolicy,
+        1,
+        Some(Code::Unavailable),
     );
     assert_eq!(script.seen().len(), 3);
 }
@@ -1192,29 +1136,17 @@ async fn wait_for_ready_applies_to_methods_without_a_retry_policy() {
 async fn a_request_message_over_the_limit_fails_before_anything_is_sent() {
     let script = Script::new([Step::Ok]);
     let layer = builder().max_request_message_bytes(1).build().unwrap();
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
-    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-    assert_eq!(
-        status.message(),
-        "request message of 2 bytes is over maxRequestMessageBytes (1)"
-    );
-    assert_eq!(
-        summary(&resp),
-        (
-            CallOutcome::MessageTooLarge,
-            0,
-            Some(Code::ResourceExhausted)
-        )
+    let resp = run(&layer, &script, request(PATH)).await;
+    let why = "request message of 2 bytes is over maxRequestMessageBytes (1)";
+    assert_unsent(
+        &resp,
+        (Code::ResourceExhausted, why),
+        CallOutcome::MessageTooLarge,
     );
     assert!(script.seen().is_empty());
     // At the limit it goes.
     let layer = builder().max_request_message_bytes(2).build().unwrap();
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(report(&resp).outcome, CallOutcome::Committed);
 }
 
@@ -1226,10 +1158,8 @@ async fn without_a_retry_policy_the_request_limit_is_checked_as_the_body_streams
     .unwrap();
     let script = Script::new([Step::Ok]);
     let layer = RetryLayer::from_config(&cfg);
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
-    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
+    let status = status_of(&resp);
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
     assert_eq!(report(&resp).outcome, CallOutcome::MessageTooLarge);
     // The server saw the stream fail, not the message.
@@ -1263,10 +1193,10 @@ async fn a_response_message_over_the_limit_ends_the_body_after_the_ones_before_i
             b"\0\0\0\0\x01a\0\0\0\0\x03abc\0\0\0"
         );
         let status = tonic::Status::from_header_map(&trailers).unwrap();
-        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-        assert_eq!(
-            status.message(),
-            "response message of 4 bytes is over maxResponseMessageBytes (3)"
+        assert_status(
+            &status,
+            tonic::Code::ResourceExhausted,
+            "response message of 4 bytes is over maxResponseMessageBytes (3)",
         );
         let r = CallReport::from_status(&status).unwrap();
         assert_eq!((r.outcome, r.attempts), (CallOutcome::MessageTooLarge, 1));
@@ -1281,9 +1211,7 @@ async fn a_throttled_call_says_why() {
     });
     let layer = builder().throttle(bucket).build().unwrap();
     let script = Script::new([unavailable()]);
-    let resp = send(&mut layer.layer(script.service()), request(PATH))
-        .await
-        .unwrap();
+    let resp = run(&layer, &script, request(PATH)).await;
     assert_eq!(
         report(&resp).to_string(),
         "gave up: retries throttled after 1 attempt: UNAVAILABLE in 0ns (retry throttle: the \

@@ -32,6 +32,25 @@ fn errors(text: &str) -> Vec<String> {
     }
 }
 
+/// The base document's retried, protected CreateOrder, as parsed.
+#[track_caller]
+fn create_order(p: &Parsed) -> &MethodConfig {
+    p.config.lookup("shop.v1.Orders", "CreateOrder").unwrap()
+}
+
+/// The base document's hedged GetOrder, as parsed.
+#[track_caller]
+fn get_order(p: &Parsed) -> &MethodConfig {
+    p.config.lookup("shop.v1.Orders", "GetOrder").unwrap()
+}
+
+/// The rule messages of a malformed duration.
+const DURATION_NOT_A_NUMBER: &str = r#"must be a duration string such as "1.5s", not a number"#;
+const DURATION_SECONDS_ONLY: &str =
+    r#"must be a proto3 JSON duration such as "1.5s": must end in "s" (seconds is the only unit)"#;
+const DURATION_UNSIGNED: &str =
+    r#"must be a proto3 JSON duration such as "1.5s": must not have a sign"#;
+
 fn warnings(p: &Parsed) -> Vec<String> {
     p.warnings.iter().map(ToString::to_string).collect()
 }
@@ -110,7 +129,7 @@ fn rule(pointer: &str, path: &str, good: &[Value], bad: &[(Option<Value>, &str)]
 fn base_is_valid_and_quiet() {
     let p = ok(&base().to_string());
     assert!(p.warnings.is_empty(), "{:?}", warnings(&p));
-    let create = p.config.lookup("shop.v1.Orders", "CreateOrder").unwrap();
+    let create = create_order(&p);
     let retry = create.retry_policy().unwrap();
     assert_eq!(retry.max_attempts(), 3);
     assert_eq!(retry.initial_backoff(), Duration::from_millis(100));
@@ -124,7 +143,7 @@ fn base_is_valid_and_quiet() {
     assert_eq!(create.timeout(), Some(Duration::from_secs(10)));
     assert_eq!(create.idempotency(), Some(&IdempotencyPolicy::default()));
     assert!(create.hedging_policy().is_none());
-    let get = p.config.lookup("shop.v1.Orders", "GetOrder").unwrap();
+    let get = get_order(&p);
     assert_eq!(
         get.hedging_policy(),
         Some(&HedgingPolicy {
@@ -531,18 +550,9 @@ fn timeout_rule() {
             Value::Null,
         ],
         &[
-            (
-                Some(json!(2)),
-                r#"must be a duration string such as "1.5s", not a number"#,
-            ),
-            (
-                Some(json!("2")),
-                r#"must be a proto3 JSON duration such as "1.5s": must end in "s" (seconds is the only unit)"#,
-            ),
-            (
-                Some(json!("-2s")),
-                r#"must be a proto3 JSON duration such as "1.5s": must not have a sign"#,
-            ),
+            (Some(json!(2)), DURATION_NOT_A_NUMBER),
+            (Some(json!("2")), DURATION_SECONDS_ONLY),
+            (Some(json!("-2s")), DURATION_UNSIGNED),
         ],
     );
     // 0 is valid (the proto allows it) but every call then fails at once.
@@ -565,13 +575,7 @@ fn wait_for_ready_rule() {
         ],
     );
     let p = ok(&with("/methodConfig/0/waitForReady", Some(json!(true))));
-    assert_eq!(
-        p.config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
-            .wait_for_ready(),
-        Some(true)
-    );
+    assert_eq!(create_order(&p).wait_for_ready(), Some(true));
 }
 
 #[test]
@@ -599,7 +603,7 @@ fn message_size_rules() {
         "/methodConfig/0/maxRequestMessageBytes",
         Some(json!(0)),
     ));
-    let mc = p.config.lookup("shop.v1.Orders", "CreateOrder").unwrap();
+    let mc = create_order(&p);
     assert_eq!(mc.max_request_message_bytes(), Some(0));
     assert_eq!(mc.max_response_message_bytes(), None);
 }
@@ -639,12 +643,7 @@ fn retry_max_attempts_rule() {
 fn retry_max_attempts_above_five_is_clamped_with_a_warning() {
     for (n, shown) in [(json!(6), "6"), (json!(u64::MAX), "18446744073709551615")] {
         let p = ok(&with(&format!("{RP}/maxAttempts"), Some(n)));
-        let policy = p
-            .config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
-            .retry_policy()
-            .unwrap();
+        let policy = create_order(&p).retry_policy().unwrap();
         assert_eq!(policy.max_attempts(), 5);
         assert_eq!(
             warnings(&p),
@@ -665,18 +664,9 @@ fn retry_backoff_rules() {
             &[
                 (Some(json!("0s")), "must be a duration > 0"),
                 (Some(json!("0.000s")), "must be a duration > 0"),
-                (
-                    Some(json!(1)),
-                    r#"must be a duration string such as "1.5s", not a number"#,
-                ),
-                (
-                    Some(json!("100ms")),
-                    r#"must be a proto3 JSON duration such as "1.5s": must end in "s" (seconds is the only unit)"#,
-                ),
-                (
-                    Some(json!("-1s")),
-                    r#"must be a proto3 JSON duration such as "1.5s": must not have a sign"#,
-                ),
+                (Some(json!(1)), DURATION_NOT_A_NUMBER),
+                (Some(json!("100ms")), DURATION_SECONDS_ONLY),
+                (Some(json!("-1s")), DURATION_UNSIGNED),
                 (None, "is required and must be a duration > 0"),
             ],
         );
@@ -685,13 +675,7 @@ fn retry_backoff_rules() {
         &format!("{RP}/initialBackoff"),
         Some(json!("0.000000001s")),
     ));
-    let policy = p
-        .config
-        .lookup("shop.v1.Orders", "CreateOrder")
-        .unwrap()
-        .retry_policy()
-        .unwrap()
-        .clone();
+    let policy = create_order(&p).retry_policy().unwrap().clone();
     assert_eq!(policy.initial_backoff(), Duration::from_nanos(1));
     // maxBackoff below initialBackoff is legal but odd.
     let p = ok(&with(&format!("{RP}/maxBackoff"), Some(json!("0.05s"))));
@@ -775,10 +759,7 @@ fn retry_retryable_status_codes_rule() {
         &format!("{RP}/retryableStatusCodes"),
         Some(json!(["unavailable", 10, "Resource_Exhausted"])),
     ));
-    let codes = p
-        .config
-        .lookup("shop.v1.Orders", "CreateOrder")
-        .unwrap()
+    let codes = create_order(&p)
         .retry_policy()
         .unwrap()
         .retryable_status_codes();
@@ -865,22 +846,14 @@ fn retry_per_attempt_recv_timeout_rule() {
         &[json!("0.5s"), Value::Null],
         &[
             (Some(json!("0s")), "must be a duration > 0"),
-            (
-                Some(json!(5)),
-                r#"must be a duration string such as "1.5s", not a number"#,
-            ),
+            (Some(json!(5)), DURATION_NOT_A_NUMBER),
         ],
     );
     let p = ok(&with(
         &format!("{RP}/perAttemptRecvTimeout"),
         Some(json!("0.5s")),
     ));
-    let policy = p
-        .config
-        .lookup("shop.v1.Orders", "CreateOrder")
-        .unwrap()
-        .retry_policy()
-        .unwrap();
+    let policy = create_order(&p).retry_policy().unwrap();
     assert_eq!(
         policy.per_attempt_recv_timeout(),
         Some(Duration::from_millis(500))
@@ -895,14 +868,7 @@ fn retry_policy_must_be_an_object() {
         &[Value::Null],
         &[(Some(json!(true)), "must be a JSON object, not a boolean")],
     );
-    assert!(
-        ok(&with(RP, None))
-            .config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
-            .retry_policy()
-            .is_none()
-    );
+    assert!(create_order(&ok(&with(RP, None))).retry_policy().is_none());
 }
 
 #[test]
@@ -974,15 +940,7 @@ fn hedging_max_attempts_rule() {
         ],
     );
     let p = ok(&with(&format!("{HP}/maxAttempts"), Some(json!(8))));
-    assert_eq!(
-        p.config
-            .lookup("shop.v1.Orders", "GetOrder")
-            .unwrap()
-            .hedging_policy()
-            .unwrap()
-            .max_attempts,
-        5
-    );
+    assert_eq!(get_order(&p).hedging_policy().unwrap().max_attempts, 5);
     assert_eq!(
         warnings(&p),
         vec![format!(
@@ -998,14 +956,8 @@ fn hedging_delay_and_non_fatal_codes_rules() {
         &format!("{HP_PATH}.hedgingDelay"),
         &[json!("0s"), json!("0.5s"), Value::Null],
         &[
-            (
-                Some(json!("-0.5s")),
-                r#"must be a proto3 JSON duration such as "1.5s": must not have a sign"#,
-            ),
-            (
-                Some(json!(0.5)),
-                r#"must be a duration string such as "1.5s", not a number"#,
-            ),
+            (Some(json!("-0.5s")), DURATION_UNSIGNED),
+            (Some(json!(0.5)), DURATION_NOT_A_NUMBER),
         ],
     );
     rule(
@@ -1027,13 +979,7 @@ fn hedging_delay_and_non_fatal_codes_rules() {
     );
     doc["methodConfig"][1]["hedgingPolicy"]["nonFatalStatusCodes"] = json!(["UNAVAILABLE"]);
     let p = ok(&doc.to_string());
-    let h = p
-        .config
-        .lookup("shop.v1.Orders", "GetOrder")
-        .unwrap()
-        .hedging_policy()
-        .unwrap()
-        .clone();
+    let h = get_order(&p).hedging_policy().unwrap().clone();
     assert_eq!(
         h,
         HedgingPolicy {
@@ -1198,13 +1144,7 @@ const IP_PATH: &str = "methodConfig[0].idempotency";
 
 fn idempotency(fields: Value) -> Result<IdempotencyPolicy, Vec<String>> {
     match parse(&with(IP, Some(fields))) {
-        Ok(p) => Ok(p
-            .config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
-            .idempotency()
-            .unwrap()
-            .clone()),
+        Ok(p) => Ok(create_order(&p).idempotency().unwrap().clone()),
         Err(ConfigError::Invalid { errors, .. }) => {
             Err(errors.iter().map(ToString::to_string).collect())
         }
@@ -1214,19 +1154,9 @@ fn idempotency(fields: Value) -> Result<IdempotencyPolicy, Vec<String>> {
 
 #[test]
 fn idempotency_presence_marks_protection() {
+    assert!(create_order(&ok(&with(IP, None))).idempotency().is_none());
     assert!(
-        ok(&with(IP, None))
-            .config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
-            .idempotency()
-            .is_none()
-    );
-    assert!(
-        ok(&with(IP, Some(Value::Null)))
-            .config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
+        create_order(&ok(&with(IP, Some(Value::Null))))
             .idempotency()
             .is_none()
     );
@@ -1455,12 +1385,7 @@ fn idempotency_code_lists() {
             json!({"cacheableStatusCodes": ["OK"], "releaseStatusCodes": ["UNAVAILABLE", "ABORTED"]}),
         ),
     ));
-    let p = parsed
-        .config
-        .lookup("shop.v1.Orders", "CreateOrder")
-        .unwrap()
-        .idempotency()
-        .unwrap();
+    let p = create_order(&parsed).idempotency().unwrap();
     assert_eq!(
         p.release_status_codes,
         CodeSet::of(Unavailable).with(Aborted)
@@ -1501,6 +1426,18 @@ fn settings(fields: Value) -> Result<(IdemSettings, Vec<String>), Vec<String>> {
             Err(errors.iter().map(ToString::to_string).collect())
         }
         Err(e) => panic!("{e}"),
+    }
+}
+
+/// Asserts that `idem.{field}` set to each value fails with exactly its message.
+#[track_caller]
+fn assert_settings_errors(field: &str, bad: &[(Value, impl ToString)]) {
+    for (value, message) in bad {
+        assert_eq!(
+            settings(json!({ field: value })),
+            Err(vec![message.to_string()]),
+            "{field}: {value}"
+        );
     }
 }
 
@@ -1599,13 +1536,7 @@ fn idem_tenant() {
             "idem.tenant: must be a JSON object, not a string",
         ),
     ];
-    for (value, message) in bad {
-        assert_eq!(
-            settings(json!({"tenant": value})),
-            Err(vec![message.to_owned()]),
-            "{value}"
-        );
-    }
+    assert_settings_errors("tenant", &bad);
 }
 
 #[test]
@@ -1710,13 +1641,7 @@ fn idem_memory_store() {
             "idem.memoryStore.minRetention: must be a duration string such as \"1.5s\", not a number",
         ),
     ];
-    for (value, message) in bad {
-        assert_eq!(
-            settings(json!({"memoryStore": value})),
-            Err(vec![message.to_owned()]),
-            "{value}"
-        );
-    }
+    assert_settings_errors("memoryStore", &bad);
 }
 
 #[test]
@@ -1801,13 +1726,7 @@ fn idem_redis() {
                 .to_owned(),
         ),
     ];
-    for (value, message) in bad {
-        assert_eq!(
-            settings(json!({"redis": value})),
-            Err(vec![message]),
-            "{value}"
-        );
-    }
+    assert_settings_errors("redis", &bad);
     // Two bad nodes: both named.
     assert_eq!(
         settings(json!({"redis": {"clusterNodes": ["http://a", "redis://b:1", 7]}})),
@@ -1865,13 +1784,7 @@ fn idem_client() {
             r#"idem.client.minAttemptTime: must be a proto3 JSON duration such as "1.5s": must end in "s" (seconds is the only unit)"#,
         ),
     ];
-    for (value, message) in bad {
-        assert_eq!(
-            settings(json!({"client": value})),
-            Err(vec![message.to_owned()]),
-            "{value}"
-        );
-    }
+    assert_settings_errors("client", &bad);
 }
 
 #[test]
@@ -1891,14 +1804,7 @@ fn idem_must_be_an_object() {
 #[test]
 fn duration_boundaries_in_a_document() {
     let at = |v: &str| with("/methodConfig/0/timeout", Some(json!(v)));
-    let timeout = |text: &str| {
-        ok(text)
-            .config
-            .lookup("shop.v1.Orders", "CreateOrder")
-            .unwrap()
-            .timeout()
-            .unwrap()
-    };
+    let timeout = |text: &str| create_order(&ok(text)).timeout().unwrap();
     assert_eq!(timeout(&at("0.123456789s")), Duration::new(0, 123_456_789));
     assert_eq!(
         timeout(&at("315576000000s")),
