@@ -105,12 +105,14 @@ where
                     }
                 }
             }
-            match Pin::new(&mut rx).poll(cx) {
-                Poll::Ready(r) => Poll::Ready(r.ok()),
-                // The run ended without answering (it cannot, but never hang the caller).
-                Poll::Pending if run.run.is_none() => Poll::Ready(None),
-                Poll::Pending => Poll::Pending,
+            if run.run.is_none() {
+                // The run is over: its answer is in the channel (or it ended without one,
+                // which it cannot, but never hang the caller). Not `poll`: a receiver
+                // polled with the task's cooperative budget spent says Pending even with
+                // the answer there.
+                return Poll::Ready(rx.try_recv().ok());
             }
+            Pin::new(&mut rx).poll(cx).map(Result::ok)
         })
         .await;
         drop(run);

@@ -138,3 +138,49 @@ async fn a_store_that_panics_recording_the_outcome_answers_internal_and_leaves_t
         Some(RecordState::InFlight { .. })
     ));
 }
+
+/// Spends the task's cooperative budget down to its last unit (as a handler that did a
+/// lot of I/O in one poll would).
+async fn spend_the_budget_but_one() {
+    use tokio::task::coop::{has_budget_remaining, poll_proceed};
+    std::future::poll_fn(|cx| {
+        let mut last = None;
+        while has_budget_remaining() {
+            let std::task::Poll::Ready(unit) = poll_proceed(cx) else {
+                break;
+            };
+            if let Some(prev) = last.replace(unit) {
+                prev.made_progress();
+            }
+        }
+        // Dropped without progress: the last unit comes back.
+        drop(last);
+        std::task::Poll::Ready(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_run_that_ends_with_the_tasks_budget_spent_still_answers() {
+    let inner = service_fn(|_: Request<Body>| async {
+        spend_the_budget_but_one().await;
+        let mut resp = Response::new(Body::empty());
+        resp.headers_mut()
+            .insert("grpc-status", "0".parse().unwrap());
+        Ok::<_, Infallible>(resp)
+    });
+    let svc = IdempotencyLayer::new(MemoryStore::default(), &config()).layer(inner);
+    let req = Request::builder()
+        .uri("http://x/shop.v1.Orders/CreateOrder")
+        .header("x-idempotency-key", "abcdefgh")
+        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
+            b"\0\0\0\0\0",
+        ))))
+        .unwrap();
+    let resp = svc.oneshot(req).await.unwrap();
+    assert_eq!(
+        resp.headers().get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"0"[..]),
+        "the handler's OK, not a lost run: {resp:?}"
+    );
+}
