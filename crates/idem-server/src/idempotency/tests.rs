@@ -107,31 +107,47 @@ async fn a_protected_call_buffers_its_body() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_store_that_panics_recording_the_outcome_answers_internal_and_leaves_the_record_to_its_lease()
- {
-    let inner = service_fn(|_: Request<Body>| async {
-        let mut resp = Response::new(Body::empty());
-        resp.headers_mut()
-            .insert("grpc-status", "0".parse().unwrap());
-        Ok::<_, Infallible>(resp)
-    });
-    let store = FaultyStore::new(MemoryStore::default());
-    store.inject(Op::Complete, Fault::Panic, 1);
-    let svc = IdempotencyLayer::new(store.clone(), &config()).layer(inner);
-    let req = Request::builder()
+/// A handler that answers OK (Trailers-Only) after `before`.
+fn answers_ok<F: std::future::Future<Output = ()> + Send + 'static>(
+    before: impl Fn() -> F + Clone + Send + Sync + 'static,
+) -> tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible> {
+    tower::util::BoxCloneService::new(service_fn(move |_: Request<Body>| {
+        let before = before.clone();
+        async move {
+            before().await;
+            let mut resp = Response::new(Body::empty());
+            resp.headers_mut()
+                .insert("grpc-status", "0".parse().unwrap());
+            Ok::<_, Infallible>(resp)
+        }
+    }))
+}
+
+/// A protected CreateOrder with an empty message.
+fn create_order() -> Request<Body> {
+    Request::builder()
         .uri("http://x/shop.v1.Orders/CreateOrder")
         .header("x-idempotency-key", "abcdefgh")
         .body(Body::new(http_body_util::Full::new(Bytes::from_static(
             b"\0\0\0\0\0",
         ))))
-        .unwrap();
-    let resp = svc.oneshot(req).await.expect("an answer, not a panic");
-    assert_eq!(
-        resp.headers().get("grpc-status").map(|v| v.as_bytes()),
-        Some(&b"13"[..]),
-        "INTERNAL: {resp:?}"
-    );
+        .unwrap()
+}
+
+fn grpc_status(resp: &Response<Body>) -> Option<&[u8]> {
+    resp.headers().get("grpc-status").map(|v| v.as_bytes())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_panics_on_complete_answers_internal_and_leaves_the_record() {
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Complete, Fault::Panic, 1);
+    let svc = IdempotencyLayer::new(store.clone(), &config()).layer(answers_ok(|| async {}));
+    let resp = svc
+        .oneshot(create_order())
+        .await
+        .expect("an answer, not a panic");
+    assert_eq!(grpc_status(&resp), Some(&b"13"[..]), "INTERNAL: {resp:?}");
     let scope = super::scope_for("t", "/shop.v1.Orders/CreateOrder", "abcdefgh");
     assert!(matches!(
         store.get(&scope).await.unwrap(),
@@ -162,24 +178,11 @@ async fn spend_the_budget_but_one() {
 
 #[tokio::test]
 async fn a_run_that_ends_with_the_tasks_budget_spent_still_answers() {
-    let inner = service_fn(|_: Request<Body>| async {
-        spend_the_budget_but_one().await;
-        let mut resp = Response::new(Body::empty());
-        resp.headers_mut()
-            .insert("grpc-status", "0".parse().unwrap());
-        Ok::<_, Infallible>(resp)
-    });
-    let svc = IdempotencyLayer::new(MemoryStore::default(), &config()).layer(inner);
-    let req = Request::builder()
-        .uri("http://x/shop.v1.Orders/CreateOrder")
-        .header("x-idempotency-key", "abcdefgh")
-        .body(Body::new(http_body_util::Full::new(Bytes::from_static(
-            b"\0\0\0\0\0",
-        ))))
-        .unwrap();
-    let resp = svc.oneshot(req).await.unwrap();
+    let svc = IdempotencyLayer::new(MemoryStore::default(), &config())
+        .layer(answers_ok(spend_the_budget_but_one));
+    let resp = svc.oneshot(create_order()).await.unwrap();
     assert_eq!(
-        resp.headers().get("grpc-status").map(|v| v.as_bytes()),
+        grpc_status(&resp),
         Some(&b"0"[..]),
         "the handler's OK, not a lost run: {resp:?}"
     );
