@@ -136,14 +136,10 @@ struct Detach {
 impl Drop for Detach {
     fn drop(&mut self) {
         let Some(run) = self.run.take() else { return };
-        let runtime = self
-            .runtime
-            .take()
-            .or_else(|| tokio::runtime::Handle::try_current().ok());
-        match runtime {
+        match self.runtime.take() {
             Some(rt) => drop(rt.spawn(run.instrument(self.span.clone()))),
-            // Only a future made and dropped outside any runtime gets here: the run
-            // cannot go on, and its record is left to its lease.
+            // Only a future made outside any runtime gets here: the run cannot go on,
+            // and its record is left to its lease.
             None => tracing::error!(
                 "an idempotent handler's run was dropped outside a tokio runtime; its record stays in flight until its lease ends"
             ),

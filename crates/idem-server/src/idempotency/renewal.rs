@@ -147,8 +147,9 @@ impl Renewals {
         }
     }
 
-    /// Marks the leases due by `now` as renewing and returns them; sets the next wake-up.
-    fn take_due(&self, now: Instant) -> (Vec<Due>, Wake) {
+    /// Marks the leases due by `now` as renewing and returns them, with the next lease
+    /// due after `now` (`None`: every lease is being renewed, or none is left).
+    fn take_due(&self, now: Instant) -> (Vec<Due>, Option<Instant>) {
         let mut state = self.lock();
         let mut due = Vec::new();
         let mut next: Option<Instant> = None;
@@ -170,12 +171,7 @@ impl Renewals {
             }
         }
         state.wake_at = next;
-        let wake = match next {
-            Some(at) => Wake::At(at),
-            None if state.leases.is_empty() => Wake::Idle,
-            None => Wake::Notified,
-        };
-        (due, wake)
+        (due, next)
     }
 
     /// A renewal ended: schedule the next, or forget a lease that is not this
@@ -244,19 +240,10 @@ struct Due {
     lease: Duration,
 }
 
-/// When the task wakes next.
-enum Wake {
-    At(Instant),
-    /// Every lease is being renewed: wake when one is done (or one is registered).
-    Notified,
-    /// No lease left.
-    Idle,
-}
-
 async fn run<St: Store>(renewals: Arc<Renewals>, store: St, stats: IdempotencyStats) {
     let mut in_flight = FuturesUnordered::new();
     loop {
-        let (due, wake) = renewals.take_due(Instant::now());
+        let (due, next) = renewals.take_due(Instant::now());
         for Due {
             key,
             ticket,
@@ -277,19 +264,17 @@ async fn run<St: Store>(renewals: Arc<Renewals>, store: St, stats: IdempotencySt
                 (key, ticket, renewed)
             });
         }
-        let at = match wake {
-            Wake::At(at) => Some(at),
-            Wake::Notified => None,
-            Wake::Idle if in_flight.is_empty() => {
-                if renewals.exit_if_idle() {
-                    return;
-                }
-                continue;
+        // Nothing due later and nothing in flight: no lease is left, unless one was
+        // registered since the scan.
+        if next.is_none() && in_flight.is_empty() {
+            if renewals.exit_if_idle() {
+                return;
             }
-            Wake::Idle => None,
-        };
+            continue;
+        }
+        // Without a next lease, wake when a renewal ends or a lease is registered.
         let sleep = async {
-            match at {
+            match next {
                 Some(at) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }

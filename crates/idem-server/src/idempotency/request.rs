@@ -41,24 +41,20 @@ pub(crate) async fn read_request(
     let compression = compression(headers, policy)?;
     let max = policy.max_request_bytes;
     // A body that arrives in one frame (a small unary request) is kept as it came, with
-    // no copy; later frames are gathered into one buffer.
-    let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
+    // no copy; a second frame gathers them all into one buffer.
+    let (mut len, mut first, mut buf) = (0, None::<Bytes>, BytesMut::new());
     while let Some(frame) = body.frame().await {
         if let Ok(data) = frame?.into_data() {
-            let len = first.as_ref().map_or(0, Bytes::len) + buf.len();
-            if len + data.len() > max {
+            len += data.len();
+            if len > max {
                 return Err(status::request_too_large(max));
             }
-            match &mut first {
-                None if buf.is_empty() => first = Some(data),
-                _ => {
-                    if let Some(f) = first.take() {
-                        buf.extend_from_slice(&f);
-                    }
-                    buf.extend_from_slice(&data);
-                }
+            if len == data.len() && first.is_none() {
+                first = Some(data);
+                continue;
             }
+            buf.extend_from_slice(&first.take().unwrap_or_default());
+            buf.extend_from_slice(&data);
         }
     }
     let body = first.unwrap_or_else(|| buf.freeze());
