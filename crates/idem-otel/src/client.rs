@@ -11,7 +11,7 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
-use crate::labels::{self, MethodCounters, MethodLabels};
+use crate::labels::{self, Bound, MethodCounters, MethodLabels, STATUS_COUNT, status_index};
 use crate::{LATENCY_BUCKETS, RETRY_BUCKETS};
 
 /// Records a retry layer's calls as OpenTelemetry instruments (see the
@@ -46,6 +46,12 @@ struct Inner {
 struct Counts {
     attempts: AtomicU64,
     outcomes: [AtomicU64; CallOutcome::COUNT],
+    /// The histograms' series of this method, per `grpc.status` where they have one.
+    attempt_duration: Bound<f64, STATUS_COUNT>,
+    call_duration: Bound<f64, STATUS_COUNT>,
+    call_retries: Bound<u64, 1>,
+    call_hedges: Bound<u64, 1>,
+    retry_delay: Bound<f64, 1>,
 }
 
 impl std::fmt::Debug for ClientMetrics {
@@ -186,11 +192,14 @@ impl CallObserver for ClientMetrics {
         {
             counts.counts.outcomes[i].fetch_add(1, Ordering::Relaxed);
         }
-        let mut attrs = [
-            counts.method.clone(),
-            m.target.clone(),
-            labels::status(call.status),
-        ];
+        let series = &counts.counts;
+        let with_status = |code: Code| {
+            [
+                counts.method.clone(),
+                m.target.clone(),
+                labels::status(code),
+            ]
+        };
         let attempts = call.report.history().count();
         for (i, a) in call.report.history().enumerate() {
             let last = i + 1 == attempts;
@@ -198,25 +207,35 @@ impl CallObserver for ClientMetrics {
                 (true, Some(t)) => (t, call.status),
                 _ => (a.took, attempt_code(a.end, call.status)),
             };
-            attrs[2] = labels::status(code);
-            m.attempt_duration.record(took.as_secs_f64(), &attrs);
+            series
+                .attempt_duration
+                .record(status_index(code), took.as_secs_f64(), || {
+                    m.attempt_duration.bind(&with_status(code))
+                });
         }
-        attrs[2] = labels::status(call.status);
-        m.call_duration.record(call.duration.as_secs_f64(), &attrs);
-        let call_attrs = &attrs[..2];
+        let code = call.status;
+        series
+            .call_duration
+            .record(status_index(code), call.duration.as_secs_f64(), || {
+                m.call_duration.bind(&with_status(code))
+            });
+        let call_attrs = || [counts.method.clone(), m.target.clone()];
         // A96: the requests beyond the first are hedges of a hedged call, retries of
         // any other; each is recorded only when there was at least one.
         let extra = u64::from(call.report.attempts.saturating_sub(1));
-        let extra_of = if call.report.hedges().is_some() {
-            &m.call_hedges
-        } else {
-            &m.call_retries
-        };
         if extra > 0 {
-            extra_of.record(extra, call_attrs);
+            let (histogram, bound) = if call.report.hedges().is_some() {
+                (&m.call_hedges, &series.call_hedges)
+            } else {
+                (&m.call_retries, &series.call_retries)
+            };
+            bound.record(0, extra, || histogram.bind(&call_attrs()));
         }
-        m.retry_delay
-            .record(call.retry_delay().as_secs_f64(), call_attrs);
+        series
+            .retry_delay
+            .record(0, call.retry_delay().as_secs_f64(), || {
+                m.retry_delay.bind(&call_attrs())
+            });
     }
 }
 

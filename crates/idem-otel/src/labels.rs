@@ -1,9 +1,10 @@
 //! Label values with a bounded set: `grpc.method` and `grpc.status`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use idem_core::config::ServiceConfig;
+use opentelemetry::metrics::BoundHistogram;
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
@@ -184,6 +185,36 @@ pub(crate) fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
 
 pub(crate) fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `N` histogram series of one instrument, each bound to its attribute set at its first
+/// recording: a recording on a bound series skips the SDK's per-call attribute hashing
+/// and lookup. Bound lazily, so a series that never gets a value is never exported.
+pub(crate) struct Bound<T, const N: usize>([OnceLock<BoundHistogram<T>>; N]);
+
+impl<T, const N: usize> Default for Bound<T, N> {
+    fn default() -> Self {
+        Bound([const { OnceLock::new() }; N])
+    }
+}
+
+impl<T, const N: usize> Bound<T, N> {
+    /// Records `value` on series `i`, binding it with `bind` the first time. An `i` past
+    /// the table (a status code newer than this build) binds for this value alone.
+    pub(crate) fn record(&self, i: usize, value: T, bind: impl FnOnce() -> BoundHistogram<T>) {
+        match self.0.get(i) {
+            Some(series) => series.get_or_init(bind).record(value),
+            None => bind().record(value),
+        }
+    }
+}
+
+/// Series per `grpc.status`: codes 0 to 16.
+pub(crate) const STATUS_COUNT: usize = 17;
+
+/// The index of `code` in a [`Bound`] per status.
+pub(crate) fn status_index(code: Code) -> usize {
+    usize::try_from(code as i32).unwrap_or(usize::MAX)
 }
 
 /// `grpc.status`: the code's canonical name (`UNAVAILABLE`).

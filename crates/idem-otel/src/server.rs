@@ -15,7 +15,9 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
 use crate::LATENCY_BUCKETS;
-use crate::labels::{self, Learned, MethodCounters, MethodLabels, read, write};
+use crate::labels::{
+    self, Bound, Learned, MethodCounters, MethodLabels, STATUS_COUNT, read, status_index, write,
+};
 
 /// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -51,6 +53,8 @@ struct Inner {
 struct Counts {
     started: AtomicU64,
     outcomes: RwLock<HashMap<OutcomeKey, Arc<AtomicU64>>>,
+    /// `grpc.server.call.duration`, per `grpc.status`.
+    duration: Bound<f64, STATUS_COUNT>,
 }
 
 /// One `idem.server.call.outcome` series of a method: outcome, reason, tenant label.
@@ -166,7 +170,12 @@ impl ServerMetrics {
         store: St,
         kind: &'static str,
     ) -> InstrumentedStore<St> {
-        InstrumentedStore::new(store, kind, self.clone())
+        let timings = StoreTimings {
+            kind,
+            histogram: self.0.store_duration.clone(),
+            series: Bound::default(),
+        };
+        InstrumentedStore::new(store, kind, timings)
     }
 
     /// Reports `layer`'s handler runs in flight and record results at each collection.
@@ -251,8 +260,14 @@ impl ServerObserver for ServerMetrics {
     fn call_ended(&self, call: &ProtectedCallEnded<'_>) {
         let m = &self.0;
         let counts = m.counts.of(call.method);
-        let attrs = [counts.method.clone(), labels::status(call.status)];
-        m.duration.record(call.duration.as_secs_f64(), &attrs);
+        let code = call.status;
+        counts
+            .counts
+            .duration
+            .record(status_index(code), call.duration.as_secs_f64(), || {
+                m.duration
+                    .bind(&[counts.method.clone(), labels::status(code)])
+            });
         let tenant = m
             .tenants
             .as_ref()
@@ -265,13 +280,53 @@ impl ServerObserver for ServerMetrics {
     }
 }
 
-impl StoreObserver for ServerMetrics {
+/// `idem.store.operation.duration` of one store: a series per operation and result.
+struct StoreTimings {
+    kind: &'static str,
+    histogram: Histogram<f64>,
+    series: Bound<f64, { STORE_OPS * STORE_RESULTS }>,
+}
+
+const STORE_OPS: usize = 6;
+const STORE_RESULTS: usize = 5;
+
+impl StoreTimings {
+    /// The series of `op` ending as `result`; `usize::MAX` for one this build lacks.
+    fn index(op: StoreOp, result: OpResult) -> usize {
+        let op = match op {
+            StoreOp::Claim => 0,
+            StoreOp::Renew => 1,
+            StoreOp::Complete => 2,
+            StoreOp::Release => 3,
+            StoreOp::Get => 4,
+            StoreOp::Wait => 5,
+            _ => return usize::MAX,
+        };
+        let result = match result {
+            OpResult::Ok => 0,
+            OpResult::Unavailable => 1,
+            OpResult::Fenced => 2,
+            OpResult::Corrupt => 3,
+            OpResult::Full => 4,
+            _ => return usize::MAX,
+        };
+        op * STORE_RESULTS + result
+    }
+}
+
+impl StoreObserver for StoreTimings {
     fn operation(&self, kind: &'static str, op: StoreOp, took: Duration, result: OpResult) {
-        let attrs = [
-            KeyValue::new("idem.store.kind", kind),
-            KeyValue::new("idem.store.operation", op.as_str()),
-            KeyValue::new("idem.store.result", result.as_str()),
-        ];
-        self.0.store_duration.record(took.as_secs_f64(), &attrs);
+        let i = if kind == self.kind {
+            Self::index(op, result)
+        } else {
+            usize::MAX
+        };
+        self.series.record(i, took.as_secs_f64(), || {
+            self.histogram.bind(&[
+                KeyValue::new("idem.store.kind", kind),
+                KeyValue::new("idem.store.operation", op.as_str()),
+                KeyValue::new("idem.store.result", result.as_str()),
+            ])
+        });
     }
 }

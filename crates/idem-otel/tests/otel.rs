@@ -324,6 +324,10 @@ async fn two_retries_then_ok() {
             .value("idem.store.operation.duration", &complete)
             .unwrap()
     ));
+    // A series exists once it has a value: none, empty, for the other operations,
+    // results or status codes.
+    assert_eq!(otel.labels("idem.store.operation.duration").len(), 2);
+    assert_eq!(otel.labels("grpc.server.call.duration").len(), 1);
 }
 
 #[tokio::test]
