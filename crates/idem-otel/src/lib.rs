@@ -6,7 +6,10 @@
 //! The layers know no metrics library: they call observer traits
 //! ([`idem_client::metrics::CallObserver`], [`idem_server::metrics::ServerObserver`],
 //! [`idem_store::instrumented::StoreObserver`]), which [`ClientMetrics`] and
-//! [`ServerMetrics`] implement. Without this crate (the facade's `otel` feature off) no
+//! [`ServerMetrics`] implement (the store's, through
+//! [`ServerMetrics::instrument_store`]). Histograms are recorded through series bound
+//! to their attributes at their first value, so a recording skips the SDK's attribute
+//! lookup. Without this crate (the facade's `otel` feature off) no
 //! OpenTelemetry code is compiled.
 //!
 //! ```no_run
