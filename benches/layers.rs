@@ -11,8 +11,8 @@
 //! runs all.
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
 //! `profile-client-metrics` / `profile-server-bare` / `profile-server-metrics` /
-//! `profile-server-fresh` / `profile-server-replay` run only one side (2,000 sequential
-//! calls, no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
+//! `profile-server-fresh` / `profile-server-replay` run only one side (2,000
+//! calls from tasks, one at a time unless `IDEM_PROFILE_CONCURRENCY` says more; no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
 //! multiplier, default 1.0).
 //!
@@ -328,6 +328,35 @@ macro_rules! creates {
             }
         }
     }};
+}
+
+/// A caller of `client` that sends key `keys[i]` on call `i` (replays, when the keys ran
+/// before), checking each answer with `check`.
+macro_rules! keyed {
+    ($client:expr, $keys:expr, $what:literal) => {
+        keyed!($client, $keys, $what, |_| {})
+    };
+    ($client:expr, $keys:expr, $what:literal, $check:expr) => {{
+        let (client, keys) = ($client, $keys);
+        move |i: usize| {
+            let mut c = client.clone();
+            let k = keys[i].clone();
+            async move {
+                let r = c.create_order(order(Some(&k))).await.expect($what);
+                ($check)(r);
+            }
+        }
+    }};
+}
+
+/// Runs each of `keys` once on `server` (64 callers), so later calls replay them.
+async fn run_once(server: &Running, keys: &Arc<Vec<String>>) {
+    drive(
+        keys.len(),
+        64,
+        keyed!(server.client(), keys.clone(), "first run"),
+    )
+    .await;
 }
 
 /// Runs `a` (baseline) and `b` in `rounds` alternating rounds: round `r` runs A then B
@@ -673,34 +702,44 @@ async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
 /// Fresh keys through IdempotencyLayer + MemoryStore vs a bare server; both get the same
 /// request with a key header (the bare server ignores it).
 async fn server_fresh(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
-    let bare = serve::<MemoryStore>(Duration::ZERO, None).await;
-    let idem = serve(
-        Duration::ZERO,
-        Some(IdempotencyLayer::new(memory_store(), &config())),
-    )
-    .await;
-    for (conc, calls) in [(1, calls1), (64, calls64)] {
-        let (a, b) = (bare.client(), idem.client());
-        let before = idem.runs();
-        let p = ab(
-            rounds,
-            calls,
-            conc,
-            creates!(a, Some(&fresh_key()), "bare"),
-            creates!(b, Some(&fresh_key()), "idem"),
-        )
-        .await;
-        assert_eq!(
-            idem.runs() - before,
-            rounds * calls,
-            "every fresh key ran once"
-        );
-        let target = if conc == 64 {
-            format!("tp ≥ 0.95: {}", verdict(p.tp_ratio >= 0.95))
-        } else {
-            "(latency view)".into()
-        };
-        t.pair("server: fresh keys, MemoryStore vs bare", conc, &p, &target);
+    // The target row: a handler that does nothing, so idem's own cost is all there is.
+    // Then the same with 50 µs of work per call (reported): the share of a handler that
+    // does something.
+    for spin in [Duration::ZERO, Duration::from_micros(50)] {
+        let bare = serve::<MemoryStore>(spin, None).await;
+        let idem = serve(spin, layer_of(memory_store())).await;
+        for (conc, calls) in [(1, calls1), (64, calls64)] {
+            let (a, b) = (bare.client(), idem.client());
+            let before = idem.runs();
+            let p = ab(
+                rounds,
+                calls,
+                conc,
+                creates!(a, Some(&fresh_key()), "bare"),
+                creates!(b, Some(&fresh_key()), "idem"),
+            )
+            .await;
+            assert_eq!(
+                idem.runs() - before,
+                rounds * calls,
+                "every fresh key ran once"
+            );
+            let (name, target) = match (spin.is_zero(), conc) {
+                (true, 64) => (
+                    "server: fresh keys, MemoryStore vs bare",
+                    format!("tp ≥ 0.95: {}", verdict(p.tp_ratio >= 0.95)),
+                ),
+                (true, _) => (
+                    "server: fresh keys, MemoryStore vs bare",
+                    "(latency view)".into(),
+                ),
+                (false, _) => (
+                    "server: fresh keys (50 µs busy-spin handler), MemoryStore vs bare",
+                    "(reported)".into(),
+                ),
+            };
+            t.pair(name, conc, &p, &target);
+        }
     }
 }
 
@@ -712,38 +751,16 @@ async fn server_replay(t: &mut Table, rounds: usize, calls1: usize, calls64: usi
     for (conc, calls) in [(1, calls1), (64, calls64)] {
         // Complete every key once; the measured runs replay them.
         let ks = keys(calls);
-        let c = idem.client();
-        let ks2 = ks.clone();
-        drive(calls, 64, move |i| {
-            let mut c = c.clone();
-            let k = ks2[i].clone();
-            async move {
-                c.create_order(order(Some(&k))).await.expect("first run");
-            }
-        })
-        .await;
+        run_once(&idem, &ks).await;
         let before = idem.runs();
-        let (a, b) = (bare.client(), idem.client());
-        let ka = ks.clone();
         let p = ab(
             rounds,
             calls,
             conc,
-            move |i| {
-                let mut c = a.clone();
-                let k = ka[i].clone();
-                async move {
-                    c.create_order(order(Some(&k))).await.expect("bare");
-                }
-            },
-            move |i| {
-                let mut c = b.clone();
-                let k = ks[i].clone();
-                async move {
-                    let r = c.create_order(order(Some(&k))).await.expect("replay");
-                    assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some());
-                }
-            },
+            keyed!(bare.client(), ks.clone(), "bare"),
+            keyed!(idem.client(), ks, "replay", |r: tonic::Response<Order>| {
+                assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some())
+            }),
         )
         .await;
         assert_eq!(idem.runs(), before, "replays never run the handler");
@@ -802,65 +819,16 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
     ));
 
     for (conc, calls) in [(1, calls1), (64, calls64)] {
-        let (a, b) = (mem.client(), red.client());
-        let p = ab(
+        store_pair(
+            t,
+            "RedisStore vs MemoryStore",
             rounds,
             calls,
             conc,
-            creates!(a, Some(&fresh_key()), "memory"),
-            creates!(b, Some(&fresh_key()), "redis"),
+            &mem,
+            &red,
         )
         .await;
-        t.pair(
-            "server: fresh keys, RedisStore vs MemoryStore",
-            conc,
-            &p,
-            "(reported)",
-        );
-
-        let ks = keys(calls);
-        for s in [&mem, &red] {
-            let c = s.client();
-            let ks2 = ks.clone();
-            drive(calls, 64, move |i| {
-                let mut c = c.clone();
-                let k = ks2[i].clone();
-                async move {
-                    c.create_order(order(Some(&k))).await.expect("first run");
-                }
-            })
-            .await;
-        }
-        let (a, b) = (mem.client(), red.client());
-        let ka = ks.clone();
-        let p = ab(
-            rounds,
-            calls,
-            conc,
-            move |i| {
-                let mut c = a.clone();
-                let k = ka[i].clone();
-                async move {
-                    c.create_order(order(Some(&k)))
-                        .await
-                        .expect("memory replay");
-                }
-            },
-            move |i| {
-                let mut c = b.clone();
-                let k = ks[i].clone();
-                async move {
-                    c.create_order(order(Some(&k))).await.expect("redis replay");
-                }
-            },
-        )
-        .await;
-        t.pair(
-            "server: replay, RedisStore vs MemoryStore",
-            conc,
-            &p,
-            "(reported)",
-        );
     }
 }
 
@@ -939,38 +907,14 @@ async fn store_pair(
         "(reported)",
     );
     let ks = keys(calls);
-    for s in [a, b] {
-        let c = s.client();
-        let ks2 = ks.clone();
-        drive(calls, 64, move |i| {
-            let mut c = c.clone();
-            let k = ks2[i].clone();
-            async move {
-                c.create_order(order(Some(&k))).await.expect("first run");
-            }
-        })
-        .await;
-    }
-    let (ca, cb) = (a.client(), b.client());
-    let ka = ks.clone();
+    run_once(a, &ks).await;
+    run_once(b, &ks).await;
     let p = ab(
         rounds,
         calls,
         conc,
-        move |i| {
-            let mut c = ca.clone();
-            let k = ka[i].clone();
-            async move {
-                c.create_order(order(Some(&k))).await.expect("a replay");
-            }
-        },
-        move |i| {
-            let mut c = cb.clone();
-            let k = ks[i].clone();
-            async move {
-                c.create_order(order(Some(&k))).await.expect("b replay");
-            }
-        },
+        keyed!(a.client(), ks.clone(), "a replay"),
+        keyed!(b.client(), ks, "b replay"),
     )
     .await;
     t.pair(&format!("server: replay, {name}"), conc, &p, "(reported)");
@@ -1126,6 +1070,10 @@ async fn profile(which: &str, calls: usize) {
         }
     }
     let with_key = layered || which == "server-bare";
+    // `IDEM_PROFILE_CONCURRENCY=64`: that many callers at once over one channel, as in
+    // the conc. 64 rows (the scheduling and contention a sequential run lacks). Callers
+    // are tasks, as in the rows.
+    let conc = env_num("IDEM_PROFILE_CONCURRENCY", 1.0).max(1.0) as usize;
     let start = Instant::now();
     if which == "client-layer" || which == "client-metrics" {
         let mut layer = RetryLayer::builder().service_config(config());
@@ -1135,28 +1083,27 @@ async fn profile(which: &str, calls: usize) {
             let meter = prometheus.meter("bench");
             layer = layer.observer(idem_otel::ClientMetrics::new(&meter, "bench", &config()));
         }
-        let mut c = OrdersClient::new(
+        let client = OrdersClient::new(
             ServiceBuilder::new()
                 .layer(layer.build().expect("layer"))
                 .service(server.channel()),
         );
-        for _ in 0..calls {
-            c.create_order(order(None)).await.expect("call");
-        }
+        drive(calls, conc, creates!(client, None, "call")).await;
     } else if which == "client-bare-key" {
         // The key header the layer would add, sent by hand (sensitive, as the layer does).
-        let mut c = server.client();
-        for k in ks.iter() {
+        let client = server.client();
+        drive(calls, conc, move |i| {
+            let mut c = client.clone();
             let mut req = order(None);
-            let mut v: MetadataValue<_> = k.parse().expect("ascii key");
+            let mut v: MetadataValue<_> = ks[i].parse().expect("ascii key");
             v.set_sensitive(true);
             req.metadata_mut().insert(IDEMPOTENCY_KEY, v);
-            c.create_order(req).await.expect("call");
-        }
+            async move {
+                c.create_order(req).await.expect("call");
+            }
+        })
+        .await;
     } else {
-        // `IDEM_PROFILE_CONCURRENCY=64`: that many callers at once over one channel, as
-        // in the conc. 64 rows (the scheduling and contention a sequential run lacks).
-        let conc = env_num("IDEM_PROFILE_CONCURRENCY", 1.0).max(1.0) as usize;
         let client = server.client();
         drive(calls, conc, move |i| {
             let (mut c, ks) = (client.clone(), ks.clone());
