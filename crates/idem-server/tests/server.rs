@@ -1509,3 +1509,66 @@ async fn handler_runs_are_bounded_and_cancelled_calls_count_until_their_handlers
     assert_eq!(shop.runs(), 3);
     assert_eq!(stats.snapshot().overloaded, 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_that_never_reads_its_stream_holds_no_handler_run_past_the_stall_timeout() {
+    let shop = Shop::new();
+    let stall = Duration::from_secs(5);
+    let cfg = config(
+        IdempotencyPolicy {
+            response_stall_timeout: stall,
+            ..policy()
+        },
+        None,
+    );
+    let l = layer(MemoryStore::default(), &cfg).max_handlers_in_flight(1);
+    let stats = l.stats();
+    let svc = in_process(&l, &shop);
+    // 200 messages: far more than the layer queues for a caller that takes none.
+    let many = ListOrdersRequest {
+        customer_id: "count-200".into(),
+    };
+    let key = "key-never-read";
+    let resp = svc
+        .clone()
+        .oneshot(raw_request(LIST, &many, key, None))
+        .await
+        .unwrap();
+    // The caller holds its stream and reads nothing: the run waits for room, and still
+    // counts against the bound.
+    let other = |key: &'static str| call(&svc, raw_request(CREATE, &create("ok"), key, None));
+    assert_idem_error(
+        &status_of(&other("key-while-stalled").await),
+        Code::ResourceExhausted,
+        reason::OVERLOADED,
+    );
+    // Past the stall timeout its stream is ended; the handler's outcome is recorded and
+    // its place under the bound freed.
+    tokio::time::sleep(stall + Duration::from_secs(1)).await;
+    eventually("the stalled run's outcome recorded", || {
+        stats.snapshot().stored == 1
+    })
+    .await;
+    assert_eq!(status_of(&other("key-after-stall").await).code(), Code::Ok);
+    // The stalled caller gets what was queued for it, then an end without a status.
+    let cut = collect(resp).await;
+    assert!(cut.trailers.is_none(), "no grpc-status: the stream was cut");
+    let got = decode_orders(&cut.frames).len();
+    assert!(
+        got < 200,
+        "{got} of 200 messages reached the stalled caller"
+    );
+    // Its retry replays the whole response, without a second run.
+    let mut again = call(&svc, raw_request(LIST, &many, key, None)).await;
+    assert_eq!(
+        again.headers.remove("x-idempotency-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(decode_orders(&again.frames).len(), 200);
+    assert_eq!(status_of(&again).code(), Code::Ok);
+    assert_eq!(
+        shop.runs(),
+        2,
+        "one run for the stalled key, one for the other"
+    );
+}

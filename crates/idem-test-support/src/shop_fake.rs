@@ -15,7 +15,8 @@
 //! A successful `CreateOrder` answers `order-<n>` (its run number) with an `x-run: <n>`
 //! header. `GetOrder` answers `<order_id>-<n>`. `ListOrders` streams three orders
 //! `order-<n>-0..3`; with `customer_id` `"panic-mid-stream"` the second one panics
-//! while the stream is polled.
+//! while the stream is polled, and with `"count-<k>"` it streams `k` orders (at most
+//! 10,000), yielding before each, so each leaves in a frame of its own.
 //!
 //! Every run records the [`RecordFence`] it saw and whether an inbound deadline was in
 //! scope.
@@ -206,7 +207,11 @@ impl Orders for Shop {
         let n = self.record(&request);
         let customer = request.into_inner().customer_id;
         let panics = customer == "panic-mid-stream";
-        let items = tokio_stream::iter(0..3).map(move |i| {
+        let counted = customer
+            .strip_prefix("count-")
+            .and_then(|k| k.parse::<u32>().ok());
+        let count = counted.map_or(3, |k| k.min(10_000));
+        let items = tokio_stream::iter(0..count).map(move |i| {
             assert!(!(panics && i == 1), "scripted panic in the response stream");
             Ok(Order {
                 order_id: format!("order-{n}-{i}"),
@@ -215,7 +220,13 @@ impl Orders for Shop {
             })
         });
         self.0.finished.fetch_add(1, Ordering::SeqCst);
-        Ok(Response::new(Box::pin(items)))
+        if counted.is_none() {
+            return Ok(Response::new(Box::pin(items)));
+        }
+        Ok(Response::new(Box::pin(items.then(|item| async {
+            tokio::task::yield_now().await;
+            item
+        }))))
     }
 }
 

@@ -60,6 +60,7 @@ const IDEMPOTENCY_FIELDS: &[&str] = &[
     "acceptCompressed",
     "failOpen",
     "completionRetryTimeout",
+    "responseStallTimeout",
 ];
 const IDEM_FIELDS: &[&str] = &[
     "keyHeader",
@@ -956,6 +957,10 @@ impl Validator {
         let completion_retry_timeout =
             self.duration_field(&o, "completionRetryTimeout", Zero::Allowed);
         set!(p.completion_retry_timeout, completion_retry_timeout);
+        set!(
+            p.response_stall_timeout,
+            self.duration_field(&o, "responseStallTimeout", Zero::Refused)
+        );
         // Compare only values that were read (or defaulted): a field with an error of
         // its own says nothing about the others.
         let read = |key: &str, v: Option<Duration>| o.get(key).is_none() || v.is_some();

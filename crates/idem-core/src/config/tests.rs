@@ -1238,6 +1238,22 @@ fn idempotency_fields() {
 }
 
 #[test]
+fn response_stall_timeout_is_read_and_never_zero() {
+    assert_eq!(
+        idempotency(json!({})).unwrap().response_stall_timeout,
+        Duration::from_secs(30)
+    );
+    let p = idempotency(json!({"responseStallTimeout": "2.5s"})).unwrap();
+    assert_eq!(p.response_stall_timeout, Duration::from_millis(2500));
+    assert_eq!(
+        idempotency(json!({"responseStallTimeout": "0s"})),
+        Err(vec![format!(
+            "{IP_PATH}.responseStallTimeout: must be a duration > 0"
+        )])
+    );
+}
+
+#[test]
 fn idempotency_timings_must_work_together() {
     // A lease shorter than a millisecond cannot be renewed in time.
     assert_eq!(

@@ -313,6 +313,7 @@ impl FromIterator<Compression> for CompressionSet {
 /// | `acceptCompressed` | `[]` (identity only, as a tonic service without `accept_compressed`) |
 /// | `failOpen` | `false` |
 /// | `completionRetryTimeout` | `"60s"` |
+/// | `responseStallTimeout` | `"30s"` |
 ///
 /// # Rules between fields
 /// `leaseTtl` is at least `"0.001s"` and `recordTtl` at least `leaseTtl` (errors); a
@@ -353,6 +354,12 @@ pub struct IdempotencyPolicy {
     /// backoff, the lease renewed meanwhile) before the record is left to its lease.
     /// Zero: one attempt.
     pub completion_retry_timeout: Duration,
+    /// How long a caller may leave a streamed response unread (no message taken while
+    /// the next one waits) before the layer stops sending it: the caller's stream ends
+    /// there, the handler runs on to its end and its outcome is recorded, so a caller
+    /// that never reads cannot hold a handler run (and its place under
+    /// `maxHandlersInFlight`) for ever. Unary responses are never held this way.
+    pub response_stall_timeout: Duration,
 }
 
 impl IdempotencyPolicy {
@@ -380,6 +387,7 @@ impl Default for IdempotencyPolicy {
             accept_compressed: CompressionSet::EMPTY,
             fail_open: false,
             completion_retry_timeout: Duration::from_secs(60),
+            response_stall_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -20,6 +20,7 @@ use idem_core::derive::KeySource;
 use idem_store::response::{EncodedSize, StoredResponse};
 use idem_store::{Fence, RecordRef, Store, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
+use tokio::time::Duration;
 use tonic::body::Body;
 use tonic::{Code, Status};
 use tower_service::Service;
@@ -152,7 +153,8 @@ impl Drop for Detach {
 /// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
 /// the record's scope, so client calls it makes derive their keys from this call's
 /// (the same keys on every run of it: a run after a crash replays downstream).
-/// `_permit` is held to the end.
+/// `permit` is held until the outcome is recorded (not until the caller has read the
+/// rest of the response).
 #[allow(clippy::too_many_arguments)]
 async fn run<S, St, ResBody>(
     call: Call<St>,
@@ -162,7 +164,7 @@ async fn run<S, St, ResBody>(
     req: Request<Body>,
     inbound: InboundScope,
     reply: Reply<S::Error>,
-    _permit: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
 ) where
     S: Inner<ResBody>,
     ResBody: ResponseBody,
@@ -177,7 +179,7 @@ async fn run<S, St, ResBody>(
     let keys = KeySource::new(scope.0, super::derived_key);
     let max = policy.max_response_bytes;
     let mut out = Output {
-        forward: Forwarder::new(reply),
+        forward: Forwarder::new(reply, policy.response_stall_timeout),
         collected: None,
     };
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
@@ -207,6 +209,7 @@ async fn run<S, St, ResBody>(
         forward.finish(trailers).await;
     };
     let record = async {
+        let _permit = permit;
         if record.is_completed() {
             // The handler's own transaction completed the record with its reply.
             return lease.completed_elsewhere(attempted);
@@ -404,15 +407,18 @@ struct Forwarder<E> {
     head: Option<http::response::Parts>,
     tx: Option<mpsc::Sender<Result<Frame<Bytes>, Status>>>,
     pending: Option<Bytes>,
+    /// How long a frame may wait for the caller to make room (`responseStallTimeout`).
+    stall: Duration,
 }
 
 impl<E> Forwarder<E> {
-    fn new(reply: Reply<E>) -> Self {
+    fn new(reply: Reply<E>, stall: Duration) -> Self {
         Forwarder {
             reply: Some(reply),
             head: None,
             tx: None,
             pending: None,
+            stall,
         }
     }
 
@@ -453,12 +459,22 @@ impl<E> Forwarder<E> {
         }
     }
 
+    /// Sends one frame to the caller, waiting at most `stall` for room. A caller that
+    /// went away, or that has read nothing for that long, is sent nothing more: its
+    /// stream ends (without trailers, which its client reports as an error), and the run
+    /// goes on to record its outcome.
     async fn send(&mut self, item: Result<Frame<Bytes>, Status>) {
-        if let Some(tx) = &self.tx
-            && tx.send(item).await.is_err()
-        {
-            // The caller went away: keep running, keep recording.
-            self.tx = None;
+        let Some(tx) = &self.tx else { return };
+        match tokio::time::timeout(self.stall, tx.send(item)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => self.tx = None,
+            Err(_) => {
+                tracing::warn!(
+                    stall_ms = u64::try_from(self.stall.as_millis()).unwrap_or(u64::MAX),
+                    "the caller has read nothing of its streamed response for responseStallTimeout: its stream is ended; the handler's outcome is still recorded"
+                );
+                self.tx = None;
+            }
         }
     }
 
