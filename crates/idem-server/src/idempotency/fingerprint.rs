@@ -153,10 +153,10 @@ pub(crate) fn compression(
 /// decompressed or `maxRequestFrames`; INTERNAL for a body that is not valid gRPC framing
 /// or does not decompress.
 pub(crate) async fn fingerprint(
-    body: Bytes,
+    body: &Bytes,
     compression: Option<Compression>,
     policy: &IdempotencyPolicy,
-    hook: Option<FingerprintHook>,
+    hook: Option<&FingerprintHook>,
     protobuf: bool,
 ) -> Result<Fingerprint, Status> {
     let limits = Limits {
@@ -171,18 +171,20 @@ pub(crate) async fn fingerprint(
                 .min(limits.max_bytes),
         ),
     };
-    let read = move || {
-        read(
-            &body,
-            compression,
-            limits,
-            hook.as_ref(),
-            &mut Work::default(),
-        )
-    };
     let result = if work_bound <= INLINE_WORK {
-        read()
+        read(body, compression, limits, hook, &mut Work::default())
     } else {
+        // Off the async workers: the body and the hook are shared with the blocking task.
+        let (body, hook) = (body.clone(), hook.cloned());
+        let read = move || {
+            read(
+                &body,
+                compression,
+                limits,
+                hook.as_ref(),
+                &mut Work::default(),
+            )
+        };
         match tokio::task::spawn_blocking(read).await {
             Ok(r) => r,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),

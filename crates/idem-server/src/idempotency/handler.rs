@@ -200,8 +200,17 @@ async fn run<S, St, ResBody>(
         }
     }
     let Output { forward, collected } = out;
-    let collected = collected.expect("a response head, or the panic's");
-    let trailers = collected.stored.trailers.clone();
+    let mut collected = collected.expect("a response head, or the panic's");
+    // What to record is settled (and the response encoded) before the trailers move to
+    // the caller's side: no copy of them is kept.
+    let plan = if record.is_completed() {
+        // The handler's own transaction completed the record with its reply.
+        None
+    } else {
+        Some(plan(&shared.stats, &policy, &collected))
+    };
+    let trailers = collected.stored.trailers.take();
+    drop(collected);
     let (attempted, on_attempted) = oneshot::channel();
     let deliver = async move {
         // Hold the end of the response back until the store has been asked once.
@@ -210,24 +219,29 @@ async fn run<S, St, ResBody>(
     };
     let record = async {
         let _permit = permit;
-        if record.is_completed() {
-            // The handler's own transaction completed the record with its reply.
-            return lease.completed_elsewhere(attempted);
+        match plan {
+            None => lease.completed_elsewhere(attempted),
+            Some(Plan::Release) => lease.release(attempted).await,
+            Some(Plan::Complete(outcome)) => {
+                lease.complete(outcome, policy.record_ttl, attempted).await;
+            }
         }
-        self::record(&shared.stats, &policy, lease, collected, attempted).await
     };
     tokio::join!(record, deliver);
 }
 
-/// Completes or releases the record by what the handler produced; `attempted` fires
-/// after the store's first answer.
-async fn record<St: Store>(
+/// What becomes of the record.
+enum Plan {
+    Release,
+    Complete(StoredOutcome),
+}
+
+/// Completes or releases the record by what the handler produced.
+fn plan(
     stats: &super::IdempotencyStats,
     policy: &IdempotencyPolicy,
-    lease: Lease<St>,
-    collected: Collected,
-    attempted: oneshot::Sender<()>,
-) {
+    collected: &Collected,
+) -> Plan {
     let origin = collected.origin();
     let code = collected.code();
     let cacheable = policy.cacheable_status_codes;
@@ -235,21 +249,19 @@ async fn record<St: Store>(
         if origin == Origin::BeforeHandler {
             tracing::info!("the service refused the request before its handler ran: released");
         }
-        return lease.release(attempted).await;
+        return Plan::Release;
     }
-    let outcome = if collected.over_limit {
+    if collected.over_limit {
         stats.inc(|c| &c.not_retained);
         let max = policy.max_response_bytes;
         tracing::warn!(
             max,
             "response over the size limit: recorded as not retained"
         );
-        StoredOutcome::NotRetained
+        Plan::Complete(StoredOutcome::NotRetained)
     } else {
-        StoredOutcome::Response(collected.stored.encode())
-    };
-    drop(collected);
-    lease.complete(outcome, policy.record_ttl, attempted).await;
+        Plan::Complete(StoredOutcome::Response(collected.stored.encode()))
+    }
 }
 
 /// What the handler's run has produced so far. It lives outside the future that

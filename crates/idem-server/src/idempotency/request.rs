@@ -59,8 +59,7 @@ pub(crate) async fn read_request(
     }
     let body = first.unwrap_or_else(|| buf.freeze());
     let protobuf = is_protobuf(headers);
-    let fingerprint =
-        fingerprint(body.clone(), compression, policy, hook.cloned(), protobuf).await?;
+    let fingerprint = fingerprint(&body, compression, policy, hook, protobuf).await?;
     Ok(ReadRequest { body, fingerprint })
 }
 

@@ -429,7 +429,7 @@ async fn large_requests_are_read_off_the_async_workers_with_the_same_result() {
     let calls = Arc::new(AtomicUsize::new(0));
     for body in [small, large] {
         let want = reference_fp(&body, Some(Compression::Deflate), p.max_request_bytes).unwrap();
-        let got = fingerprint(body.clone(), Some(Compression::Deflate), &p, None, false)
+        let got = fingerprint(&body, Some(Compression::Deflate), &p, None, false)
             .await
             .unwrap();
         assert_eq!(got, want);
@@ -441,7 +441,7 @@ async fn large_requests_are_read_off_the_async_workers_with_the_same_result() {
         let n = reference(&body, Some(Compression::Deflate), p.max_request_bytes)
             .unwrap()
             .len();
-        let got = fingerprint(body, Some(Compression::Deflate), &p, Some(hook), false)
+        let got = fingerprint(&body, Some(Compression::Deflate), &p, Some(&hook), false)
             .await
             .unwrap();
         assert_eq!(got, fingerprint_custom(&n.to_be_bytes()));
@@ -452,7 +452,7 @@ async fn large_requests_are_read_off_the_async_workers_with_the_same_result() {
         max_request_bytes: 16,
         ..p
     };
-    let e = fingerprint(over, None, &tight, None, false)
+    let e = fingerprint(&over, None, &tight, None, false)
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted);
