@@ -84,8 +84,9 @@ impl<St: Store> Call<St> {
             let claim = match self.claim(&fingerprint, claimant).await {
                 Ok(claim) => claim,
                 Err(e) => {
-                    return self
-                        .store_failed(e, inner, parts, body, inbound, permit)
+                    // Boxed: a rare path whose future holds the service's own, which
+                    // would otherwise enlarge every protected call's future.
+                    return Box::pin(self.store_failed(e, inner, parts, body, inbound, permit))
                         .await;
                 }
             };
@@ -124,8 +125,9 @@ impl<St: Store> Call<St> {
                     }
                     let first_wait = !waited;
                     waited = true;
-                    if let Some(resp) = self.in_flight(lease_remaining, deadline, first_wait).await
-                    {
+                    // Boxed, as above: only duplicates wait.
+                    let wait = Box::pin(self.in_flight(lease_remaining, deadline, first_wait));
+                    if let Some(resp) = wait.await {
                         return Ok(resp);
                     }
                 }
