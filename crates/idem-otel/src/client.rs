@@ -12,7 +12,7 @@ use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
 use crate::labels::{self, Bound, MethodCounters, MethodLabels, STATUS_COUNT, status_index};
-use crate::{LATENCY_BUCKETS, RETRY_BUCKETS};
+use crate::{per_call_histogram, seconds_histogram};
 
 /// Records a retry layer's calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -106,44 +106,33 @@ impl ClientMetrics {
         ClientMetrics(Arc::new(Inner {
             target,
             counts,
-            attempt_duration: meter
-                .f64_histogram("grpc.client.attempt.duration")
-                .with_unit("s")
-                .with_description("Each attempt, from sending it to its status.")
-                .with_boundaries(LATENCY_BUCKETS.to_vec())
-                .build(),
-            call_duration: meter
-                .f64_histogram("grpc.client.call.duration")
-                .with_unit("s")
-                .with_description(
-                    "Each call as the application sees it, every attempt and wait included.",
-                )
-                .with_boundaries(LATENCY_BUCKETS.to_vec())
-                .build(),
-            call_retries: meter
-                .u64_histogram("grpc.client.call.retries")
-                .with_unit("{retry}")
-                .with_description(
-                    "Retries per call that retried (calls without retries are not recorded).",
-                )
-                .with_boundaries(RETRY_BUCKETS.to_vec())
-                .build(),
-            call_hedges: meter
-                .u64_histogram("grpc.client.call.hedges")
-                .with_unit("{hedge}")
-                .with_description(
-                    "Hedges per hedged call beyond the first request (calls without hedges are not recorded).",
-                )
-                .with_boundaries(RETRY_BUCKETS.to_vec())
-                .build(),
-            retry_delay: meter
-                .f64_histogram("grpc.client.call.retry_delay")
-                .with_unit("s")
-                .with_description(
-                    "Per call, the time with no attempt in flight (backoff and pushback waits).",
-                )
-                .with_boundaries(LATENCY_BUCKETS.to_vec())
-                .build(),
+            attempt_duration: seconds_histogram(
+                meter,
+                "grpc.client.attempt.duration",
+                "Each attempt, from sending it to its status.",
+            ),
+            call_duration: seconds_histogram(
+                meter,
+                "grpc.client.call.duration",
+                "Each call as the application sees it, every attempt and wait included.",
+            ),
+            call_retries: per_call_histogram(
+                meter,
+                "grpc.client.call.retries",
+                "{retry}",
+                "Retries per call that retried (calls without retries are not recorded).",
+            ),
+            call_hedges: per_call_histogram(
+                meter,
+                "grpc.client.call.hedges",
+                "{hedge}",
+                "Hedges per hedged call beyond the first request (calls without hedges are not recorded).",
+            ),
+            retry_delay: seconds_histogram(
+                meter,
+                "grpc.client.call.retry_delay",
+                "Per call, the time with no attempt in flight (backoff and pushback waits).",
+            ),
             meter: meter.clone(),
         }))
     }

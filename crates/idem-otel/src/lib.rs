@@ -72,3 +72,32 @@ pub const LATENCY_BUCKETS: [f64; 41] = [
 
 /// Bucket boundaries of `grpc.client.call.retries`: gRFC A96's.
 pub const RETRY_BUCKETS: [f64; 5] = [1.0, 2.0, 3.0, 4.0, 5.0];
+
+/// A histogram of seconds, with [`LATENCY_BUCKETS`].
+pub(crate) fn seconds_histogram(
+    meter: &opentelemetry::metrics::Meter,
+    name: &'static str,
+    description: &'static str,
+) -> opentelemetry::metrics::Histogram<f64> {
+    meter
+        .f64_histogram(name)
+        .with_unit("s")
+        .with_description(description)
+        .with_boundaries(LATENCY_BUCKETS.to_vec())
+        .build()
+}
+
+/// A histogram of requests per call (retries, hedges), with [`RETRY_BUCKETS`].
+pub(crate) fn per_call_histogram(
+    meter: &opentelemetry::metrics::Meter,
+    name: &'static str,
+    unit: &'static str,
+    description: &'static str,
+) -> opentelemetry::metrics::Histogram<u64> {
+    meter
+        .u64_histogram(name)
+        .with_unit(unit)
+        .with_description(description)
+        .with_boundaries(RETRY_BUCKETS.to_vec())
+        .build()
+}

@@ -14,10 +14,10 @@ use idem_store::{Store, memory::MemoryStore};
 use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
-use crate::LATENCY_BUCKETS;
 use crate::labels::{
     self, Bound, Learned, MethodCounters, MethodLabels, STATUS_COUNT, read, status_index, write,
 };
+use crate::seconds_histogram;
 
 /// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -121,18 +121,16 @@ impl ServerMetrics {
         ServerMetrics(Arc::new(Inner {
             counts,
             tenants: None,
-            duration: meter
-                .f64_histogram("grpc.server.call.duration")
-                .with_unit("s")
-                .with_description("Calls, from arrival to the end of the response.")
-                .with_boundaries(LATENCY_BUCKETS.to_vec())
-                .build(),
-            store_duration: meter
-                .f64_histogram("idem.store.operation.duration")
-                .with_unit("s")
-                .with_description("Store operations by operation, store kind and result.")
-                .with_boundaries(LATENCY_BUCKETS.to_vec())
-                .build(),
+            duration: seconds_histogram(
+                meter,
+                "grpc.server.call.duration",
+                "Calls, from arrival to the end of the response.",
+            ),
+            store_duration: seconds_histogram(
+                meter,
+                "idem.store.operation.duration",
+                "Store operations by operation, store kind and result.",
+            ),
             meter: meter.clone(),
         }))
     }
