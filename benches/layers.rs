@@ -571,16 +571,15 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
         .build()
         .expect("layer");
     client_metrics.watch(&on_layer);
+    // One channel under both, as in the client rows.
+    let channel = server.channel();
     let off: OrdersClient<Retry<Channel>> = OrdersClient::new(
         ServiceBuilder::new()
             .layer(RetryLayer::from_config(&cfg))
-            .service(server.channel()),
+            .service(channel.clone()),
     );
-    let on: OrdersClient<Retry<Channel>> = OrdersClient::new(
-        ServiceBuilder::new()
-            .layer(on_layer)
-            .service(server.channel()),
-    );
+    let on: OrdersClient<Retry<Channel>> =
+        OrdersClient::new(ServiceBuilder::new().layer(on_layer).service(channel));
     let server_metrics = idem_otel::ServerMetrics::new(&meter, &cfg);
     let plain = serve(
         Duration::ZERO,
@@ -639,11 +638,14 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
 /// keyed path) over a `Channel` vs the bare `Channel`, same bare server.
 async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
     let server = serve::<MemoryStore>(Duration::ZERO, None).await;
-    let bare = server.client();
+    // One channel (one connection) under both: the layer is the only difference, not
+    // which worker thread each connection's tasks landed on.
+    let channel = server.channel();
+    let bare = OrdersClient::new(channel.clone());
     let layered: OrdersClient<Retry<Channel>> = OrdersClient::new(
         ServiceBuilder::new()
             .layer(RetryLayer::from_config(&config()))
-            .service(server.channel()),
+            .service(channel),
     );
     let _ = layered
         .clone()
