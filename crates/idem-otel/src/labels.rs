@@ -118,13 +118,76 @@ pub(crate) struct MethodCounters<T> {
     /// [`add_method`](Self::add_method).
     methods: RwLock<MethodLabels>,
     /// Path → its label's counters; bounded (unknown paths past it look their label up).
-    by_path: RwLock<HashMap<String, Arc<PerMethod<T>>>>,
+    by_path: RwLock<FirstFew<String, Arc<PerMethod<T>>>>,
     /// Label → counters: the paths of one label (`"other"`) share them.
     by_label: RwLock<HashMap<String, Arc<PerMethod<T>>>>,
 }
 
 /// Most paths remembered by [`MethodCounters`].
 const PATHS_MAX: usize = 2_000;
+
+/// A map whose first [`FIRST_FEW`] keys are kept in a list and found by comparison,
+/// the rest hashed: a service's few methods (and the few outcomes of one) are found
+/// without hashing the key (SipHash, about 300 instructions for a method path), while
+/// keys a caller makes up past them still cost no more than a hash lookup.
+pub(crate) struct FirstFew<K, V> {
+    first: Vec<(K, V)>,
+    rest: HashMap<K, V>,
+}
+
+/// How many keys [`FirstFew`] keeps in its list.
+const FIRST_FEW: usize = 16;
+
+impl<K, V> Default for FirstFew<K, V> {
+    fn default() -> Self {
+        FirstFew {
+            first: Vec::new(),
+            rest: HashMap::new(),
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq, V> FirstFew<K, V> {
+    pub(crate) fn get<Q>(&self, key: &Q) -> Option<&V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        match self.first.iter().find(|(k, _)| k.borrow() == key) {
+            Some((_, v)) => Some(v),
+            None if self.rest.is_empty() => None,
+            None => self.rest.get(key),
+        }
+    }
+
+    /// The value of `key`, inserted with `make` if absent.
+    pub(crate) fn get_or_insert_with(&mut self, key: K, make: impl FnOnce() -> V) -> &V {
+        if let Some(i) = self.first.iter().position(|(k, _)| *k == key) {
+            return &self.first[i].1;
+        }
+        if self.first.len() < FIRST_FEW && !self.rest.contains_key(&key) {
+            self.first.push((key, make()));
+            return &self.first[self.first.len() - 1].1;
+        }
+        self.rest.entry(key).or_insert_with(make)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.first.len() + self.rest.len()
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.first.clear();
+        self.rest.clear();
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.first
+            .iter()
+            .map(|(k, v)| (k, v))
+            .chain(self.rest.iter())
+    }
+}
 
 /// One method label's counters.
 pub(crate) struct PerMethod<T> {
@@ -166,7 +229,7 @@ impl<T: Default> MethodCounters<T> {
             .clone();
         let mut by_path = write(&self.by_path);
         if by_path.len() < PATHS_MAX {
-            by_path.insert(path.to_owned(), counts.clone());
+            by_path.get_or_insert_with(path.to_owned(), || counts.clone());
         }
         counts
     }
@@ -225,6 +288,24 @@ pub(crate) fn status(code: Code) -> KeyValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_few_finds_every_key_listed_or_hashed() {
+        let mut m = FirstFew::<String, usize>::default();
+        for i in 0..FIRST_FEW + 9 {
+            assert_eq!(*m.get_or_insert_with(format!("/p.S/M{i}"), || i), i);
+        }
+        assert_eq!(m.len(), FIRST_FEW + 9);
+        for i in 0..FIRST_FEW + 9 {
+            assert_eq!(m.get(format!("/p.S/M{i}").as_str()), Some(&i));
+            // Present: `make` is not called again, the first value stays.
+            assert_eq!(*m.get_or_insert_with(format!("/p.S/M{i}"), || usize::MAX), i);
+        }
+        assert_eq!(m.get("/p.S/none"), None);
+        assert_eq!(m.iter().count(), FIRST_FEW + 9);
+        m.clear();
+        assert_eq!((m.len(), m.get("/p.S/M0")), (0, None));
+    }
 
     #[test]
     fn only_named_methods_get_a_label() {

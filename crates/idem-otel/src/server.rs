@@ -1,7 +1,6 @@
 //! [`ServerMetrics`]: gRPC's server metrics (gRFC A66) for protected methods and idem's
 //! own, from an [`IdempotencyLayer`]'s observer events, its counters and its store.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -15,7 +14,8 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
 use crate::labels::{
-    self, Bound, Learned, MethodCounters, MethodLabels, STATUS_COUNT, read, status_index, write,
+    self, Bound, FirstFew, Learned, MethodCounters, MethodLabels, STATUS_COUNT, read, status_index,
+    write,
 };
 use crate::seconds_histogram;
 
@@ -52,7 +52,7 @@ struct Inner {
 #[derive(Default)]
 struct Counts {
     started: AtomicU64,
-    outcomes: RwLock<HashMap<OutcomeKey, Arc<AtomicU64>>>,
+    outcomes: RwLock<FirstFew<OutcomeKey, Arc<AtomicU64>>>,
     /// `grpc.server.call.duration`, per `grpc.status`.
     duration: Bound<f64, STATUS_COUNT>,
 }
@@ -66,7 +66,9 @@ impl Counts {
         if let Some(n) = read(&self.outcomes).get(&key) {
             return n.clone();
         }
-        write(&self.outcomes).entry(key).or_default().clone()
+        write(&self.outcomes)
+            .get_or_insert_with(key, Arc::default)
+            .clone()
     }
 }
 
