@@ -477,6 +477,15 @@ impl<E> Forwarder<E> {
     /// goes on to record its outcome.
     async fn send(&mut self, item: Result<Frame<Bytes>, Status>) {
         let Some(tx) = &self.tx else { return };
+        // Room now (the usual case): no timer.
+        let item = match tx.try_send(item) {
+            Ok(()) => return,
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.tx = None;
+                return;
+            }
+            Err(mpsc::error::TrySendError::Full(item)) => item,
+        };
         match tokio::time::timeout(self.stall, tx.send(item)).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => self.tx = None,
