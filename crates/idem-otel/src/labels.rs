@@ -299,7 +299,10 @@ mod tests {
         for i in 0..FIRST_FEW + 9 {
             assert_eq!(m.get(format!("/p.S/M{i}").as_str()), Some(&i));
             // Present: `make` is not called again, the first value stays.
-            assert_eq!(*m.get_or_insert_with(format!("/p.S/M{i}"), || usize::MAX), i);
+            assert_eq!(
+                *m.get_or_insert_with(format!("/p.S/M{i}"), || usize::MAX),
+                i
+            );
         }
         assert_eq!(m.get("/p.S/none"), None);
         assert_eq!(m.iter().count(), FIRST_FEW + 9);

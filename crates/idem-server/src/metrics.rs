@@ -132,20 +132,6 @@ pub(crate) struct CallTrace {
     state: Mutex<State>,
 }
 
-tokio::task_local! {
-    static CURRENT: Arc<CallTrace>;
-}
-
-/// Notes the outcome of the call being served on this task, if it is traced.
-pub(crate) fn outcome(name: &'static str) {
-    let _ = CURRENT.try_with(|t| t.update(|s| s.outcome = Some(name)));
-}
-
-/// The trace of the call being served on this task, for work that outlives it.
-pub(crate) fn current() -> Option<Arc<CallTrace>> {
-    CURRENT.try_with(Arc::clone).ok()
-}
-
 impl CallTrace {
     /// A trace of a protected call to `method`, when someone listens.
     pub(crate) fn start(
@@ -270,8 +256,7 @@ impl Drop for CallTrace {
     }
 }
 
-/// Runs a protected call's future as the traced call of its task, then watches its
-/// response to the end.
+/// Runs a protected call's future, then watches its response to the end.
 ///
 /// Combinators, not an `async fn`: an `async fn` keeps its `fut` argument and the future
 /// it awaits in separate slots, doubling the size of every protected call's future
@@ -283,7 +268,7 @@ where
     let Some(trace) = trace else {
         return Either::Left(fut);
     };
-    Either::Right(CURRENT.scope(trace.clone(), fut).map(move |resp| {
+    Either::Right(fut.map(move |resp| {
         if resp.is_err() {
             trace.ended(Code::Unknown);
         }
@@ -328,7 +313,7 @@ fn reason_of(headers: &http::HeaderMap) -> Option<&'static str> {
     )
 }
 
-/// Notes `name` as the outcome of a call traced by `trace` (one not yet on its task).
+/// Notes `name` as the outcome of a call traced by `trace`, in its span too.
 pub(crate) fn outcome_of(trace: Option<&CallTrace>, name: &'static str) {
     tracing::Span::current().record("outcome", name);
     if let Some(t) = trace {

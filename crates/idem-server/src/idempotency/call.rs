@@ -28,6 +28,7 @@ use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
 use super::status;
 use super::{Inner, ResponseBody};
+use crate::metrics::CallTrace;
 
 /// Per-call state of a protected call (the inner service travels apart from it, so
 /// this is `Sync` whatever the service is).
@@ -37,6 +38,8 @@ pub(crate) struct Call<St> {
     pub(crate) path: String,
     pub(crate) scope: Scope,
     pub(crate) tenant: TenantId,
+    /// The call's trace, when an observer listens.
+    pub(crate) trace: Option<Arc<CallTrace>>,
 }
 
 /// This call's own deadline (it bounds waiting) and the scope its handler runs in, read
@@ -47,11 +50,6 @@ fn scopes(headers: &http::HeaderMap) -> (Option<Instant>, InboundScope) {
     let own = crate::inbound::scope_of(headers);
     let inbound = idem_core::deadline::current_scope().unwrap_or(own);
     (own.deadline, inbound)
-}
-
-fn outcome(name: &'static str) {
-    tracing::Span::current().record("outcome", name);
-    crate::metrics::outcome(name);
 }
 
 impl<St: Store> Call<St> {
@@ -96,7 +94,7 @@ impl<St: Store> Call<St> {
                         return Ok(self.overloaded_after_claim(fence).await);
                     };
                     self.shared.stats.inc(|c| &c.executed);
-                    outcome("executed");
+                    self.outcome("executed");
                     tracing::Span::current().record("fence", fence);
                     if takeover {
                         tracing::warn!(fence, "took over an in-flight record whose lease ended");
@@ -191,7 +189,7 @@ impl<St: Store> Call<St> {
             return Ok(self.overloaded());
         };
         stats.inc(|c| &c.fail_open_runs);
-        outcome("fail_open");
+        self.outcome("fail_open");
         tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed; method is fail-open: running without a record");
         let req = Request::from_parts(parts, Body::new(Full::new(body)));
         let resp = scope_inbound_deadline(inbound, inner.call(req)).await;
@@ -245,7 +243,7 @@ impl<St: Store> Call<St> {
             }
         };
         self.shared.stats.inc(|c| &c.replayed);
-        outcome(if waited { "waited" } else { "replayed" });
+        self.outcome(if waited { "waited" } else { "replayed" });
         let StoredResponse {
             status,
             mut headers,
@@ -279,7 +277,7 @@ impl<St: Store> Call<St> {
 
     /// Claimed, but no handler run is free: give the record back and refuse.
     async fn overloaded_after_claim(&self, fence: idem_store::Fence) -> Response<Body> {
-        let lease = Lease::start(&self.shared, self.scope, fence, &self.policy);
+        let lease = Lease::start(self, fence);
         lease.release(oneshot::channel().0).await;
         self.overloaded()
     }
@@ -299,8 +297,13 @@ impl<St: Store> Call<St> {
     }
 
     fn answer(&self, name: &'static str, status: Status) -> Response<Body> {
-        outcome(name);
+        self.outcome(name);
         status.into_http()
+    }
+
+    /// Notes what the call came to, in its span and its trace.
+    fn outcome(&self, name: &'static str) {
+        crate::metrics::outcome_of(self.trace.as_deref(), name);
     }
 
     fn short_scope(&self) -> String {

@@ -68,7 +68,7 @@ where
     ResBody: ResponseBody,
     St: Store,
 {
-    let lease = Lease::start(&call.shared, call.scope, fence, &call.policy);
+    let lease = Lease::start(&call, fence);
     let scheduled_renewals = lease.scheduled_renewal_task();
     parts.extensions.insert(RecordFence(fence));
     let record = RecordRef::new(

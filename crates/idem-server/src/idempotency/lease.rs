@@ -12,12 +12,11 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::config::IdempotencyPolicy;
 use idem_store::{Fence, Scope, Store, StoreError, StoredOutcome};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::layer::Shared;
+use super::call::Call;
 use super::renewal::Registration;
 use super::stats::IdempotencyStats;
 
@@ -49,24 +48,29 @@ enum Unrecorded {
 
 impl<St: Store> Lease<St> {
     /// Starts renewing the lease held with `fence` every `leaseTtl / 3`.
-    pub(crate) fn start(
-        shared: &Shared<St>,
-        scope: Scope,
-        fence: Fence,
-        policy: &IdempotencyPolicy,
-    ) -> Self {
-        let renewal =
-            shared
-                .renewals
-                .register(&shared.store, &shared.stats, scope, fence, policy.lease_ttl);
+    pub(crate) fn start(call: &Call<St>, fence: Fence) -> Self {
+        let Call {
+            shared,
+            policy,
+            scope,
+            trace,
+            ..
+        } = call;
+        let renewal = shared.renewals.register(
+            &shared.store,
+            &shared.stats,
+            *scope,
+            fence,
+            policy.lease_ttl,
+        );
         Lease {
             store: shared.store.clone(),
-            scope,
+            scope: *scope,
             fence,
             stats: shared.stats.clone(),
             retry_for: policy.completion_retry_timeout,
             renewal,
-            trace: crate::metrics::current(),
+            trace: trace.clone(),
         }
     }
 

@@ -174,8 +174,9 @@ where
                     path,
                     scope,
                     tenant: self.shared.tenant_ids.of(&tenant),
+                    trace: trace.map(|t| t.with_tenant(tenant)),
                 };
-                let trace = trace.map(|t| t.with_tenant(tenant));
+                let trace = call.trace.clone();
                 let fut = metrics::traced(trace, call.run(inner, parts, body));
                 ResponseFuture::protected(Box::pin(fut.instrument(span)))
             }
