@@ -40,7 +40,6 @@
 //! of this crate are off.
 
 use std::future::Future;
-
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 

@@ -230,13 +230,14 @@ async fn run<S, St, ResBody>(
     tokio::join!(record, deliver);
 }
 
-/// What becomes of the record.
+/// What becomes of the record: released, or completed with this outcome.
 enum Plan {
     Release,
     Complete(StoredOutcome),
 }
 
-/// Completes or releases the record by what the handler produced.
+/// Whether the record is completed (with the response encoded, or as not retained) or
+/// released, by what the handler produced.
 fn plan(
     stats: &super::IdempotencyStats,
     policy: &IdempotencyPolicy,
