@@ -17,6 +17,7 @@ use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::{Resp, early_code};
 use super::policy::Attempted;
 use super::pushback::{Pushback, pushback, retry_info_delay};
+use super::transport::TransportBody;
 use crate::BoxError;
 use crate::metrics::{self, Started};
 
@@ -82,6 +83,10 @@ impl Attempt {
         E: Into<BoxError>,
     {
         match result {
+            // A body still to come reads its transport failures as UNAVAILABLE.
+            Ok(resp) if !resp.body().is_end_stream() => {
+                Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
+            }
             Ok(resp) => Attempt::Response(resp.map(tonic::body::Body::new)),
             Err(_) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
             Err(e) => Attempt::Error(e.into()),
