@@ -607,15 +607,7 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             &p,
             &format!("tp ≥ 0.97: {}", verdict(ok)),
         );
-        let (a, b) = (plain.client(), observed.client());
-        let p = ab(
-            rounds,
-            calls,
-            conc,
-            creates!(a, Some(&fresh_key()), "metrics off"),
-            creates!(b, Some(&fresh_key()), "metrics on"),
-        )
-        .await;
+        let p = fresh_keys(rounds, calls, conc, &plain, &observed).await;
         let ok = p.tp_ratio >= 0.97;
         t.pair(
             "metrics: IdempotencyLayer (fresh keys) with OTel metrics vs without",
@@ -711,16 +703,8 @@ async fn server_fresh(t: &mut Table, rounds: usize, calls1: usize, calls64: usiz
         let bare = serve::<MemoryStore>(spin, None).await;
         let idem = serve(spin, layer_of(memory_store())).await;
         for (conc, calls) in [(1, calls1), (64, calls64)] {
-            let (a, b) = (bare.client(), idem.client());
             let before = idem.runs();
-            let p = ab(
-                rounds,
-                calls,
-                conc,
-                creates!(a, Some(&fresh_key()), "bare"),
-                creates!(b, Some(&fresh_key()), "idem"),
-            )
-            .await;
+            let p = fresh_keys(rounds, calls, conc, &bare, &idem).await;
             assert_eq!(
                 idem.runs() - before,
                 rounds * calls,
@@ -884,6 +868,19 @@ fn layer_of(s: MemoryStore) -> Option<IdempotencyLayer<MemoryStore>> {
     Some(IdempotencyLayer::new(s, &config()))
 }
 
+/// Fresh keys on server `b` against server `a` (baseline), `rounds` alternating rounds.
+async fn fresh_keys(rounds: usize, calls: usize, conc: usize, a: &Running, b: &Running) -> Pair {
+    let (ca, cb) = (a.client(), b.client());
+    ab(
+        rounds,
+        calls,
+        conc,
+        creates!(ca, Some(&fresh_key()), "baseline"),
+        creates!(cb, Some(&fresh_key()), "layer"),
+    )
+    .await
+}
+
 /// Fresh keys, then replays of keys run once before, on server `b` against server `a`.
 async fn store_pair(
     t: &mut Table,
@@ -894,15 +891,7 @@ async fn store_pair(
     a: &Running,
     b: &Running,
 ) {
-    let (ca, cb) = (a.client(), b.client());
-    let p = ab(
-        rounds,
-        calls,
-        conc,
-        creates!(ca, Some(&fresh_key()), "a"),
-        creates!(cb, Some(&fresh_key()), "b"),
-    )
-    .await;
+    let p = fresh_keys(rounds, calls, conc, a, b).await;
     t.pair(
         &format!("server: fresh keys, {name}"),
         conc,

@@ -171,7 +171,6 @@ impl ServerMetrics {
         kind: &'static str,
     ) -> InstrumentedStore<St> {
         let timings = StoreTimings {
-            kind,
             histogram: self.0.store_duration.clone(),
             series: Bound::default(),
         };
@@ -280,9 +279,9 @@ impl ServerObserver for ServerMetrics {
     }
 }
 
-/// `idem.store.operation.duration` of one store: a series per operation and result.
+/// `idem.store.operation.duration` of one store (one kind): a series per operation and
+/// result.
 struct StoreTimings {
-    kind: &'static str,
     histogram: Histogram<f64>,
     series: Bound<f64, { STORE_OPS * STORE_RESULTS }>,
 }
@@ -316,17 +315,13 @@ impl StoreTimings {
 
 impl StoreObserver for StoreTimings {
     fn operation(&self, kind: &'static str, op: StoreOp, took: Duration, result: OpResult) {
-        let i = if kind == self.kind {
-            Self::index(op, result)
-        } else {
-            usize::MAX
-        };
-        self.series.record(i, took.as_secs_f64(), || {
-            self.histogram.bind(&[
-                KeyValue::new("idem.store.kind", kind),
-                KeyValue::new("idem.store.operation", op.as_str()),
-                KeyValue::new("idem.store.result", result.as_str()),
-            ])
-        });
+        self.series
+            .record(Self::index(op, result), took.as_secs_f64(), || {
+                self.histogram.bind(&[
+                    KeyValue::new("idem.store.kind", kind),
+                    KeyValue::new("idem.store.operation", op.as_str()),
+                    KeyValue::new("idem.store.result", result.as_str()),
+                ])
+            });
     }
 }
