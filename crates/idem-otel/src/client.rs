@@ -2,7 +2,6 @@
 //! [`RetryLayer`]'s observer events.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use idem_client::metrics::{CallEnded, CallObserver};
 use idem_client::retry::{AttemptEnd, CallOutcome, RetryLayer};
@@ -11,7 +10,9 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
-use crate::labels::{self, Bound, MethodCounters, MethodLabels, STATUS_COUNT, status_index};
+use crate::labels::{
+    self, Bound, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped, status_index,
+};
 use crate::{per_call_histogram, seconds_histogram};
 
 /// Records a retry layer's calls as OpenTelemetry instruments (see the
@@ -44,8 +45,8 @@ struct Inner {
 /// The client's counters per method label (see [`MethodCounters`]).
 #[derive(Default)]
 struct Counts {
-    attempts: AtomicU64,
-    outcomes: [AtomicU64; CallOutcome::COUNT],
+    attempts: Striped<1>,
+    outcomes: Striped<{ CallOutcome::COUNT }>,
     /// The histograms' series of this method, per `grpc.status` where they have one.
     attempt_duration: Bound<f64, STATUS_COUNT>,
     call_duration: Bound<f64, STATUS_COUNT>,
@@ -79,7 +80,7 @@ impl ClientMetrics {
             .with_description("Attempts started, retries included.")
             .with_callback(move |o| {
                 c.each(|m| {
-                    let n = m.counts.attempts.load(Ordering::Relaxed);
+                    let n = m.counts.attempts.get(0);
                     if n > 0 {
                         o.observe(n, &[m.method.clone(), t.clone()]);
                     }
@@ -93,8 +94,8 @@ impl ClientMetrics {
             .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
             .with_callback(move |o| {
                 c.each(|m| {
-                    for (outcome, n) in CallOutcome::ALL.iter().zip(&m.counts.outcomes) {
-                        let n = n.load(Ordering::Relaxed);
+                    for (i, outcome) in CallOutcome::ALL.iter().enumerate() {
+                        let n = m.counts.outcomes.get(i);
                         if n > 0 {
                             let outcome = KeyValue::new("idem.outcome", outcome.as_str());
                             o.observe(n, &[m.method.clone(), t.clone(), outcome]);
@@ -164,22 +165,25 @@ impl ClientMetrics {
 
 impl CallObserver for ClientMetrics {
     fn attempt_started(&self, method: &str) {
-        self.0
-            .counts
-            .of(method)
-            .counts
-            .attempts
-            .fetch_add(1, Ordering::Relaxed);
+        self.0.counts.with(method, |m| m.counts.attempts.add(0));
     }
 
     fn call_ended(&self, call: &CallEnded<'_>) {
         let m = &self.0;
-        let counts = m.counts.of(call.method);
+        m.counts
+            .with(call.method, |counts| m.call_ended(counts, call));
+    }
+}
+
+impl Inner {
+    /// Records `call` on its method's `counts`.
+    fn call_ended(&self, counts: &PerMethod<Counts>, call: &CallEnded<'_>) {
+        let m = self;
         if let Some(i) = CallOutcome::ALL
             .iter()
             .position(|o| *o == call.report.outcome)
         {
-            counts.counts.outcomes[i].fetch_add(1, Ordering::Relaxed);
+            counts.counts.outcomes.add(i);
         }
         let series = &counts.counts;
         let with_status = |code: Code| {

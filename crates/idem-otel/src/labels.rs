@@ -1,6 +1,8 @@
 //! Label values with a bounded set: `grpc.method` and `grpc.status`.
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use idem_core::config::ServiceConfig;
@@ -113,12 +115,19 @@ impl MethodLabels {
 /// (observable counters): an SDK counter update hashes its attributes (about 1,400
 /// instructions), a lookup here by the call's path and an atomic add cost a fraction,
 /// and a counter loses nothing by being read late.
+///
+/// A call finds its path's counters without a lock and without touching a reference
+/// count (both would write to memory every worker thread shares, once per call).
 pub(crate) struct MethodCounters<T> {
     /// Read on a path's first call only (then `by_path` answers); written by
     /// [`add_method`](Self::add_method).
     methods: RwLock<MethodLabels>,
-    /// Path → its label's counters; bounded (unknown paths past it look their label up).
-    by_path: RwLock<FirstFew<String, Arc<PerMethod<T>>>>,
+    /// Path → its label's counters, with the [`epoch`](Self::epoch) they were looked up
+    /// in; bounded (unknown paths past it look their label up).
+    by_path: FirstFew<Box<str>, (u64, Arc<PerMethod<T>>)>,
+    /// Bumped by [`add_method`](Self::add_method): paths remembered before it are looked
+    /// up again, so none keeps a stale label.
+    epoch: AtomicU64,
     /// Label → counters: the paths of one label (`"other"`) share them.
     by_label: RwLock<HashMap<String, Arc<PerMethod<T>>>>,
 }
@@ -126,66 +135,88 @@ pub(crate) struct MethodCounters<T> {
 /// Most paths remembered by [`MethodCounters`].
 const PATHS_MAX: usize = 2_000;
 
-/// A map whose first [`FIRST_FEW`] keys are kept in a list and found by comparison,
-/// the rest hashed: a service's few methods (and the few outcomes of one) are found
-/// without hashing the key (SipHash, about 300 instructions for a method path), while
-/// keys a caller makes up past them still cost no more than a hash lookup.
+/// A map whose first [`FIRST_FEW`] keys sit in slots set once and read without a lock,
+/// found by comparison; the rest are hashed behind a lock. A service's few methods (and
+/// the few outcomes of one) are found with a load and a compare each: no hashing (SipHash,
+/// about 300 instructions for a method path) and no lock (a write to memory every worker
+/// thread shares, once per call); keys a caller makes up past them cost a hash lookup
+/// under a read lock, as a plain map would. Keys are never removed.
 pub(crate) struct FirstFew<K, V> {
-    first: Vec<(K, V)>,
-    rest: HashMap<K, V>,
+    first: [OnceLock<(K, V)>; FIRST_FEW],
+    /// Used once every slot is taken.
+    rest: RwLock<HashMap<K, Arc<V>>>,
 }
 
-/// How many keys [`FirstFew`] keeps in its list.
+/// How many keys [`FirstFew`] keeps in slots.
 const FIRST_FEW: usize = 16;
 
 impl<K, V> Default for FirstFew<K, V> {
     fn default() -> Self {
         FirstFew {
-            first: Vec::new(),
-            rest: HashMap::new(),
+            first: [const { OnceLock::new() }; FIRST_FEW],
+            rest: RwLock::default(),
         }
     }
 }
 
 impl<K: std::hash::Hash + Eq, V> FirstFew<K, V> {
-    pub(crate) fn get<Q>(&self, key: &Q) -> Option<&V>
+    /// Calls `f` with the value of `key`, inserting `make()` (the owned key and its value)
+    /// if it is absent and `insert` allows; `None` if it is absent and may not be added.
+    pub(crate) fn with<Q, R>(
+        &self,
+        key: &Q,
+        make: impl FnOnce() -> (K, V),
+        insert: impl FnOnce(usize) -> bool,
+        f: impl FnOnce(&V) -> R,
+    ) -> Option<R>
     where
         K: std::borrow::Borrow<Q>,
         Q: std::hash::Hash + Eq + ?Sized,
     {
-        match self.first.iter().find(|(k, _)| k.borrow() == key) {
-            Some((_, v)) => Some(v),
-            None if self.rest.is_empty() => None,
-            None => self.rest.get(key),
+        let mut make = Some(make);
+        for slot in &self.first {
+            // Slots fill in order, and each is set once, by whoever comes first: a caller
+            // that finds another key in a slot it tried to fill moves on with its own.
+            let (k, v) = match slot.get() {
+                Some(kv) => kv,
+                None => {
+                    slot.get_or_init(|| make.take().expect("taken only by the slot it filled")())
+                }
+            };
+            if k.borrow() == key {
+                return Some(f(v));
+            }
         }
+        if let Some(v) = read(&self.rest).get(key).cloned() {
+            return Some(f(&v));
+        }
+        let mut rest = write(&self.rest);
+        let v = match rest.get(key) {
+            Some(v) => v.clone(),
+            None if insert(FIRST_FEW + rest.len()) => {
+                let (k, v) = make.take().expect("not taken: every slot held another key")();
+                rest.entry(k).or_insert(Arc::new(v)).clone()
+            }
+            None => return None,
+        };
+        drop(rest);
+        Some(f(&v))
     }
 
-    /// The value of `key`, inserted with `make` if absent.
-    pub(crate) fn get_or_insert_with(&mut self, key: K, make: impl FnOnce() -> V) -> &V {
-        if let Some(i) = self.first.iter().position(|(k, _)| *k == key) {
-            return &self.first[i].1;
-        }
-        if self.first.len() < FIRST_FEW && !self.rest.contains_key(&key) {
-            self.first.push((key, make()));
-            return &self.first[self.first.len() - 1].1;
-        }
-        self.rest.entry(key).or_insert_with(make)
-    }
-
+    /// How many keys are held.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.first.len() + self.rest.len()
+        self.first.iter().take_while(|s| s.get().is_some()).count() + read(&self.rest).len()
     }
 
-    pub(crate) fn clear(&mut self) {
-        self.first.clear();
-        self.rest.clear();
-    }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
-        self.first
-            .iter()
-            .map(|(k, v)| (k, v))
-            .chain(self.rest.iter())
+    /// Calls `f` with every key and value.
+    pub(crate) fn each(&self, mut f: impl FnMut(&K, &V)) {
+        for (k, v) in self.first.iter().map_while(OnceLock::get) {
+            f(k, v);
+        }
+        for (k, v) in read(&self.rest).iter() {
+            f(k, v);
+        }
     }
 }
 
@@ -200,7 +231,8 @@ impl<T: Default> MethodCounters<T> {
     pub(crate) fn new(methods: MethodLabels) -> Self {
         MethodCounters {
             methods: RwLock::new(methods),
-            by_path: RwLock::default(),
+            by_path: FirstFew::default(),
+            epoch: AtomicU64::new(0),
             by_label: RwLock::default(),
         }
     }
@@ -208,17 +240,33 @@ impl<T: Default> MethodCounters<T> {
     /// Labels one more method by name, for its calls from now on.
     pub(crate) fn add_method(&self, method: &str) {
         write(&self.methods).add(method);
-        // A path seen before keeps no stale label.
-        write(&self.by_path).clear();
+        self.epoch.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The counters of the call to `path`.
-    pub(crate) fn of(&self, path: &str) -> Arc<PerMethod<T>> {
-        if let Some(c) = read(&self.by_path).get(path) {
-            return c.clone();
+    /// Calls `f` with the counters of the call to `path`.
+    pub(crate) fn with<R>(&self, path: &str, f: impl FnOnce(&PerMethod<T>) -> R) -> R {
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let mut f = Some(f);
+        let found = self.by_path.with(
+            path,
+            || (path.into(), (epoch, self.lookup(path))),
+            |held| held < PATHS_MAX,
+            |(seen, counts)| match *seen == epoch {
+                true => Some(f.take().expect("called once")(counts)),
+                false => None,
+            },
+        );
+        match found.flatten() {
+            Some(r) => r,
+            // Unknown past the bound, or remembered before the last `add_method`.
+            None => f.take().expect("not called")(&self.lookup(path)),
         }
+    }
+
+    /// The counters of `path`'s label, made if new.
+    fn lookup(&self, path: &str) -> Arc<PerMethod<T>> {
         let label = read(&self.methods).of(path);
-        let counts = write(&self.by_label)
+        write(&self.by_label)
             .entry(label.as_str().into_owned())
             .or_insert_with(|| {
                 Arc::new(PerMethod {
@@ -226,12 +274,7 @@ impl<T: Default> MethodCounters<T> {
                     counts: T::default(),
                 })
             })
-            .clone();
-        let mut by_path = write(&self.by_path);
-        if by_path.len() < PATHS_MAX {
-            by_path.get_or_insert_with(path.to_owned(), || counts.clone());
-        }
-        counts
+            .clone()
     }
 
     /// Every label's counters, for a collection.
@@ -240,6 +283,57 @@ impl<T: Default> MethodCounters<T> {
             f(c);
         }
     }
+}
+
+/// A counter added to from every worker thread: each thread adds to one of a few
+/// stripes, each on its own cache line, and a collection sums them. One shared atomic
+/// would move its cache line between the cores at every call.
+pub(crate) struct Striped<const N: usize>([Stripe<N>; STRIPES]);
+
+/// One stripe of `N` counters, alone on its cache lines (128 bytes: x86 fetches lines
+/// in pairs).
+#[repr(align(128))]
+struct Stripe<const N: usize>([AtomicU64; N]);
+
+/// Stripes per counter: enough for the few busy threads of a service.
+const STRIPES: usize = 4;
+
+impl<const N: usize> Default for Striped<N> {
+    fn default() -> Self {
+        Striped([const { Stripe([const { AtomicU64::new(0) }; N]) }; STRIPES])
+    }
+}
+
+impl<const N: usize> Striped<N> {
+    /// Adds one to counter `i` (an `i` past `N` is ignored).
+    pub(crate) fn add(&self, i: usize) {
+        if let Some(n) = self.0[stripe()].0.get(i) {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counter `i`'s total.
+    pub(crate) fn get(&self, i: usize) -> u64 {
+        self.0
+            .iter()
+            .filter_map(|s| s.0.get(i))
+            .map(|n| n.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+/// This thread's stripe: threads take stripes in turn at their first count.
+fn stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    STRIPE.with(|s| {
+        if s.get() == usize::MAX {
+            s.set(NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES);
+        }
+        s.get()
+    })
 }
 
 pub(crate) fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -289,25 +383,116 @@ pub(crate) fn status(code: Code) -> KeyValue {
 mod tests {
     use super::*;
 
+    /// The value of `key` in `m`, inserted as `value` if new.
+    fn get_or_insert(m: &FirstFew<String, usize>, key: &str, value: usize) -> usize {
+        m.with(key, || (key.to_owned(), value), |_| true, |v| *v)
+            .expect("insert allowed")
+    }
+
     #[test]
-    fn first_few_finds_every_key_listed_or_hashed() {
-        let mut m = FirstFew::<String, usize>::default();
+    fn first_few_finds_every_key_in_slots_or_hashed() {
+        let m = FirstFew::<String, usize>::default();
         for i in 0..FIRST_FEW + 9 {
-            assert_eq!(*m.get_or_insert_with(format!("/p.S/M{i}"), || i), i);
+            assert_eq!(get_or_insert(&m, &format!("/p.S/M{i}"), i), i);
         }
         assert_eq!(m.len(), FIRST_FEW + 9);
         for i in 0..FIRST_FEW + 9 {
-            assert_eq!(m.get(format!("/p.S/M{i}").as_str()), Some(&i));
             // Present: `make` is not called again, the first value stays.
-            assert_eq!(
-                *m.get_or_insert_with(format!("/p.S/M{i}"), || usize::MAX),
-                i
-            );
+            assert_eq!(get_or_insert(&m, &format!("/p.S/M{i}"), usize::MAX), i);
         }
-        assert_eq!(m.get("/p.S/none"), None);
-        assert_eq!(m.iter().count(), FIRST_FEW + 9);
-        m.clear();
-        assert_eq!((m.len(), m.get("/p.S/M0")), (0, None));
+        // Absent and not allowed in: nothing is called, nothing is added.
+        let none = m.with(
+            "/p.S/none",
+            || unreachable!(),
+            |_| false,
+            |_| unreachable!(),
+        );
+        assert_eq!((none, m.len()), (None::<()>, FIRST_FEW + 9));
+        let mut seen = Vec::new();
+        m.each(|k, v| seen.push((k.clone(), *v)));
+        seen.sort_by_key(|(_, v)| *v);
+        let want: Vec<_> = (0..FIRST_FEW + 9)
+            .map(|i| (format!("/p.S/M{i}"), i))
+            .collect();
+        assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn first_few_keeps_one_value_per_key_when_threads_race() {
+        let m = FirstFew::<String, usize>::default();
+        let made = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let (m, made) = (&m, &made);
+                s.spawn(move || {
+                    for i in 0..FIRST_FEW * 2 {
+                        let key = format!("/p.S/M{}", (i + t * 3) % (FIRST_FEW * 2));
+                        m.with(
+                            &key,
+                            || (key.clone(), made.fetch_add(1, Ordering::Relaxed)),
+                            |_| true,
+                            |_| (),
+                        );
+                    }
+                });
+            }
+        });
+        assert_eq!(m.len(), FIRST_FEW * 2);
+        // Each key was made once: a racer that loses a slot never calls its `make`, and
+        // none is called for a key already there.
+        assert_eq!(made.load(Ordering::Relaxed), FIRST_FEW * 2);
+    }
+
+    #[test]
+    fn a_path_seen_before_a_new_method_label_gets_the_new_label() {
+        let config = ServiceConfig::from_json(r#"{"methodConfig": []}"#).unwrap();
+        let counters = MethodCounters::<Striped<1>>::new(MethodLabels::from_config(&config, false));
+        let label = |path| {
+            counters.with(path, |m| {
+                m.counts.add(0);
+                m.method.value.clone()
+            })
+        };
+        assert_eq!(label("/a.B/C"), Value::from(OTHER));
+        counters.add_method("a.B/C");
+        assert_eq!(label("/a.B/C"), Value::from("a.B/C"));
+        assert_eq!(label("/a.B/C"), Value::from("a.B/C"));
+        let mut counts = Vec::new();
+        counters.each(|m| counts.push((m.method.value.to_string(), m.counts.get(0))));
+        counts.sort();
+        assert_eq!(counts, [("a.B/C".to_owned(), 2), (OTHER.to_owned(), 1)]);
+    }
+
+    #[test]
+    fn paths_past_the_bound_are_counted_under_their_label() {
+        let config = ServiceConfig::from_json(r#"{"methodConfig": []}"#).unwrap();
+        let counters = MethodCounters::<Striped<1>>::new(MethodLabels::from_config(&config, false));
+        for i in 0..PATHS_MAX + 10 {
+            counters.with(&format!("/made.Up/M{i}"), |m| m.counts.add(0));
+        }
+        assert_eq!(counters.by_path.len(), PATHS_MAX);
+        let mut total = 0;
+        counters.each(|m| total += m.counts.get(0));
+        assert_eq!(total, PATHS_MAX as u64 + 10);
+    }
+
+    #[test]
+    fn striped_counters_sum_every_threads_adds() {
+        let c = Striped::<3>::default();
+        std::thread::scope(|s| {
+            for _ in 0..STRIPES + 2 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        c.add(1);
+                    }
+                    c.add(7); // past the end: ignored
+                });
+            }
+        });
+        assert_eq!(
+            (c.get(0), c.get(1), c.get(2), c.get(7)),
+            (0, 1000 * (STRIPES as u64 + 2), 0, 0)
+        );
     }
 
     #[test]

@@ -1,8 +1,7 @@
 //! [`ServerMetrics`]: gRPC's server metrics (gRFC A66) for protected methods and idem's
 //! own, from an [`IdempotencyLayer`]'s observer events, its counters and its store.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::config::ServiceConfig;
@@ -14,8 +13,8 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
 use crate::labels::{
-    self, Bound, FirstFew, Learned, MethodCounters, MethodLabels, STATUS_COUNT, read, status_index,
-    write,
+    self, Bound, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped,
+    status_index,
 };
 use crate::seconds_histogram;
 
@@ -51,8 +50,9 @@ struct Inner {
 /// The server's counters per method label (see [`MethodCounters`]).
 #[derive(Default)]
 struct Counts {
-    started: AtomicU64,
-    outcomes: RwLock<FirstFew<OutcomeKey, Arc<AtomicU64>>>,
+    started: Striped<1>,
+    /// Boxed: a [`Striped`] counter takes 512 bytes, and most of the slots stay empty.
+    outcomes: FirstFew<OutcomeKey, Box<Striped<1>>>,
     /// `grpc.server.call.duration`, per `grpc.status`.
     duration: Bound<f64, STATUS_COUNT>,
 }
@@ -62,13 +62,14 @@ struct Counts {
 struct OutcomeKey(&'static str, Option<&'static str>, Option<Arc<str>>);
 
 impl Counts {
-    fn outcome(&self, key: OutcomeKey) -> Arc<AtomicU64> {
-        if let Some(n) = read(&self.outcomes).get(&key) {
-            return n.clone();
-        }
-        write(&self.outcomes)
-            .get_or_insert_with(key, Arc::default)
-            .clone()
+    /// Counts one call ending as `key` says.
+    fn add_outcome(&self, key: OutcomeKey) {
+        self.outcomes.with(
+            &key,
+            || (key.clone(), Box::default()),
+            |_| true,
+            |n| n.add(0),
+        );
     }
 }
 
@@ -93,7 +94,7 @@ impl ServerMetrics {
             .with_description("Calls received, protected or passed through.")
             .with_callback(move |o| {
                 c.each(|m| {
-                    let n = m.counts.started.load(Ordering::Relaxed);
+                    let n = m.counts.started.get(0);
                     if n > 0 {
                         o.observe(n, std::slice::from_ref(&m.method));
                     }
@@ -107,7 +108,7 @@ impl ServerMetrics {
             .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
             .with_callback(move |o| {
                 c.each(|m| {
-                    for (OutcomeKey(outcome, reason, tenant), n) in read(&m.counts.outcomes).iter() {
+                    m.counts.outcomes.each(|OutcomeKey(outcome, reason, tenant), n| {
                         let mut attrs = vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
                         if let Some(r) = reason {
                             attrs.push(KeyValue::new("idem.reason", *r));
@@ -115,8 +116,8 @@ impl ServerMetrics {
                         if let Some(t) = tenant {
                             attrs.push(KeyValue::new("idem.tenant", Value::from(t.clone())));
                         }
-                        o.observe(n.load(Ordering::Relaxed), &attrs);
-                    }
+                        o.observe(n.get(0), &attrs);
+                    })
                 })
             })
             .build();
@@ -248,17 +249,20 @@ impl ServerMetrics {
 
 impl ServerObserver for ServerMetrics {
     fn call_started(&self, method: &str) {
-        self.0
-            .counts
-            .of(method)
-            .counts
-            .started
-            .fetch_add(1, Ordering::Relaxed);
+        self.0.counts.with(method, |m| m.counts.started.add(0));
     }
 
     fn call_ended(&self, call: &ProtectedCallEnded<'_>) {
         let m = &self.0;
-        let counts = m.counts.of(call.method);
+        m.counts
+            .with(call.method, |counts| m.call_ended(counts, call));
+    }
+}
+
+impl Inner {
+    /// Records `call` on its method's `counts`.
+    fn call_ended(&self, counts: &PerMethod<Counts>, call: &ProtectedCallEnded<'_>) {
+        let m = self;
         let code = call.status;
         counts
             .counts
@@ -274,8 +278,7 @@ impl ServerObserver for ServerMetrics {
             .map(|(labels, t)| labels.of(t));
         counts
             .counts
-            .outcome(OutcomeKey(call.outcome, call.reason, tenant))
-            .fetch_add(1, Ordering::Relaxed);
+            .add_outcome(OutcomeKey(call.outcome, call.reason, tenant));
     }
 }
 
