@@ -15,7 +15,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_store::memory::{MemoryStore, MemoryStoreSettings};
 use idem_store::{
-    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoredOutcome,
+    Claim, ClaimRequest, ClaimantId, CompleteRequest, Fingerprint, RecordState, Scope, Store,
+    StoredOutcome,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 
@@ -62,7 +63,12 @@ async fn per_record(response: usize) -> (f64, f64) {
         };
         let body = Bytes::from(vec![7u8; response]);
         store
-            .complete(scope, fence, StoredOutcome::Response(body), ttl)
+            .complete(CompleteRequest {
+                scope,
+                fence,
+                outcome: StoredOutcome::Response(body),
+                ttl,
+            })
             .await
             .expect("complete");
     }

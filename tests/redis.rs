@@ -30,7 +30,9 @@ use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
 use idem_redis::{RedisStore, WaitStrategy};
 use idem_server::idempotency::{IdempotencyLayer, IdempotencyStats, scope_for};
-use idem_store::{Claim, ClaimRequest, ClaimantId, RecordState, Store, StoreError, StoredOutcome};
+use idem_store::{
+    Claim, ClaimRequest, ClaimantId, CompleteRequest, RecordState, Store, StoreError, StoredOutcome,
+};
 use idem_test_support::redis::RedisServer;
 use idem_test_support::store::complete_not_retained;
 use shop::orders_client::OrdersClient;
@@ -425,12 +427,12 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
 
     // The crashed claimant wakes up and tries to finish: refused.
     let late = store
-        .complete(
-            &scope,
-            crashed,
-            StoredOutcome::Response(bytes::Bytes::from_static(b"stale")),
-            Duration::from_secs(60),
-        )
+        .complete(CompleteRequest {
+            scope: &scope,
+            fence: crashed,
+            outcome: StoredOutcome::Response(bytes::Bytes::from_static(b"stale")),
+            ttl: Duration::from_secs(60),
+        })
         .await;
     assert!(
         matches!(late, Err(StoreError::Fenced { presented, current: Some(cur) }) if presented == crashed && cur == current),
@@ -822,12 +824,12 @@ async fn wait_latency_notify_versus_poll() {
             // Complete after 0-300 ms, so the waiter is at a random point of its backoff.
             let pause = Duration::from_millis(rand::random_range(0..300));
             tokio::time::sleep(pause).await;
-            a.complete(
-                &scope,
+            a.complete(CompleteRequest {
+                scope: &scope,
                 fence,
-                StoredOutcome::Response(bytes::Bytes::from_static(b"done")),
-                Duration::from_secs(60),
-            )
+                outcome: StoredOutcome::Response(bytes::Bytes::from_static(b"done")),
+                ttl: Duration::from_secs(60),
+            })
             .await
             .expect("complete");
             let completed = Instant::now();

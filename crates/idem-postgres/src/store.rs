@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_store::{
-    Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError, StoredOutcome,
+    Claim, ClaimRequest, CompleteRequest, Fence, Fingerprint, RecordState, Scope, Store,
+    StoreError, StoredOutcome,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -317,24 +318,18 @@ impl Store for PostgresStore {
         self.fenced(fence, q).await
     }
 
-    async fn complete(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        let (kind, body): (&str, &[u8]) = match &outcome {
+    async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
+        let (kind, body): (&str, &[u8]) = match &req.outcome {
             StoredOutcome::Response(b) => ("r", b),
             StoredOutcome::NotRetained => ("n", b""),
         };
         let q = sqlx::query(&self.inner.sql.complete)
-            .bind(&scope.0[..])
-            .bind(fence_arg(fence))
+            .bind(&req.scope.0[..])
+            .bind(fence_arg(req.fence))
             .bind(kind)
             .bind(body)
-            .bind(us(ttl));
-        self.fenced(fence, q).await
+            .bind(us(req.ttl));
+        self.fenced(req.fence, q).await
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_postgres::{ConnectError, PostgresStore, PostgresStoreBuilder, WaitStrategy};
+use idem_store::testing::completion;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome,
@@ -79,7 +80,8 @@ async fn a_stale_fence_cannot_complete_after_takeover_release_or_expiry() {
     };
     assert!(new > old);
     for r in [
-        s.complete(&sc, old, response(b"stale"), LONG).await,
+        s.complete(completion(&sc, old, response(b"stale"), LONG))
+            .await,
         s.renew(&sc, old, LONG).await,
         s.release(&sc, old).await,
     ] {
@@ -88,9 +90,14 @@ async fn a_stale_fence_cannot_complete_after_takeover_release_or_expiry() {
             "{r:?}"
         );
     }
-    s.complete(&sc, new, response(b"fresh"), Duration::from_millis(200))
-        .await
-        .unwrap();
+    s.complete(completion(
+        &sc,
+        new,
+        response(b"fresh"),
+        Duration::from_millis(200),
+    ))
+    .await
+    .unwrap();
 
     // Expiry, then the sweep deletes the row: the next fence is still higher, because
     // fences come from one sequence rather than from the row.
@@ -101,10 +108,11 @@ async fn a_stale_fence_cannot_complete_after_takeover_release_or_expiry() {
     assert!(after > new, "{after} > {new}");
     // The new run's claimant completes; the taken-over one still cannot.
     assert!(matches!(
-        s.complete(&sc, new, response(b"late"), LONG).await,
+        s.complete(completion(&sc, new, response(b"late"), LONG))
+            .await,
         Err(StoreError::Fenced { .. })
     ));
-    s.complete(&sc, after, response(b"third"), LONG)
+    s.complete(completion(&sc, after, response(b"third"), LONG))
         .await
         .unwrap();
 }
@@ -194,7 +202,9 @@ async fn a_waiter_is_woken_by_notify_not_by_polling() {
         other => panic!("{other:?}"),
     };
     let done = Instant::now();
-    s.complete(&sc, fence, response(b"n"), LONG).await.unwrap();
+    s.complete(completion(&sc, fence, response(b"n"), LONG))
+        .await
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(5), w)
         .await
         .unwrap()
@@ -216,7 +226,9 @@ async fn only_watched_records_notify() {
     // spent only where someone listens).
     let quiet = scope();
     let f = acquire(&s, &quiet, LONG).await;
-    s.complete(&quiet, f, response(b"q"), LONG).await.unwrap();
+    s.complete(completion(&quiet, f, response(b"q"), LONG))
+        .await
+        .unwrap();
     // Somebody waits: its completion is announced with the scope.
     let loud = scope();
     let f = acquire(&s, &loud, LONG).await;
@@ -237,7 +249,9 @@ async fn only_watched_records_notify() {
         },
     )
     .await;
-    s.complete(&loud, f, response(b"l"), LONG).await.unwrap();
+    s.complete(completion(&loud, f, response(b"l"), LONG))
+        .await
+        .unwrap();
     let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
         .await
         .expect("a notification")
@@ -279,7 +293,9 @@ async fn waiters_return_when_the_listener_connection_is_lost() {
     .unwrap()
     .get(0);
     assert_eq!(killed, 1);
-    s.complete(&sc, fence, response(b"x"), LONG).await.unwrap();
+    s.complete(completion(&sc, fence, response(b"x"), LONG))
+        .await
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(3), w)
         .await
         .expect("the waiter returned")
@@ -353,7 +369,9 @@ async fn a_statement_blocked_past_its_timeout_is_unavailable() {
         .unwrap();
     for _ in 0..3 {
         let t0 = Instant::now();
-        let r = s.complete(&sc, fence, response(b"r"), LONG).await;
+        let r = s
+            .complete(completion(&sc, fence, response(b"r"), LONG))
+            .await;
         assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
         assert!(
             t0.elapsed() < Duration::from_millis(1500),
@@ -384,7 +402,9 @@ async fn a_statement_blocked_past_its_timeout_is_unavailable() {
         s.get(&sc).await.unwrap(),
         Some(RecordState::InFlight { .. })
     ));
-    s.complete(&sc, fence, response(b"r"), LONG).await.unwrap();
+    s.complete(completion(&sc, fence, response(b"r"), LONG))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -400,7 +420,9 @@ async fn a_database_that_goes_away_is_unavailable_then_recovers() {
     server.stop();
     for _ in 0..3 {
         let t0 = Instant::now();
-        let r = s.complete(&sc, fence, response(b"d"), LONG).await;
+        let r = s
+            .complete(completion(&sc, fence, response(b"d"), LONG))
+            .await;
         assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
         let r = s.claim(req(&scope(), LONG)).await;
         assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
@@ -410,7 +432,10 @@ async fn a_database_that_goes_away_is_unavailable_then_recovers() {
     // The pool drops its dead connections as they fail, then connects anew.
     let start = Instant::now();
     loop {
-        match s.complete(&sc, fence, response(b"d"), LONG).await {
+        match s
+            .complete(completion(&sc, fence, response(b"d"), LONG))
+            .await
+        {
             Ok(()) => break,
             Err(StoreError::Unavailable(_)) if start.elapsed() < Duration::from_secs(10) => {
                 tokio::time::sleep(Duration::from_millis(50)).await
@@ -461,7 +486,9 @@ async fn malformed_rows_are_corrupt_not_panics() {
     for (what, sql) in breakages {
         let sc = scope();
         let f = acquire(&s, &sc, LONG).await;
-        s.complete(&sc, f, response(b"ok"), LONG).await.unwrap();
+        s.complete(completion(&sc, f, response(b"ok"), LONG))
+            .await
+            .unwrap();
         sqlx::query(sql)
             .bind(&sc.0[..])
             .execute(&admin)
@@ -499,13 +526,15 @@ async fn the_sweep_deletes_expired_rows_in_bounded_batches() {
     for _ in 0..5 {
         let sc = scope();
         let f = acquire(&s, &sc, LONG).await;
-        s.complete(&sc, f, response(b"t"), Duration::from_millis(1))
+        s.complete(completion(&sc, f, response(b"t"), Duration::from_millis(1)))
             .await
             .unwrap();
     }
     let live = scope();
     let f = acquire(&s, &live, LONG).await;
-    s.complete(&live, f, response(b"kept"), LONG).await.unwrap();
+    s.complete(completion(&live, f, response(b"kept"), LONG))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
     let mut swept = Vec::new();
     for _ in 0..4 {
@@ -529,7 +558,7 @@ async fn the_background_sweep_stops_with_the_store() {
     };
     let sc = scope();
     let f = acquire(&s, &sc, LONG).await;
-    s.complete(&sc, f, response(b"t"), Duration::from_millis(1))
+    s.complete(completion(&sc, f, response(b"t"), Duration::from_millis(1)))
         .await
         .unwrap();
     let count = || async {
@@ -601,7 +630,9 @@ async fn a_role_without_create_privilege_uses_an_existing_schema() {
     let s = PostgresStore::connect(url).await.expect("connect as app");
     let sc = scope();
     let f = acquire(&s, &sc, LONG).await;
-    s.complete(&sc, f, response(b"app"), LONG).await.unwrap();
+    s.complete(completion(&sc, f, response(b"app"), LONG))
+        .await
+        .unwrap();
     assert_eq!(
         s.claim(req(&sc, LONG)).await.unwrap(),
         Claim::Completed(response(b"app"))
@@ -657,12 +688,16 @@ async fn a_fresh_call_is_two_statements_and_a_replay_one() {
     // Warm: the pool's connection and its prepared statements exist.
     let warm = scope();
     let f = acquire(&s, &warm, LONG).await;
-    s.complete(&warm, f, response(b"w"), LONG).await.unwrap();
+    s.complete(completion(&warm, f, response(b"w"), LONG))
+        .await
+        .unwrap();
 
     reset().await;
     let sc = scope();
     let f = acquire(&s, &sc, LONG).await;
-    s.complete(&sc, f, response(b"fresh"), LONG).await.unwrap();
+    s.complete(completion(&sc, f, response(b"fresh"), LONG))
+        .await
+        .unwrap();
     let (fresh, list) = statements().await;
     eprintln!("fresh call: {fresh} statements: {list:?}");
     assert_eq!(fresh, 2, "{list:?}");

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_postgres::PostgresStore;
+use idem_store::testing::completion;
 use idem_store::{Claim, RecordState, Scope, Store, StoreError, StoredOutcome};
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::store::{acquire, req};
@@ -79,12 +80,12 @@ async fn writes_and_completion_commit_together() {
         Some(RecordState::InFlight { fence: f, .. }) if f == fence
     ));
     s.renew(&sc, fence, LONG).await.unwrap();
-    s.complete(
+    s.complete(completion(
         &sc,
         fence,
         StoredOutcome::Response(Bytes::from_static(b"ok")),
         LONG,
-    )
+    ))
     .await
     .unwrap();
     assert_eq!(

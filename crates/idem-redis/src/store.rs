@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_store::{
-    Cause, Claim, ClaimRequest, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
+    Cause, Claim, ClaimRequest, CompleteRequest, Fence, Fingerprint, RecordState, Scope, Store,
+    StoreError, StoredOutcome, TenantId,
 };
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use tokio::time::Instant;
@@ -559,22 +559,16 @@ impl Store for RedisStore {
         res
     }
 
-    async fn complete(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        let ttl = ms(ttl).to_string();
-        let (kind, body): (&[u8], &[u8]) = match &outcome {
+    async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
+        let ttl = ms(req.ttl).to_string();
+        let (kind, body): (&[u8], &[u8]) = match &req.outcome {
             StoredOutcome::Response(b) => (b"r", b),
             StoredOutcome::NotRetained => (b"n", b""),
         };
         self.finish(
             &self.inner.scripts.complete,
-            scope,
-            fence,
+            req.scope,
+            req.fence,
             &[kind, body, ttl.as_bytes()],
             true,
         )

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use idem_redis::RedisStore;
+use idem_store::testing::completion;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
@@ -98,12 +99,12 @@ async fn a_flood_of_released_claims_leaves_maxmemory_room_for_real_calls() {
         panic!("not acquired")
     };
     store
-        .complete(
+        .complete(completion(
             &scope,
             fence,
             StoredOutcome::Response(bytes::Bytes::from_static(b"order 1")),
             TTL,
-        )
+        ))
         .await
         .unwrap();
     assert_eq!(
@@ -170,7 +171,7 @@ async fn a_tenant_at_its_in_flight_quota_does_not_stop_another() {
         panic!("B refused")
     };
     store
-        .complete(&scope, fence, StoredOutcome::NotRetained, TTL)
+        .complete(completion(&scope, fence, StoredOutcome::NotRetained, TTL))
         .await
         .unwrap();
     // B's count went back to nothing with its completion (the set is gone).
@@ -255,7 +256,7 @@ async fn a_release_keeps_a_tombstone_only_while_the_clock_is_behind_the_fence() 
     assert_eq!((fence, takeover), (ahead + 1, false));
     assert!(matches!(
         store
-            .complete(&scope, ahead, StoredOutcome::NotRetained, TTL)
+            .complete(completion(&scope, ahead, StoredOutcome::NotRetained, TTL))
             .await,
         Err(StoreError::Fenced { .. })
     ));

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use idem_redis::{RedisStore, RedisStoreBuilder, WaitStrategy};
+use idem_store::testing::completion;
 use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
@@ -146,7 +147,12 @@ async fn records_and_tenant_counts_spread_over_every_master() {
         .await;
         let body = StoredOutcome::Response(format!("reply {i}").into_bytes().into());
         store
-            .complete(&scope, fence, body.clone(), Duration::from_secs(60))
+            .complete(completion(
+                &scope,
+                fence,
+                body.clone(),
+                Duration::from_secs(60),
+            ))
             .await
             .expect("complete");
         assert_eq!(
@@ -311,7 +317,7 @@ async fn confirmed_claims_and_completions_are_on_the_replica_when_answered() {
         // A completion retried after a lost reply is confirmed too, and reported as
         // landed (fenced with its own fence).
         assert!(matches!(
-            store.complete(&scope, fence, StoredOutcome::NotRetained, Duration::from_secs(60)).await,
+            store.complete(completion(&scope, fence, StoredOutcome::NotRetained, Duration::from_secs(60))).await,
             Err(StoreError::Fenced { presented, current: Some(c) }) if presented == c
         ));
     }

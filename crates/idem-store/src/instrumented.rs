@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::{Claim, ClaimRequest, Fence, RecordState, Scope, Store, StoreError, StoredOutcome};
+use crate::{Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError};
 
 /// A [`Store`] operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -179,15 +179,9 @@ impl<St: Store> Store for InstrumentedStore<St> {
             .await
     }
 
-    async fn complete(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        let fut = self.inner.complete(scope, fence, outcome, ttl);
-        self.timed(StoreOp::Complete, fut).await
+    async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
+        self.timed(StoreOp::Complete, self.inner.complete(req))
+            .await
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {

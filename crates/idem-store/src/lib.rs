@@ -161,6 +161,19 @@ pub struct ClaimRequest<'a> {
     pub lease: Duration,
 }
 
+/// What [`Store::complete`] asks.
+#[derive(Debug, Clone)]
+pub struct CompleteRequest<'a> {
+    /// The record.
+    pub scope: &'a Scope,
+    /// The fence the caller's lease was taken with.
+    pub fence: Fence,
+    /// What a later claim with the same fingerprint replays.
+    pub outcome: StoredOutcome,
+    /// How long the completed record is kept.
+    pub ttl: Duration,
+}
+
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -335,13 +348,11 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Stores the outcome of the run held with `fence`; the record lives for `ttl`.
+    /// Stores the outcome of the run held with the request's fence; the record lives for
+    /// its `ttl`.
     fn complete(
         &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
+        req: CompleteRequest<'_>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Gives the record up (nothing was done) so the next claim runs again.

@@ -93,8 +93,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::{
-    Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
+    Claim, ClaimRequest, ClaimantId, CompleteRequest, Fence, Fingerprint, RecordState, Scope,
+    Store, StoreError, StoredOutcome, TenantId,
 };
 
 /// Bounds and timings of a [`MemoryStore`] (`idem.memoryStore` in the service config).
@@ -1071,13 +1071,13 @@ impl Inner {
         Ok(())
     }
 
-    fn complete(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
+    fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
+        let CompleteRequest {
+            scope,
+            fence,
+            outcome,
+            ttl,
+        } = req;
         let n = outcome.len();
         // A response that could never fit evicts nothing.
         let may_evict = n + RECORD_OVERHEAD_BYTES <= self.limits.tenant_bytes;
@@ -1218,14 +1218,8 @@ impl Store for MemoryStore {
         self.inner.renew(scope, fence, lease)
     }
 
-    async fn complete(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(scope, fence, outcome, ttl)
+    async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
+        self.inner.complete(req)
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {

@@ -26,8 +26,8 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::{
-    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
+    Claim, ClaimRequest, ClaimantId, CompleteRequest, Fence, Fingerprint, RecordState, Scope,
+    Store, StoreError, StoredOutcome, TenantId,
 };
 
 /// The tenant every suite record is charged to.
@@ -59,6 +59,22 @@ fn req<'a>(
         fingerprint: fp,
         claimant: who,
         lease,
+    }
+}
+
+/// The request that completes the record at `scope`, held with `fence`, with `outcome`,
+/// kept for `ttl`: for tests that complete many records.
+pub fn completion(
+    scope: &Scope,
+    fence: Fence,
+    outcome: StoredOutcome,
+    ttl: Duration,
+) -> CompleteRequest<'_> {
+    CompleteRequest {
+        scope,
+        fence,
+        outcome,
+        ttl,
     }
 }
 
@@ -115,9 +131,14 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
     ));
     // Binary-safe: NUL, 0xff, CR LF.
     let body = Bytes::from_static(b"\x00\xff\r\nresponse\x00");
-    s.complete(&sc, fence, StoredOutcome::Response(body.clone()), LONG)
-        .await
-        .unwrap();
+    s.complete(completion(
+        &sc,
+        fence,
+        StoredOutcome::Response(body.clone()),
+        LONG,
+    ))
+    .await
+    .unwrap();
     for _ in 0..2 {
         let again = claim_new(s, &sc, &f, LONG).await;
         assert_eq!(
@@ -143,7 +164,7 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
     // Empty responses and "not retained" are distinct outcomes.
     let sc2 = scope();
     let f2 = acquire(s, &sc2, &f, LONG).await;
-    s.complete(&sc2, f2, StoredOutcome::NotRetained, LONG)
+    s.complete(completion(&sc2, f2, StoredOutcome::NotRetained, LONG))
         .await
         .unwrap();
     assert_eq!(
@@ -152,9 +173,14 @@ pub async fn claim_complete_replay<S: Store>(s: &S) {
     );
     let sc3 = scope();
     let f3 = acquire(s, &sc3, &f, LONG).await;
-    s.complete(&sc3, f3, StoredOutcome::Response(Bytes::new()), LONG)
-        .await
-        .unwrap();
+    s.complete(completion(
+        &sc3,
+        f3,
+        StoredOutcome::Response(Bytes::new()),
+        LONG,
+    ))
+    .await
+    .unwrap();
     assert_eq!(
         claim_new(s, &sc3, &f, LONG).await,
         Claim::Completed(StoredOutcome::Response(Bytes::new()))
@@ -167,7 +193,9 @@ pub async fn mismatch_in_flight_and_completed<S: Store>(s: &S) {
     let sc = scope();
     let fence = acquire(s, &sc, &fp(1), LONG).await;
     assert_eq!(claim_new(s, &sc, &fp(2), LONG).await, Claim::Mismatch);
-    s.complete(&sc, fence, resp(b"x"), LONG).await.unwrap();
+    s.complete(completion(&sc, fence, resp(b"x"), LONG))
+        .await
+        .unwrap();
     assert_eq!(claim_new(s, &sc, &fp(2), LONG).await, Claim::Mismatch);
 }
 
@@ -212,7 +240,10 @@ pub async fn stale_fences_are_refused<S: Store>(s: &S) {
         other => panic!("expected Fenced, got {other:?}"),
     };
     check(s.renew(&sc, stale, LONG).await, Some(fence));
-    check(s.complete(&sc, stale, resp(b"no"), LONG).await, Some(fence));
+    check(
+        s.complete(completion(&sc, stale, resp(b"no"), LONG)).await,
+        Some(fence),
+    );
     check(s.release(&sc, stale).await, Some(fence));
     // Nothing changed.
     assert!(matches!(
@@ -225,11 +256,13 @@ pub async fn stale_fences_are_refused<S: Store>(s: &S) {
     check(s.release(&none, stale).await, None);
     // A completed record is not in flight: even its own fence is refused now.
     s.renew(&sc, fence, LONG).await.unwrap();
-    s.complete(&sc, fence, resp(b"ok"), LONG).await.unwrap();
+    s.complete(completion(&sc, fence, resp(b"ok"), LONG))
+        .await
+        .unwrap();
     for r in [
         s.renew(&sc, fence, LONG).await,
         s.release(&sc, fence).await,
-        s.complete(&sc, fence, StoredOutcome::NotRetained, LONG)
+        s.complete(completion(&sc, fence, StoredOutcome::NotRetained, LONG))
             .await,
     ] {
         assert!(
@@ -264,9 +297,12 @@ pub async fn release_then_any_claim_with_a_higher_fence<S: Store>(s: &S) {
     s.release(&sc, f2).await.unwrap();
     let f3 = acquire(s, &sc, &fp(5), LONG).await;
     assert!(f3 > f2, "{f3} > {f2}");
-    s.complete(&sc, f3, resp(b"3"), LONG).await.unwrap();
+    s.complete(completion(&sc, f3, resp(b"3"), LONG))
+        .await
+        .unwrap();
     assert!(matches!(
-        s.complete(&sc, f2, StoredOutcome::NotRetained, LONG).await,
+        s.complete(completion(&sc, f2, StoredOutcome::NotRetained, LONG))
+            .await,
         Err(StoreError::Fenced { .. })
     ));
 }
@@ -309,13 +345,13 @@ pub async fn a_released_fence_cannot_renew_or_complete<S: Store>(s: &S) {
         )
     };
     fenced(s.renew(&sc, old, LONG).await);
-    fenced(s.complete(&sc, old, resp(b"late"), LONG).await);
+    fenced(s.complete(completion(&sc, old, resp(b"late"), LONG)).await);
     fenced(s.release(&sc, old).await);
     // Nothing was written by those: the next claim still runs.
     let new = acquire(s, &sc, &f, LONG).await;
     assert!(new > old, "{new} > {old}");
     fenced(s.renew(&sc, old, LONG).await);
-    fenced(s.complete(&sc, old, resp(b"late"), LONG).await);
+    fenced(s.complete(completion(&sc, old, resp(b"late"), LONG)).await);
     fenced(s.release(&sc, old).await);
     assert!(matches!(
         s.get(&sc).await.unwrap(),
@@ -347,13 +383,15 @@ pub async fn takeover_then_release_keeps_the_stale_holder_fenced<S: Store>(s: &S
         "{third} > {taker} > {stale}"
     );
     for old in [stale, taker] {
-        let r = s.complete(&sc, old, resp(b"x"), LONG).await;
+        let r = s.complete(completion(&sc, old, resp(b"x"), LONG)).await;
         assert!(
             matches!(r, Err(StoreError::Fenced { current: Some(c), .. }) if c == third),
             "{r:?}"
         );
     }
-    s.complete(&sc, third, resp(b"3"), LONG).await.unwrap();
+    s.complete(completion(&sc, third, resp(b"3"), LONG))
+        .await
+        .unwrap();
 }
 
 /// The per-tenant in-flight bound [`tenant_in_flight_bound`] expects the store to have.
@@ -410,7 +448,9 @@ pub async fn tenant_in_flight_bound<S: Store>(s: &S) {
         }
     );
     // Completing one makes room; its replay is not refused either.
-    s.complete(sc0, fence0, resp(b"a0"), LONG).await.unwrap();
+    s.complete(completion(sc0, fence0, resp(b"a0"), LONG))
+        .await
+        .unwrap();
     assert_eq!(
         s.claim(as_tenant(a, sc0, ClaimantId::random()))
             .await
@@ -453,7 +493,7 @@ pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
     assert!(takeover);
     assert!(new > old, "{new} > {old}");
     // The crashed claimant's late writes are refused.
-    let r = s.complete(&sc, old, resp(b"stale"), LONG).await;
+    let r = s.complete(completion(&sc, old, resp(b"stale"), LONG)).await;
     assert!(
         matches!(r, Err(StoreError::Fenced { presented, current: Some(c) }) if presented == old && c == new),
         "{r:?}"
@@ -462,7 +502,9 @@ pub async fn lease_expiry_and_takeover<S: Store>(s: &S) {
         s.renew(&sc, old, LONG).await,
         Err(StoreError::Fenced { .. })
     ));
-    s.complete(&sc, new, resp(b"fresh"), LONG).await.unwrap();
+    s.complete(completion(&sc, new, resp(b"fresh"), LONG))
+        .await
+        .unwrap();
     assert_eq!(
         claim_new(s, &sc, &f, LONG).await,
         Claim::Completed(resp(b"fresh"))
@@ -481,7 +523,7 @@ pub async fn renew_keeps_the_lease<S: Store>(s: &S) {
         claim_new(s, &sc, &f, LEASE).await,
         Claim::InFlight { .. }
     ));
-    s.complete(&sc, fence, StoredOutcome::NotRetained, LONG)
+    s.complete(completion(&sc, fence, StoredOutcome::NotRetained, LONG))
         .await
         .unwrap();
 }
@@ -491,7 +533,9 @@ pub async fn completed_records_expire_after_their_ttl<S: Store>(s: &S) {
     let sc = scope();
     let f = fp(9);
     let fence = acquire(s, &sc, &f, LONG).await;
-    s.complete(&sc, fence, resp(b"t"), LEASE).await.unwrap();
+    s.complete(completion(&sc, fence, resp(b"t"), LEASE))
+        .await
+        .unwrap();
     eventually("record gone after its ttl", || async {
         s.get(&sc).await.unwrap().is_none().then_some(())
     })
@@ -526,7 +570,11 @@ pub async fn wait_returns_when_the_record_changes<S: Store>(s: &S) {
     let sc = scope();
     let f = fp(11);
     let fence = acquire(s, &sc, &f, LONG).await;
-    let complete = async { s.complete(&sc, fence, resp(b"w"), LONG).await.unwrap() };
+    let complete = async {
+        s.complete(completion(&sc, fence, resp(b"w"), LONG))
+            .await
+            .unwrap()
+    };
     wait_across(s, sc, "completion", complete).await;
 
     // Released.

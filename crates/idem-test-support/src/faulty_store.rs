@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_store::{
-    Claim, ClaimRequest, Fence, RecordState, Scope, Store, StoreError, StoredOutcome,
+    Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
 };
 use tokio::time::Instant;
 
@@ -190,18 +190,8 @@ impl<St: Store> Store for FaultyStore<St> {
             .await
     }
 
-    async fn complete(
-        &self,
-        scope: &Scope,
-        fence: Fence,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.run(
-            Op::Complete,
-            self.inner.complete(scope, fence, outcome, ttl),
-        )
-        .await
+    async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
+        self.run(Op::Complete, self.inner.complete(req)).await
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {

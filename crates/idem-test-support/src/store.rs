@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use idem_store::{
-    Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, Scope, Store, StoredOutcome, TenantId,
+    Claim, ClaimRequest, ClaimantId, CompleteRequest, Fence, Fingerprint, Scope, Store,
+    StoredOutcome, TenantId,
 };
 
 /// The tenant of [`req`]'s claims.
@@ -35,12 +36,12 @@ pub async fn acquire<S: Store>(store: &S, scope: &Scope, lease: Duration) -> Fen
 /// with `what` when the store refuses.
 pub async fn complete_not_retained<S: Store>(store: &S, scope: &Scope, fence: Fence, what: &str) {
     store
-        .complete(
+        .complete(CompleteRequest {
             scope,
             fence,
-            StoredOutcome::NotRetained,
-            Duration::from_secs(60),
-        )
+            outcome: StoredOutcome::NotRetained,
+            ttl: Duration::from_secs(60),
+        })
         .await
         .expect(what);
 }

@@ -12,7 +12,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_store::{Fence, Scope, Store, StoreError, StoredOutcome};
+use idem_store::{CompleteRequest, Fence, Scope, Store, StoreError, StoredOutcome};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -94,11 +94,15 @@ impl<St: Store> Lease<St> {
         ttl: Duration,
         attempted: oneshot::Sender<()>,
     ) {
-        let (store, scope, fence) = (&self.store, &self.scope, self.fence);
+        let store = &self.store;
+        let request = |outcome| CompleteRequest {
+            scope: &self.scope,
+            fence: self.fence,
+            outcome,
+            ttl,
+        };
         let mut r = self
-            .settle(attempted, || {
-                store.complete(scope, fence, outcome.clone(), ttl)
-            })
+            .settle(attempted, || store.complete(request(outcome.clone())))
             .await;
         if let Err(Unrecorded::Failed(StoreError::Full(e))) = &r
             && matches!(outcome, StoredOutcome::Response(_))
@@ -108,7 +112,7 @@ impl<St: Store> Lease<St> {
             let (attempted, _) = oneshot::channel();
             r = self
                 .settle(attempted, || {
-                    store.complete(scope, fence, StoredOutcome::NotRetained, ttl)
+                    store.complete(request(StoredOutcome::NotRetained))
                 })
                 .await;
         }

@@ -402,7 +402,12 @@ mod tests {
         // `b`'s claimant already recorded its outcome: the record holds its fence but is
         // not in flight; `a` was never this fence's.
         store
-            .complete(&b, fb, idem_store::StoredOutcome::NotRetained, lease * 10)
+            .complete(idem_store::CompleteRequest {
+                scope: &b,
+                fence: fb,
+                outcome: idem_store::StoredOutcome::NotRetained,
+                ttl: lease * 10,
+            })
             .await
             .unwrap();
         let _ra = renewals.register(&store, &stats, a, fa + 1, lease);

@@ -1,4 +1,5 @@
 use super::*;
+use crate::testing::completion;
 use proptest::prelude::*;
 
 fn scope(n: u8) -> Scope {
@@ -60,7 +61,9 @@ async fn acquire(st: &MemoryStore, s: u8) -> Fence {
 
 async fn complete(st: &MemoryStore, s: u8, body: &'static [u8]) {
     let f = acquire(st, s).await;
-    st.complete(&scope(s), f, resp(body), TTL).await.unwrap();
+    st.complete(completion(&scope(s), f, resp(body), TTL))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(start_paused = true)]
@@ -96,14 +99,16 @@ async fn lifecycle_replay_mismatch_and_fences() {
     };
     assert!(f2 > f1);
     assert!(matches!(
-        st.complete(&s, f1, resp(b"x"), TTL).await,
+        st.complete(completion(&s, f1, resp(b"x"), TTL)).await,
         Err(StoreError::Fenced { .. })
     ));
     assert!(matches!(
         st.renew(&s, f1, LEASE).await,
         Err(StoreError::Fenced { .. })
     ));
-    st.complete(&s, f2, resp(b"done"), TTL).await.unwrap();
+    st.complete(completion(&s, f2, resp(b"done"), TTL))
+        .await
+        .unwrap();
     assert_eq!(
         st.claim(req(&s, &a, 9)).await.unwrap(),
         Claim::Completed(resp(b"done"))
@@ -139,10 +144,12 @@ async fn expired_lease_is_taken_over_with_a_higher_fence() {
     };
     assert!(f2 > f1);
     assert!(matches!(
-        st.complete(&s, f1, resp(b"late"), TTL).await,
+        st.complete(completion(&s, f1, resp(b"late"), TTL)).await,
         Err(StoreError::Fenced { presented, current: Some(c) }) if presented == f1 && c == f2
     ));
-    st.complete(&s, f2, resp(b"new"), TTL).await.unwrap();
+    st.complete(completion(&s, f2, resp(b"new"), TTL))
+        .await
+        .unwrap();
     assert!(
         matches!(st.get(&s).await.unwrap(), Some(RecordState::Completed { fence, .. }) if fence == f2)
     );
@@ -199,7 +206,7 @@ async fn at_the_store_bound_new_claims_are_refused_and_nothing_is_evicted() {
     complete(&st, 2, b"b").await;
     // Record 3 has a short TTL and expires.
     let f = acquire(&st, 3).await;
-    st.complete(&scope(3), f, resp(b"c"), Duration::from_secs(1))
+    st.complete(completion(&scope(3), f, resp(b"c"), Duration::from_secs(1)))
         .await
         .unwrap();
     let err = st.claim(req(&scope(4), &fp(1), 4)).await.unwrap_err();
@@ -261,7 +268,7 @@ async fn a_response_that_does_not_fit_is_not_retained_and_nothing_is_evicted() {
     let f2 = acquire(&st, 2).await;
     let _f3 = acquire(&st, 3).await;
     // 16 bytes do not fit the 0 left: recorded as not retained, record 1 untouched.
-    st.complete(&scope(2), f2, resp(b"0123456789abcdef"), TTL)
+    st.complete(completion(&scope(2), f2, resp(b"0123456789abcdef"), TTL))
         .await
         .unwrap();
     assert!(matches!(
@@ -298,7 +305,7 @@ async fn one_tenants_rejected_and_abandoned_calls_cost_another_tenant_nothing() 
         min_retention: DEFAULT_MIN_RETENTION,
     });
     let fb = tacquire(&st, &B, 1).await.unwrap();
-    st.complete(&tscope(&B, 1), fb, resp(b"order of B"), TTL)
+    st.complete(completion(&tscope(&B, 1), fb, resp(b"order of B"), TTL))
         .await
         .unwrap();
     // 10 000 rejected calls of A: each claims and releases.
@@ -346,7 +353,7 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
     });
     for n in 0..4 {
         let f = tacquire(&st, &A, n).await.unwrap();
-        st.complete(&tscope(&A, n), f, resp(b"0123456789"), TTL)
+        st.complete(completion(&tscope(&A, n), f, resp(b"0123456789"), TTL))
             .await
             .unwrap();
     }
@@ -366,8 +373,8 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
     // Bytes: B's big response does not fit its share: not retained; then B is at
     // its byte bound for new records as well.
     let f = tacquire(&st, &B, 1).await.unwrap();
-    let big = Bytes::from(vec![1u8; 3 * RECORD_OVERHEAD_BYTES]);
-    st.complete(&tscope(&B, 1), f, StoredOutcome::Response(big), TTL)
+    let big = StoredOutcome::Response(Bytes::from(vec![1u8; 3 * RECORD_OVERHEAD_BYTES]));
+    st.complete(completion(&tscope(&B, 1), f, big, TTL))
         .await
         .unwrap();
     assert_eq!(
@@ -375,8 +382,8 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
         Claim::Completed(StoredOutcome::NotRetained)
     );
     let f = tacquire(&st, &B, 2).await.unwrap();
-    let fits = Bytes::from(vec![2u8; RECORD_OVERHEAD_BYTES + 100]);
-    st.complete(&tscope(&B, 2), f, StoredOutcome::Response(fits), TTL)
+    let fits = StoredOutcome::Response(Bytes::from(vec![2u8; RECORD_OVERHEAD_BYTES + 100]));
+    st.complete(completion(&tscope(&B, 2), f, fits, TTL))
         .await
         .unwrap();
     let err = tacquire(&st, &B, 3).await.unwrap_err();
@@ -504,7 +511,9 @@ async fn waiters_are_woken_by_completion_not_by_polling() {
     });
     tokio::task::yield_now().await;
     tokio::time::advance(Duration::from_millis(250)).await;
-    st.complete(&s, f, resp(b"ok"), TTL).await.unwrap();
+    st.complete(completion(&s, f, resp(b"ok"), TTL))
+        .await
+        .unwrap();
     let woke = waiter.await.unwrap();
     assert_eq!(
         woke - start,
@@ -581,12 +590,12 @@ async fn memory_per_record() {
         let Claim::Acquired { fence, .. } = st.claim(r).await.unwrap() else {
             panic!()
         };
-        st.complete(
+        st.complete(completion(
             &sc,
             fence,
             StoredOutcome::Response(Bytes::from(vec![7u8; response])),
             TTL,
-        )
+        ))
         .await
         .unwrap();
     }
@@ -652,7 +661,7 @@ fn evicting(max_entries: usize, per_tenant: usize, min_retention: Duration) -> M
 /// Claims and completes record `n` of `t` with a day's TTL.
 async fn tcomplete(st: &MemoryStore, t: &TenantId, n: u32) -> Result<(), StoreError> {
     let f = tacquire(st, t, n).await?;
-    st.complete(&tscope(t, n), f, resp(b"r"), DAY)
+    st.complete(completion(&tscope(t, n), f, resp(b"r"), DAY))
         .await
         .unwrap();
     Ok(())
@@ -749,7 +758,7 @@ async fn records_younger_than_min_retention_are_never_evicted() {
     });
     for n in 0..3 {
         let f = tacquire(&st, &B, n).await.unwrap();
-        st.complete(&tscope(&B, n), f, resp(b"0123456789"), DAY)
+        st.complete(completion(&tscope(&B, n), f, resp(b"0123456789"), DAY))
             .await
             .unwrap();
     }
@@ -764,9 +773,14 @@ async fn records_younger_than_min_retention_are_never_evicted() {
     tokio::time::advance(MIN).await;
     let f = tacquire(&st, &B, 3).await.expect("record 0 makes room");
     // 10 bytes are free; 25 need record 1 to go as well: retained, not dropped.
-    st.complete(&tscope(&B, 3), f, resp(b"0123456789012345678901234"), DAY)
-        .await
-        .unwrap();
+    st.complete(completion(
+        &tscope(&B, 3),
+        f,
+        resp(b"0123456789012345678901234"),
+        DAY,
+    ))
+    .await
+    .unwrap();
     assert_eq!(
         st.claim(treq(&B, &tscope(&B, 3), 50)).await.unwrap(),
         Claim::Completed(resp(b"0123456789012345678901234"))
@@ -818,7 +832,7 @@ async fn in_flight_records_are_never_evicted_however_old() {
     let err = tacquire(&st, &A, 4).await.unwrap_err();
     assert!(matches!(err, StoreError::Full(_)), "{err}");
     for (n, fence) in (0..2).zip(fences) {
-        st.complete(&tscope(&A, n), fence, resp(b"late"), DAY)
+        st.complete(completion(&tscope(&A, n), fence, resp(b"late"), DAY))
             .await
             .expect("still held");
     }
@@ -903,7 +917,7 @@ async fn eviction_is_o1_amortized() {
     for n in 0..BOUND {
         let f = tacquire(&st, &A, n).await.unwrap();
         let ttl = if n % 2 == 0 { MIN / 2 } else { DAY };
-        st.complete(&tscope(&A, n), f, resp(b"r"), ttl)
+        st.complete(completion(&tscope(&A, n), f, resp(b"r"), ttl))
             .await
             .unwrap();
     }
@@ -918,7 +932,7 @@ async fn eviction_is_o1_amortized() {
         tokio::time::advance(Duration::from_millis(100)).await;
         match tacquire(&st, &A, n).await {
             Ok(f) => st
-                .complete(&tscope(&A, n), f, resp(b"r"), DAY)
+                .complete(completion(&tscope(&A, n), f, resp(b"r"), DAY))
                 .await
                 .unwrap(),
             Err(StoreError::Full(_)) => {}
@@ -1227,7 +1241,7 @@ proptest! {
                     }
                     Op::Complete { s, fence, long } => {
                         let ttl = if long { 100 } else { 5 };
-                        let ok = kind(&st.complete(&scope(s), fence, resp(b"r"), Duration::from_secs(ttl)).await);
+                        let ok = kind(&st.complete(completion(&scope(s), fence, resp(b"r"), Duration::from_secs(ttl))).await);
                         let want = m.fenced(s, fence).map(|(f, _)| {
                             m.seq += 1;
                             let (until, at, seq) = (m.now + ttl, m.now, m.seq);
@@ -1331,7 +1345,7 @@ proptest! {
                         if let Some((fence, done @ None)) = held.get_mut(&(t, n)) {
                             let tid = &tenants[usize::from(t)];
                             let ttl = if long { DAY } else { Duration::from_secs(30) };
-                            st.complete(&tscope(tid, u32::from(n)), *fence, resp(b"r"), ttl).await.unwrap();
+                            st.complete(completion(&tscope(tid, u32::from(n)), *fence, resp(b"r"), ttl)).await.unwrap();
                             *done = Some((Instant::now(), Instant::now() + ttl));
                         }
                     }
