@@ -125,7 +125,7 @@ async fn serve_probed<St: Store>(layer: IdempotencyLayer<St>, dropped: Arc<Notif
     Running { addr, shop }
 }
 
-fn layer(store: MemoryStore, cfg: &ServiceConfig) -> IdempotencyLayer<MemoryStore> {
+fn layer<St: Store>(store: St, cfg: &ServiceConfig) -> IdempotencyLayer<St> {
     IdempotencyLayer::new(store, cfg).tenant(FromExtension::<Tenant>::new())
 }
 
@@ -136,6 +136,15 @@ fn keyed<T>(msg: T, key: &str, tenant: &str) -> Request<T> {
     r.metadata_mut()
         .insert("x-test-tenant", tenant.parse().unwrap());
     r
+}
+
+/// `CreateOrder` for the "ok" item under [`KEY`], as `tenant`: the call most tests
+/// send, and send again.
+async fn create_ok(
+    client: &mut OrdersClient<Channel>,
+    tenant: &str,
+) -> Result<Response<Order>, Status> {
+    client.create_order(keyed(create("ok"), KEY, tenant)).await
 }
 
 fn error_reason(s: &Status) -> Option<(String, String)> {
@@ -191,14 +200,8 @@ async fn same_key_twice_runs_once_and_replays_headers_body_and_trailers() {
     let srv = serve(l).await;
     let mut client = srv.client();
 
-    let first = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap();
-    let second = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap();
+    let first = create_ok(&mut client, "t1").await.unwrap();
+    let second = create_ok(&mut client, "t1").await.unwrap();
     assert_eq!(srv.shop.runs(), 1, "handler ran once");
     assert_eq!(first.get_ref(), second.get_ref());
     assert_eq!(first.get_ref().order_id, "order-1");
@@ -216,27 +219,18 @@ async fn same_key_twice_runs_once_and_replays_headers_body_and_trailers() {
         let trailers = s.trailers().await.unwrap().unwrap_or_default();
         (items, trailers)
     };
-    let a = client
-        .list_orders(keyed(
+    let list = || {
+        keyed(
             ListOrdersRequest {
                 customer_id: "c-1".into(),
             },
             KEY,
             "t1",
-        ))
-        .await
-        .unwrap();
+        )
+    };
+    let a = client.list_orders(list()).await.unwrap();
     let (a_md, a) = (a.metadata().clone(), collect(a.into_inner()).await);
-    let b = client
-        .list_orders(keyed(
-            ListOrdersRequest {
-                customer_id: "c-1".into(),
-            },
-            KEY,
-            "t1",
-        ))
-        .await
-        .unwrap();
+    let b = client.list_orders(list()).await.unwrap();
     let (b_md, b) = (b.metadata().clone(), collect(b.into_inner()).await);
     assert_eq!(srv.shop.runs(), 2, "one run per method");
     assert_eq!(a.0.len(), 3);
@@ -275,10 +269,7 @@ async fn same_key_different_request_is_refused_and_the_record_is_unchanged() {
     let l = layer(store.clone(), &config(policy(), None));
     let srv = serve(l).await;
     let mut client = srv.client();
-    client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap();
+    create_ok(&mut client, "t1").await.unwrap();
     let scope = scope_for("t1", CREATE, KEY);
     let before = store.get(&scope).await.unwrap();
     assert!(matches!(before, Some(RecordState::Completed { .. })));
@@ -297,10 +288,7 @@ async fn same_key_different_request_is_refused_and_the_record_is_unchanged() {
     assert_eq!(store.get(&scope).await.unwrap(), before, "record unchanged");
     assert_eq!(srv.shop.runs(), 1);
     // The original request still replays.
-    let again = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap();
+    let again = create_ok(&mut client, "t1").await.unwrap();
     assert!(replayed(again.metadata()));
 }
 
@@ -381,26 +369,14 @@ async fn tenants_and_methods_isolate_keys() {
     let l = layer(MemoryStore::default(), &config(policy(), Some(policy())));
     let srv = serve(l).await;
     let mut client = srv.client();
-    let a = client
-        .create_order(keyed(create("ok"), KEY, "tenant-a"))
-        .await
-        .unwrap();
-    let b = client
-        .create_order(keyed(create("ok"), KEY, "tenant-b"))
-        .await
-        .unwrap();
+    let a = create_ok(&mut client, "tenant-a").await.unwrap();
+    let b = create_ok(&mut client, "tenant-b").await.unwrap();
     assert_eq!(srv.shop.runs(), 2, "two tenants, two executions");
     assert_ne!(a.get_ref().order_id, b.get_ref().order_id);
     assert!(!replayed(b.metadata()));
-    let a2 = client
-        .create_order(keyed(create("ok"), KEY, "tenant-a"))
-        .await
-        .unwrap();
+    let a2 = create_ok(&mut client, "tenant-a").await.unwrap();
     assert_eq!(a2.get_ref(), a.get_ref(), "tenant a sees its own response");
-    let b2 = client
-        .create_order(keyed(create("ok"), KEY, "tenant-b"))
-        .await
-        .unwrap();
+    let b2 = create_ok(&mut client, "tenant-b").await.unwrap();
     assert_eq!(b2.get_ref(), b.get_ref());
     // Same key on another method: another execution.
     let g = client
@@ -704,14 +680,11 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
             ..policy()
         }),
     );
-    let l = IdempotencyLayer::new(store.clone(), &cfg).tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &cfg);
     let stats = l.stats();
     let srv = serve(l).await;
     let mut client = srv.client();
-    let err = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap_err();
+    let err = create_ok(&mut client, "t1").await.unwrap_err();
     assert_idem_error(&err, Code::Unavailable, reason::STORE_UNAVAILABLE);
     assert!(
         !err.message().contains(INTERNAL_DETAIL),
@@ -757,14 +730,12 @@ async fn a_claim_whose_reply_was_lost_is_sent_again_and_recognised() {
     let memory = MemoryStore::default();
     let store = FaultyStore::new(memory.clone());
     store.inject(Op::Claim, Fault::ReplyLost, 1);
-    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &config(policy(), None));
     let srv = serve(l).await;
     let mut client = srv.client();
     // Without the resend, the record would stay in flight (held by the lost claim) until
     // its lease ends, and this call would wait for it.
-    let r = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
+    let r = create_ok(&mut client, "t1")
         .await
         .expect("the resent claim is recognised as the same claimant");
     assert!(!replayed(r.metadata()));
@@ -799,15 +770,9 @@ async fn size_limits() {
     assert_eq!(srv.shop.runs(), 0);
     assert!(store.is_empty());
     // A response over 16 bytes: delivered, recorded as not retained, never run again.
-    let first = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap();
+    let first = create_ok(&mut client, "t1").await.unwrap();
     assert_eq!(first.get_ref().order_id, "order-1");
-    let err = client
-        .create_order(keyed(create("ok"), KEY, "t1"))
-        .await
-        .unwrap_err();
+    let err = create_ok(&mut client, "t1").await.unwrap_err();
     assert_idem_error(
         &err,
         Code::FailedPrecondition,
@@ -955,8 +920,7 @@ async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
     // Renewals fail, as when the store is partitioned from this instance for a while.
     let store = FaultyStore::new(memory.clone());
     store.inject(Op::Renew, Fault::Unavailable, usize::MAX);
-    let l = IdempotencyLayer::new(store, &config(policy(), None))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store, &config(policy(), None));
     let stats = l.stats();
     let svc = in_process(&l, &shop);
     let scope = scope_for("t1", CREATE, KEY);
@@ -1198,8 +1162,7 @@ async fn a_completion_the_store_refuses_once_is_retried_and_the_waiting_duplicat
     let shop = Shop::new();
     let store = FaultyStore::new(MemoryStore::default());
     store.inject(Op::Complete, Fault::Unavailable, 1);
-    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &config(policy(), None));
     let svc = in_process(&l, &shop);
     let s1 = svc.clone();
     let first =
@@ -1235,8 +1198,7 @@ async fn a_release_the_store_refuses_once_is_retried_so_the_retry_runs_at_once()
     let shop = Shop::new();
     let store = FaultyStore::new(MemoryStore::default());
     store.inject(Op::Release, Fault::Unavailable, 1);
-    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &config(policy(), None));
     let svc = in_process(&l, &shop);
     let a = call(&svc, raw_request(CREATE, &create("unavailable"), KEY, None)).await;
     assert_eq!(status_of(&a).code(), Code::Unavailable);
@@ -1261,8 +1223,7 @@ async fn a_completion_that_never_lands_gives_up_after_its_timeout_and_says_so() 
         completion_retry_timeout: Duration::from_secs(5),
         ..policy()
     };
-    let l = IdempotencyLayer::new(store.clone(), &config(p, None))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &config(p, None));
     let stats = l.stats();
     let svc = in_process(&l, &shop);
     let t = Instant::now();
@@ -1408,8 +1369,7 @@ async fn a_full_store_is_resource_exhausted_with_a_retry_delay_and_no_run() {
         fail_open: true,
         ..policy()
     };
-    let l = IdempotencyLayer::new(store.clone(), &config(policy(), Some(fail_open)))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &config(policy(), Some(fail_open)));
     let stats = l.stats();
     let srv = serve(l).await;
     let mut client = srv.client();
@@ -1417,10 +1377,7 @@ async fn a_full_store_is_resource_exhausted_with_a_retry_delay_and_no_run() {
         order_id: "x".into(),
     };
     let errs = [
-        client
-            .create_order(keyed(create("ok"), KEY, "t1"))
-            .await
-            .unwrap_err(),
+        create_ok(&mut client, "t1").await.unwrap_err(),
         // Even on a fail-open method: a full store answered, and running anyway could
         // run a key twice.
         client.get_order(keyed(get, KEY, "t1")).await.unwrap_err(),
@@ -1445,8 +1402,7 @@ async fn a_response_the_store_has_no_room_for_is_recorded_as_not_retained() {
     let shop = Shop::new();
     let store = FaultyStore::new(MemoryStore::default());
     store.inject(Op::Complete, Fault::Full, 1);
-    let l = IdempotencyLayer::new(store.clone(), &config(policy(), None))
-        .tenant(FromExtension::<Tenant>::new());
+    let l = layer(store.clone(), &config(policy(), None));
     let svc = in_process(&l, &shop);
     let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
     assert_eq!(decode_orders(&a.frames).len(), 1);
