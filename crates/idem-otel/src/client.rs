@@ -55,6 +55,18 @@ struct Counts {
     retry_delay: Bound<f64, 1>,
 }
 
+impl Counts {
+    /// Hands the histogram values buffered since the last collection to the SDK (see
+    /// [`Bound`]).
+    fn flush(&self) {
+        self.attempt_duration.flush();
+        self.call_duration.flush();
+        self.call_retries.flush();
+        self.call_hedges.flush();
+        self.retry_delay.flush();
+    }
+}
+
 impl std::fmt::Debug for ClientMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClientMetrics")
@@ -80,6 +92,7 @@ impl ClientMetrics {
             .with_description("Attempts started, retries included.")
             .with_callback(move |o| {
                 c.each(|m| {
+                    m.counts.flush();
                     let n = m.counts.attempts.get(0);
                     if n > 0 {
                         o.observe(n, &[m.method.clone(), t.clone()]);
@@ -94,6 +107,8 @@ impl ClientMetrics {
             .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
             .with_callback(move |o| {
                 c.each(|m| {
+                    // Here too: a view may drop either counter.
+                    m.counts.flush();
                     for (i, outcome) in CallOutcome::ALL.iter().enumerate() {
                         let n = m.counts.outcomes.get(i);
                         if n > 0 {

@@ -3,7 +3,7 @@
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use idem_core::config::ServiceConfig;
 use opentelemetry::metrics::BoundHistogram;
@@ -347,11 +347,33 @@ pub(crate) fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 /// `N` histogram series of one instrument, each bound to its attribute set at its first
 /// recording: a recording on a bound series skips the SDK's per-call attribute hashing
 /// and lookup. Bound lazily, so a series that never gets a value is never exported.
-pub(crate) struct Bound<T, const N: usize>([OnceLock<BoundHistogram<T>>; N]);
+///
+/// Values reach the SDK in batches: a thread appends to its own stripe's buffer and
+/// hands the buffer over once it holds [`BATCH`] values; [`flush`](Self::flush) hands
+/// over the rest, and the metrics call it from their observable instruments' callbacks,
+/// which the SDK runs at every collection before it reads any instrument (and when
+/// dropped). A bound series takes a mutex inside the SDK for each value: fed one value
+/// at a time from two worker threads, its cache lines move between the cores at every
+/// call.
+pub(crate) struct Bound<T, const N: usize> {
+    series: [OnceLock<BoundHistogram<T>>; N],
+    pending: [Pending<T>; STRIPES],
+}
+
+/// One stripe's values not yet handed to the SDK: series index and value.
+#[repr(align(128))]
+struct Pending<T>(Mutex<Vec<(u8, T)>>);
+
+/// Values a thread buffers per [`Bound`] before it hands them to the SDK.
+const BATCH: usize = 64;
 
 impl<T, const N: usize> Default for Bound<T, N> {
     fn default() -> Self {
-        Bound([const { OnceLock::new() }; N])
+        const { assert!(N <= 256, "series indices are kept in a u8") };
+        Bound {
+            series: [const { OnceLock::new() }; N],
+            pending: std::array::from_fn(|_| Pending(Mutex::default())),
+        }
     }
 }
 
@@ -359,11 +381,45 @@ impl<T, const N: usize> Bound<T, N> {
     /// Records `value` on series `i`, binding it with `bind` the first time. An `i` past
     /// the table (a status code newer than this build) binds for this value alone.
     pub(crate) fn record(&self, i: usize, value: T, bind: impl FnOnce() -> BoundHistogram<T>) {
-        match self.0.get(i) {
-            Some(series) => series.get_or_init(bind).record(value),
-            None => bind().record(value),
+        let (Some(series), Ok(index)) = (self.series.get(i), u8::try_from(i)) else {
+            return bind().record(value);
+        };
+        series.get_or_init(bind);
+        let mut pending = lock(&self.pending[stripe()].0);
+        if pending.capacity() == 0 {
+            pending.reserve_exact(BATCH);
+        }
+        pending.push((index, value));
+        if pending.len() >= BATCH {
+            self.hand_over(&mut pending);
         }
     }
+
+    /// Hands every buffered value to the SDK.
+    pub(crate) fn flush(&self) {
+        for p in &self.pending {
+            self.hand_over(&mut lock(&p.0));
+        }
+    }
+
+    fn hand_over(&self, pending: &mut Vec<(u8, T)>) {
+        for (i, value) in pending.drain(..) {
+            if let Some(series) = self.series[usize::from(i)].get() {
+                series.record(value);
+            }
+        }
+    }
+}
+
+impl<T, const N: usize> Drop for Bound<T, N> {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+/// `m`, locked (a panic while it was held leaves nothing half-done here).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Series per `grpc.status`: codes 0 to 16.
@@ -493,6 +549,70 @@ mod tests {
             (c.get(0), c.get(1), c.get(2), c.get(7)),
             (0, 1000 * (STRIPES as u64 + 2), 0, 0)
         );
+    }
+
+    /// The count of every series of the one histogram a collection of `provider` holds.
+    fn counts(
+        provider: &opentelemetry_sdk::metrics::SdkMeterProvider,
+        exporter: &opentelemetry_sdk::metrics::InMemoryMetricExporter,
+    ) -> Vec<u64> {
+        use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+        exporter.reset();
+        provider.force_flush().unwrap();
+        let all = exporter.get_finished_metrics().unwrap();
+        let mut counts = Vec::new();
+        for m in all
+            .iter()
+            .flat_map(|rm| rm.scope_metrics())
+            .flat_map(|s| s.metrics())
+        {
+            if let AggregatedMetrics::F64(MetricData::Histogram(h)) = m.data() {
+                counts.extend(h.data_points().map(|p| p.count()));
+            }
+        }
+        counts.sort_unstable();
+        counts
+    }
+
+    #[test]
+    fn bound_series_hand_over_full_batches_at_once_and_the_rest_when_flushed_or_dropped() {
+        use opentelemetry::metrics::MeterProvider as _;
+        use opentelemetry_sdk::metrics::{
+            InMemoryMetricExporter, PeriodicReader, SdkMeterProvider,
+        };
+        let exporter = InMemoryMetricExporter::default();
+        let reader = PeriodicReader::builder(exporter.clone()).build();
+        let provider = SdkMeterProvider::builder().with_reader(reader).build();
+        let histogram = provider.meter("t").f64_histogram("h").build();
+        let bound = Bound::<f64, 2>::default();
+        let histogram = &histogram;
+        let bind = |i: usize| move || histogram.bind(&[KeyValue::new("i", i as i64)]);
+        // From 3 threads: 3 full batches on series 0, and 10 values left in buffers.
+        std::thread::scope(|s| {
+            for t in 0..3 {
+                let bound = &bound;
+                s.spawn(move || {
+                    for v in 0..BATCH {
+                        bound.record(0, v as f64, bind(0));
+                    }
+                    if t == 0 {
+                        for v in 0..10 {
+                            bound.record(1, v as f64, bind(1));
+                        }
+                    }
+                });
+            }
+        });
+        // Whole batches are in the SDK already; series 1 is bound but its values wait.
+        assert_eq!(counts(&provider, &exporter), [0, 3 * BATCH as u64]);
+        bound.flush();
+        assert_eq!(counts(&provider, &exporter), [10, 3 * BATCH as u64]);
+        // An index past the table is recorded at once, on a series of its own.
+        bound.record(7, 1.0, bind(7));
+        bound.record(1, 1.0, bind(1));
+        assert_eq!(counts(&provider, &exporter), [1, 10, 3 * BATCH as u64]);
+        drop(bound);
+        assert_eq!(counts(&provider, &exporter), [1, 11, 3 * BATCH as u64]);
     }
 
     #[test]

@@ -53,6 +53,15 @@
 //! the rest is recorded when a call ends: a committed client call at the end of its
 //! response body (its status from the trailers), a protected server call once its
 //! response ended and, when its handler ran, its outcome was recorded.
+//!
+//! Counters are kept per thread and summed at each collection. Histogram values are
+//! handed to the SDK in batches of 64 per thread and series, and whatever is buffered
+//! at each collection, before the SDK reads anything: from the callbacks of the
+//! observable counters (`grpc.client.attempt.started` and `idem.client.call.outcome`;
+//! `grpc.server.call.started` and `idem.server.call.outcome`). An export holds every
+//! value recorded before its collection began, unless a view drops both of a side's
+//! counters: then histogram values wait for their batch to fill. Per call, this keeps
+//! the worker threads from writing to the same SDK data at every value.
 
 mod client;
 mod labels;

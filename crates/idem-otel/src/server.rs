@@ -1,7 +1,7 @@
 //! [`ServerMetrics`]: gRPC's server metrics (gRFC A66) for protected methods and idem's
 //! own, from an [`IdempotencyLayer`]'s observer events, its counters and its store.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use idem_core::config::ServiceConfig;
@@ -14,7 +14,7 @@ use opentelemetry::{KeyValue, Value};
 
 use crate::labels::{
     self, Bound, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped,
-    status_index,
+    lock, status_index,
 };
 use crate::seconds_histogram;
 
@@ -41,6 +41,8 @@ pub struct ServerMetrics(Arc<Inner>);
 struct Inner {
     meter: Meter,
     counts: Arc<MethodCounters<Counts>>,
+    /// The series of every store made by [`ServerMetrics::instrument_store`].
+    stores: StoreSeries,
     /// `idem.tenant` values, when opted in.
     tenants: Option<Learned>,
     duration: Histogram<f64>,
@@ -87,12 +89,14 @@ impl ServerMetrics {
         let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
             config, false,
         )));
-        let c = counts.clone();
+        let stores = StoreSeries::default();
+        let (c, st) = (counts.clone(), stores.clone());
         meter
             .u64_observable_counter("grpc.server.call.started")
             .with_unit("{call}")
             .with_description("Calls received, protected or passed through.")
             .with_callback(move |o| {
+                flush(&c, &st);
                 c.each(|m| {
                     let n = m.counts.started.get(0);
                     if n > 0 {
@@ -101,12 +105,14 @@ impl ServerMetrics {
                 })
             })
             .build();
-        let c = counts.clone();
+        let (c, st) = (counts.clone(), stores.clone());
         meter
             .u64_observable_counter("idem.server.call.outcome")
             .with_unit("{call}")
             .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
             .with_callback(move |o| {
+                // Here too: a view may drop either counter.
+                flush(&c, &st);
                 c.each(|m| {
                     m.counts.outcomes.each(|OutcomeKey(outcome, reason, tenant), n| {
                         let mut attrs = vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
@@ -123,6 +129,7 @@ impl ServerMetrics {
             .build();
         ServerMetrics(Arc::new(Inner {
             counts,
+            stores,
             tenants: None,
             duration: seconds_histogram(
                 meter,
@@ -171,9 +178,11 @@ impl ServerMetrics {
         store: St,
         kind: &'static str,
     ) -> InstrumentedStore<St> {
+        let series = Arc::new(Bound::default());
+        lock(&self.0.stores).push(Arc::downgrade(&series));
         let timings = StoreTimings {
             histogram: self.0.store_duration.clone(),
-            series: Bound::default(),
+            series,
         };
         InstrumentedStore::new(store, kind, timings)
     }
@@ -286,7 +295,27 @@ impl Inner {
 /// result.
 struct StoreTimings {
     histogram: Histogram<f64>,
-    series: Bound<f64, { STORE_OPS * STORE_RESULTS }>,
+    series: Arc<StoreBound>,
+}
+
+/// The series of one store's `idem.store.operation.duration`.
+type StoreBound = Bound<f64, { STORE_OPS * STORE_RESULTS }>;
+
+/// The series of the stores a [`ServerMetrics`] times (dropped stores are forgotten at
+/// the next collection).
+type StoreSeries = Arc<Mutex<Vec<Weak<StoreBound>>>>;
+
+/// Hands the histogram values buffered since the last collection to the SDK (see
+/// [`Bound`]).
+fn flush(counts: &MethodCounters<Counts>, stores: &StoreSeries) {
+    counts.each(|m| m.counts.duration.flush());
+    lock(stores).retain(|s| match s.upgrade() {
+        Some(series) => {
+            series.flush();
+            true
+        }
+        None => false,
+    });
 }
 
 const STORE_OPS: usize = 6;

@@ -495,6 +495,19 @@ async fn ten_thousand_keys_make_a_bounded_number_of_series() {
     )
     .await;
     assert_eq!(series("idem.server.call.outcome"), 1);
+    // Every call's values reach the export: histogram values are handed to the SDK in
+    // batches per thread, and a collection takes the part-filled ones too.
+    let count = |name: &str, attrs: &[(&str, &str)]| match otel.value(name, attrs) {
+        Some(Value::Histogram { count, .. }) => count,
+        other => panic!("{name} {attrs:?}: {other:?}"),
+    };
+    assert_eq!(count("grpc.server.call.duration", &[]), 10_000);
+    assert_eq!(count("grpc.client.call.duration", &[]), 10_000);
+    assert_eq!(count("grpc.client.attempt.duration", &[]), 10_000);
+    for op in ["claim", "complete"] {
+        let op = [("idem.store.operation", op)];
+        assert_eq!(count("idem.store.operation.duration", &op), 10_000);
+    }
     assert_eq!(series("grpc.server.call.duration"), 1);
     assert_eq!(series("grpc.client.call.duration"), 1);
     assert_eq!(series("grpc.client.attempt.started"), 1);
