@@ -99,6 +99,10 @@ impl Shop {
     fn gaps(&self) -> Vec<Duration> {
         self.seen().windows(2).map(|w| w[1].at - w[0].at).collect()
     }
+    /// The value of header `name` on each attempt, in order.
+    fn headers(&self, name: &str) -> Vec<Option<String>> {
+        self.seen().iter().map(|s| s.header(name)).collect()
+    }
 }
 
 fn order(id: &str) -> Order {
@@ -283,11 +287,7 @@ async fn unavailable_twice_then_ok_takes_three_attempts() {
         (report.outcome, report.attempts),
         (CallOutcome::Committed, 3)
     );
-    let previous: Vec<_> = shop
-        .seen()
-        .iter()
-        .map(|s| s.header("grpc-previous-rpc-attempts"))
-        .collect();
+    let previous = shop.headers("grpc-previous-rpc-attempts");
     assert_eq!(previous, [None, Some("1".into()), Some("2".into())]);
 }
 
@@ -547,11 +547,7 @@ async fn a_generated_key_is_identical_on_every_attempt() {
     let shop = Shop::with([unavailable(), unavailable(), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&default_config()));
     c.create_order(create(10)).await.unwrap();
-    let keys: Vec<_> = shop
-        .seen()
-        .iter()
-        .map(|s| s.header("x-idempotency-key"))
-        .collect();
+    let keys = shop.headers("x-idempotency-key");
     assert_eq!(keys.len(), 3);
     let first = keys[0].clone().expect("a key on a protected method");
     assert!(IdempotencyKey::parse(first.as_bytes()).is_ok());
@@ -572,11 +568,7 @@ async fn the_callers_key_is_kept() {
     let mut req = create(10);
     with_key(&mut req, &"order-2024-0001".parse().unwrap());
     c.create_order(req).await.unwrap();
-    let keys: Vec<_> = shop
-        .seen()
-        .iter()
-        .map(|s| s.header("x-idempotency-key"))
-        .collect();
+    let keys = shop.headers("x-idempotency-key");
     assert_eq!(
         keys,
         [
@@ -645,11 +637,7 @@ async fn the_interceptor_key_is_stable_across_retries_below_it() {
     })
     .await
     .unwrap();
-    let keys: Vec<_> = shop
-        .seen()
-        .iter()
-        .map(|s| s.header("x-idempotency-key"))
-        .collect();
+    let keys = shop.headers("x-idempotency-key");
     assert_eq!(keys.len(), 3);
     assert!(
         keys[0].is_some() && keys.iter().all(|k| *k == keys[0]),
@@ -845,11 +833,7 @@ async fn a_builder_without_a_config_keys_every_method() {
     })
     .await
     .unwrap();
-    let keys: Vec<_> = shop
-        .seen()
-        .iter()
-        .map(|s| s.header("x-idempotency-key"))
-        .collect();
+    let keys = shop.headers("x-idempotency-key");
     assert_eq!(keys.len(), 2);
     assert!(
         keys[0].is_some(),
