@@ -34,7 +34,7 @@ use idem_store::{
     Claim, ClaimRequest, ClaimantId, CompleteRequest, RecordState, Store, StoreError, StoredOutcome,
 };
 use idem_test_support::redis::RedisServer;
-use idem_test_support::store::complete_not_retained;
+use idem_test_support::store::{acquire, complete_not_retained, req};
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, Order};
@@ -182,6 +182,20 @@ fn order_request(key: &str, note: &str) -> Request<CreateOrderRequest> {
     idem_client::with_key(&mut req, &key.parse().expect("valid key"));
     req.set_timeout(PATIENCE);
     req
+}
+
+/// Sends the call with `key` and `note` again through every client: each must replay
+/// `order`.
+async fn replayed_by_all(clients: &[OrdersClient<Channel>], key: &str, note: &str, order: &Order) {
+    for client in clients {
+        let again = client
+            .clone()
+            .create_order(order_request(key, note))
+            .await
+            .expect("replay");
+        assert!(is_replay(&again));
+        assert_eq!(&again.into_inner(), order);
+    }
 }
 
 fn new_key() -> String {
@@ -351,15 +365,7 @@ async fn redis_down_fails_closed_and_recovers_after_restart() {
         .expect("fresh call after restart")
         .into_inner();
     let runs = c.runs();
-    for other in &clients {
-        let again = other
-            .clone()
-            .create_order(order_request(&key, "after restart"))
-            .await
-            .expect("replay after restart");
-        assert!(is_replay(&again));
-        assert_eq!(again.into_inner(), first);
-    }
+    replayed_by_all(&clients, &key, "after restart", &first).await;
     assert_eq!(c.runs(), runs);
 }
 
@@ -439,15 +445,7 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
         "{late:?}"
     );
     // Duplicates everywhere replay the taken-over run.
-    for client in &clients {
-        let again = client
-            .clone()
-            .create_order(order_request(&key, "crash"))
-            .await
-            .expect("replay");
-        assert!(is_replay(&again));
-        assert_eq!(again.into_inner(), order);
-    }
+    replayed_by_all(&clients, &key, "crash", &order).await;
     assert_eq!(c.runs(), runs + 1);
 }
 
@@ -705,18 +703,9 @@ async fn scripts_are_reloaded_after_a_script_flush() {
         return;
     };
     let store = RedisStore::connect(redis.url()).await.expect("connect");
-    let fp = idem_store::Fingerprint([9; 32]);
     let scope = idem_store::Scope(rand::random());
     redis.cmd(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
-    let r = store
-        .claim(ClaimRequest {
-            scope: &scope,
-            tenant: &idem_store::TenantId::default(),
-            fingerprint: &fp,
-            claimant: ClaimantId::random(),
-            lease: Duration::from_secs(5),
-        })
-        .await;
+    let r = store.claim(req(&scope, Duration::from_secs(5))).await;
     assert!(matches!(r, Ok(Claim::Acquired { .. })), "{r:?}");
 }
 
@@ -793,25 +782,11 @@ async fn wait_latency_notify_versus_poll() {
                 .connect()
         };
         let (a, b) = (connect().await.expect("a"), connect().await.expect("b"));
-        let fp = idem_store::Fingerprint([3; 32]);
         let mut late = Vec::new();
         redis.reset_stats();
         for _ in 0..ROUNDS {
             let scope = idem_store::Scope(rand::random());
-            let fence = match a
-                .claim(ClaimRequest {
-                    scope: &scope,
-                    tenant: &idem_store::TenantId::default(),
-                    fingerprint: &fp,
-                    claimant: ClaimantId::random(),
-                    lease: Duration::from_secs(10),
-                })
-                .await
-                .unwrap()
-            {
-                Claim::Acquired { fence, .. } => fence,
-                other => panic!("{other:?}"),
-            };
+            let fence = acquire(&a, &scope, Duration::from_secs(10)).await;
             let waiter = {
                 let b = b.clone();
                 tokio::spawn(async move {
@@ -839,16 +814,7 @@ async fn wait_latency_notify_versus_poll() {
                 .expect("waiter task");
             late.push(returned.saturating_duration_since(completed));
             // What the waiter's caller does next: claim again, and get the outcome.
-            let again = b
-                .claim(ClaimRequest {
-                    scope: &scope,
-                    tenant: &idem_store::TenantId::default(),
-                    fingerprint: &fp,
-                    claimant: ClaimantId::random(),
-                    lease: Duration::from_secs(10),
-                })
-                .await
-                .unwrap();
+            let again = b.claim(req(&scope, Duration::from_secs(10))).await.unwrap();
             assert!(matches!(again, Claim::Completed(_)), "{again:?}");
         }
         let commands = redis.round_trips();
@@ -875,19 +841,9 @@ async fn waiters_survive_a_lost_notification_connection() {
     };
     let a = RedisStore::connect(redis.url()).await.expect("a");
     let b = RedisStore::connect(redis.url()).await.expect("b");
-    let fp = idem_store::Fingerprint([4; 32]);
     for round in 0..2 {
         let scope = idem_store::Scope(rand::random());
-        let claim = ClaimRequest {
-            scope: &scope,
-            tenant: &idem_store::TenantId::default(),
-            fingerprint: &fp,
-            claimant: ClaimantId::random(),
-            lease: Duration::from_secs(30),
-        };
-        let Claim::Acquired { fence, .. } = a.claim(claim).await.unwrap() else {
-            panic!("not acquired")
-        };
+        let fence = acquire(&a, &scope, Duration::from_secs(30)).await;
         let waiter = {
             let b = b.clone();
             tokio::spawn(async move {
