@@ -17,6 +17,7 @@ use idem_test_support::postgres::PostgresServer;
 use idem_test_support::store::{FP, TENANT, acquire, req};
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 use sqlx::{Executor, Row};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 const LONG: Duration = Duration::from_secs(60);
@@ -48,6 +49,12 @@ async fn start(
         .expect("connect to the test postgres");
     let admin = admin(&server).await;
     Some((store, server, admin))
+}
+
+/// Waits on a task of its own for `sc` to change, for up to [`LONG`].
+fn spawn_wait(s: &PostgresStore, sc: Scope) -> JoinHandle<Result<(), StoreError>> {
+    let s = s.clone();
+    tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
 }
 
 async fn eventually<F, Fut>(what: &str, limit: Duration, mut f: F)
@@ -187,10 +194,7 @@ async fn a_waiter_is_woken_by_notify_not_by_polling() {
         .unwrap();
     let sc = scope();
     acquire(&s, &sc, LONG).await; // warms the listener: the first wait opens it
-    let w = {
-        let s = s.clone();
-        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
-    };
+    let w = spawn_wait(&s, sc);
     eventually("listener up", Duration::from_secs(5), || async {
         s.is_listening()
     })
@@ -232,10 +236,7 @@ async fn only_watched_records_notify() {
     // Somebody waits: its completion is announced with the scope.
     let loud = scope();
     let f = acquire(&s, &loud, LONG).await;
-    let w = {
-        let s = s.clone();
-        tokio::spawn(async move { s.wait(&loud, Instant::now() + LONG).await })
-    };
+    let w = spawn_wait(&s, loud);
     eventually(
         "record marked as watched",
         Duration::from_secs(5),
@@ -273,10 +274,7 @@ async fn waiters_return_when_the_listener_connection_is_lost() {
     };
     let sc = scope();
     let fence = acquire(&s, &sc, LONG).await;
-    let w = {
-        let s = s.clone();
-        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
-    };
+    let w = spawn_wait(&s, sc);
     eventually("listener up", Duration::from_secs(5), || async {
         s.is_listening()
     })
@@ -308,10 +306,7 @@ async fn waiters_return_when_the_listener_connection_is_lost() {
     .await;
     let sc = scope();
     let fence = acquire(&s, &sc, LONG).await;
-    let w = {
-        let s = s.clone();
-        tokio::spawn(async move { s.wait(&sc, Instant::now() + LONG).await })
-    };
+    let w = spawn_wait(&s, sc);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let done = Instant::now();
     s.release(&sc, fence).await.unwrap();
