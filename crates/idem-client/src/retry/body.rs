@@ -287,6 +287,68 @@ pub(crate) fn read_ready(
     })
 }
 
+/// The start of a streamed request, for the tests of the bodies that replay it to
+/// every attempt (`replay`) or hedge (`hedge_body`).
+#[cfg(test)]
+pub(super) mod fixtures {
+    use std::task::Waker;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// The caller's request stream: chunks (or an error) as they are sent, the end when
+    /// the sender drops.
+    pub(crate) struct Feed(pub(crate) mpsc::UnboundedReceiver<Result<Bytes, String>>);
+
+    impl Body for Feed {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|b| b.map(|b| b.map(Frame::data).map_err(Into::into)))
+        }
+    }
+
+    /// A streamed request whose caller has produced nothing yet, read as far as it goes.
+    pub(crate) struct Started {
+        /// What the first read found (nothing).
+        pub(crate) start: Partial,
+        /// The rest of the caller's stream.
+        pub(crate) source: tonic::body::Body,
+        /// The bytes held for it.
+        pub(crate) lease: Lease,
+        /// Where the test sends the caller's chunks.
+        pub(crate) tx: mpsc::UnboundedSender<Result<Bytes, String>>,
+        /// The layer's budget the lease draws on.
+        pub(crate) budget: Arc<ReplayBudget>,
+    }
+
+    /// A streamed request with nothing sent yet; `cap` per call, `total` in the layer's
+    /// budget.
+    pub(crate) fn started(cap: usize, total: usize) -> Started {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let budget = Arc::new(ReplayBudget::new(total));
+        let mut lease = Lease::new(budget.clone());
+        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
+            panic!("a stream with nothing ready yet is partial");
+        };
+        Started {
+            start,
+            source,
+            lease,
+            tx,
+            budget,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

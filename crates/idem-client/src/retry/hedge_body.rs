@@ -570,26 +570,11 @@ impl Drop for HedgeBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::body::{Read, ReplayBudget, read_ready};
+    use crate::retry::body::ReplayBudget;
+    use crate::retry::body::fixtures::started;
     use http_body_util::BodyExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::sync::mpsc;
-
-    /// The caller's request stream: chunks (or an error) as they are sent, the end when
-    /// the sender drops.
-    struct Feed(mpsc::UnboundedReceiver<Result<Bytes, String>>);
-    impl Body for Feed {
-        type Data = Bytes;
-        type Error = BoxError;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-            self.0
-                .poll_recv(cx)
-                .map(|b| b.map(|b| b.map(Frame::data).map_err(Into::into)))
-        }
-    }
 
     struct Call {
         request: HedgeRequest,
@@ -614,18 +599,11 @@ mod tests {
     /// A hedged call whose caller has produced nothing yet; `cap` per call, `total` in
     /// the layer's budget.
     fn call(cap: usize, total: usize) -> Call {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(ReplayBudget::new(total));
-        let mut lease = Lease::new(budget.clone());
-        let mut source = tonic::body::Body::new(Feed(rx));
-        let mut cx = Context::from_waker(Waker::noop());
-        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
-            panic!("a stream with nothing ready yet is partial");
-        };
+        let s = started(cap, total);
         Call {
-            request: HedgeRequest::Stream(HedgeStream::new(start, source, lease, cap, None)),
-            tx: Some(tx),
-            budget,
+            request: HedgeRequest::Stream(HedgeStream::new(s.start, s.source, s.lease, cap, None)),
+            tx: Some(s.tx),
+            budget: s.budget,
         }
     }
 

@@ -357,50 +357,32 @@ impl Body for StreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::body::fixtures::{Feed, started};
     use crate::retry::body::{Read, ReplayBudget, read_ready};
     use http_body_util::BodyExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::task::Wake;
     use tokio::sync::mpsc;
 
-    /// The caller's request stream: chunks as they are sent, the end when the sender drops.
-    struct Feed(mpsc::UnboundedReceiver<Bytes>);
-    impl Body for Feed {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-            self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
-        }
-    }
-
     struct Call {
         replay: StreamReplay,
-        tx: Option<mpsc::UnboundedSender<Bytes>>,
+        tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
         budget: Arc<ReplayBudget>,
     }
 
     impl Call {
         fn send(&self, chunk: &'static str) {
-            self.tx.as_ref().unwrap().send(Bytes::from(chunk)).unwrap();
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Ok(Bytes::from(chunk))).unwrap();
         }
     }
 
     fn call(cap: usize, total: usize) -> Call {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(ReplayBudget::new(total));
-        let mut lease = Lease::new(budget.clone());
-        let mut source = tonic::body::Body::new(Feed(rx));
-        let mut cx = Context::from_waker(Waker::noop());
-        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
-            panic!("a stream with nothing ready yet is partial");
-        };
+        let s = started(cap, total);
         Call {
-            replay: StreamReplay::new(start, source, lease, cap, None),
-            tx: Some(tx),
-            budget,
+            replay: StreamReplay::new(s.start, s.source, s.lease, cap, None),
+            tx: Some(s.tx),
+            budget: s.budget,
         }
     }
 
@@ -469,7 +451,7 @@ mod tests {
         assert_eq!(c.budget.held(), 0, "nothing is kept after the commit");
         let tx = c.tx.take().unwrap();
         drop(c);
-        tx.send(Bytes::from_static(b"d")).unwrap();
+        tx.send(Ok(Bytes::from_static(b"d"))).unwrap();
         assert_eq!(
             next(&mut second).await,
             ok("d"),
@@ -500,7 +482,7 @@ mod tests {
             drop(c.replay);
             c.tx.as_ref()
                 .unwrap()
-                .send(Bytes::from_static(b"gh"))
+                .send(Ok(Bytes::from_static(b"gh")))
                 .unwrap();
             assert_eq!(next(&mut first).await, ok("gh"));
         }
@@ -536,7 +518,7 @@ mod tests {
     async fn an_attempt_never_sent_can_be_sent_again_even_over_the_limit() {
         // Over the limit before the first attempt: nothing kept, but nothing sent either.
         let (tx, rx) = mpsc::unbounded_channel();
-        tx.send(Bytes::from_static(b"abcdef")).unwrap();
+        tx.send(Ok(Bytes::from_static(b"abcdef"))).unwrap();
         let budget = Arc::new(ReplayBudget::new(100));
         let mut lease = Lease::new(budget.clone());
         let mut source = tonic::body::Body::new(Feed(rx));
