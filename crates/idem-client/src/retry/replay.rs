@@ -253,6 +253,17 @@ impl State {
         self.chunks.pop_front()
     }
 
+    /// The caller's stream failed, or a message broke a limit: the call fails, and
+    /// nothing of it may be sent again.
+    fn fail(&mut self) {
+        self.source = None;
+        self.ended = true;
+        if matches!(self.keep, Keep::Recording) {
+            self.stop_keeping(Keep::Overflowed(Overflow::Error));
+        }
+        self.drained = true;
+    }
+
     /// Reads the caller's body for the current attempt.
     fn poll_source(
         &mut self,
@@ -273,12 +284,7 @@ impl State {
                 return Poll::Ready(None);
             }
             Poll::Ready(Some(Err(e))) => {
-                self.source = None;
-                self.ended = true;
-                if matches!(self.keep, Keep::Recording) {
-                    self.stop_keeping(Keep::Overflowed(Overflow::Error));
-                }
-                self.drained = true;
+                self.fail();
                 return Poll::Ready(Some(Err(e.into())));
             }
             Poll::Ready(Some(Ok(frame))) => frame,
@@ -286,13 +292,7 @@ impl State {
         match frame.into_data() {
             Ok(chunk) => {
                 if let Some(Err(e)) = self.check.as_mut().map(|c| c.check(&chunk)) {
-                    // The call fails: nothing of it may be sent again.
-                    self.source = None;
-                    self.ended = true;
-                    if matches!(self.keep, Keep::Recording) {
-                        self.stop_keeping(Keep::Overflowed(Overflow::Error));
-                    }
-                    self.drained = true;
+                    self.fail();
                     return Poll::Ready(Some(Err(e.into())));
                 }
                 self.keep(&chunk);
