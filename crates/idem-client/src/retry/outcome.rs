@@ -576,9 +576,19 @@ mod tests {
         assert_eq!(CallOutcome::parse("nope"), None);
     }
 
+    /// `report` written on an UNAVAILABLE status's headers and read back through tonic;
+    /// asserts it comes back whole.
+    fn through_status(report: &CallReport) -> CallReport {
+        let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
+        report.write_headers(resp.headers_mut());
+        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+        let back = CallReport::from_status(&status).unwrap();
+        assert_eq!(&back, report);
+        back
+    }
+
     #[test]
     fn report_survives_tonic_status_metadata() {
-        let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
         let mut report = CallReport::new(CallOutcome::AttemptsExhausted);
         report.record(
             AttemptEnd::Status(Code::Unavailable),
@@ -592,10 +602,7 @@ mod tests {
             Duration::from_millis(5),
         );
         report.last_code = Some(Code::Unavailable);
-        report.write_headers(resp.headers_mut());
-        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
-        let back = CallReport::from_status(&status).unwrap();
-        assert_eq!(back, report);
+        let back = through_status(&report);
         assert_eq!(
             back.to_string(),
             "gave up: attempts exhausted after 3 attempts: UNAVAILABLE in 12ms, then waited \
@@ -605,7 +612,6 @@ mod tests {
 
     #[test]
     fn a_hedged_report_survives_tonic_status_metadata() {
-        let mut resp = tonic::Status::unavailable("down").into_http::<tonic::body::Body>();
         let mut report = CallReport::hedged(CallOutcome::AttemptsExhausted);
         for _ in 0..3 {
             report.sent();
@@ -628,10 +634,7 @@ mod tests {
             Duration::from_millis(5),
         );
         report.last_code = Some(Code::Unavailable);
-        report.write_headers(resp.headers_mut());
-        let status = tonic::Status::from_header_map(resp.headers()).unwrap();
-        let back = CallReport::from_status(&status).unwrap();
-        assert_eq!(back, report);
+        let back = through_status(&report);
         assert_eq!((back.hedges(), back.winner()), (Some(3), None));
         assert_eq!(
             back.to_string(),
