@@ -111,6 +111,17 @@ async fn replays_per_tenant(addr: SocketAddr, shop: &Shop) {
     assert_eq!(shop.runs(), 2);
 }
 
+/// After [`replays_per_tenant`]: the auth layer refuses a caller without credentials
+/// before idem sees it, so nothing more runs.
+async fn refused_without_credentials(addr: SocketAddr, shop: &Shop) {
+    let err = client(addr).create_order(call(None)).await.unwrap_err();
+    assert_eq!(
+        (err.code(), err.message()),
+        (Code::Unauthenticated, "bad token")
+    );
+    assert_eq!(shop.runs(), 2);
+}
+
 #[tokio::test]
 async fn an_interceptor_layer_before_idem_sets_the_tenant_and_replays_per_tenant() {
     let shop = Shop::new();
@@ -123,13 +134,7 @@ async fn an_interceptor_layer_before_idem_sets_the_tenant_and_replays_per_tenant
 
     replays_per_tenant(addr, &shop).await;
 
-    // The interceptor refuses a caller without credentials before idem sees it.
-    let err = client(addr).create_order(call(None)).await.unwrap_err();
-    assert_eq!(
-        (err.code(), err.message()),
-        (Code::Unauthenticated, "bad token")
-    );
-    assert_eq!(shop.runs(), 2);
+    refused_without_credentials(addr, &shop).await;
 }
 
 /// Stands for a token check that needs I/O (an auth server, a database).
@@ -162,12 +167,7 @@ async fn an_async_auth_layer_before_idem_sets_the_tenant_and_replays_per_tenant(
 
     replays_per_tenant(addr, &shop).await;
 
-    let err = client(addr).create_order(call(None)).await.unwrap_err();
-    assert_eq!(
-        (err.code(), err.message()),
-        (Code::Unauthenticated, "bad token")
-    );
-    assert_eq!(shop.runs(), 2);
+    refused_without_credentials(addr, &shop).await;
 }
 
 #[tokio::test]
