@@ -12,7 +12,7 @@ use idem_store::{Claim, RecordState, Scope, Store, StoreError, StoredOutcome};
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::store::{acquire, req};
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::{Executor, Row};
+use sqlx::{Executor, Postgres, Row, Transaction};
 use tokio::time::Instant;
 
 const LONG: Duration = Duration::from_secs(60);
@@ -43,6 +43,17 @@ async fn orders(app: &PgPool) -> i64 {
         .get(0)
 }
 
+/// The handler's transaction after its own write: order `id` inserted, not committed.
+async fn insert_order(app: &PgPool, id: &str) -> Transaction<'static, Postgres> {
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders VALUES ($1)")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 /// The handler: insert an order, mark the record, commit.
 async fn handler(
     s: &PostgresStore,
@@ -51,12 +62,7 @@ async fn handler(
     fence: u64,
     id: &str,
 ) -> Result<(), StoreError> {
-    let mut tx = app.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES ($1)")
-        .bind(id)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = insert_order(app, id).await;
     s.commit_in(&mut tx, scope, fence, LONG).await?;
     tx.commit().await.unwrap();
     Ok(())
@@ -103,11 +109,7 @@ async fn a_crash_before_the_handlers_commit_leaves_nothing_done() {
     let sc = Scope(rand::random());
     let fence = acquire(&s, &sc, Duration::from_millis(200)).await;
     {
-        let mut tx = app.begin().await.unwrap();
-        sqlx::query("INSERT INTO orders VALUES ('lost')")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+        let mut tx = insert_order(&app, "lost").await;
         s.commit_in(&mut tx, &sc, fence, LONG).await.unwrap();
         // The process dies here: the transaction never commits.
         drop(tx);
@@ -133,11 +135,7 @@ async fn a_crash_after_the_handlers_commit_never_runs_it_again() {
     };
     let sc = Scope(rand::random());
     let fence = acquire(&s, &sc, Duration::from_millis(200)).await;
-    let mut tx = app.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES ('kept')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = insert_order(&app, "kept").await;
     s.commit_in(&mut tx, &sc, fence, Duration::from_millis(300))
         .await
         .unwrap();
@@ -188,11 +186,7 @@ async fn a_takeover_waits_for_the_handlers_transaction() {
     };
     let sc = Scope(rand::random());
     let fence = acquire(&s, &sc, Duration::from_millis(300)).await;
-    let mut tx = app.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES ('slow')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = insert_order(&app, "slow").await;
     s.commit_in(&mut tx, &sc, fence, LONG).await.unwrap();
     // The old lease ends while the handler is still before its COMMIT: a claim now
     // blocks on the record's row instead of taking over...
