@@ -277,14 +277,9 @@ impl RedisStore {
         let v = self
             .eval(&self.inner.scripts.read, key, &[b"0"], limit)
             .await?;
-        let items = array(v)?;
-        if items.is_empty() {
+        let Some(mut it) = read_items(v, 3)? else {
             return Ok(None);
-        }
-        if items.len() != 3 {
-            return Err(corrupt("read reply of unexpected length"));
-        }
-        let mut it = items.into_iter();
+        };
         let state = state_byte(it.next())?;
         let fence = fence(it.next())?;
         let lease_left = millis(it.next())?;
@@ -590,14 +585,9 @@ impl Store for RedisStore {
                 self.inner.command_timeout,
             )
             .await?;
-        let items = array(v)?;
-        if items.is_empty() {
+        let Some(mut it) = read_items(v, 6)? else {
             return Ok(None);
-        }
-        if items.len() != 6 {
-            return Err(corrupt("read reply of unexpected length"));
-        }
-        let mut it = items.into_iter();
+        };
         let state = state_byte(it.next())?;
         let fence = fence(it.next())?;
         let left = millis(it.next())?;
@@ -736,6 +726,19 @@ fn script_and_acks(items: Vec<Value>) -> Result<(Value, Option<i64>), RedisError
 
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("redis: {what}").into())
+}
+
+/// The fields of the read script's reply: `None` when the record is absent (an empty
+/// reply), else exactly `len` of them.
+fn read_items(v: Value, len: usize) -> Result<Option<std::vec::IntoIter<Value>>, StoreError> {
+    let items = array(v)?;
+    if items.is_empty() {
+        return Ok(None);
+    }
+    if items.len() != len {
+        return Err(corrupt("read reply of unexpected length"));
+    }
+    Ok(Some(items.into_iter()))
 }
 
 fn array(v: Value) -> Result<Vec<Value>, StoreError> {
