@@ -40,6 +40,8 @@
 //! | `idem.server.stale_fences` | counter | `{record}` | | completions/releases refused: the record was taken over |
 //! | `idem.store.operation.duration` | histogram | `s` | `idem.store.kind`, `idem.store.operation`, `idem.store.result` | each store operation |
 //! | `idem.store.memory.entries` / `.in_flight` / `.size` | gauge | `{record}` / `{record}` / `By` | | what a `MemoryStore` holds |
+//! | `idem.store.memory.evictions` | counter | `{record}` | | completed records a `MemoryStore` dropped before their TTL to make room: a retry of their key runs again |
+//! | `idem.store.memory.expirations` | counter | `{record}` | | records a `MemoryStore` dropped at the end of their TTL |
 //!
 //! # Labels
 //! Bounded by construction: no key, scope or tenant is ever a label. `grpc.method` is

@@ -220,7 +220,8 @@ impl ServerMetrics {
             .build();
     }
 
-    /// Reports `store`'s records, bytes and in-flight records at each collection.
+    /// Reports `store`'s records, bytes and in-flight records, and the records it evicted
+    /// or expired, at each collection.
     pub fn watch_memory_store(&self, store: &MemoryStore) {
         type Read = fn(&idem_store::memory::MemoryStoreStats) -> usize;
         let gauges: [(&str, &str, &str, Read); 3] = [
@@ -251,6 +252,29 @@ impl ServerMetrics {
                 .with_unit(unit)
                 .with_description(description)
                 .with_callback(move |g| g.observe(read(&store.stats()) as u64, &[]))
+                .build();
+        }
+        type Count = fn(&idem_store::memory::MemoryStoreStats) -> u64;
+        let counters: [(&str, &str, Count); 2] = [
+            (
+                "idem.store.memory.evictions",
+                "Completed records dropped before their TTL (after minRetention) to make room for a new one: a retry of their key runs again.",
+                |s| s.evicted_after_min_retention,
+            ),
+            (
+                "idem.store.memory.expirations",
+                "Records dropped at the end of their TTL.",
+                |s| s.expirations,
+            ),
+        ];
+        for (name, description, read) in counters {
+            let store = store.clone();
+            self.0
+                .meter
+                .u64_observable_counter(name)
+                .with_unit("{record}")
+                .with_description(description)
+                .with_callback(move |c| c.observe(read(&store.stats()), &[]))
                 .build();
         }
     }

@@ -764,3 +764,65 @@ async fn a_method_added_by_name_gets_its_own_label() {
     otel.expect("grpc.server.call.started", &[m], Value::Sum(1.0))
         .await;
 }
+
+/// A memory store's evictions (a completed record dropped before its TTL to make room)
+/// and expirations (dropped at its TTL) are counted.
+#[tokio::test(start_paused = true)]
+async fn memory_store_evictions_and_expirations() {
+    use idem_store::memory::MemoryStoreSettings;
+    use idem_store::{CompleteRequest, Scope, StoredOutcome};
+    use idem_test_support::store::acquire;
+
+    let otel = Otel::new();
+    // The tenant may hold 2 records; any completed one may go to make room.
+    let memory = MemoryStore::new(MemoryStoreSettings {
+        max_entries_per_tenant: Some(2),
+        min_retention: Duration::ZERO,
+        ..MemoryStoreSettings::default()
+    });
+    ServerMetrics::new(&otel.meter(), &config(false)).watch_memory_store(&memory);
+    let lease = Duration::from_secs(10);
+    let complete = |scope, ttl| {
+        let memory = memory.clone();
+        async move {
+            let fence = acquire(&memory, scope, lease).await;
+            let outcome = StoredOutcome::Response(bytes::Bytes::from_static(b"done"));
+            let req = CompleteRequest {
+                scope,
+                fence,
+                outcome,
+                ttl,
+            };
+            memory.complete(req).await.expect("complete");
+        }
+    };
+    let scopes: Vec<Scope> = (1..=3).map(|i| Scope([i; 32])).collect();
+    complete(&scopes[0], Duration::from_secs(3600)).await;
+    complete(&scopes[1], Duration::from_secs(1)).await;
+    assert_eq!(
+        otel.value("idem.store.memory.evictions", &[]),
+        Some(Value::Sum(0.0))
+    );
+    // The tenant's share is full: its third record takes the oldest one's room.
+    complete(&scopes[2], Duration::from_secs(3600)).await;
+    assert_eq!(
+        otel.value("idem.store.memory.evictions", &[]),
+        Some(Value::Sum(1.0))
+    );
+    assert_eq!(
+        otel.value("idem.store.memory.expirations", &[]),
+        Some(Value::Sum(0.0))
+    );
+    tokio::time::advance(Duration::from_secs(2)).await;
+    // A new claim of the expired key finds it gone (the sweeper would find it too).
+    acquire(&memory, &scopes[1], lease).await;
+    assert_eq!(
+        otel.value("idem.store.memory.expirations", &[]),
+        Some(Value::Sum(1.0))
+    );
+    assert_eq!(otel.unit("idem.store.memory.evictions"), "{record}");
+    assert_eq!(
+        otel.value("idem.store.memory.evictions", &[]),
+        Some(Value::Sum(1.0))
+    );
+}
