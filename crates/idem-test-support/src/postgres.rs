@@ -390,17 +390,8 @@ impl PostgresServer {
     /// [`stop`]: Self::stop
     pub fn start_again(&mut self) {
         self.stop();
-        let started = Instant::now();
-        loop {
-            match self.spawn() {
-                Ok(()) => return,
-                // The old socket may linger for a moment.
-                Err(e) if started.elapsed() > Duration::from_secs(20) => {
-                    panic!("postgres did not restart on port {}: {e}", self.port)
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+        let port = self.port;
+        crate::net::respawn("postgres", port, Duration::from_secs(20), || self.spawn());
     }
 }
 

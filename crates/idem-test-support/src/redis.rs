@@ -248,17 +248,10 @@ impl RedisServer {
     /// Starts the server again on the same port (empty: persistence is off).
     pub fn restart(&mut self) {
         self.stop();
-        let started = Instant::now();
-        loop {
-            match self.spawn() {
-                Ok(()) => return,
-                // The old socket may linger for a moment.
-                Err(e) if started.elapsed() > Duration::from_secs(10) => {
-                    panic!("redis-server did not restart on port {}: {e}", self.port)
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+        let port = self.port;
+        crate::net::respawn("redis-server", port, Duration::from_secs(10), || {
+            self.spawn()
+        });
     }
 
     /// Sends one command on a fresh connection and reads its reply.
@@ -452,16 +445,9 @@ impl RedisCluster {
         for p in &ports {
             create.arg(format!("127.0.0.1:{p}"));
         }
-        let out = create
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        cluster_cli(
+            create.args(["--cluster-replicas", "1", "--cluster-yes"]),
+            "create",
         );
         cluster.wait_healthy(Duration::from_secs(30));
         Some(cluster)
@@ -747,19 +733,13 @@ impl RedisCluster {
                 .map(|n| n.id.clone())
                 .unwrap_or_else(|| panic!("no node on {port}"))
         };
-        let out = Command::new(&self.cli)
-            .args(["--cluster", "reshard", &format!("127.0.0.1:{to}")])
-            .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
-            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
-            .args(["--cluster-pipeline", "20"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster reshard");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster reshard failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        let out = cluster_cli(
+            Command::new(&self.cli)
+                .args(["--cluster", "reshard", &format!("127.0.0.1:{to}")])
+                .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+                .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+                .args(["--cluster-pipeline", "20"]),
+            "reshard",
         );
         // Until every node knows the slots' new owner, another reshard would refuse.
         self.wait_healthy(Duration::from_secs(30));
@@ -840,4 +820,20 @@ impl Drop for RedisServer {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs `redis-cli --cluster <what> …` (`cmd`) to its end, with no input; panics with
+/// what it printed unless it succeeded.
+fn cluster_cli(cmd: &mut Command, what: &str) -> std::process::Output {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run redis-cli --cluster {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster {what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
 }
