@@ -544,6 +544,16 @@ mod tests {
 
     const PATH: &str = "/shop.v1.Orders/CreateOrder";
 
+    /// A test service below the layer.
+    type Inner = tower::util::BoxCloneService<http::Request<Body>, http::Response<Body>, BoxError>;
+
+    /// The request's `grpc-previous-rpc-attempts`.
+    fn previous(req: &http::Request<Body>) -> Option<String> {
+        req.headers()
+            .get("grpc-previous-rpc-attempts")
+            .map(|v| v.to_str().unwrap().to_owned())
+    }
+
     fn layer() -> RetryLayer {
         let config = ServiceConfig::from_json(
             r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}],
@@ -555,22 +565,11 @@ mod tests {
     }
 
     /// Answers every request UNAVAILABLE (a non-fatal code), counting them.
-    fn unavailable(
-        calls: Arc<AtomicU32>,
-    ) -> impl Service<
-        http::Request<Body>,
-        Response = http::Response<Body>,
-        Error = BoxError,
-        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
-                 + Send
-                 + 'static,
-    > + Clone
-    + Send
-    + 'static {
-        tower::service_fn(move |_: http::Request<Body>| {
+    fn unavailable(calls: Arc<AtomicU32>) -> Inner {
+        Inner::new(tower::service_fn(move |_: http::Request<Body>| {
             calls.fetch_add(1, Ordering::SeqCst);
             async { Ok::<_, BoxError>(tonic::Status::unavailable("busy").into_http()) }
-        })
+        }))
     }
 
     /// A request as a test service saw it: when, its `grpc-previous-rpc-attempts`, and
@@ -580,31 +579,17 @@ mod tests {
 
     /// Reads each request whole, records it (when, `grpc-previous-rpc-attempts`, the
     /// body), then answers UNAVAILABLE.
-    fn recording(
-        seen: Arc<Mutex<Vec<Received>>>,
-    ) -> impl Service<
-        http::Request<Body>,
-        Response = http::Response<Body>,
-        Error = BoxError,
-        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
-                 + Send
-                 + 'static,
-    > + Clone
-    + Send
-    + 'static {
-        tower::service_fn(move |req: http::Request<Body>| {
+    fn recording(seen: Arc<Mutex<Vec<Received>>>) -> Inner {
+        Inner::new(tower::service_fn(move |req: http::Request<Body>| {
             let seen = seen.clone();
             async move {
-                let previous = req
-                    .headers()
-                    .get("grpc-previous-rpc-attempts")
-                    .map(|v| v.to_str().unwrap().to_owned());
+                let previous = previous(&req);
                 let at = Instant::now();
                 let body = req.into_body().collect().await?.to_bytes();
                 seen.lock().unwrap().push((at, previous, body));
                 Ok::<_, BoxError>(tonic::Status::unavailable("busy").into_http())
             }
-        })
+        }))
     }
 
     #[tokio::test(start_paused = true)]
@@ -678,25 +663,10 @@ mod tests {
 
     /// Answers requests from `script` (then OK at once), recording when each came and its
     /// `grpc-previous-rpc-attempts`.
-    fn scripted(
-        script: Vec<Answer>,
-        seen: Arc<Mutex<Vec<Arrived>>>,
-    ) -> impl Service<
-        http::Request<Body>,
-        Response = http::Response<Body>,
-        Error = BoxError,
-        Future = impl std::future::Future<Output = Result<http::Response<Body>, BoxError>>
-                 + Send
-                 + 'static,
-    > + Clone
-    + Send
-    + 'static {
+    fn scripted(script: Vec<Answer>, seen: Arc<Mutex<Vec<Arrived>>>) -> Inner {
         let script = Arc::new(Mutex::new(std::collections::VecDeque::from(script)));
-        tower::service_fn(move |req: http::Request<Body>| {
-            let previous = req
-                .headers()
-                .get("grpc-previous-rpc-attempts")
-                .map(|v| v.to_str().unwrap().to_owned());
+        Inner::new(tower::service_fn(move |req: http::Request<Body>| {
+            let previous = previous(&req);
             seen.lock().unwrap().push((Instant::now(), previous));
             let answer = script
                 .lock()
@@ -714,7 +684,7 @@ mod tests {
                     }
                 }
             }
-        })
+        }))
     }
 
     async fn send<S>(svc: &mut S) -> http::Response<Body>
