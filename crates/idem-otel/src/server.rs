@@ -1,6 +1,7 @@
 //! [`ServerMetrics`]: gRPC's server metrics (gRFC A66) for protected methods and idem's
 //! own, from an [`IdempotencyLayer`]'s observer events, its counters and its store.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -43,6 +44,8 @@ struct Inner {
     counts: Arc<MethodCounters<Counts>>,
     /// The series of every store made by [`ServerMetrics::instrument_store`].
     stores: StoreSeries,
+    /// Handler runs detached by their caller's cancel, going on now.
+    detached: Arc<AtomicU64>,
     /// `idem.tenant` values, when opted in.
     tenants: Option<Learned>,
     duration: Histogram<f64>,
@@ -127,9 +130,18 @@ impl ServerMetrics {
                 })
             })
             .build();
+        let detached = Arc::new(AtomicU64::new(0));
+        let d = detached.clone();
+        meter
+            .u64_observable_gauge("idem.server.handlers.detached")
+            .with_unit("{run}")
+            .with_description("Handler runs going on after their caller went away (their outcome is still recorded).")
+            .with_callback(move |g| g.observe(d.load(Ordering::Relaxed), &[]))
+            .build();
         ServerMetrics(Arc::new(Inner {
             counts,
             stores,
+            detached,
             tenants: None,
             duration: seconds_histogram(
                 meter,
@@ -289,6 +301,14 @@ impl ServerObserver for ServerMetrics {
         let m = &self.0;
         m.counts
             .with(call.method, |counts| m.call_ended(counts, call));
+    }
+
+    fn run_detached(&self, _method: &str) {
+        self.0.detached.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn detached_run_ended(&self, _method: &str) {
+        self.0.detached.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -826,3 +826,53 @@ async fn memory_store_evictions_and_expirations() {
         Some(Value::Sum(1.0))
     );
 }
+
+/// A handler whose caller went away goes on in a task of its own: the detached gauge
+/// counts it until its run ends, and its outcome is still recorded.
+#[tokio::test]
+async fn a_cancelled_call_shows_as_a_detached_run_until_it_ends() {
+    use idem_test_support::shop::Order;
+    use tokio::sync::Notify;
+
+    let otel = Otel::new();
+    let cfg = config(false);
+    let layer = server_layer(&otel, &cfg, MemoryStore::default());
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (s, r) = (started.clone(), release.clone());
+    let handler = idem_test_support::shop_fake::create_only(move |_req| {
+        let (s, r) = (s.clone(), r.clone());
+        async move {
+            s.notify_one();
+            r.notified().await;
+            Ok(tonic::Response::new(Order::default()))
+        }
+    });
+    let (addr, incoming) = net::bind().await;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(layer)
+            .add_service(handler)
+            .serve_with_incoming(incoming),
+    );
+    let mut c = OrdersClient::new(net::channel(addr));
+    let call = tokio::spawn(async move { c.create_order(keyed("a", "key-detached-0001")).await });
+    started.notified().await;
+    assert_eq!(
+        otel.value("idem.server.handlers.detached", &[]),
+        Some(Value::Gauge(0.0)),
+        "the caller is still there"
+    );
+    call.abort();
+    otel.expect("idem.server.handlers.detached", &[], Value::Gauge(1.0))
+        .await;
+    assert_eq!(otel.unit("idem.server.handlers.detached"), "{run}");
+    release.notify_one();
+    otel.expect("idem.server.handlers.detached", &[], Value::Gauge(0.0))
+        .await;
+    otel.expect(
+        "idem.server.record.outcome",
+        &[("idem.record", "stored")],
+        Value::Sum(1.0),
+    )
+    .await;
+}

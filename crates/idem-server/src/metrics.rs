@@ -67,6 +67,17 @@ pub trait ServerObserver: Send + Sync + 'static {
 
     /// A protected call ended (see the [module docs](self) for when).
     fn call_ended(&self, call: &ProtectedCallEnded<'_>);
+
+    /// The caller of a call to `method` went away while its handler was running: the
+    /// run goes on in a task of its own, so its outcome is still recorded.
+    fn run_detached(&self, method: &str) {
+        let _ = method;
+    }
+
+    /// A run [`run_detached`](Self::run_detached) reported has ended.
+    fn detached_run_ended(&self, method: &str) {
+        let _ = method;
+    }
 }
 
 /// One protected call, as [`ServerObserver::call_ended`] sees it.
@@ -186,6 +197,19 @@ impl CallTrace {
         self
     }
 
+    /// Whether an observer listens (not only the `INFO` event).
+    pub(crate) fn observed(&self) -> bool {
+        self.observer.is_some()
+    }
+
+    /// The caller went away while the call's handler was running: reports the run as
+    /// detached until the returned guard is dropped (when the run ends).
+    pub(crate) fn detached(self: Arc<Self>) -> Option<DetachedRun> {
+        let o = self.observer.as_ref()?;
+        o.run_detached(&self.method);
+        Some(DetachedRun(self))
+    }
+
     fn update(&self, f: impl FnOnce(&mut State)) {
         f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner));
     }
@@ -203,6 +227,17 @@ impl CallTrace {
                 s.ended = Some(Instant::now());
             }
         });
+    }
+}
+
+/// A handler run going on after its caller went away; reports its end when dropped.
+pub(crate) struct DetachedRun(Arc<CallTrace>);
+
+impl Drop for DetachedRun {
+    fn drop(&mut self) {
+        if let Some(o) = &self.0.observer {
+            o.detached_run_ended(&self.0.method);
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::Poll;
 
 use bytes::Bytes;
@@ -32,6 +33,7 @@ use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::status;
 use super::{Inner, ResponseBody};
+use crate::metrics::CallTrace;
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
 /// downstream writes that can check it (a write carrying a lower fence than one already
@@ -81,7 +83,10 @@ where
     // The buffer moves into the request: once the service has read it, it is freed.
     let req = Request::from_parts(parts, Body::new(Full::new(body)));
     let (tx, mut rx) = oneshot::channel();
+    let trace = call.trace.as_ref().filter(|t| t.observed()).cloned();
     let mut run = Detach {
+        trace,
+        answered: false,
         run: Some(Box::pin(run(
             call, inner, lease, record, req, inbound, tx, permit,
         ))),
@@ -116,6 +121,8 @@ where
             Pin::new(&mut rx).poll(cx).map(Result::ok)
         })
         .await;
+        // What is left of the run now (the rest of a streamed response) is no cancel.
+        run.answered = true;
         drop(run);
         answer.unwrap_or_else(|| Ok(status::handler_task_lost().into_http()))
     }
@@ -132,13 +139,27 @@ struct Detach {
     /// The runtime the call came in on, so a future dropped on another thread still
     /// detaches its run there.
     runtime: Option<tokio::runtime::Handle>,
+    /// The call's trace, when an observer listens: told of a run detached by a cancel.
+    trace: Option<Arc<CallTrace>>,
+    /// The caller got its answer: what is left of the run is not a cancel's.
+    answered: bool,
 }
 
 impl Drop for Detach {
     fn drop(&mut self) {
         let Some(run) = self.run.take() else { return };
+        let cancelled = match self.trace.take() {
+            Some(trace) if !self.answered => trace.detached(),
+            _ => None,
+        };
         match self.runtime.take() {
-            Some(rt) => drop(rt.spawn(run.instrument(self.span.clone()))),
+            Some(rt) => {
+                let run = async move {
+                    run.await;
+                    drop(cancelled);
+                };
+                drop(rt.spawn(run.instrument(self.span.clone())));
+            }
             // Only a future made outside any runtime gets here: the run cannot go on,
             // and its record is left to its lease.
             None => tracing::error!(
