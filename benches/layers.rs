@@ -368,15 +368,46 @@ where
     FB: Fn(usize) -> FBF + Clone + Send + Sync + 'static,
     FBF: Future<Output = ()> + Send,
 {
+    let (a, b) = (
+        move || std::future::ready(a.clone()),
+        move || std::future::ready(b.clone()),
+    );
+    ab_per_round(rounds, calls, concurrency, a, b).await
+}
+
+/// As [`ab`], each side's caller made anew for every round by `make_a` / `make_b`: for
+/// sides on two servers, a new connection to each per round. Which worker thread a
+/// connection's tasks settle on moves its throughput by several percent for the
+/// connection's whole life (two identical servers measured 0.94x at 64 callers, each
+/// over one connection for all rounds); with new connections, that luck falls anew in
+/// each round and the median over rounds evens it out.
+async fn ab_per_round<MA, MAF, FA, FAF, MB, MBF, FB, FBF>(
+    rounds: usize,
+    calls: usize,
+    concurrency: usize,
+    make_a: MA,
+    make_b: MB,
+) -> Pair
+where
+    MA: Fn() -> MAF,
+    MAF: Future<Output = FA>,
+    FA: Fn(usize) -> FAF + Send + Sync + 'static,
+    FAF: Future<Output = ()> + Send,
+    MB: Fn() -> MBF,
+    MBF: Future<Output = FB>,
+    FB: Fn(usize) -> FBF + Send + Sync + 'static,
+    FBF: Future<Output = ()> + Send,
+{
     let mut runs_a = Vec::new();
     let mut runs_b = Vec::new();
     for r in 0..rounds {
+        let (a, b) = (make_a().await, make_b().await);
         if r % 2 == 0 {
-            runs_a.push(drive(calls, concurrency, a.clone()).await);
-            runs_b.push(drive(calls, concurrency, b.clone()).await);
+            runs_a.push(drive(calls, concurrency, a).await);
+            runs_b.push(drive(calls, concurrency, b).await);
         } else {
-            runs_b.push(drive(calls, concurrency, b.clone()).await);
-            runs_a.push(drive(calls, concurrency, a.clone()).await);
+            runs_b.push(drive(calls, concurrency, b).await);
+            runs_a.push(drive(calls, concurrency, a).await);
         }
     }
     let per = |f: &dyn Fn(&Run) -> f64, runs: &[Run]| median(runs.iter().map(f).collect());
@@ -586,6 +617,13 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
         Some(IdempotencyLayer::new(memory_store(), &cfg)),
     )
     .await;
+    // A second server like `plain`: the A/A row is what two identical servers differ
+    // by, the floor under every row that compares two servers.
+    let plain2 = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(memory_store(), &cfg)),
+    )
+    .await;
     let store = server_metrics.instrument_store(memory_store(), "memory");
     let layer = IdempotencyLayer::new(store, &cfg).observer(server_metrics.clone());
     server_metrics.watch(&layer);
@@ -606,6 +644,13 @@ async fn metrics(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             conc,
             &p,
             &format!("tp ≥ 0.97: {}", verdict(ok)),
+        );
+        let p = fresh_keys(rounds, calls, conc, &plain, &plain2).await;
+        t.pair(
+            "calibration: IdempotencyLayer vs the same, second server (A/A)",
+            conc,
+            &p,
+            "(reported)",
         );
         let p = fresh_keys(rounds, calls, conc, &plain, &observed).await;
         let ok = p.tp_ratio >= 0.97;
@@ -739,14 +784,25 @@ async fn server_replay(t: &mut Table, rounds: usize, calls1: usize, calls64: usi
         let ks = keys(calls);
         run_once(&idem, &ks).await;
         let before = idem.runs();
-        let p = ab(
+        let (a, b, ka) = (bare.addr, idem.addr, ks.clone());
+        let p = ab_per_round(
             rounds,
             calls,
             conc,
-            keyed!(bare.client(), ks.clone(), "bare"),
-            keyed!(idem.client(), ks, "replay", |r: tonic::Response<Order>| {
-                assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some())
-            }),
+            move || {
+                let ks = ka.clone();
+                async move { keyed!(connect(a).await, ks, "bare") }
+            },
+            move || {
+                let ks = ks.clone();
+                async move {
+                    keyed!(connect(b).await, ks, "replay", |r: tonic::Response<
+                        Order,
+                    >| {
+                        assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some())
+                    })
+                }
+            },
         )
         .await;
         assert_eq!(idem.runs(), before, "replays never run the handler");
@@ -870,15 +926,26 @@ fn layer_of(s: MemoryStore) -> Option<IdempotencyLayer<MemoryStore>> {
 
 /// Fresh keys on server `b` against server `a` (baseline), `rounds` alternating rounds.
 async fn fresh_keys(rounds: usize, calls: usize, conc: usize, a: &Running, b: &Running) -> Pair {
-    let (ca, cb) = (a.client(), b.client());
-    ab(
+    let (a, b) = (a.addr, b.addr);
+    ab_per_round(
         rounds,
         calls,
         conc,
-        creates!(ca, Some(&fresh_key()), "baseline"),
-        creates!(cb, Some(&fresh_key()), "layer"),
+        move || async move { creates!(connect(a).await, Some(&fresh_key()), "baseline") },
+        move || async move { creates!(connect(b).await, Some(&fresh_key()), "layer") },
     )
     .await
+}
+
+/// A new connection to the server at `addr`, made now (not at the first call, whose
+/// time would count).
+async fn connect(addr: SocketAddr) -> OrdersClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect to the bench server");
+    OrdersClient::new(channel)
 }
 
 /// Fresh keys, then replays of keys run once before, on server `b` against server `a`.
@@ -901,12 +968,19 @@ async fn store_pair(
     let ks = keys(calls);
     run_once(a, &ks).await;
     run_once(b, &ks).await;
-    let p = ab(
+    let (a, b, ka) = (a.addr, b.addr, ks.clone());
+    let p = ab_per_round(
         rounds,
         calls,
         conc,
-        keyed!(a.client(), ks.clone(), "a replay"),
-        keyed!(b.client(), ks, "b replay"),
+        move || {
+            let ks = ka.clone();
+            async move { keyed!(connect(a).await, ks, "a replay") }
+        },
+        move || {
+            let ks = ks.clone();
+            async move { keyed!(connect(b).await, ks, "b replay") }
+        },
     )
     .await;
     t.pair(&format!("server: replay, {name}"), conc, &p, "(reported)");
