@@ -123,6 +123,8 @@ impl<St: Store> IdempotencyLayer<St> {
 
 #[derive(Default)]
 struct State {
+    /// The response body reports its own end ([`BodyEnd`]): [`watch`] wraps nothing.
+    body_watched: bool,
     outcome: Option<&'static str>,
     reason: Option<&'static str>,
     record: Option<&'static str>,
@@ -133,7 +135,7 @@ struct State {
 /// One protected call being traced; it reports when the last reference goes.
 pub(crate) struct CallTrace {
     observer: Option<SharedObserver>,
-    method: String,
+    method: Arc<str>,
     tenant: Option<String>,
     /// A call passed through: no event, only the observer.
     passthrough: bool,
@@ -146,7 +148,7 @@ impl CallTrace {
     /// A trace of a protected call to `method`, when someone listens.
     pub(crate) fn start(
         observer: Option<&SharedObserver>,
-        method: &str,
+        method: &Arc<str>,
         span: &tracing::Span,
     ) -> Option<Arc<CallTrace>> {
         if observer.is_none() && !tracing::enabled!(tracing::Level::INFO) {
@@ -157,7 +159,7 @@ impl CallTrace {
         }
         Some(Arc::new(CallTrace {
             observer: observer.cloned(),
-            method: method.to_owned(),
+            method: method.clone(),
             tenant: None,
             passthrough: false,
             span: span.clone(),
@@ -175,7 +177,7 @@ impl CallTrace {
         o.call_started(method);
         Some(Arc::new(CallTrace {
             observer: Some(o.clone()),
-            method: method.to_owned(),
+            method: Arc::from(method),
             tenant: None,
             passthrough: true,
             span: tracing::Span::none(),
@@ -227,6 +229,43 @@ impl CallTrace {
                 s.ended = Some(Instant::now());
             }
         });
+    }
+}
+
+/// A response body's hold on its call's trace: the body reports its end (the status in
+/// its trailers, or UNKNOWN without them) with [`ended`](Self::ended), or CANCELLED by
+/// being dropped first, as [`OnEnd`] does around a body it wraps.
+#[derive(Debug)]
+pub(crate) struct BodyEnd(Option<Arc<CallTrace>>);
+
+impl BodyEnd {
+    /// The end of the call traced by `trace` is its body's: [`watch`] wraps nothing.
+    pub(crate) fn new(trace: Arc<CallTrace>) -> Self {
+        trace.update(|s| s.body_watched = true);
+        BodyEnd(Some(trace))
+    }
+
+    /// The body ended with `code`.
+    pub(crate) fn ended(mut self, code: Code) {
+        if let Some(t) = self.0.take() {
+            t.ended(code);
+        }
+    }
+}
+
+impl Drop for BodyEnd {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            t.ended(Code::Cancelled);
+        }
+    }
+}
+
+impl std::fmt::Debug for CallTrace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallTrace")
+            .field("method", &self.method)
+            .finish_non_exhaustive()
     }
 }
 
@@ -310,12 +349,17 @@ where
     }))
 }
 
-/// Watches a response to its end: its Trailers-Only status now, else its trailers.
+/// Watches a response to its end: its Trailers-Only status now, else its trailers
+/// (unless its body reports them itself: [`BodyEnd`]).
 pub(crate) fn watch(resp: Response<Body>, trace: Arc<CallTrace>) -> Response<Body> {
+    let state = trace.state.lock().unwrap_or_else(PoisonError::into_inner);
+    let (rejected, watched) = (state.outcome == Some("rejected"), state.body_watched);
+    drop(state);
+    if watched {
+        // Its body reports the end itself.
+        return resp;
+    }
     if let Some(code) = grpc_status_code(resp.headers()) {
-        let state = trace.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let rejected = state.outcome == Some("rejected");
-        drop(state);
         if rejected {
             let why = reason_of(resp.headers());
             trace.update(|s| s.reason = why);

@@ -8,7 +8,10 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
+use idem_core::code::end_of_response;
 use tokio::sync::mpsc;
+
+use crate::metrics::BodyEnd;
 
 /// Frames forwarded from the task that runs the handler. That task keeps running (and
 /// records the outcome) when this body is dropped because the caller went away.
@@ -37,6 +40,26 @@ pub(crate) struct ReplayBody {
     /// frame needs no queue).
     pub(crate) last: Option<Bytes>,
     pub(crate) trailers: Option<HeaderMap>,
+    /// Told how the body ended, when the call is traced: the body reports it itself, so
+    /// the trace needs no wrapper around it (a box and a call per frame).
+    pub(crate) end: Option<BodyEnd>,
+}
+
+impl ReplayBody {
+    /// A body of `frames`, then `last`, then `trailers`, reporting its end to `end`.
+    pub(crate) fn new(
+        frames: VecDeque<Bytes>,
+        last: Option<Bytes>,
+        trailers: Option<HeaderMap>,
+        end: Option<BodyEnd>,
+    ) -> Self {
+        ReplayBody {
+            frames,
+            last,
+            trailers,
+            end,
+        }
+    }
 }
 
 impl Body for ReplayBody {
@@ -50,7 +73,13 @@ impl Body for ReplayBody {
         if let Some(f) = self.frames.pop_front().or_else(|| self.last.take()) {
             return Poll::Ready(Some(Ok(Frame::data(f))));
         }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+        let polled = Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))));
+        if let Some(code) = end_of_response(&polled)
+            && let Some(end) = self.end.take()
+        {
+            end.ended(code);
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use http_body::Body as _;
 use http_body_util::Full;
 use idem_core::config::{IdempotencyPolicy, InFlightPolicy};
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
@@ -28,6 +27,7 @@ use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
 use super::status;
 use super::{Inner, ResponseBody};
+use crate::metrics::BodyEnd;
 use crate::metrics::CallTrace;
 
 /// Per-call state of a protected call (the inner service travels apart from it, so
@@ -35,7 +35,8 @@ use crate::metrics::CallTrace;
 pub(crate) struct Call<St> {
     pub(crate) shared: Arc<Shared<St>>,
     pub(crate) policy: IdempotencyPolicy,
-    pub(crate) path: String,
+    /// Shared with the call's trace.
+    pub(crate) path: Arc<str>,
     pub(crate) scope: Scope,
     pub(crate) tenant: TenantId,
     /// The call's trace, when an observer listens.
@@ -63,7 +64,7 @@ impl<St: Store> Call<St> {
         S: Inner<ResBody>,
         ResBody: ResponseBody,
     {
-        let hook = self.shared.hooks.get(&self.path);
+        let hook = self.shared.hooks.get(&*self.path);
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
         let ReadRequest {
             mut body,
@@ -254,15 +255,11 @@ impl<St: Store> Call<St> {
             headers::IDEMPOTENCY_REPLAYED,
             HeaderValue::from_static("true"),
         );
-        let body = ReplayBody {
-            frames: VecDeque::from(frames),
-            last: None,
-            trailers,
-        };
-        let body = if body.is_end_stream() {
+        let body = if frames.is_empty() && trailers.is_none() {
             Body::empty()
         } else {
-            Body::new(body)
+            let end = self.trace.clone().map(BodyEnd::new);
+            Body::new(ReplayBody::new(VecDeque::from(frames), None, trailers, end))
         };
         let mut resp = Response::new(body);
         *resp.status_mut() = status;

@@ -33,7 +33,7 @@ use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::status;
 use super::{Inner, ResponseBody};
-use crate::metrics::CallTrace;
+use crate::metrics::{BodyEnd, CallTrace};
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
 /// downstream writes that can check it (a write carrying a lower fence than one already
@@ -195,12 +195,13 @@ async fn run<S, St, ResBody>(
         shared,
         policy,
         scope,
+        trace,
         ..
     } = call;
     let keys = KeySource::new(scope.0, super::derived_key);
     let max = policy.max_response_bytes;
     let mut out = Output {
-        forward: Forwarder::new(reply, policy.response_stall_timeout),
+        forward: Forwarder::new(reply, policy.response_stall_timeout, trace),
         collected: None,
     };
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
@@ -443,16 +444,19 @@ struct Forwarder<E> {
     pending: Option<Bytes>,
     /// How long a frame may wait for the caller to make room (`responseStallTimeout`).
     stall: Duration,
+    /// The call's trace, for a response delivered whole: its body reports its end.
+    trace: Option<Arc<CallTrace>>,
 }
 
 impl<E> Forwarder<E> {
-    fn new(reply: Reply<E>, stall: Duration) -> Self {
+    fn new(reply: Reply<E>, stall: Duration, trace: Option<Arc<CallTrace>>) -> Self {
         Forwarder {
             reply: Some(reply),
             head: None,
             tx: None,
             pending: None,
             stall,
+            trace,
         }
     }
 
@@ -528,11 +532,13 @@ impl<E> Forwarder<E> {
             let body = if self.pending.is_none() && trailers.is_none() {
                 Body::empty()
             } else {
-                Body::new(ReplayBody {
-                    frames: VecDeque::new(),
-                    last: self.pending.take(),
+                let end = self.trace.take().map(BodyEnd::new);
+                Body::new(ReplayBody::new(
+                    VecDeque::new(),
+                    self.pending.take(),
                     trailers,
-                })
+                    end,
+                ))
             };
             self.respond(Response::from_parts(head, body));
             return;

@@ -149,9 +149,9 @@ where
             }
             Route::Reject(status) => {
                 self.shared.stats.inc(|c| &c.rejected);
-                let path = parts.uri.path();
-                let span = call_span(path, None);
-                let trace = CallTrace::start(self.shared.observer.as_ref(), path, &span);
+                let path = Arc::<str>::from(parts.uri.path());
+                let span = call_span(&path, None);
+                let trace = CallTrace::start(self.shared.observer.as_ref(), &path, &span);
                 span.in_scope(|| {
                     tracing::info!(code = ?status.code(), "{}", status.message());
                     metrics::outcome_of(trace.as_deref(), "rejected");
@@ -165,7 +165,7 @@ where
             Route::Protect { scope, tenant } => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                let path = parts.uri.path().to_owned();
+                let path = Arc::<str>::from(parts.uri.path());
                 let span = call_span(&path, Some(&scope));
                 let trace = CallTrace::start(self.shared.observer.as_ref(), &path, &span);
                 let call = Call {
