@@ -130,18 +130,10 @@ impl ServerMetrics {
                 })
             })
             .build();
-        let detached = Arc::new(AtomicU64::new(0));
-        let d = detached.clone();
-        meter
-            .u64_observable_gauge("idem.server.handlers.detached")
-            .with_unit("{run}")
-            .with_description("Handler runs going on after their caller went away (their outcome is still recorded).")
-            .with_callback(move |g| g.observe(d.load(Ordering::Relaxed), &[]))
-            .build();
         ServerMetrics(Arc::new(Inner {
             counts,
             stores,
-            detached,
+            detached: Arc::default(),
             tenants: None,
             duration: seconds_histogram(
                 meter,
@@ -199,9 +191,18 @@ impl ServerMetrics {
         InstrumentedStore::new(store, kind, timings)
     }
 
-    /// Reports `layer`'s handler runs in flight and record results at each collection.
+    /// Reports `layer`'s handler runs in flight (detached ones apart too) and record
+    /// results at each collection.
     pub fn watch<St: Store>(&self, layer: &IdempotencyLayer<St>) {
         let meter = &self.0.meter;
+        // Told by the observer events, so counted for every layer this observes.
+        let detached = self.0.detached.clone();
+        meter
+            .u64_observable_gauge("idem.server.handlers.detached")
+            .with_unit("{run}")
+            .with_description("Handler runs going on after their caller went away (their outcome is still recorded).")
+            .with_callback(move |g| g.observe(detached.load(Ordering::Relaxed), &[]))
+            .build();
         let l = layer.clone();
         meter
             .u64_observable_gauge("idem.server.handlers.in_flight")
