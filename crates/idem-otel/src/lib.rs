@@ -36,7 +36,7 @@
 //! | `grpc.server.call.duration` | histogram | `s` | `grpc.method`, `grpc.status` | protected calls, arrival to end of response (A66) |
 //! | `idem.server.call.outcome` | counter | `{call}` | `grpc.method`, `idem.outcome`, `idem.reason` (rejected only) | protected calls by outcome |
 //! | `idem.server.handlers.in_flight` | gauge | `{run}` | | handler runs from claim to recorded outcome, detached ones included |
-//! | `idem.server.handlers.detached` | gauge | `{run}` | | handler runs going on after their caller went away (their outcome is still recorded) |
+//! | `idem.server.handlers.detached` | gauge | `{run}` | | handler runs going on after their caller went away before the response began (their outcome is still recorded) |
 //! | `idem.server.record.outcome` | counter | `{record}` | `idem.record` | records stored, released, unrecorded |
 //! | `idem.server.stale_fences` | counter | `{record}` | | completions/releases refused: the record was taken over |
 //! | `idem.store.operation.duration` | histogram | `s` | `idem.store.kind`, `idem.store.operation`, `idem.store.result` | each store operation |

@@ -200,7 +200,7 @@ impl ServerMetrics {
         meter
             .u64_observable_gauge("idem.server.handlers.detached")
             .with_unit("{run}")
-            .with_description("Handler runs going on after their caller went away (their outcome is still recorded).")
+            .with_description("Handler runs going on after their caller went away before the response began (their outcome is still recorded).")
             .with_callback(move |g| g.observe(detached.load(Ordering::Relaxed), &[]))
             .build();
         let l = layer.clone();

@@ -68,8 +68,9 @@ pub trait ServerObserver: Send + Sync + 'static {
     /// A protected call ended (see the [module docs](self) for when).
     fn call_ended(&self, call: &ProtectedCallEnded<'_>);
 
-    /// The caller of a call to `method` went away while its handler was running: the
-    /// run goes on in a task of its own, so its outcome is still recorded.
+    /// The caller of a call to `method` went away while its handler was running, before
+    /// its response began: the run goes on in a task of its own, so its outcome is still
+    /// recorded.
     fn run_detached(&self, method: &str) {
         let _ = method;
     }
@@ -146,20 +147,22 @@ pub(crate) struct CallTrace {
 
 impl CallTrace {
     /// A trace of a protected call to `method`, when someone listens.
+    /// `method` makes the method's path only then.
     pub(crate) fn start(
         observer: Option<&SharedObserver>,
-        method: &Arc<str>,
+        method: impl FnOnce() -> Arc<str>,
         span: &tracing::Span,
     ) -> Option<Arc<CallTrace>> {
         if observer.is_none() && !tracing::enabled!(tracing::Level::INFO) {
             return None;
         }
+        let method = method();
         if let Some(o) = observer {
-            o.call_started(method);
+            o.call_started(&method);
         }
         Some(Arc::new(CallTrace {
             observer: observer.cloned(),
-            method: method.clone(),
+            method,
             tenant: None,
             passthrough: false,
             span: span.clone(),

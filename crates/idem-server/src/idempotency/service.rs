@@ -149,9 +149,10 @@ where
             }
             Route::Reject(status) => {
                 self.shared.stats.inc(|c| &c.rejected);
-                let path = Arc::<str>::from(parts.uri.path());
-                let span = call_span(&path, None);
-                let trace = CallTrace::start(self.shared.observer.as_ref(), &path, &span);
+                let path = parts.uri.path();
+                let span = call_span(path, None);
+                let trace =
+                    CallTrace::start(self.shared.observer.as_ref(), || Arc::from(path), &span);
                 span.in_scope(|| {
                     tracing::info!(code = ?status.code(), "{}", status.message());
                     metrics::outcome_of(trace.as_deref(), "rejected");
@@ -167,7 +168,7 @@ where
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let path = Arc::<str>::from(parts.uri.path());
                 let span = call_span(&path, Some(&scope));
-                let trace = CallTrace::start(self.shared.observer.as_ref(), &path, &span);
+                let trace = CallTrace::start(self.shared.observer.as_ref(), || path.clone(), &span);
                 let call = Call {
                     shared: self.shared.clone(),
                     policy: policy.clone(),
