@@ -784,26 +784,9 @@ async fn server_replay(t: &mut Table, rounds: usize, calls1: usize, calls64: usi
         let ks = keys(calls);
         run_once(&idem, &ks).await;
         let before = idem.runs();
-        let (a, b, ka) = (bare.addr, idem.addr, ks.clone());
-        let p = ab_per_round(
-            rounds,
-            calls,
-            conc,
-            move || {
-                let ks = ka.clone();
-                async move { keyed!(connect(a).await, ks, "bare") }
-            },
-            move || {
-                let ks = ks.clone();
-                async move {
-                    keyed!(connect(b).await, ks, "replay", |r: tonic::Response<
-                        Order,
-                    >| {
-                        assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some())
-                    })
-                }
-            },
-        )
+        let p = replays(rounds, calls, conc, (&bare, &idem), ks, |r| {
+            assert!(r.metadata().get(IDEMPOTENCY_REPLAYED).is_some())
+        })
         .await;
         assert_eq!(idem.runs(), before, "replays never run the handler");
         t.pair(
@@ -937,6 +920,33 @@ async fn fresh_keys(rounds: usize, calls: usize, conc: usize, a: &Running, b: &R
     .await
 }
 
+/// Replays of `keys` (run before on both servers) on `servers.1` against `servers.0`,
+/// over new connections each round; `check` looks at each of `servers.1`'s answers.
+async fn replays(
+    rounds: usize,
+    calls: usize,
+    conc: usize,
+    servers: (&Running, &Running),
+    keys: Arc<Vec<String>>,
+    check: fn(tonic::Response<Order>),
+) -> Pair {
+    let (a, b, ka) = (servers.0.addr, servers.1.addr, keys.clone());
+    ab_per_round(
+        rounds,
+        calls,
+        conc,
+        move || {
+            let ks = ka.clone();
+            async move { keyed!(connect(a).await, ks, "baseline replay") }
+        },
+        move || {
+            let ks = keys.clone();
+            async move { keyed!(connect(b).await, ks, "replay", check) }
+        },
+    )
+    .await
+}
+
 /// A new connection to the server at `addr`, made now (not at the first call, whose
 /// time would count).
 async fn connect(addr: SocketAddr) -> OrdersClient<Channel> {
@@ -968,21 +978,7 @@ async fn store_pair(
     let ks = keys(calls);
     run_once(a, &ks).await;
     run_once(b, &ks).await;
-    let (a, b, ka) = (a.addr, b.addr, ks.clone());
-    let p = ab_per_round(
-        rounds,
-        calls,
-        conc,
-        move || {
-            let ks = ka.clone();
-            async move { keyed!(connect(a).await, ks, "a replay") }
-        },
-        move || {
-            let ks = ks.clone();
-            async move { keyed!(connect(b).await, ks, "b replay") }
-        },
-    )
-    .await;
+    let p = replays(rounds, calls, conc, (a, b), ks, |_| {}).await;
     t.pair(&format!("server: replay, {name}"), conc, &p, "(reported)");
 }
 
