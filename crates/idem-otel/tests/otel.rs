@@ -831,29 +831,8 @@ async fn memory_store_evictions_and_expirations() {
 /// counts it until its run ends, and its outcome is still recorded.
 #[tokio::test]
 async fn a_cancelled_call_shows_as_a_detached_run_until_it_ends() {
-    use idem_test_support::shop::Order;
-    use tokio::sync::Notify;
-
     let otel = Otel::new();
-    let cfg = config(false);
-    let layer = server_layer(&otel, &cfg, MemoryStore::default());
-    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let (s, r) = (started.clone(), release.clone());
-    let handler = idem_test_support::shop_fake::create_only(move |_req| {
-        let (s, r) = (s.clone(), r.clone());
-        async move {
-            s.notify_one();
-            r.notified().await;
-            Ok(tonic::Response::new(Order::default()))
-        }
-    });
-    let (addr, incoming) = net::bind().await;
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .layer(layer)
-            .add_service(handler)
-            .serve_with_incoming(incoming),
-    );
+    let (addr, started, release) = held_handler(&otel, false).await;
     let mut c = OrdersClient::new(net::channel(addr));
     let call = tokio::spawn(async move { c.create_order(keyed("a", "key-detached-0001")).await });
     started.notified().await;
@@ -875,4 +854,68 @@ async fn a_cancelled_call_shows_as_a_detached_run_until_it_ends() {
         Value::Sum(1.0),
     )
     .await;
+}
+
+/// A detached run whose handler panics still ends its place in the gauge, its outcome
+/// (INTERNAL) is recorded, and the call, whose caller went away, reads CANCELLED.
+#[tokio::test]
+async fn a_detached_run_that_panics_leaves_the_gauge_and_the_call_reads_cancelled() {
+    let otel = Otel::new();
+    let (addr, started, release) = held_handler(&otel, true).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    let call = tokio::spawn(async move { c.create_order(keyed("a", "key-detached-0002")).await });
+    started.notified().await;
+    call.abort();
+    otel.expect("idem.server.handlers.detached", &[], Value::Gauge(1.0))
+        .await;
+    release.notify_one();
+    otel.expect("idem.server.handlers.detached", &[], Value::Gauge(0.0))
+        .await;
+    otel.expect(
+        "idem.server.record.outcome",
+        &[("idem.record", "stored")],
+        Value::Sum(1.0),
+    )
+    .await;
+    let cancelled = [("grpc.status", "CANCELLED")];
+    assert!(hist(1)(
+        &otel
+            .value("grpc.server.call.duration", &cancelled)
+            .expect("the call's duration, as CANCELLED")
+    ));
+}
+
+/// A server whose handler says it `started`, then waits for `release` (and then
+/// panics, if `panics`).
+async fn held_handler(
+    otel: &Otel,
+    panics: bool,
+) -> (
+    SocketAddr,
+    Arc<tokio::sync::Notify>,
+    Arc<tokio::sync::Notify>,
+) {
+    use idem_test_support::shop::Order;
+    use tokio::sync::Notify;
+
+    let layer = server_layer(otel, &config(false), MemoryStore::default());
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (s, r) = (started.clone(), release.clone());
+    let handler = idem_test_support::shop_fake::create_only(move |_req| {
+        let (s, r) = (s.clone(), r.clone());
+        async move {
+            s.notify_one();
+            r.notified().await;
+            assert!(!panics, "the handler panics after its caller went away");
+            Ok(tonic::Response::new(Order::default()))
+        }
+    });
+    let (addr, incoming) = net::bind().await;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(layer)
+            .add_service(handler)
+            .serve_with_incoming(incoming),
+    );
+    (addr, started, release)
 }
