@@ -11,6 +11,7 @@
 //!   inbound record, so a run after a crash sends the same keys downstream.
 //! - [`headers`]: the metadata names idem reads and writes, and the `ErrorInfo` reasons
 //!   its layers put on the errors they make.
+//! - [`striped`]: counters that every worker thread adds to without sharing a cache line.
 
 pub mod code;
 pub mod config;
@@ -19,3 +20,4 @@ pub mod derive;
 pub mod headers;
 pub mod key;
 mod macros;
+pub mod striped;

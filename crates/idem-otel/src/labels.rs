@@ -1,11 +1,11 @@
 //! Label values with a bounded set: `grpc.method` and `grpc.status`.
 
-use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use idem_core::config::ServiceConfig;
+pub(crate) use idem_core::striped::{STRIPES, Striped, stripe};
 use opentelemetry::metrics::BoundHistogram;
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
@@ -285,57 +285,6 @@ impl<T: Default> MethodCounters<T> {
     }
 }
 
-/// A counter added to from every worker thread: each thread adds to one of a few
-/// stripes, each on its own cache line, and a collection sums them. One shared atomic
-/// would move its cache line between the cores at every call.
-pub(crate) struct Striped<const N: usize>([Stripe<N>; STRIPES]);
-
-/// One stripe of `N` counters, alone on its cache lines (128 bytes: x86 fetches lines
-/// in pairs).
-#[repr(align(128))]
-struct Stripe<const N: usize>([AtomicU64; N]);
-
-/// Stripes per counter: enough for the few busy threads of a service.
-const STRIPES: usize = 4;
-
-impl<const N: usize> Default for Striped<N> {
-    fn default() -> Self {
-        Striped([const { Stripe([const { AtomicU64::new(0) }; N]) }; STRIPES])
-    }
-}
-
-impl<const N: usize> Striped<N> {
-    /// Adds one to counter `i` (an `i` past `N` is ignored).
-    pub(crate) fn add(&self, i: usize) {
-        if let Some(n) = self.0[stripe()].0.get(i) {
-            n.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Counter `i`'s total.
-    pub(crate) fn get(&self, i: usize) -> u64 {
-        self.0
-            .iter()
-            .filter_map(|s| s.0.get(i))
-            .map(|n| n.load(Ordering::Relaxed))
-            .fold(0, u64::wrapping_add)
-    }
-}
-
-/// This thread's stripe: threads take stripes in turn at their first count.
-fn stripe() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
-    }
-    STRIPE.with(|s| {
-        if s.get() == usize::MAX {
-            s.set(NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES);
-        }
-        s.get()
-    })
-}
-
 pub(crate) fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
     l.read().unwrap_or_else(PoisonError::into_inner)
 }
@@ -438,6 +387,7 @@ pub(crate) fn status(code: Code) -> KeyValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
 
     /// The value of `key` in `m`, inserted as `value` if new.
     fn get_or_insert(m: &FirstFew<String, usize>, key: &str, value: usize) -> usize {
@@ -530,25 +480,6 @@ mod tests {
         let mut total = 0;
         counters.each(|m| total += m.counts.get(0));
         assert_eq!(total, PATHS_MAX as u64 + 10);
-    }
-
-    #[test]
-    fn striped_counters_sum_every_threads_adds() {
-        let c = Striped::<3>::default();
-        std::thread::scope(|s| {
-            for _ in 0..STRIPES + 2 {
-                s.spawn(|| {
-                    for _ in 0..1000 {
-                        c.add(1);
-                    }
-                    c.add(7); // past the end: ignored
-                });
-            }
-        });
-        assert_eq!(
-            (c.get(0), c.get(1), c.get(2), c.get(7)),
-            (0, 1000 * (STRIPES as u64 + 2), 0, 0)
-        );
     }
 
     /// The count of every series of the one histogram a collection of `provider` holds.

@@ -94,6 +94,7 @@ async fn logs_tell_the_story_without_keys() {
         "attempts=2",
         "retry_delay_ms=",
         "outcome=\"committed\"",
+        "rpc.service=\"shop.v1.Orders\"",
         "rpc.method=\"CreateOrder\"",
     ] {
         assert!(client_span.contains(want), "{want} in {client_span}");

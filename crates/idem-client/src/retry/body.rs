@@ -74,8 +74,10 @@ impl Lease {
         }
     }
     pub(crate) fn release_all(&mut self) {
-        self.budget.release(self.bytes);
-        self.bytes = 0;
+        if self.bytes > 0 {
+            self.budget.release(self.bytes);
+            self.bytes = 0;
+        }
     }
 }
 

@@ -6,14 +6,14 @@
 
 use std::future::{Future, poll_fn};
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderValue;
 use http::request::Parts;
 use idem_core::config::{HedgingPolicy, RetryPolicy};
-use idem_core::deadline::{earliest, encode_grpc_timeout};
+use idem_core::deadline::encode_grpc_timeout;
 use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use tokio::time::Instant;
 use tower_service::Service;
@@ -27,7 +27,11 @@ use super::peek::{self, Resp, early_code};
 use super::policy::{self, Attempted, CallState, Decision, Limits, decide};
 use super::replay::StreamReplay;
 use super::throttle::RetryThrottle;
+use super::timed::{Cut, Timed};
 use crate::BoxError;
+
+/// The inner request: what the layer sends its inner service.
+pub(crate) type Req = http::Request<tonic::body::Body>;
 
 /// What one call through the loop needs.
 pub(crate) struct Call {
@@ -71,9 +75,10 @@ impl Start {
     /// Reads what the caller has ready of `source`, without waiting for more. `Err` with
     /// the status when a request message is over `maxRequestMessageBytes`: nothing is
     /// sent.
-    pub(super) async fn read(
+    pub(super) fn read(
         source: &mut tonic::body::Body,
         call: &Call,
+        cx: &mut Context<'_>,
     ) -> Result<Self, tonic::Status> {
         let mut lease = Lease::new(call.cx.shared.budget.clone());
         let mut check = call
@@ -83,17 +88,7 @@ impl Start {
             .zip(call.cx.fault.clone())
             .map(|(limit, fault)| RequestCheck::new(limit, fault));
         let cap = call.settings.max_replay_bytes_per_call();
-        let read = poll_fn(|cx| {
-            Poll::Ready(body::read_ready(
-                source,
-                cap,
-                &mut lease,
-                check.as_mut(),
-                cx,
-            ))
-        })
-        .await;
-        let read = match read {
+        let read = match body::read_ready(source, cap, &mut lease, check.as_mut(), cx) {
             Read::TooLarge => {
                 return Err(call.cx.request_fault().unwrap_or_else(|| {
                     tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
@@ -114,11 +109,12 @@ impl Start {
 impl AttemptBody {
     /// Reads what the caller has ready, without waiting for more. `Err` with the status
     /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
-    pub(super) async fn read(
+    pub(super) fn read(
         mut source: tonic::body::Body,
         call: &Call,
+        cx: &mut Context<'_>,
     ) -> Result<Self, tonic::Status> {
-        let start = Start::read(&mut source, call).await?;
+        let start = Start::read(&mut source, call, cx)?;
         Ok(match start.read {
             Begun::Complete(replay) => AttemptBody::Replay {
                 replay,
@@ -216,6 +212,17 @@ impl Call {
         req
     }
 
+    /// When an attempt sent now is cut short: at the call's deadline, or at
+    /// `perAttemptRecvTimeout` from now.
+    pub(super) fn cut(&self) -> Option<Cut> {
+        let recv_timeout = self
+            .policy
+            .as_ref()
+            .and_then(RetryPolicy::per_attempt_recv_timeout)
+            .and_then(|t| Instant::now().checked_add(t));
+        Cut::earliest(self.cx.deadline, recv_timeout)
+    }
+
     /// Awaits one attempt's response headers (and, with `peek`, its first body frame),
     /// cut short by the deadline or the receive timeout.
     pub(super) async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
@@ -226,11 +233,6 @@ impl Call {
         E: Into<BoxError>,
     {
         let deadline = self.cx.deadline;
-        let recv_timeout = self
-            .policy
-            .as_ref()
-            .and_then(RetryPolicy::per_attempt_recv_timeout)
-            .and_then(|t| Instant::now().checked_add(t));
         let response = async {
             match Attempt::of(fut.await, deadline) {
                 Attempt::Response(r) if peek && early_code(&r).is_none() => {
@@ -239,41 +241,22 @@ impl Call {
                 other => other,
             }
         };
-        match earliest([deadline, recv_timeout]) {
-            None => response.await,
-            Some(at) => match tokio::time::timeout_at(at, response).await {
-                Ok(attempt) => attempt,
-                Err(_) if deadline == Some(at) => Attempt::Deadline,
-                Err(_) => Attempt::RecvTimeout,
-            },
-        }
+        Timed::new(response, self.cut())
+            .await
+            .unwrap_or_else(Cut::attempt)
     }
 
-    /// Before an attempt: a passed deadline ends the call; so does an inner service that
-    /// fails to become ready when it is asked again (`poll`: not the first send).
-    async fn before_attempt<S, Req>(
-        &self,
-        svc: &mut S,
-        poll: bool,
-        ready: &ReadyWait,
-    ) -> Option<(Attempt, CallOutcome)>
-    where
-        S: Service<Req>,
-        S::Error: Into<BoxError>,
-    {
-        if self.cx.deadline.is_some_and(|d| d <= Instant::now()) {
-            let attempt = match ready.waits {
-                0 => Attempt::Deadline,
-                _ => Attempt::Local(tonic::Status::deadline_exceeded(
-                    "deadline exceeded while waiting for the channel to become ready",
-                )),
-            };
-            return Some((attempt, CallOutcome::Deadline));
+    /// Before an attempt: a passed deadline ends the call.
+    fn expired(&self, ready: &ReadyWait) -> Option<Attempt> {
+        if self.cx.deadline.is_none_or(|d| d > Instant::now()) {
+            return None;
         }
-        if poll && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await {
-            return Some((Attempt::Error(e.into()), CallOutcome::ServiceError));
-        }
-        None
+        Some(match ready.waits {
+            0 => Attempt::Deadline,
+            _ => Attempt::Local(tonic::Status::deadline_exceeded(
+                "deadline exceeded while waiting for the channel to become ready",
+            )),
+        })
     }
 
     /// `waitForReady` after an attempt the channel could not send: the wait before sending
@@ -338,102 +321,201 @@ impl Call {
     }
 }
 
-/// The retry loop: attempt, decide, wait.
-pub(crate) async fn run<S, B, RB>(
-    mut svc: S,
+/// A retrying call between its attempts: what the next one needs, and what the call has
+/// seen so far.
+///
+/// The layer sends the first attempt of most calls itself, on the service it was handed
+/// ready, and the response future awaits it without an allocation; [`Run::run`], the
+/// loop, takes over (boxed, on a clone of the service) when a retry is due, or from the
+/// start for the calls that need more than one await per attempt (`waitForReady`, the
+/// early-trailers peek).
+pub(crate) struct Run {
     parts: Parts,
-    body: B,
+    body: AttemptBody,
     call: Call,
-) -> Result<Resp, S::Error>
-where
-    S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-    RB: http_body::Body<Data = Bytes> + Send + 'static,
-    RB::Error: Into<BoxError>,
-{
-    // A tonic client's body already is a `tonic::body::Body` (no new box; other bodies are
-    // boxed once), which is `Unpin`: it is read in place.
-    let body = match AttemptBody::read(tonic::body::Body::new(body), &call).await {
-        Ok(body) => body,
-        Err(status) => {
-            let report = CallReport::new(CallOutcome::MessageTooLarge);
-            return Ok(call.cx.finish(Attempt::Local(status), report));
+    /// Peeking at the response for a streaming request would hold its headers back from
+    /// a caller that may wait for them before it sends more.
+    peek: bool,
+    state: CallState,
+    ready: ReadyWait,
+    report: CallReport,
+}
+
+/// What follows an attempt.
+pub(crate) enum Next {
+    /// The caller's answer.
+    Answer(Resp),
+    /// Another attempt after this wait (or the same one again, while `waitForReady`
+    /// waits for the channel).
+    After(Duration),
+}
+
+impl Run {
+    /// Reads what the caller has ready of the request, without waiting for more. `Err`
+    /// with the caller's answer when a request message is over
+    /// `maxRequestMessageBytes`: nothing is sent.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the answer is smaller than the call it replaces, and rare"
+    )]
+    pub(crate) fn start(
+        parts: Parts,
+        source: tonic::body::Body,
+        call: Call,
+        cx: &mut Context<'_>,
+    ) -> Result<Self, Resp> {
+        let body = match AttemptBody::read(source, &call, cx) {
+            Ok(body) => body,
+            Err(status) => {
+                let report = CallReport::new(CallOutcome::MessageTooLarge);
+                return Err(call.cx.finish(Attempt::Local(status), report));
+            }
+        };
+        Ok(Run {
+            peek: call.settings.peek_early_trailers() && matches!(body, AttemptBody::Replay { .. }),
+            parts,
+            body,
+            call,
+            state: CallState::default(),
+            ready: ReadyWait::default(),
+            report: CallReport::new(CallOutcome::Committed),
+        })
+    }
+
+    /// Whether an attempt needs the loop: a peek awaits the response's first frame, and
+    /// `waitForReady` resends without counting.
+    pub(crate) fn needs_loop(&self) -> bool {
+        self.peek || self.call.wait_for_ready
+    }
+
+    /// The call's deadline.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.call.cx.deadline
+    }
+
+    /// Sends the first attempt on `svc`, which is ready: `Err` with the caller's answer
+    /// when the deadline has already passed.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the answer is smaller than the attempt it replaces, and rare"
+    )]
+    pub(crate) fn first<S: Service<Req>>(
+        &mut self,
+        svc: &mut S,
+    ) -> Result<(Timed<S::Future>, Instant), Resp> {
+        if let Some(attempt) = self.call.expired(&self.ready) {
+            return Err(self.answer(attempt, CallOutcome::Deadline));
         }
-    };
-    // Peeking at the response for a streaming request would hold its headers back from a
-    // caller that may wait for them before it sends more.
-    let peek = call.settings.peek_early_trailers() && matches!(body, AttemptBody::Replay { .. });
-    let throttle = call.cx.shared.throttle();
-    let mut state = CallState::default();
-    let mut ready = ReadyWait::default();
-    let mut report = CallReport::new(CallOutcome::Committed);
-    loop {
-        let resend = ready.waits > 0;
-        let poll = state.attempts > 0 || resend;
-        if let Some((attempt, outcome)) = call.before_attempt(&mut svc, poll, &ready).await {
-            report.outcome = outcome;
-            return Ok(call.cx.finish(attempt, report));
-        }
-        if !resend {
-            state.attempts += 1;
-            call.cx.shared.stats.attempt(state.attempts == 1);
-            call.cx.attempt_started();
+        let (fut, started) = self.dispatch(svc);
+        Ok((Timed::new(fut, self.call.cut()), started))
+    }
+
+    /// Sends the next attempt (or, while `waitForReady` waits, the same one again) on
+    /// `svc`, which is ready: its response future, and when it was sent.
+    fn dispatch<S: Service<Req>>(&mut self, svc: &mut S) -> (S::Future, Instant) {
+        if self.ready.waits == 0 {
+            self.state.attempts += 1;
+            self.call.cx.shared.stats.attempt(self.state.attempts == 1);
+            self.call.cx.attempt_started();
         }
         let started = Instant::now();
-        let req = call.request(&parts, body.next(), state.attempts);
-        let attempt = call.send(svc.call(req), peek).await;
+        let req = self
+            .call
+            .request(&self.parts, self.body.next(), self.state.attempts);
+        (svc.call(req), started)
+    }
+
+    /// The loop on `svc`, from before an attempt (after `wait`, if any): wait, attempt,
+    /// decide. `svc` is ready for the first attempt of a call, and polled ready again
+    /// for any other.
+    pub(crate) async fn run<S, RB>(
+        mut self,
+        mut svc: S,
+        mut wait: Option<Duration>,
+    ) -> Result<Resp, S::Error>
+    where
+        S: Service<Req, Response = http::Response<RB>>,
+        S::Error: Into<BoxError>,
+        RB: http_body::Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
+    {
+        loop {
+            if let Some(wait) = wait.take() {
+                sleep(wait).await;
+            }
+            if let Some(attempt) = self.call.expired(&self.ready) {
+                return Ok(self.answer(attempt, CallOutcome::Deadline));
+            }
+            if self.state.attempts > 0
+                && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await
+            {
+                return Ok(self.answer(Attempt::Error(e.into()), CallOutcome::ServiceError));
+            }
+            let (fut, started) = self.dispatch(&mut svc);
+            let attempt = self.call.send(fut, self.peek).await;
+            match self.settle(attempt, started) {
+                Next::Answer(answer) => return Ok(answer),
+                Next::After(next) => wait = Some(next),
+            }
+        }
+    }
+
+    /// What follows an attempt sent at `started`: the caller's answer, or another
+    /// attempt after a wait.
+    pub(crate) fn settle(&mut self, attempt: Attempt, started: Instant) -> Next {
+        let call = &self.call;
         if call.cx.request_fault().is_some() {
             // A request message was over its limit: the stream was reset, and the rest of
             // the request must never be replayed as if it were complete.
-            report.record(attempt.observe().end, started.elapsed());
-            return Ok(call.cx.finish(attempt, report));
+            self.report.record(attempt.observe().end, started.elapsed());
+            return Next::Answer(call.cx.finish(attempt, self.report));
         }
-        if call.wait_for_ready && attempt.never_sent() && body.can_resend() {
-            body.retire();
-            match call.not_ready(&mut ready, &attempt) {
+        if call.wait_for_ready && attempt.never_sent() && self.body.can_resend() {
+            self.body.retire();
+            return match call.not_ready(&mut self.ready, &attempt) {
                 NotReady::Wait(wait) => {
                     tracing::debug!(
                         wait_ms = millis(wait),
                         "waiting for the channel to be ready"
                     );
-                    sleep(wait).await;
-                    continue;
+                    Next::After(wait)
                 }
-                NotReady::GiveUp(answer, outcome) => {
-                    report.outcome = outcome;
-                    return Ok(call.cx.finish(answer, report));
-                }
-            }
+                NotReady::GiveUp(answer, outcome) => Next::Answer(self.answer(answer, outcome)),
+            };
         }
-        ready = ReadyWait::default();
+        self.ready = ReadyWait::default();
         let attempted = attempt.observe();
-        report.record(attempted.end, started.elapsed());
+        self.report.record(attempted.end, started.elapsed());
         if attempted.end == AttemptEnd::Committed {
-            body.commit();
+            self.body.commit();
         }
-        match call.decide(&mut state, &attempted, &body, throttle.as_ref()) {
+        let throttle = call.cx.throttle.as_ref();
+        match call.decide(&mut self.state, &attempted, &self.body, throttle) {
             Decision::Done(outcome) => {
-                if let Some(t) = throttle.as_ref().filter(|_| attempted.end.is_success()) {
+                if let Some(t) = throttle.filter(|_| attempted.end.is_success()) {
                     t.record_success();
                 }
-                report.outcome = outcome;
-                return Ok(call.cx.finish(attempt, report));
+                Next::Answer(self.answer(attempt, outcome))
             }
             Decision::RetryAfter(wait) => {
-                report.waited(wait);
+                self.report.waited(wait);
                 tracing::debug!(
-                    attempt = state.attempts,
+                    attempt = self.state.attempts,
                     end = %attempted.end,
                     wait_ms = millis(wait),
                     "retrying"
                 );
                 drop(attempt);
-                body.retire();
-                sleep(wait).await;
+                self.body.retire();
+                Next::After(wait)
             }
         }
+    }
+
+    /// The caller's answer: `attempt`, with the report and `outcome`.
+    fn answer(&mut self, attempt: Attempt, outcome: CallOutcome) -> Resp {
+        self.report.outcome = outcome;
+        self.call.cx.finish(attempt, self.report)
     }
 }
 

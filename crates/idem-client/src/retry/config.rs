@@ -140,6 +140,9 @@ pub(crate) struct Settings {
     max_retry_delay: Duration,
     wait_for_ready_limit: Duration,
     peek_early_trailers: bool,
+    /// The channel's retry throttle: carried over from the generation before unless the
+    /// config drops it.
+    throttle: Option<RetryThrottle>,
 }
 
 impl Settings {
@@ -149,7 +152,12 @@ impl Settings {
     /// Without a service config every method gets a key unless the builder says
     /// otherwise: the builder's policy retries every method, and a key is what lets an
     /// idem server run a retried write once (a server without idem ignores the header).
-    pub(crate) fn new(source: PolicySource, idem: &IdemSettings, overrides: &Overrides) -> Self {
+    pub(crate) fn new(
+        source: PolicySource,
+        idem: &IdemSettings,
+        overrides: &Overrides,
+        throttle: Option<RetryThrottle>,
+    ) -> Self {
         let mut client = overrides.client(&idem.client);
         if matches!(source, PolicySource::Fixed(_)) {
             client.key_all_methods = overrides.key_all_methods.unwrap_or(true);
@@ -164,6 +172,7 @@ impl Settings {
             max_retry_delay: overrides.max_retry_delay,
             wait_for_ready_limit: overrides.wait_for_ready_limit,
             peek_early_trailers: overrides.peek_early_trailers,
+            throttle,
         }
     }
 
@@ -212,12 +221,16 @@ impl Settings {
     pub(crate) fn peek_early_trailers(&self) -> bool {
         self.peek_early_trailers
     }
+    /// The retry throttle (`retryThrottling`, or the builder's).
+    pub(crate) fn throttle(&self) -> Option<&RetryThrottle> {
+        self.throttle.as_ref()
+    }
 }
 
 /// State shared by a layer, its clones and every service they made.
 pub(crate) struct Shared {
+    /// Read once per call: one lock and one count for all of a call's settings.
     settings: RwLock<Arc<Settings>>,
-    throttle: RwLock<Option<RetryThrottle>>,
     /// The throttle was given by the user: config reloads do not replace it.
     throttle_pinned: bool,
     overrides: Overrides,
@@ -232,7 +245,6 @@ impl fmt::Debug for Shared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Shared")
             .field("settings", &self.settings())
-            .field("throttle", &self.throttle())
             .field("budget", &self.budget)
             .field("stats", &self.stats)
             .field("jitter", &self.jitter)
@@ -256,14 +268,18 @@ pub(crate) struct Parts {
 
 impl Shared {
     pub(crate) fn new(parts: Parts) -> Self {
-        let settings = Settings::new(parts.source, &parts.idem, &parts.overrides);
+        let settings = Settings::new(
+            parts.source,
+            &parts.idem,
+            &parts.overrides,
+            parts.throttle.0,
+        );
         let total = parts
             .overrides
             .client(&parts.idem.client)
             .max_replay_bytes_total;
         Shared {
             settings: RwLock::new(Arc::new(settings)),
-            throttle: RwLock::new(parts.throttle.0),
             throttle_pinned: parts.throttle.1,
             overrides: parts.overrides,
             budget: Arc::new(ReplayBudget::new(total)),
@@ -279,26 +295,23 @@ impl Shared {
         let idem = config.settings();
         let total = self.overrides.client(&idem.client).max_replay_bytes_total;
         self.budget.set_limit(total);
-        if !self.throttle_pinned {
-            let mut slot = self
-                .throttle
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
-            *slot = match (slot.take(), config.retry_throttling()) {
-                (Some(bucket), Some(t)) => {
-                    bucket.reconfigure(t);
-                    Some(bucket)
-                }
-                (None, Some(t)) => Some(RetryThrottle::new(t)),
-                (_, None) => None,
-            };
-        }
-        let source = PolicySource::Config(Box::new(config.clone()));
-        let settings = Settings::new(source, idem, &self.overrides);
-        *self
+        // One writer at a time: the throttle bucket goes from a generation to the next.
+        let mut slot = self
             .settings
             .write()
-            .unwrap_or_else(PoisonError::into_inner) = Arc::new(settings);
+            .unwrap_or_else(PoisonError::into_inner);
+        let bucket = slot.throttle.clone();
+        let throttle = match (bucket, config.retry_throttling()) {
+            (bucket, _) if self.throttle_pinned => bucket,
+            (Some(bucket), Some(t)) => {
+                bucket.reconfigure(t);
+                Some(bucket)
+            }
+            (None, Some(t)) => Some(RetryThrottle::new(t)),
+            (_, None) => None,
+        };
+        let source = PolicySource::Config(Box::new(config.clone()));
+        *slot = Arc::new(Settings::new(source, idem, &self.overrides, throttle));
     }
 
     pub(crate) fn settings(&self) -> Arc<Settings> {
@@ -308,10 +321,7 @@ impl Shared {
             .clone()
     }
     pub(crate) fn throttle(&self) -> Option<RetryThrottle> {
-        self.throttle
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.settings().throttle.clone()
     }
     /// Counts a finished call and tells the hook.
     pub(crate) fn report(&self, path: &str, report: &CallReport) {

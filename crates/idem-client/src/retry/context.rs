@@ -17,6 +17,7 @@ use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::{Resp, early_code};
 use super::policy::Attempted;
 use super::pushback::{Pushback, pushback, retry_info_delay};
+use super::throttle::RetryThrottle;
 use super::transport::TransportBody;
 use crate::BoxError;
 use crate::metrics::{self, Started};
@@ -54,6 +55,8 @@ pub(crate) struct CallContext {
     pub(crate) fault: Option<Arc<RequestFault>>,
     /// When the call started, read only for an observed layer.
     pub(crate) started: Option<Started>,
+    /// The retry throttle of the call's settings.
+    pub(crate) throttle: Option<RetryThrottle>,
 }
 
 /// How one attempt ended, with what it left for the caller.

@@ -1,58 +1,75 @@
 //! [`ResponseFuture`]: the future of a [`Retry`](super::Retry) call.
 //!
-//! Calls of methods without a retry policy (nor `waitForReady`) use a hand-written
-//! pass-through state (no allocation beyond a deadline timer). Calls that may send more
-//! than once run the `async` loop of the call module (`call::run`) in a box: it must
-//! await the inner service's readiness for each retry, backoff sleeps and per-attempt
-//! timers, and such a call allocates its replay buffer anyway, so one more allocation
-//! buys a loop that reads like A6's prose instead of a six-state machine.
+//! The layer sends one attempt itself, on the service it was handed ready, and the future
+//! awaits it by hand, without allocating: every call of a method without a retry policy
+//! (nor `waitForReady`), and the first attempt of a retrying call. When a retry is due,
+//! the `async` loop of the call module ([`Run::run`]) takes over in a box, on a clone of
+//! the service: it awaits the service's readiness for each retry, backoff sleeps and
+//! per-attempt timers, and reads like A6's prose instead of a six-state machine. Hedged
+//! calls, and those that need the loop for their first attempt (`waitForReady`, the
+//! early-trailers peek), run in the box from the start.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::request::Parts;
 use pin_project_lite::pin_project;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tower_service::Service;
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
-use super::call::{self, Call};
+use super::call::{Next, Req, Run};
 use super::context::{Attempt, CallContext};
-use super::hedge;
 use super::outcome::{CallOutcome, CallReport};
 use super::peek::Resp;
+use super::service::Spare;
+use super::timed::{Cut, Timed};
 use crate::BoxError;
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 pin_project! {
-    /// The response future of [`Retry`](super::Retry).
+    /// The response future of [`Retry`](super::Retry) over the inner service `S`.
     ///
     /// # Panics
     /// When polled again after it returned `Ready`, like tower's futures.
-    pub struct ResponseFuture<F, E> {
+    pub struct ResponseFuture<S>
+    where
+        S: Service<Req>,
+    {
         #[pin]
-        kind: Kind<F, E>,
+        kind: Kind<S>,
     }
 }
 
 pin_project! {
     #[project = KindProj]
-    enum Kind<F, E> {
+    enum Kind<S>
+    where
+        S: Service<Req>,
+    {
+        // A call without a retry policy: its one attempt.
         Passthrough {
             #[pin]
-            fut: F,
-            // The call's deadline, over the response headers.
-            #[pin]
-            timer: Option<Sleep>,
+            attempt: Timed<S::Future>,
             cx: CallContext,
             started: Instant,
-            span: tracing::Span,
+            span: Span,
         },
-        Retrying {
-            fut: BoxFuture<Result<Resp, E>>,
+        // A retrying call's first attempt; `spare` is cloned for the retries.
+        First {
+            #[pin]
+            attempt: Timed<S::Future>,
+            run: Option<Run>,
+            spare: Arc<Spare<S>>,
+            started: Instant,
+            span: Span,
+        },
+        // The loop, boxed.
+        Looping {
+            fut: BoxFuture<Result<Resp, S::Error>>,
         },
         Ready {
             response: Option<Resp>,
@@ -61,11 +78,12 @@ pin_project! {
     }
 }
 
-impl<F, E> std::fmt::Debug for ResponseFuture<F, E> {
+impl<S: Service<Req>> std::fmt::Debug for ResponseFuture<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.kind {
             Kind::Passthrough { .. } => "Passthrough",
-            Kind::Retrying { .. } => "Retrying",
+            Kind::First { .. } => "First",
+            Kind::Looping { .. } => "Looping",
             Kind::Ready { .. } => "Ready",
             Kind::Done => "Done",
         };
@@ -75,17 +93,43 @@ impl<F, E> std::fmt::Debug for ResponseFuture<F, E> {
     }
 }
 
-impl<F, E> ResponseFuture<F, E> {
+impl<S: Service<Req>> ResponseFuture<S> {
     /// One attempt, passed through; cut at the deadline.
-    pub(crate) fn passthrough(fut: F, cx: CallContext, span: tracing::Span) -> Self {
+    pub(crate) fn passthrough(fut: S::Future, cx: CallContext, span: Span) -> Self {
+        let cut = Cut::earliest(cx.deadline, None);
         ResponseFuture {
             kind: Kind::Passthrough {
-                fut,
-                timer: cx.deadline.map(tokio::time::sleep_until),
+                attempt: Timed::new(fut, cut),
                 cx,
                 started: Instant::now(),
                 span,
             },
+        }
+    }
+
+    /// A retrying call's first attempt, sent at `started`.
+    pub(crate) fn first(
+        attempt: Timed<S::Future>,
+        run: Run,
+        spare: Arc<Spare<S>>,
+        started: Instant,
+        span: Span,
+    ) -> Self {
+        ResponseFuture {
+            kind: Kind::First {
+                attempt,
+                run: Some(run),
+                spare,
+                started,
+                span,
+            },
+        }
+    }
+
+    /// A call the boxed loop (or hedging) drives.
+    pub(crate) fn looping(fut: BoxFuture<Result<Resp, S::Error>>) -> Self {
+        ResponseFuture {
+            kind: Kind::Looping { fut },
         }
     }
 
@@ -96,77 +140,85 @@ impl<F, E> ResponseFuture<F, E> {
             },
         }
     }
-
-    pub(crate) fn retrying<S, B, RB>(
-        svc: S,
-        parts: Parts,
-        body: B,
-        call: Call,
-        span: tracing::Span,
-    ) -> Self
-    where
-        S: Service<
-                http::Request<tonic::body::Body>,
-                Response = http::Response<RB>,
-                Future = F,
-                Error = E,
-            > + Send
-            + 'static,
-        F: Send + 'static,
-        E: Into<BoxError> + Send + 'static,
-        B: http_body::Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<BoxError>,
-    {
-        // Dispatch: a method with a hedging policy races hedges instead of retrying.
-        let fut: BoxFuture<_> = match call.hedging.clone() {
-            Some(policy) => Box::pin(hedge::run(svc, parts, body, call, policy).instrument(span)),
-            None => Box::pin(call::run(svc, parts, body, call).instrument(span)),
-        };
-        ResponseFuture {
-            kind: Kind::Retrying { fut },
-        }
-    }
 }
 
-impl<F, RB, E> Future for ResponseFuture<F, E>
+impl<S, RB> Future for ResponseFuture<S>
 where
-    F: Future<Output = Result<http::Response<RB>, E>>,
+    S: Service<Req, Response = http::Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + Send + 'static,
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
-    E: Into<BoxError>,
 {
-    type Output = Result<Resp, E>;
+    type Output = Result<Resp, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
-        let output = match kind.as_mut().project() {
-            KindProj::Passthrough {
-                fut,
-                timer,
-                cx: call,
-                started,
-                span,
-            } => {
-                let _enter = span.enter();
-                let attempt = match fut.poll(cx) {
-                    Poll::Ready(result) => Attempt::of(result, call.deadline),
-                    Poll::Pending => match timer.as_pin_mut().map(|t| t.poll(cx)) {
-                        Some(Poll::Ready(())) => Attempt::Deadline,
-                        _ => return Poll::Pending,
-                    },
-                };
-                Ok(pass_through(call, attempt, started.elapsed()))
-            }
-            KindProj::Retrying { fut } => std::task::ready!(fut.as_mut().poll(cx)),
-            KindProj::Ready { response } => Ok(response
-                .take()
-                .expect("ResponseFuture polled after completion")),
-            KindProj::Done => panic!("ResponseFuture polled after completion"),
-        };
-        kind.set(Kind::Done);
-        Poll::Ready(output)
+        loop {
+            let next = match kind.as_mut().project() {
+                KindProj::Passthrough {
+                    attempt,
+                    cx: call,
+                    started,
+                    span,
+                } => {
+                    let _enter = span.enter();
+                    let attempt = match std::task::ready!(attempt.poll(cx)) {
+                        Ok(result) => Attempt::of(result, call.deadline),
+                        Err(cut) => cut.attempt(),
+                    };
+                    Kind::Ready {
+                        response: Some(pass_through(call, attempt, started.elapsed())),
+                    }
+                }
+                KindProj::First {
+                    attempt,
+                    run,
+                    spare,
+                    started,
+                    span,
+                } => {
+                    let _enter = span.enter();
+                    let attempt = match std::task::ready!(attempt.poll(cx)) {
+                        Ok(result) => Attempt::of(result, run.as_ref().and_then(Run::deadline)),
+                        Err(cut) => cut.attempt(),
+                    };
+                    let mut run = run.take().expect("ResponseFuture polled after completion");
+                    match run.settle(attempt, *started) {
+                        Next::Answer(answer) => Kind::Ready {
+                            response: Some(answer),
+                        },
+                        Next::After(wait) => {
+                            drop(_enter);
+                            let svc = spare
+                                .get()
+                                .expect("the spare is made before the first attempt")
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .clone();
+                            let span = std::mem::replace(span, Span::none());
+                            Kind::Looping {
+                                fut: Box::pin(run.run(svc, Some(wait)).instrument(span)),
+                            }
+                        }
+                    }
+                }
+                KindProj::Looping { fut } => {
+                    let output = std::task::ready!(fut.as_mut().poll(cx));
+                    kind.set(Kind::Done);
+                    return Poll::Ready(output);
+                }
+                KindProj::Ready { response } => {
+                    let response = response
+                        .take()
+                        .expect("ResponseFuture polled after completion");
+                    kind.set(Kind::Done);
+                    return Poll::Ready(Ok(response));
+                }
+                KindProj::Done => panic!("ResponseFuture polled after completion"),
+            };
+            kind.set(next);
+        }
     }
 }
 
@@ -175,7 +227,7 @@ fn pass_through(cx: &CallContext, attempt: Attempt, took: std::time::Duration) -
     let end = attempt.observe().end;
     let mut report = CallReport::new(CallOutcome::without_policy(end));
     report.record(end, took);
-    if let Some(t) = cx.shared.throttle().filter(|_| end.is_success()) {
+    if let Some(t) = cx.throttle.as_ref().filter(|_| end.is_success()) {
         t.record_success();
     }
     cx.finish(attempt, report)

@@ -96,7 +96,7 @@ enum Begin {
 
 /// Reads what the caller has ready of the request, without waiting for more.
 async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, tonic::Status> {
-    let start = Start::read(&mut source, call).await?;
+    let start = poll_fn(|cx| Poll::Ready(Start::read(&mut source, call, cx))).await?;
     Ok(match start.read {
         Begun::Complete(replay) => Begin::Hedged(HedgeRequest::Replay {
             replay,
@@ -149,7 +149,7 @@ where
         parts: &parts,
         body: &body,
         policy: &policy,
-        throttle: call.cx.shared.throttle(),
+        throttle: call.cx.throttle.clone(),
         peek: call.settings.peek_early_trailers() && body.may_peek(),
         state: HedgeState::default(),
         running: Vec::new(),

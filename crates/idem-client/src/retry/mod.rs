@@ -21,6 +21,7 @@ mod pushback;
 mod replay;
 mod service;
 mod throttle;
+mod timed;
 mod transport;
 
 pub(crate) use context::CallPath;

@@ -2,13 +2,13 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue};
 use idem_core::code::code_name;
 use idem_core::config::MAX_ATTEMPTS_LIMIT;
 use idem_core::headers::{RETRY_ATTEMPTS, RETRY_OUTCOME};
+use idem_core::striped::Striped;
 use tonic::Code;
 
 /// Declares [`CallOutcome`] from one list: each variant with its doc, its stable name and
@@ -501,13 +501,13 @@ impl fmt::Display for CallReport {
 /// can use it (with [`CallOutcome::retries_gave_up`]) to tag failures passed upstream.
 pub type OutcomeHook = Arc<dyn Fn(&str, &CallReport) + Send + Sync>;
 
-#[derive(Debug, Default)]
-struct StatsInner {
-    calls: AtomicU64,
-    attempts: AtomicU64,
-    retries: AtomicU64,
-    outcomes: [AtomicU64; CallOutcome::COUNT],
-}
+/// Where [`RetryStats`] keeps each count.
+const CALLS: usize = 0;
+const ATTEMPTS: usize = 1;
+const RETRIES: usize = 2;
+const OUTCOMES: usize = 3;
+
+type StatsInner = Striped<{ OUTCOMES + CallOutcome::COUNT }>;
 
 /// Counters of one layer and its clones. Cheap to clone (an `Arc`).
 #[derive(Debug, Clone, Default)]
@@ -538,27 +538,27 @@ impl RetryStats {
     pub fn snapshot(&self) -> RetryStatsSnapshot {
         let s = &self.0;
         let mut outcomes = [0; CallOutcome::COUNT];
-        for (o, a) in outcomes.iter_mut().zip(s.outcomes.iter()) {
-            *o = a.load(Ordering::Relaxed);
+        for (i, o) in outcomes.iter_mut().enumerate() {
+            *o = s.get(OUTCOMES + i);
         }
         RetryStatsSnapshot {
-            calls: s.calls.load(Ordering::Relaxed),
-            attempts: s.attempts.load(Ordering::Relaxed),
-            retries: s.retries.load(Ordering::Relaxed),
+            calls: s.get(CALLS),
+            attempts: s.get(ATTEMPTS),
+            retries: s.get(RETRIES),
             outcomes,
         }
     }
     pub(crate) fn call(&self) {
-        self.0.calls.fetch_add(1, Ordering::Relaxed);
+        self.0.add(CALLS);
     }
     pub(crate) fn attempt(&self, first: bool) {
-        self.0.attempts.fetch_add(1, Ordering::Relaxed);
+        self.0.add(ATTEMPTS);
         if !first {
-            self.0.retries.fetch_add(1, Ordering::Relaxed);
+            self.0.add(RETRIES);
         }
     }
     pub(crate) fn finished(&self, outcome: CallOutcome) {
-        self.0.outcomes[outcome.index()].fetch_add(1, Ordering::Relaxed);
+        self.0.add(OUTCOMES + outcome.index());
     }
 }
 

@@ -1,8 +1,8 @@
 //! [`Retry`]: the service the [`RetryLayer`] wraps around a channel.
 
 use std::mem;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,18 +13,23 @@ use idem_core::deadline::{
 use idem_core::headers::GRPC_TIMEOUT;
 use tokio::time::Instant;
 use tower_service::Service;
+use tracing::Instrument;
 use tracing::field::Empty;
 
-use super::call::Call;
+use super::call::{Call, Run};
 use super::config::Shared;
 use super::context::{Attempt, CallContext, CallPath};
 use super::future::ResponseFuture;
+use super::hedge;
 use super::layer::RetryLayer;
 use super::limit::{CheckedBody, RequestCheck, RequestFault};
 use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
 use crate::key::place_request_key;
 use crate::metrics::Started;
+
+/// Where retries get their service: see [`Retry`]'s `spare`.
+pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].
@@ -44,6 +49,10 @@ use crate::metrics::Started;
 pub struct Retry<S> {
     inner: S,
     shared: Arc<Shared>,
+    /// A clone of `inner` that retries clone again (the first attempt goes out on
+    /// `inner` itself): made at the first retrying call, and shared by the clones of
+    /// this service, which clients often make per call.
+    spare: Arc<Spare<S>>,
 }
 
 impl<S> Retry<S> {
@@ -53,7 +62,11 @@ impl<S> Retry<S> {
     }
 
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
-        Retry { inner, shared }
+        Retry {
+            inner,
+            shared,
+            spare: Arc::default(),
+        }
     }
 
     /// A layer configured from `config` ([`RetryLayer::from_config`]).
@@ -79,7 +92,7 @@ where
 {
     type Response = http::Response<tonic::body::Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, S::Error>;
+    type Future = ResponseFuture<S>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -107,24 +120,27 @@ where
                 .request
                 .map(|_| Arc::new(RequestFault::default())),
             started: Started::now(self.shared.observer.as_ref()),
+            throttle: settings.throttle().cloned(),
         };
         let span = tracing::debug_span!(
             "idem_retry",
             method = %cx.path,
             rpc.system = "grpc",
-            rpc.service = rpc_part(cx.path.as_str(), 0),
-            rpc.method = rpc_part(cx.path.as_str(), 1),
+            rpc.service = Empty,
+            rpc.method = Empty,
             attempts = Empty,
             retry_delay_ms = Empty,
             outcome = Empty,
             rpc.grpc.status_code = Empty,
         );
+        // Split only for a span that is recorded.
+        if !span.is_disabled() {
+            span.record("rpc.service", rpc_part(cx.path.as_str(), 0));
+            span.record("rpc.method", rpc_part(cx.path.as_str(), 1));
+        }
         if policy.retry.is_none() && policy.hedging.is_none() && !policy.wait_for_ready {
             return self.pass_through(req, cx, span);
         }
-        // The ready service goes into the future; a clone stays for the next call.
-        let clone = self.inner.clone();
-        let svc = mem::replace(&mut self.inner, clone);
         let (parts, body) = req.into_parts();
         let call = Call {
             cx,
@@ -133,7 +149,44 @@ where
             hedging: policy.hedging,
             wait_for_ready: policy.wait_for_ready,
         };
-        ResponseFuture::retrying(svc, parts, body, call, span)
+        // A tonic client's body already is a `tonic::body::Body` (no new box; other
+        // bodies are boxed once).
+        let body = tonic::body::Body::new(body);
+        if let Some(hedging) = call.hedging.clone() {
+            let svc = self.take_ready();
+            let fut = hedge::run(svc, parts, body, call, hedging).instrument(span);
+            return ResponseFuture::looping(Box::pin(fut));
+        }
+        let _enter = span.enter();
+        // What the caller has ready of the request is read now. A body that would wait
+        // is polled again, with the task's waker, as the first attempt sends it.
+        let mut noop = Context::from_waker(Waker::noop());
+        let mut run = match Run::start(parts, body, call, &mut noop) {
+            Ok(run) => run,
+            Err(answer) => return ResponseFuture::ready(answer),
+        };
+        if run.needs_loop() {
+            let svc = self.take_ready();
+            drop(_enter);
+            return ResponseFuture::looping(Box::pin(run.run(svc, None).instrument(span)));
+        }
+        let (attempt, started) = match run.first(&mut self.inner) {
+            Ok(sent) => sent,
+            Err(answer) => return ResponseFuture::ready(answer),
+        };
+        self.spare.get_or_init(|| Mutex::new(self.inner.clone()));
+        drop(_enter);
+        let spare = self.spare.clone();
+        ResponseFuture::first(attempt, run, spare, started, span)
+    }
+}
+
+impl<S: Clone> Retry<S> {
+    /// The ready inner service, for a future that drives it; a clone stays for the next
+    /// call.
+    fn take_ready(&mut self) -> S {
+        let clone = self.inner.clone();
+        mem::replace(&mut self.inner, clone)
     }
 }
 
@@ -145,7 +198,7 @@ impl<S> Retry<S> {
         mut req: http::Request<B>,
         cx: CallContext,
         span: tracing::Span,
-    ) -> ResponseFuture<S::Future, S::Error>
+    ) -> ResponseFuture<S>
     where
         S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
         S::Error: Into<BoxError>,

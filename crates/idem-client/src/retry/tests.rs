@@ -1218,3 +1218,60 @@ async fn a_throttled_call_says_why() {
          token bucket is at or below half; failures elsewhere on this channel spend tokens)"
     );
 }
+
+/// A service that counts its clones.
+struct Counted {
+    inner: Inner,
+    clones: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        self.clones
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Counted {
+            inner: self.inner.clone(),
+            clones: self.clones.clone(),
+        }
+    }
+}
+
+impl Service<http::Request<Body>> for Counted {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = <Inner as Service<http::Request<Body>>>::Future;
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        self.inner.call(req)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn first_attempts_go_out_on_the_ready_service_and_retries_on_one_shared_clone() {
+    let script = Script::new([]);
+    let clones = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = || clones.load(std::sync::atomic::Ordering::Relaxed);
+    let layer = builder().max_attempts(3).build().unwrap();
+    let svc = layer.layer(Counted {
+        inner: script.service(),
+        clones: clones.clone(),
+    });
+    // A client per call, as tonic users clone theirs: the layer adds one clone (the
+    // spare, shared by every clone of the service), not one per call.
+    for _ in 0..10 {
+        let resp = send(&mut svc.clone(), request(PATH)).await.unwrap();
+        assert_summary(&resp, CallOutcome::Committed, 1, None);
+    }
+    assert_eq!(counted(), 10 + 1);
+    // A retry goes out on a clone of the spare, polled ready first.
+    script.steps.lock().unwrap().push_back(unavailable());
+    let resp = send(&mut svc.clone(), request(PATH)).await.unwrap();
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
+    assert_eq!(counted(), 10 + 1 + 1 + 1);
+    assert_eq!(script.seen().len(), 12);
+}

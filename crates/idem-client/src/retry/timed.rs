@@ -1,0 +1,139 @@
+//! [`Timed`]: an attempt cut short at the call's deadline or its receive timeout.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+
+use super::context::Attempt;
+
+/// When an attempt is cut short, and how it then ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Cut {
+    pub(crate) at: Instant,
+    /// `true`: `at` is the call's deadline (the attempt ends as
+    /// [`Attempt::Deadline`]); `false`: it is `perAttemptRecvTimeout`
+    /// ([`Attempt::RecvTimeout`]).
+    pub(crate) deadline: bool,
+}
+
+impl Cut {
+    /// The earlier of the call's deadline and the attempt's receive timeout; a tie is the
+    /// deadline's.
+    pub(crate) fn earliest(
+        deadline: Option<Instant>,
+        recv_timeout: Option<Instant>,
+    ) -> Option<Cut> {
+        match (deadline, recv_timeout) {
+            (Some(d), Some(r)) if r < d => Some(Cut {
+                at: r,
+                deadline: false,
+            }),
+            (Some(d), _) => Some(Cut {
+                at: d,
+                deadline: true,
+            }),
+            (None, r) => r.map(|at| Cut {
+                at,
+                deadline: false,
+            }),
+        }
+    }
+
+    /// How the attempt it cut ends.
+    pub(crate) fn attempt(self) -> Attempt {
+        if self.deadline {
+            Attempt::Deadline
+        } else {
+            Attempt::RecvTimeout
+        }
+    }
+}
+
+pin_project! {
+    /// `fut`, unless its [`Cut`] comes first: then `Err` with the cut.
+    ///
+    /// The future is polled before the timer, so a response ready at the same instant
+    /// wins.
+    pub(crate) struct Timed<F> {
+        #[pin]
+        fut: F,
+        #[pin]
+        timer: Option<Sleep>,
+        cut: Option<Cut>,
+    }
+}
+
+impl<F> Timed<F> {
+    pub(crate) fn new(fut: F, cut: Option<Cut>) -> Self {
+        Timed {
+            fut,
+            timer: cut.map(|c| tokio::time::sleep_until(c.at)),
+            cut,
+        }
+    }
+}
+
+impl<F: Future> Future for Timed<F> {
+    type Output = Result<F::Output, Cut>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.fut.poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        match (this.timer.as_pin_mut(), *this.cut) {
+            (Some(timer), Some(cut)) => timer.poll(cx).map(|()| Err(cut)),
+            _ => Poll::Pending,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_earlier_limit_cuts_and_a_tie_is_the_deadline() {
+        let now = Instant::now();
+        let (soon, later) = (now + Duration::from_secs(1), now + Duration::from_secs(2));
+        let cut = |at, deadline| Some(Cut { at, deadline });
+        assert_eq!(Cut::earliest(None, None), None);
+        assert_eq!(Cut::earliest(Some(soon), None), cut(soon, true));
+        assert_eq!(Cut::earliest(None, Some(soon)), cut(soon, false));
+        assert_eq!(Cut::earliest(Some(later), Some(soon)), cut(soon, false));
+        assert_eq!(Cut::earliest(Some(soon), Some(later)), cut(soon, true));
+        assert_eq!(Cut::earliest(Some(soon), Some(soon)), cut(soon, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cut_ends_the_attempt_as_what_it_is() {
+        let at = Instant::now() + Duration::from_secs(1);
+        let never = std::future::pending::<()>;
+        let deadline = Timed::new(never(), Some(Cut { at, deadline: true })).await;
+        assert!(matches!(
+            deadline.map_err(Cut::attempt),
+            Err(Attempt::Deadline)
+        ));
+        let at = Instant::now() + Duration::from_secs(1);
+        let recv = Timed::new(
+            never(),
+            Some(Cut {
+                at,
+                deadline: false,
+            }),
+        )
+        .await;
+        assert!(matches!(
+            recv.map_err(Cut::attempt),
+            Err(Attempt::RecvTimeout)
+        ));
+        let ready = Timed::new(std::future::ready(7), Some(Cut { at, deadline: true })).await;
+        assert!(matches!(ready, Ok(7)));
+        assert!(matches!(Timed::new(async { 1 }, None).await, Ok(1)));
+    }
+}
