@@ -181,7 +181,7 @@ impl<St: Store> Lease<St> {
         &self,
         r: Result<(), Unrecorded>,
         what: &str,
-        landed: impl FnOnce(&super::stats::Counters) -> &std::sync::atomic::AtomicU64,
+        landed: impl FnOnce(&super::stats::Counters) -> &usize,
     ) {
         if let Some(t) = &self.trace {
             t.recorded(match (&r, what) {
