@@ -9,7 +9,7 @@
 //! [`RetryLayer::reload`]: super::RetryLayer::reload
 
 use std::fmt;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use http::HeaderName;
@@ -231,6 +231,8 @@ impl Settings {
 pub(crate) struct Shared {
     /// Read once per call: one lock and one count for all of a call's settings.
     settings: RwLock<Arc<Settings>>,
+    /// One reload at a time: the throttle bucket goes from a generation to the next.
+    reloading: Mutex<()>,
     /// The throttle was given by the user: config reloads do not replace it.
     throttle_pinned: bool,
     overrides: Overrides,
@@ -280,6 +282,7 @@ impl Shared {
             .max_replay_bytes_total;
         Shared {
             settings: RwLock::new(Arc::new(settings)),
+            reloading: Mutex::new(()),
             throttle_pinned: parts.throttle.1,
             overrides: parts.overrides,
             budget: Arc::new(ReplayBudget::new(total)),
@@ -295,12 +298,12 @@ impl Shared {
         let idem = config.settings();
         let total = self.overrides.client(&idem.client).max_replay_bytes_total;
         self.budget.set_limit(total);
-        // One writer at a time: the throttle bucket goes from a generation to the next.
-        let mut slot = self
-            .settings
-            .write()
+        // The next generation is built outside the lock every call reads.
+        let _one = self
+            .reloading
+            .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let bucket = slot.throttle.clone();
+        let bucket = self.settings().throttle.clone();
         let throttle = match (bucket, config.retry_throttling()) {
             (bucket, _) if self.throttle_pinned => bucket,
             (Some(bucket), Some(t)) => {
@@ -311,7 +314,11 @@ impl Shared {
             (_, None) => None,
         };
         let source = PolicySource::Config(Box::new(config.clone()));
-        *slot = Arc::new(Settings::new(source, idem, &self.overrides, throttle));
+        let next = Arc::new(Settings::new(source, idem, &self.overrides, throttle));
+        *self
+            .settings
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = next;
     }
 
     pub(crate) fn settings(&self) -> Arc<Settings> {

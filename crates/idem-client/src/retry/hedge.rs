@@ -518,7 +518,7 @@ where
     };
     let mut report = CallReport::new(outcome);
     report.record(end, started.elapsed());
-    if let Some(t) = call.cx.shared.throttle().filter(|_| end.is_success()) {
+    if let Some(t) = call.cx.throttle.as_ref().filter(|_| end.is_success()) {
         t.record_success();
     }
     call.cx.finish(attempt, report)

@@ -510,8 +510,14 @@ const OUTCOMES: usize = 3;
 type StatsInner = Striped<{ OUTCOMES + CallOutcome::COUNT }>;
 
 /// Counters of one layer and its clones. Cheap to clone (an `Arc`).
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RetryStats(Arc<StatsInner>);
+
+impl fmt::Debug for RetryStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RetryStats").field(&self.snapshot()).finish()
+    }
+}
 
 /// A copy of the counters at one moment.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

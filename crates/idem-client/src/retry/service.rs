@@ -126,18 +126,13 @@ where
             "idem_retry",
             method = %cx.path,
             rpc.system = "grpc",
-            rpc.service = Empty,
-            rpc.method = Empty,
+            rpc.service = rpc_part(cx.path.as_str(), 0),
+            rpc.method = rpc_part(cx.path.as_str(), 1),
             attempts = Empty,
             retry_delay_ms = Empty,
             outcome = Empty,
             rpc.grpc.status_code = Empty,
         );
-        // Split only for a span that is recorded.
-        if !span.is_disabled() {
-            span.record("rpc.service", rpc_part(cx.path.as_str(), 0));
-            span.record("rpc.method", rpc_part(cx.path.as_str(), 1));
-        }
         if policy.retry.is_none() && policy.hedging.is_none() && !policy.wait_for_ready {
             return self.pass_through(req, cx, span);
         }
@@ -159,7 +154,9 @@ where
         }
         let _enter = span.enter();
         // What the caller has ready of the request is read now. A body that would wait
-        // is polled again, with the task's waker, as the first attempt sends it.
+        // is polled again, with the waker of the task that sends it (the connection's),
+        // as the first attempt goes out. The first attempt is sent here, as a bare
+        // channel sends its request at `call`.
         let mut noop = Context::from_waker(Waker::noop());
         let mut run = match Run::start(parts, body, call, &mut noop) {
             Ok(run) => run,

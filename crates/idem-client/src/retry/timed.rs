@@ -56,7 +56,7 @@ pin_project! {
     /// `fut`, unless its [`Cut`] comes first: then `Err` with the cut.
     ///
     /// The future is polled before the timer, so a response ready at the same instant
-    /// wins.
+    /// wins. The timer is made at the first poll: making a `Timed` needs no runtime.
     pub(crate) struct Timed<F> {
         #[pin]
         fut: F,
@@ -70,7 +70,7 @@ impl<F> Timed<F> {
     pub(crate) fn new(fut: F, cut: Option<Cut>) -> Self {
         Timed {
             fut,
-            timer: cut.map(|c| tokio::time::sleep_until(c.at)),
+            timer: None,
             cut,
         }
     }
@@ -84,9 +84,16 @@ impl<F: Future> Future for Timed<F> {
         if let Poll::Ready(out) = this.fut.poll(cx) {
             return Poll::Ready(Ok(out));
         }
-        match (this.timer.as_pin_mut(), *this.cut) {
-            (Some(timer), Some(cut)) => timer.poll(cx).map(|()| Err(cut)),
-            _ => Poll::Pending,
+        let Some(cut) = *this.cut else {
+            return Poll::Pending;
+        };
+        let mut timer = this.timer;
+        if timer.is_none() {
+            timer.set(Some(tokio::time::sleep_until(cut.at)));
+        }
+        match timer.as_pin_mut() {
+            Some(timer) => timer.poll(cx).map(|()| Err(cut)),
+            None => Poll::Pending,
         }
     }
 }
@@ -135,5 +142,14 @@ mod tests {
         let ready = Timed::new(std::future::ready(7), Some(Cut { at, deadline: true })).await;
         assert!(matches!(ready, Ok(7)));
         assert!(matches!(Timed::new(async { 1 }, None).await, Ok(1)));
+    }
+
+    #[test]
+    fn a_timed_attempt_is_made_outside_a_runtime() {
+        let at = Instant::now() + Duration::from_secs(1);
+        drop(Timed::new(
+            std::future::pending::<()>(),
+            Some(Cut { at, deadline: true }),
+        ));
     }
 }

@@ -78,8 +78,16 @@ stats! {
 /// Counters of one layer (shared by its clones). Cheap to clone. Each worker thread
 /// counts in a stripe of its own, so counting every call moves no cache line between
 /// the cores.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct IdempotencyStats(Arc<Striped<COUNT>>);
+
+impl std::fmt::Debug for IdempotencyStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("IdempotencyStats")
+            .field(&self.snapshot())
+            .finish()
+    }
+}
 
 impl IdempotencyStats {
     /// Adds one to the counter `f` picks.
