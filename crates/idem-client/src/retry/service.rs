@@ -45,6 +45,11 @@ pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
 /// and a DEADLINE_EXCEEDED / CANCELLED status the layer
 /// makes up when the deadline or `perAttemptRecvTimeout` cuts an attempt short. The
 /// deadline also bounds the response body.
+///
+/// A call's first attempt goes out from `call`, on the service made ready by
+/// `poll_ready`, as a bare channel sends its request there: dropping the response future
+/// unpolled does not take it back. Retries go out on a clone of one spare service, which
+/// every clone of this `Retry` shares, polled ready before each.
 #[derive(Debug, Clone)]
 pub struct Retry<S> {
     inner: S,
