@@ -468,7 +468,7 @@ impl Run {
             // A request message was over its limit: the stream was reset, and the rest of
             // the request must never be replayed as if it were complete.
             self.report.record(attempt.observe().end, started.elapsed());
-            return Next::Answer(call.cx.finish(attempt, self.report));
+            return Next::Answer(self.answer(attempt, self.report.outcome));
         }
         if call.wait_for_ready && attempt.never_sent() && self.body.can_resend() {
             self.body.retire();
@@ -515,7 +515,9 @@ impl Run {
     /// The caller's answer: `attempt`, with the report and `outcome`.
     fn answer(&mut self, attempt: Attempt, outcome: CallOutcome) -> Resp {
         self.report.outcome = outcome;
-        self.call.cx.finish(attempt, self.report)
+        // The call is over: the request head's extensions map carries the report.
+        let spare = std::mem::take(&mut self.parts.extensions);
+        self.call.cx.finish_into(attempt, self.report, spare)
     }
 }
 

@@ -143,7 +143,19 @@ impl CallContext {
     /// so every failure carries the report. A request message over its limit makes it
     /// RESOURCE_EXHAUSTED, whatever the attempt was. Records the report (counters, hook,
     /// span), attaches it, and bounds the body by the deadline and the response limit.
-    pub(crate) fn finish(&self, attempt: Attempt, mut report: CallReport) -> Resp {
+    pub(crate) fn finish(&self, attempt: Attempt, report: CallReport) -> Resp {
+        self.finish_into(attempt, report, http::Extensions::new())
+    }
+
+    /// [`finish`](Self::finish), with the report in `spare` (cleared first): the
+    /// extensions of a request head the call no longer needs, whose map is already
+    /// allocated. The response's own extensions join them.
+    pub(crate) fn finish_into(
+        &self,
+        attempt: Attempt,
+        mut report: CallReport,
+        mut spare: http::Extensions,
+    ) -> Resp {
         let attempt = match self.request_fault() {
             Some(status) => {
                 report.outcome = CallOutcome::MessageTooLarge;
@@ -182,7 +194,10 @@ impl CallContext {
                     .insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
             }
         }
-        resp.extensions_mut().insert(report);
+        spare.clear();
+        spare.extend(std::mem::take(resp.extensions_mut()));
+        spare.insert(report);
+        *resp.extensions_mut() = spare;
         let resp = limit::bound(resp, self.limits.response, self.fault.clone(), report);
         let resp = deadline::bound(resp, self.deadline, report);
         let observer = self.shared.observer.as_ref();

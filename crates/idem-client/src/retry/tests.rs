@@ -1275,3 +1275,17 @@ async fn first_attempts_go_out_on_the_ready_service_and_retries_on_one_shared_cl
     assert_eq!(counted(), 10 + 1 + 1 + 1);
     assert_eq!(script.seen().len(), 12);
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_report_reuses_the_request_extensions_map_without_its_entries() {
+    #[derive(Clone, Debug, PartialEq)]
+    struct FromTheRequest(u8);
+    let script = Script::new([unavailable()]);
+    let layer = builder().max_attempts(3).build().unwrap();
+    let mut req = request(PATH);
+    req.extensions_mut().insert(FromTheRequest(7));
+    let resp = run(&layer, &script, req).await;
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
+    assert_eq!(resp.extensions().get::<FromTheRequest>(), None);
+    assert_eq!(resp.extensions().len(), 1, "the report alone");
+}
