@@ -14,7 +14,10 @@
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000
 //! calls from tasks, one at a time unless `IDEM_PROFILE_CONCURRENCY` says more; no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
-//! multiplier, default 1.0).
+//! multiplier, default 1.0), `IDEM_BENCH_SUBSCRIBER=none` (installs a global tracing
+//! subscriber that records nothing, as a service with logging set up has one; without
+//! it, the workspace's `tracing/log` feature, which sqlx turns on, sends every span
+//! enter and exit to the `log` fallback, on both sides of every row).
 //!
 //! See BENCHMARKS.md for the numbers from the project's machine and what they mean.
 
@@ -527,6 +530,11 @@ fn main() {
         .iter()
         .find_map(|f| f.strip_prefix("profile-"))
         .map(str::to_owned);
+    let subscriber = std::env::var("IDEM_BENCH_SUBSCRIBER").ok();
+    if subscriber.as_deref() == Some("none") {
+        tracing::subscriber::set_global_default(tracing::subscriber::NoSubscriber::default())
+            .expect("the first global subscriber");
+    }
     let rounds = env_num("IDEM_BENCH_ROUNDS", 7.0).max(1.0) as usize;
     let scale = env_num("IDEM_BENCH_SCALE", 1.0).max(0.01);
     let n = |calls: usize| ((calls as f64 * scale) as usize).max(64);
@@ -538,13 +546,15 @@ fn main() {
         .expect("runtime");
     rt.block_on(async move {
         println!(
-            "idem layers benchmark: {rounds} rounds, scale {scale}, {} build, {} CPUs",
+            "idem layers benchmark: {rounds} rounds, scale {scale}, {} build, {} CPUs, \
+             tracing subscriber: {}",
             if cfg!(debug_assertions) {
                 "DEBUG"
             } else {
                 "release"
             },
-            std::thread::available_parallelism().map_or(0, |n| n.get())
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            subscriber.as_deref().unwrap_or("unset (log fallback)")
         );
         if let Some(which) = profile_only {
             profile(&which, n(2000)).await;
