@@ -125,6 +125,13 @@ impl Otel {
         let (unit, points) = self.points(name).unwrap_or_default();
         panic!("{name} {attrs:?}: want {want:?}; have ({unit}) {points:#?}");
     }
+
+    /// Waits until `n` outcomes have been stored.
+    async fn expect_stored(&self, n: f64) {
+        let stored = [("idem.record", "stored")];
+        self.expect("idem.server.record.outcome", &stored, Value::Sum(n))
+            .await;
+    }
 }
 
 fn points(data: &AggregatedMetrics) -> Vec<Point> {
@@ -282,12 +289,7 @@ async fn two_retries_then_ok() {
             .value("grpc.server.call.duration", &[sm[0], ("grpc.status", "OK")])
             .unwrap()
     ));
-    otel.expect(
-        "idem.server.record.outcome",
-        &[("idem.record", "stored")],
-        Value::Sum(1.0),
-    )
-    .await;
+    otel.expect_stored(1.0).await;
     assert_eq!(
         otel.value("idem.server.stale_fences", &[]),
         Some(Value::Sum(0.0))
@@ -422,12 +424,7 @@ async fn replay_and_mismatch() {
     assert!(hist(1)(
         &otel.value("grpc.server.call.duration", &fp).unwrap()
     ));
-    otel.expect(
-        "idem.server.record.outcome",
-        &[("idem.record", "stored")],
-        Value::Sum(1.0),
-    )
-    .await;
+    otel.expect_stored(1.0).await;
 }
 
 #[tokio::test]
@@ -848,12 +845,7 @@ async fn a_cancelled_call_shows_as_a_detached_run_until_it_ends() {
     release.notify_one();
     otel.expect("idem.server.handlers.detached", &[], Value::Gauge(0.0))
         .await;
-    otel.expect(
-        "idem.server.record.outcome",
-        &[("idem.record", "stored")],
-        Value::Sum(1.0),
-    )
-    .await;
+    otel.expect_stored(1.0).await;
 }
 
 /// A detached run whose handler panics still ends its place in the gauge, its outcome
@@ -871,12 +863,7 @@ async fn a_detached_run_that_panics_leaves_the_gauge_and_the_call_reads_cancelle
     release.notify_one();
     otel.expect("idem.server.handlers.detached", &[], Value::Gauge(0.0))
         .await;
-    otel.expect(
-        "idem.server.record.outcome",
-        &[("idem.record", "stored")],
-        Value::Sum(1.0),
-    )
-    .await;
+    otel.expect_stored(1.0).await;
     let cancelled = [("grpc.status", "CANCELLED")];
     assert!(hist(1)(
         &otel
