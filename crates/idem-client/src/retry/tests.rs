@@ -1289,3 +1289,62 @@ async fn the_report_reuses_the_request_extensions_map_without_its_entries() {
     assert_eq!(resp.extensions().get::<FromTheRequest>(), None);
     assert_eq!(resp.extensions().len(), 1, "the report alone");
 }
+
+/// A service whose clone number `panic_at` (counted from 1) panics.
+struct PanicsOnClone {
+    inner: Inner,
+    clones: Arc<std::sync::atomic::AtomicUsize>,
+    panic_at: usize,
+}
+
+impl Clone for PanicsOnClone {
+    fn clone(&self) -> Self {
+        let n = self
+            .clones
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        assert_ne!(n, self.panic_at, "this clone panics");
+        PanicsOnClone {
+            inner: self.inner.clone(),
+            clones: self.clones.clone(),
+            panic_at: self.panic_at,
+        }
+    }
+}
+
+impl Service<http::Request<Body>> for PanicsOnClone {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = <Inner as Service<http::Request<Body>>>::Future;
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        self.inner.call(req)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_whose_service_clone_panics_fails_that_call_only() {
+    // Clone 1 is the test's copy of the layer's service, clone 2 the spare (made at the
+    // first retrying call), clone 3 the first retry's copy of the spare: that one
+    // panics, under the spare's lock.
+    let script = Script::new([unavailable(), unavailable()]);
+    let layer = builder().max_attempts(3).build().unwrap();
+    let mut svc = layer.layer(PanicsOnClone {
+        inner: script.service(),
+        clones: Arc::default(),
+        panic_at: 3,
+    });
+    let mut first = svc.clone();
+    let call = tokio::spawn(async move { send(&mut first, request(PATH)).await });
+    let panicked = call.await.expect_err("the retry's clone panicked");
+    assert!(panicked.is_panic());
+    // The spare's lock was poisoned by the panic: the next retry still gets its clone.
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
+    assert_eq!(script.seen().len(), 3);
+}
