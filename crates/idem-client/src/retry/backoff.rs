@@ -121,18 +121,17 @@ pub fn backoff_bounds(policy: &RetryPolicy, n: u32) -> (Duration, Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::test_util::unavailable_policy;
     use idem_core::code::{Code, CodeSet};
     use proptest::prelude::*;
 
     fn policy(initial_ms: u64, mult: f64, max_ms: u64) -> RetryPolicy {
-        RetryPolicy::new(
+        unavailable_policy(
             5,
             Duration::from_millis(initial_ms),
             Duration::from_millis(max_ms),
             mult,
-            CodeSet::of(Code::Unavailable),
         )
-        .unwrap()
     }
 
     #[test]

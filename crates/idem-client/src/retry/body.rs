@@ -293,7 +293,8 @@ pub(crate) fn read_ready(
 /// every attempt (`replay`) or hedge (`hedge_body`).
 #[cfg(test)]
 pub(super) mod fixtures {
-    use std::task::Waker;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
 
     use tokio::sync::mpsc;
 
@@ -348,6 +349,62 @@ pub(super) mod fixtures {
             tx,
             budget,
         }
+    }
+
+    impl Started {
+        /// The call whose request stream `keep` keeps, built on this start.
+        pub(crate) fn call<S>(
+            self,
+            keep: impl FnOnce(Partial, tonic::body::Body, Lease) -> S,
+        ) -> Call<S> {
+            Call {
+                stream: keep(self.start, self.source, self.lease),
+                tx: Some(self.tx),
+                budget: self.budget,
+            }
+        }
+    }
+
+    /// A streamed call under test: what keeps its request stream, the caller's end of
+    /// that stream (`None` once the caller has ended it) and the layer's budget.
+    pub(crate) struct Call<S> {
+        pub(crate) stream: S,
+        pub(crate) tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
+        pub(crate) budget: Arc<ReplayBudget>,
+    }
+
+    impl<S> Call<S> {
+        /// The caller sends `chunk`.
+        pub(crate) fn send(&self, chunk: &'static str) {
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Ok(Bytes::from(chunk))).unwrap();
+        }
+
+        /// The caller's stream fails with `message`.
+        pub(crate) fn fail(&self, message: &str) {
+            let tx = self.tx.as_ref().unwrap();
+            tx.send(Err(message.to_owned())).unwrap();
+        }
+    }
+
+    /// A message read from a body, as [`ok`] says it.
+    pub(crate) fn ok(s: &str) -> Option<Result<String, String>> {
+        Some(Ok(s.to_owned()))
+    }
+
+    /// Counts its wakes.
+    pub(crate) struct Count(pub(crate) AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A waker and the count of its wakes.
+    pub(crate) fn counter() -> (Arc<Count>, Waker) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (count.clone(), Waker::from(count))
     }
 }
 

@@ -86,6 +86,7 @@ impl Body for DeadlineBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::test_util::{deadline_report, next_trailers};
     use http_body_util::BodyExt;
     use std::time::Duration;
 
@@ -98,19 +99,11 @@ mod tests {
         let mut body = bound(resp, Some(start + Duration::from_secs(1)), report).into_body();
         let first = body.frame().await.unwrap().unwrap();
         assert_eq!(first.into_data().unwrap(), &b"\0\0\0\0\0"[..]);
-        let trailers = body
-            .frame()
-            .await
-            .unwrap()
-            .unwrap()
-            .into_trailers()
-            .unwrap();
+        let trailers = next_trailers(&mut body).await;
         assert_eq!(start.elapsed(), Duration::from_secs(1));
         assert!(body.frame().await.is_none());
         let status = tonic::Status::from_header_map(&trailers).unwrap();
-        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
-        let r = CallReport::from_status(&status).unwrap();
-        assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+        assert_eq!(deadline_report(&status).attempts, 1);
     }
 
     /// One message, then nothing for ever.

@@ -570,41 +570,22 @@ impl Drop for HedgeBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::body::ReplayBudget;
-    use crate::retry::body::fixtures::started;
+    use crate::retry::body::fixtures::{Call, counter, ok, started};
     use http_body_util::BodyExt;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::sync::mpsc;
+    use std::sync::atomic::Ordering;
 
-    struct Call {
-        request: HedgeRequest,
-        tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
-        budget: Arc<ReplayBudget>,
-    }
-
-    impl Call {
-        fn send(&self, chunk: &'static str) {
-            let tx = self.tx.as_ref().unwrap();
-            tx.send(Ok(Bytes::from(chunk))).unwrap();
-        }
-        fn fail(&self, message: &str) {
-            let tx = self.tx.as_ref().unwrap();
-            tx.send(Err(message.to_owned())).unwrap();
-        }
+    impl Call<HedgeRequest> {
         fn body(&self, hedge: u32) -> tonic::body::Body {
-            self.request.body(hedge)
+            self.stream.body(hedge)
         }
     }
 
     /// A hedged call whose caller has produced nothing yet; `cap` per call, `total` in
     /// the layer's budget.
-    fn call(cap: usize, total: usize) -> Call {
-        let s = started(cap, total);
-        Call {
-            request: HedgeRequest::Stream(HedgeStream::new(s.start, s.source, s.lease, cap, None)),
-            tx: Some(s.tx),
-            budget: s.budget,
-        }
+    fn call(cap: usize, total: usize) -> Call<HedgeRequest> {
+        started(cap, total).call(|start, source, lease| {
+            HedgeRequest::Stream(HedgeStream::new(start, source, lease, cap, None))
+        })
     }
 
     async fn next(body: &mut tonic::body::Body) -> Option<Result<String, String>> {
@@ -615,10 +596,6 @@ mod tests {
         })
     }
 
-    fn ok(s: &str) -> Option<Result<String, String>> {
-        Some(Ok(s.to_owned()))
-    }
-
     const RETIRED: &str = "hedge cancelled: the request went to another hedge or the call ended";
 
     fn poll_once(
@@ -626,17 +603,6 @@ mod tests {
         waker: &Waker,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         Pin::new(body).poll_frame(&mut Context::from_waker(waker))
-    }
-
-    struct Count(AtomicUsize);
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    fn counter() -> (Arc<Count>, Waker) {
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        (count.clone(), Waker::from(count))
     }
 
     #[tokio::test]
@@ -664,8 +630,8 @@ mod tests {
         let third = c.body(2);
         assert_eq!(&third.collect().await.unwrap().to_bytes()[..], b"abcd");
         assert_eq!(c.budget.held(), 4);
-        assert_eq!(c.request.sent_once(), None);
-        drop(c.request);
+        assert_eq!(c.stream.sent_once(), None);
+        drop(c.stream);
         assert_eq!(
             c.budget.held(),
             0,
@@ -719,13 +685,13 @@ mod tests {
             assert_eq!(next(&mut second).await, ok("ab"));
             assert_eq!(c.budget.held(), 2);
             let mut cx = Context::from_waker(Waker::noop());
-            assert!(c.request.poll_overflow(&mut cx).is_pending());
+            assert!(c.stream.poll_overflow(&mut cx).is_pending());
             // Hedge 1 reads the message that does not fit: the request is its own.
             c.send("cd");
             assert_eq!(next(&mut second).await, ok("cd"));
-            assert_eq!(c.request.poll_overflow(&mut cx), Poll::Ready(1));
-            assert!(c.request.poll_overflow(&mut cx).is_pending(), "said once");
-            assert_eq!(c.request.sent_once(), Some(why));
+            assert_eq!(c.stream.poll_overflow(&mut cx), Poll::Ready(1));
+            assert!(c.stream.poll_overflow(&mut cx).is_pending(), "said once");
+            assert_eq!(c.stream.sent_once(), Some(why));
             assert_eq!(c.budget.held(), 0);
             assert_eq!(next(&mut first).await, Some(Err(RETIRED.into())));
             // No hedge starts now.
@@ -755,10 +721,10 @@ mod tests {
         assert_eq!(next(&mut first).await, ok("b"));
         assert_eq!(next(&mut second).await, ok("a"));
         // Hedge 1 gets response headers having sent "a" of "a", "b".
-        c.request.commit(1);
+        c.stream.commit(1);
         assert_eq!(c.budget.held(), 0);
         assert_eq!(
-            c.request.sent_once(),
+            c.stream.sent_once(),
             None,
             "committed by headers, not by a limit"
         );
@@ -787,7 +753,7 @@ mod tests {
             next(&mut second).await,
             Some(Err("the request stream failed: caller broke".into()))
         );
-        assert_eq!(c.request.sent_once(), Some(CallOutcome::BodyError));
+        assert_eq!(c.stream.sent_once(), Some(CallOutcome::BodyError));
         assert_eq!(c.budget.held(), 0);
     }
 
@@ -797,7 +763,7 @@ mod tests {
         let (count, waker) = counter();
         let mut first = c.body(0);
         assert!(poll_once(&mut first, &waker).is_pending());
-        c.request.retire(0);
+        c.stream.retire(0);
         assert_eq!(
             count.0.load(Ordering::SeqCst),
             1,
@@ -828,7 +794,7 @@ mod tests {
         };
         assert!(poll_once(&mut first, &waker).is_pending());
         assert_eq!(c.budget.held(), 3);
-        drop(c.request);
+        drop(c.stream);
         assert_eq!(c.budget.held(), 0);
         assert!(count.0.load(Ordering::SeqCst) >= 1);
         for body in [&mut first, &mut second] {
@@ -923,13 +889,13 @@ mod tests {
                             Poll::Pending => {}
                         }
                     }
-                    Op::Retire(h) => c.request.retire(h),
-                    Op::Commit(h) => c.request.commit(h),
+                    Op::Retire(h) => c.stream.retire(h),
+                    Op::Commit(h) => c.stream.commit(h),
                     Op::Drop(h) => bodies[h as usize] = None,
                     _ => {}
                 }
                 let mut cx = Context::from_waker(waker);
-                let _ = c.request.poll_overflow(&mut cx);
+                let _ = c.stream.poll_overflow(&mut cx);
                 proptest::prop_assert!(c.budget.held() <= cap.min(150));
                 for (_, seen) in bodies.iter().flatten() {
                     // What a hedge sent is the request's first messages, in order.
@@ -942,7 +908,7 @@ mod tests {
                 }
             }
             drop(bodies);
-            drop(c.request);
+            drop(c.stream);
             proptest::prop_assert_eq!(c.budget.held(), 0);
         }
     }

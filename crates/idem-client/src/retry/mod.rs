@@ -36,4 +36,6 @@ pub use throttle::RetryThrottle;
 #[cfg(test)]
 mod strategies;
 #[cfg(test)]
+mod test_util;
+#[cfg(test)]
 mod tests;

@@ -159,6 +159,7 @@ mod tests {
     use super::*;
     use crate::retry::backoff::FixedJitter;
     use crate::retry::strategies::{durations, ends, pushbacks};
+    use crate::retry::test_util::unavailable_policy;
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
 
@@ -274,14 +275,7 @@ mod tests {
 
     #[test]
     fn a_server_wait_over_the_cap_stops_instead_of_parking_the_call() {
-        let policy = RetryPolicy::new(
-            3,
-            Duration::from_millis(20),
-            Duration::from_secs(1),
-            2.0,
-            CodeSet::of(Code::Unavailable),
-        )
-        .unwrap();
+        let policy = unavailable_policy(3, Duration::from_millis(20), Duration::from_secs(1), 2.0);
         let jitter = FixedJitter(0.5);
         let l = limits(&policy, &jitter);
         let unavailable = AttemptEnd::Status(Code::Unavailable);

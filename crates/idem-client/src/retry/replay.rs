@@ -357,33 +357,15 @@ impl Body for StreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::body::fixtures::{Feed, started};
+    use crate::retry::body::fixtures::{Call, Feed, counter, ok, started};
     use crate::retry::body::{Read, ReplayBudget, read_ready};
     use http_body_util::BodyExt;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::task::Wake;
+    use std::sync::atomic::Ordering;
     use tokio::sync::mpsc;
 
-    struct Call {
-        replay: StreamReplay,
-        tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
-        budget: Arc<ReplayBudget>,
-    }
-
-    impl Call {
-        fn send(&self, chunk: &'static str) {
-            let tx = self.tx.as_ref().unwrap();
-            tx.send(Ok(Bytes::from(chunk))).unwrap();
-        }
-    }
-
-    fn call(cap: usize, total: usize) -> Call {
-        let s = started(cap, total);
-        Call {
-            replay: StreamReplay::new(s.start, s.source, s.lease, cap, None),
-            tx: Some(s.tx),
-            budget: s.budget,
-        }
+    fn call(cap: usize, total: usize) -> Call<StreamReplay> {
+        started(cap, total)
+            .call(|start, source, lease| StreamReplay::new(start, source, lease, cap, None))
     }
 
     async fn next(body: &mut StreamBody) -> Option<Result<String, String>> {
@@ -394,24 +376,20 @@ mod tests {
         })
     }
 
-    fn ok(s: &str) -> Option<Result<String, String>> {
-        Some(Ok(s.to_owned()))
-    }
-
     const SUPERSEDED: &str = "request stream taken over by a newer attempt";
 
     #[tokio::test]
     async fn a_retry_replays_what_was_sent_then_goes_on_live() {
         let mut c = call(100, 100);
-        let mut first = c.replay.body();
+        let mut first = c.stream.body();
         c.send("a");
         assert_eq!(next(&mut first).await, ok("a"));
         c.send("bc");
         assert_eq!(next(&mut first).await, ok("bc"));
         assert_eq!(c.budget.held(), 3);
-        c.replay.retire();
+        c.stream.retire();
         assert_eq!(next(&mut first).await, Some(Err(SUPERSEDED.into())));
-        let mut second = c.replay.body();
+        let mut second = c.stream.body();
         assert_eq!(next(&mut second).await, ok("a"));
         assert_eq!(next(&mut second).await, ok("bc"));
         c.send("d");
@@ -420,10 +398,10 @@ mod tests {
         assert_eq!(next(&mut second).await, None);
         assert!(second.is_end_stream());
         // A third attempt sends the whole request, which has ended.
-        let third = c.replay.body();
+        let third = c.stream.body();
         assert_eq!(&third.collect().await.unwrap().to_bytes()[..], b"abcd");
         assert_eq!(c.budget.held(), 4);
-        drop(c.replay);
+        drop(c.stream);
         assert_eq!(
             c.budget.held(),
             0,
@@ -434,17 +412,17 @@ mod tests {
     #[tokio::test]
     async fn a_commit_frees_the_copy_and_the_attempt_goes_on() {
         let mut c = call(100, 100);
-        let mut first = c.replay.body();
+        let mut first = c.stream.body();
         c.send("a");
         c.send("b");
         assert_eq!(next(&mut first).await, ok("a"));
-        c.replay.retire();
+        c.stream.retire();
         // The retry has sent "a" of "a", "b" when its response headers come.
-        let mut second = c.replay.body();
+        let mut second = c.stream.body();
         assert_eq!(next(&mut second).await, ok("a"));
-        c.replay.commit();
+        c.stream.commit();
         assert_eq!(c.budget.held(), 0);
-        assert_eq!(c.replay.overflow(), None);
+        assert_eq!(c.stream.overflow(), None);
         assert_eq!(next(&mut second).await, ok("b"));
         c.send("c");
         assert_eq!(next(&mut second).await, ok("c"));
@@ -465,21 +443,21 @@ mod tests {
     async fn past_a_limit_the_call_commits_and_the_attempt_goes_on() {
         for (cap, total, why) in [(3, 100, Overflow::PerCall), (100, 3, Overflow::Budget)] {
             let c = call(cap, total);
-            let mut first = c.replay.body();
+            let mut first = c.stream.body();
             c.send("ab");
             c.send("cd");
             c.send("ef");
             assert_eq!(next(&mut first).await, ok("ab"));
             assert_eq!(c.budget.held(), 2);
             assert_eq!(next(&mut first).await, ok("cd"));
-            assert_eq!(c.replay.overflow(), Some(why));
-            assert!(!c.replay.can_resend());
+            assert_eq!(c.stream.overflow(), Some(why));
+            assert!(!c.stream.can_resend());
             assert_eq!(c.budget.held(), 0);
             assert_eq!(next(&mut first).await, ok("ef"));
             assert_eq!(c.budget.held(), 0);
             // Its response headers come, and the call loop ends: the attempt goes on.
-            c.replay.commit();
-            drop(c.replay);
+            c.stream.commit();
+            drop(c.stream);
             c.tx.as_ref()
                 .unwrap()
                 .send(Ok(Bytes::from_static(b"gh")))
@@ -490,19 +468,12 @@ mod tests {
 
     #[test]
     fn a_stale_body_waiting_on_the_caller_is_woken_and_fails() {
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
         let c = call(100, 100);
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let waker = Waker::from(count.clone());
+        let (count, waker) = counter();
         let mut cx = Context::from_waker(&waker);
-        let mut first = c.replay.body();
+        let mut first = c.stream.body();
         assert!(Pin::new(&mut first).poll_frame(&mut cx).is_pending());
-        let _second = c.replay.body();
+        let _second = c.stream.body();
         assert_eq!(
             count.0.load(Ordering::SeqCst),
             1,

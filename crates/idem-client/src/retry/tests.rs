@@ -8,13 +8,14 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body_util::BodyExt;
 use idem_core::code::{Code, CodeSet};
-use idem_core::config::{IdemSettings, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig};
+use idem_core::config::{IdemSettings, MethodConfig, RetryThrottling, ServiceConfig};
 use idem_core::deadline::{InboundScope, parse_grpc_timeout, scope_inbound_deadline};
 use tokio::time::Instant;
 use tonic::body::Body;
 use tower::{Layer, Service, ServiceExt};
 
 use super::backoff::FixedJitter;
+use super::test_util::{deadline_report, next_trailers, unavailable_policy};
 use super::*;
 use crate::BoxError;
 
@@ -206,14 +207,7 @@ fn builder() -> RetryLayerBuilder {
 
 #[tokio::test(start_paused = true)]
 async fn backoff_waits_lie_in_a6_bounds_for_attempts_1_to_4() {
-    let policy = RetryPolicy::new(
-        5,
-        Duration::from_millis(20),
-        Duration::from_secs(1),
-        2.0,
-        CodeSet::of(Code::Unavailable),
-    )
-    .unwrap();
+    let policy = unavailable_policy(5, Duration::from_millis(20), Duration::from_secs(1), 2.0);
     for seed in 0..20u64 {
         let script = Script::new([
             unavailable(),
@@ -385,21 +379,13 @@ async fn grpc_timeout_is_rewritten_to_the_time_left_on_every_attempt() {
 
 #[tokio::test(start_paused = true)]
 async fn config_timeout_and_inbound_deadline_take_the_earliest() {
+    let policy = unavailable_policy(3, Duration::from_millis(10), Duration::from_millis(10), 1.0);
     let cfg = ServiceConfig::from_parts(
         vec![
             MethodConfig::empty()
                 .with_name("shop.v1.Orders", "")
                 .with_timeout(Duration::from_millis(500))
-                .with_retry_policy(
-                    RetryPolicy::new(
-                        3,
-                        Duration::from_millis(10),
-                        Duration::from_millis(10),
-                        1.0,
-                        CodeSet::of(Code::Unavailable),
-                    )
-                    .unwrap(),
-                ),
+                .with_retry_policy(policy),
         ],
         None,
         IdemSettings::default(),
@@ -536,16 +522,8 @@ async fn no_policy_passes_through_once_and_unprotected_methods_get_no_key() {
 
 #[tokio::test(start_paused = true)]
 async fn reload_swaps_policies_and_keeps_the_throttle_bucket() {
-    let policy = |n| {
-        RetryPolicy::new(
-            n,
-            Duration::from_millis(10),
-            Duration::from_millis(10),
-            1.0,
-            CodeSet::of(Code::Unavailable),
-        )
-        .unwrap()
-    };
+    let policy =
+        |n| unavailable_policy(n, Duration::from_millis(10), Duration::from_millis(10), 1.0);
     let throttling = RetryThrottling {
         max_milli_tokens: 20_000,
         token_ratio_milli: 500,
@@ -953,18 +931,10 @@ async fn the_deadline_bounds_a_stalled_response_body() {
         let resp = run(&layer, &script, with_timeout(PATH, "1S")).await;
         let mut body = resp.into_body();
         assert!(body.frame().await.unwrap().unwrap().is_data());
-        let trailers = body
-            .frame()
-            .await
-            .unwrap()
-            .unwrap()
-            .into_trailers()
-            .unwrap();
+        let trailers = next_trailers(&mut body).await;
         assert_eq!(start.elapsed(), Duration::from_secs(1));
         let status = tonic::Status::from_header_map(&trailers).unwrap();
-        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
-        let r = CallReport::from_status(&status).unwrap();
-        assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+        assert_eq!(deadline_report(&status).attempts, 1);
         assert!(body.frame().await.is_none());
     }
 }
@@ -977,9 +947,7 @@ async fn a_channel_timeout_at_the_deadline_is_deadline_exceeded_with_a_report() 
         let resp = run(&layer, &script, with_timeout(PATH, "100m")).await;
         assert_eq!(start.elapsed(), Duration::from_millis(100));
         let status = status_of(&resp);
-        assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
-        let r = CallReport::from_status(&status).unwrap();
-        assert_eq!(r.outcome, CallOutcome::Deadline);
+        let r = deadline_report(&status);
         assert_eq!(ends(&r), [AttemptEnd::Deadline]);
     }
 }
@@ -994,9 +962,7 @@ async fn a_tonic_deadline_comes_back_as_deadline_exceeded() {
     let status = tonic_unary(layer.layer(script.service()), req)
         .await
         .unwrap_err();
-    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
-    let r = CallReport::from_status(&status).unwrap();
-    assert_eq!((r.outcome, r.attempts), (CallOutcome::Deadline, 1));
+    assert_eq!(deadline_report(&status).attempts, 1);
 }
 
 #[tokio::test]
@@ -1219,19 +1185,25 @@ async fn a_throttled_call_says_why() {
     );
 }
 
-/// A service that counts its clones.
+/// A service that counts its clones; clone number `panic_at` (counted from 1), if any,
+/// panics.
 struct Counted {
     inner: Inner,
     clones: Arc<std::sync::atomic::AtomicUsize>,
+    panic_at: Option<usize>,
 }
 
 impl Clone for Counted {
     fn clone(&self) -> Self {
-        self.clones
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self
+            .clones
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        assert_ne!(Some(n), self.panic_at, "this clone panics");
         Counted {
             inner: self.inner.clone(),
             clones: self.clones.clone(),
+            panic_at: self.panic_at,
         }
     }
 }
@@ -1260,6 +1232,7 @@ async fn first_attempts_go_out_on_the_ready_service_and_retries_on_one_shared_cl
     let svc = layer.layer(Counted {
         inner: script.service(),
         clones: clones.clone(),
+        panic_at: None,
     });
     // A client per call, as tonic users clone theirs: the layer adds one clone (the
     // spare, shared by every clone of the service), not one per call.
@@ -1290,43 +1263,6 @@ async fn the_report_reuses_the_request_extensions_map_without_its_entries() {
     assert_eq!(resp.extensions().len(), 1, "the report alone");
 }
 
-/// A service whose clone number `panic_at` (counted from 1) panics.
-struct PanicsOnClone {
-    inner: Inner,
-    clones: Arc<std::sync::atomic::AtomicUsize>,
-    panic_at: usize,
-}
-
-impl Clone for PanicsOnClone {
-    fn clone(&self) -> Self {
-        let n = self
-            .clones
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            + 1;
-        assert_ne!(n, self.panic_at, "this clone panics");
-        PanicsOnClone {
-            inner: self.inner.clone(),
-            clones: self.clones.clone(),
-            panic_at: self.panic_at,
-        }
-    }
-}
-
-impl Service<http::Request<Body>> for PanicsOnClone {
-    type Response = http::Response<Body>;
-    type Error = BoxError;
-    type Future = <Inner as Service<http::Request<Body>>>::Future;
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx)
-    }
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        self.inner.call(req)
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_retry_whose_service_clone_panics_fails_that_call_only() {
     // Clone 1 is the test's copy of the layer's service, clone 2 the spare (made at the
@@ -1334,10 +1270,10 @@ async fn a_retry_whose_service_clone_panics_fails_that_call_only() {
     // panics, under the spare's lock.
     let script = Script::new([unavailable(), unavailable()]);
     let layer = builder().max_attempts(3).build().unwrap();
-    let mut svc = layer.layer(PanicsOnClone {
+    let mut svc = layer.layer(Counted {
         inner: script.service(),
         clones: Arc::default(),
-        panic_at: 3,
+        panic_at: Some(3),
     });
     let mut first = svc.clone();
     let call = tokio::spawn(async move { send(&mut first, request(PATH)).await });
