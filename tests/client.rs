@@ -241,11 +241,40 @@ fn layer(cfg: &ServiceConfig) -> RetryLayer {
         .unwrap()
 }
 
-fn default_config() -> ServiceConfig {
-    config(
-        policy(3, Duration::from_millis(20), Duration::from_secs(1), 2.0),
-        None,
+/// [`config`] with [`policy`] and no throttling.
+fn retry_config(
+    max_attempts: u32,
+    initial: Duration,
+    max: Duration,
+    multiplier: f64,
+) -> ServiceConfig {
+    config(policy(max_attempts, initial, max, multiplier), None)
+}
+
+/// [`policy`] with the default backoff: 20 ms, doubling, at most 1 s.
+fn default_policy(max_attempts: u32) -> RetryPolicy {
+    policy(
+        max_attempts,
+        Duration::from_millis(20),
+        Duration::from_secs(1),
+        2.0,
     )
+}
+
+fn default_config() -> ServiceConfig {
+    config(default_policy(3), None)
+}
+
+fn list() -> ListOrdersRequest {
+    ListOrdersRequest {
+        customer_id: "c-1".into(),
+    }
+}
+
+fn get(order_id: &str) -> GetOrderRequest {
+    GetOrderRequest {
+        order_id: order_id.into(),
+    }
 }
 
 fn create(note_len: usize) -> Request<CreateOrderRequest> {
@@ -270,6 +299,16 @@ fn pushback(values: &[&'static str]) -> Fault {
     Fault::Fail(s)
 }
 
+/// Asserts that the call behind `resp` committed after `attempts` attempts.
+#[track_caller]
+fn assert_committed<T>(resp: &Response<T>, attempts: u32) {
+    let report = CallReport::from_response(resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, attempts)
+    );
+}
+
 fn report_of(status: &Status) -> CallReport {
     CallReport::from_status(status).unwrap_or_else(|| panic!("no report on {status:?}"))
 }
@@ -282,11 +321,7 @@ async fn unavailable_twice_then_ok_takes_three_attempts() {
     let mut c = client(serve(shop.clone()).await, layer(&default_config()));
     let resp = c.create_order(create(10)).await.unwrap();
     assert_eq!(resp.get_ref().order_id, "o-1");
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!(
-        (report.outcome, report.attempts),
-        (CallOutcome::Committed, 3)
-    );
+    assert_committed(&resp, 3);
     let previous = shop.headers("grpc-previous-rpc-attempts");
     assert_eq!(previous, [None, Some("1".into()), Some("2".into())]);
 }
@@ -294,10 +329,7 @@ async fn unavailable_twice_then_ok_takes_three_attempts() {
 #[tokio::test(start_paused = true)]
 async fn max_attempts_2_gives_up_after_2_attempts_with_unavailable() {
     let shop = Shop::with([unavailable(), unavailable(), unavailable()]);
-    let cfg = config(
-        policy(2, Duration::from_millis(20), Duration::from_secs(1), 2.0),
-        None,
-    );
+    let cfg = retry_config(2, Duration::from_millis(20), Duration::from_secs(1), 2.0);
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let err = c.create_order(create(10)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
@@ -319,14 +351,11 @@ async fn a_non_retryable_code_is_not_retried() {
 #[tokio::test(start_paused = true)]
 async fn max_attempts_10_makes_at_most_5() {
     let shop = Shop::with((0..10).map(|_| unavailable()));
-    let cfg = config(
-        policy(
-            10,
-            Duration::from_millis(10),
-            Duration::from_millis(10),
-            1.0,
-        ),
-        None,
+    let cfg = retry_config(
+        10,
+        Duration::from_millis(10),
+        Duration::from_millis(10),
+        1.0,
     );
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let err = c.create_order(create(10)).await.unwrap_err();
@@ -339,17 +368,8 @@ async fn max_attempts_10_makes_at_most_5() {
 async fn headers_then_an_error_is_not_retried() {
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&default_config()));
-    let resp = c
-        .list_orders(ListOrdersRequest {
-            customer_id: "c-1".into(),
-        })
-        .await
-        .unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!(
-        (report.outcome, report.attempts),
-        (CallOutcome::Committed, 1)
-    );
+    let resp = c.list_orders(list()).await.unwrap();
+    assert_committed(&resp, 1);
     let err = resp.into_inner().message().await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
     assert_eq!(shop.attempts(), 1);
@@ -364,17 +384,8 @@ async fn with_the_opt_in_headers_then_an_error_is_retried() {
         .build()
         .unwrap();
     let mut c = client(serve(shop.clone()).await, l);
-    let resp = c
-        .list_orders(ListOrdersRequest {
-            customer_id: "c-1".into(),
-        })
-        .await
-        .unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!(
-        (report.outcome, report.attempts),
-        (CallOutcome::Committed, 2)
-    );
+    let resp = c.list_orders(list()).await.unwrap();
+    assert_committed(&resp, 2);
     let mut stream = resp.into_inner();
     assert_eq!(stream.message().await.unwrap().unwrap().order_id, "o-1");
     assert!(stream.message().await.unwrap().is_none());
@@ -399,10 +410,7 @@ async fn waits_follow_a_real_servers_pushback_and_retry_info_under_a_shrinking_d
         ErrorDetails::with_retry_info(Some(Duration::from_millis(500))),
     ));
     let shop = Shop::with([unavailable(), pushback(&["300"]), info, Fault::Ok]);
-    let cfg = config(
-        policy(4, Duration::from_millis(20), Duration::from_secs(1), 2.0),
-        None,
-    );
+    let cfg = retry_config(4, Duration::from_millis(20), Duration::from_secs(1), 2.0);
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let mut req = create(10);
     req.set_timeout(Duration::from_secs(5));
@@ -442,10 +450,7 @@ async fn negative_garbage_or_repeated_pushback_stops() {
 #[tokio::test(start_paused = true)]
 async fn pushback_0_retries_at_once() {
     // A 1 s backoff would show: the retry must come with no wait at all.
-    let cfg = config(
-        policy(3, Duration::from_secs(1), Duration::from_secs(1), 2.0),
-        None,
-    );
+    let cfg = retry_config(3, Duration::from_secs(1), Duration::from_secs(1), 2.0);
     let shop = Shop::with([pushback(&["0"]), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     c.create_order(create(10)).await.unwrap();
@@ -492,12 +497,7 @@ async fn grpc_go_retry_throttling_sequence() {
         (UNAV, 17, 5_000),
     ];
     for (n, (code, last_index, tokens)) in expected.into_iter().enumerate() {
-        let got = match c
-            .get_order(GetOrderRequest {
-                order_id: "x".into(),
-            })
-            .await
-        {
+        let got = match c.get_order(get("x")).await {
             Ok(_) => OK,
             Err(s) => s.code(),
         };
@@ -519,10 +519,7 @@ async fn grpc_go_retry_throttling_sequence() {
 
 #[tokio::test(start_paused = true)]
 async fn a_100ms_deadline_with_1s_backoff_makes_one_attempt_and_returns_well_under_1s() {
-    let cfg = config(
-        policy(3, Duration::from_secs(1), Duration::from_secs(1), 2.0),
-        None,
-    );
+    let cfg = retry_config(3, Duration::from_secs(1), Duration::from_secs(1), 2.0);
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let mut c = client(serve(shop.clone()).await, layer(&cfg));
     let mut req = create(10);
@@ -583,11 +580,7 @@ async fn unprotected_methods_get_no_key_unless_the_option_says_so() {
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let addr = serve(shop.clone()).await;
     let mut c = client(addr, layer(&default_config()));
-    c.get_order(GetOrderRequest {
-        order_id: "o-9".into(),
-    })
-    .await
-    .unwrap();
+    c.get_order(get("o-9")).await.unwrap();
     assert_eq!(shop.attempts(), 2, "retried, but");
     assert!(
         shop.seen()
@@ -600,11 +593,7 @@ async fn unprotected_methods_get_no_key_unless_the_option_says_so() {
         .build()
         .unwrap();
     let mut c = client(addr, all);
-    c.get_order(GetOrderRequest {
-        order_id: "o-9".into(),
-    })
-    .await
-    .unwrap();
+    c.get_order(get("o-9")).await.unwrap();
     assert!(shop.seen()[2].header("x-idempotency-key").is_some());
 }
 
@@ -617,12 +606,7 @@ async fn the_interceptor_key_is_stable_across_retries_below_it() {
         vec![
             MethodConfig::empty()
                 .with_name("shop.v1.Orders", "")
-                .with_retry_policy(policy(
-                    3,
-                    Duration::from_millis(20),
-                    Duration::from_secs(1),
-                    2.0,
-                )),
+                .with_retry_policy(default_policy(3)),
         ],
         None,
         IdemSettings::default(),
@@ -632,11 +616,7 @@ async fn the_interceptor_key_is_stable_across_retries_below_it() {
         .layer(layer(&cfg))
         .service(net::channel(addr));
     let mut c = OrdersClient::with_interceptor(svc, IdempotencyKeyInterceptor::all_methods());
-    c.get_order(GetOrderRequest {
-        order_id: "o-1".into(),
-    })
-    .await
-    .unwrap();
+    c.get_order(get("o-1")).await.unwrap();
     let keys = shop.headers("x-idempotency-key");
     assert_eq!(keys.len(), 3);
     assert!(
@@ -657,11 +637,7 @@ async fn the_interceptor_for_a_config_keys_only_protected_methods() {
         .service(net::channel(addr));
     let mut c = OrdersClient::with_interceptor(svc, IdempotencyKeyInterceptor::for_config(&cfg));
     c.create_order(create(10)).await.unwrap();
-    c.get_order(GetOrderRequest {
-        order_id: "o-1".into(),
-    })
-    .await
-    .unwrap();
+    c.get_order(get("o-1")).await.unwrap();
     let seen = shop.seen();
     assert_eq!(seen[0].method, "CreateOrder");
     assert!(seen[0].header("x-idempotency-key").is_some());
@@ -712,14 +688,11 @@ async fn a_refused_connection_is_retried() {
 
     // Retries reach a server that comes up on that port during the backoff.
     let l = RetryLayer::builder()
-        .service_config(config(
-            policy(
-                5,
-                Duration::from_millis(200),
-                Duration::from_millis(200),
-                1.0,
-            ),
-            None,
+        .service_config(retry_config(
+            5,
+            Duration::from_millis(200),
+            Duration::from_millis(200),
+            1.0,
         ))
         .build()
         .unwrap();
@@ -748,12 +721,7 @@ async fn wait_for_ready_waits_for_a_server_that_comes_up_without_using_attempts(
         vec![
             MethodConfig::empty()
                 .with_name("shop.v1.Orders", "CreateOrder")
-                .with_retry_policy(policy(
-                    2,
-                    Duration::from_millis(20),
-                    Duration::from_secs(1),
-                    2.0,
-                ))
+                .with_retry_policy(default_policy(2))
                 .with_wait_for_ready(true)
                 .with_timeout(Duration::from_secs(10))
                 .with_idempotency(IdempotencyPolicy::default()),
@@ -809,12 +777,7 @@ async fn message_limits_from_the_config_apply_both_ways() {
     c.create_order(create(10)).await.unwrap();
     assert_eq!(shop.attempts(), 1);
     // A response message over its limit ends the call (here without a retry policy).
-    let err = c
-        .get_order(GetOrderRequest {
-            order_id: "o-9".into(),
-        })
-        .await
-        .unwrap_err();
+    let err = c.get_order(get("o-9")).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
     assert!(
         err.message().contains("maxResponseMessageBytes (8)"),
@@ -828,11 +791,7 @@ async fn a_builder_without_a_config_keys_every_method() {
     let shop = Shop::with([unavailable(), Fault::Ok]);
     let l = RetryLayer::builder().seed(3).build().unwrap();
     let mut c = client(serve(shop.clone()).await, l);
-    c.get_order(GetOrderRequest {
-        order_id: "o-9".into(),
-    })
-    .await
-    .unwrap();
+    c.get_order(get("o-9")).await.unwrap();
     let keys = shop.headers("x-idempotency-key");
     assert_eq!(keys.len(), 2);
     assert!(
