@@ -30,6 +30,32 @@ fn response(b: &'static [u8]) -> StoredOutcome {
     StoredOutcome::Response(Bytes::from_static(b))
 }
 
+/// A new scope and the fence of its claim, held for [`LONG`].
+async fn acquired(s: &PostgresStore) -> (Scope, u64) {
+    let sc = scope();
+    let fence = acquire(s, &sc, LONG).await;
+    (sc, fence)
+}
+
+/// Holds `sc`'s row (`FOR UPDATE`) until the returned transaction ends.
+async fn lock_row(admin: &PgPool, sc: &Scope) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = admin.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 FOR UPDATE")
+        .bind(&sc.0[..])
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
+/// Completes `sc`'s record under `fence` with the response `body`, kept for [`LONG`];
+/// panics when the store refuses.
+async fn complete(s: &PostgresStore, sc: &Scope, fence: u64, body: &'static [u8]) {
+    s.complete(completion(sc, fence, response(body), LONG))
+        .await
+        .unwrap();
+}
+
 /// A direct connection pool for the test's own SQL.
 async fn admin(server: &PostgresServer) -> PgPool {
     PgPoolOptions::new()
@@ -119,9 +145,7 @@ async fn a_stale_fence_cannot_complete_after_takeover_release_or_expiry() {
             .await,
         Err(StoreError::Fenced { .. })
     ));
-    s.complete(completion(&sc, after, response(b"third"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &sc, after, b"third").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -206,9 +230,7 @@ async fn a_waiter_is_woken_by_notify_not_by_polling() {
         other => panic!("{other:?}"),
     };
     let done = Instant::now();
-    s.complete(completion(&sc, fence, response(b"n"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &sc, fence, b"n").await;
     tokio::time::timeout(Duration::from_secs(5), w)
         .await
         .unwrap()
@@ -230,9 +252,7 @@ async fn only_watched_records_notify() {
     // spent only where someone listens).
     let quiet = scope();
     let f = acquire(&s, &quiet, LONG).await;
-    s.complete(completion(&quiet, f, response(b"q"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &quiet, f, b"q").await;
     // Somebody waits: its completion is announced with the scope.
     let loud = scope();
     let f = acquire(&s, &loud, LONG).await;
@@ -250,9 +270,7 @@ async fn only_watched_records_notify() {
         },
     )
     .await;
-    s.complete(completion(&loud, f, response(b"l"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &loud, f, b"l").await;
     let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
         .await
         .expect("a notification")
@@ -272,8 +290,7 @@ async fn waiters_return_when_the_listener_connection_is_lost() {
     let Some((s, _server, admin)) = start(|b| b).await else {
         return;
     };
-    let sc = scope();
-    let fence = acquire(&s, &sc, LONG).await;
+    let (sc, fence) = acquired(&s).await;
     let w = spawn_wait(&s, sc);
     eventually("listener up", Duration::from_secs(5), || async {
         s.is_listening()
@@ -291,9 +308,7 @@ async fn waiters_return_when_the_listener_connection_is_lost() {
     .unwrap()
     .get(0);
     assert_eq!(killed, 1);
-    s.complete(completion(&sc, fence, response(b"x"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &sc, fence, b"x").await;
     tokio::time::timeout(Duration::from_secs(3), w)
         .await
         .expect("the waiter returned")
@@ -304,8 +319,7 @@ async fn waiters_return_when_the_listener_connection_is_lost() {
         s.is_listening()
     })
     .await;
-    let sc = scope();
-    let fence = acquire(&s, &sc, LONG).await;
+    let (sc, fence) = acquired(&s).await;
     let w = spawn_wait(&s, sc);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let done = Instant::now();
@@ -328,15 +342,9 @@ async fn wait_returns_at_until_even_when_postgres_hangs() {
     else {
         return;
     };
-    let sc = scope();
-    acquire(&s, &sc, LONG).await;
+    let (sc, _) = acquired(&s).await;
     // Hold the row: the waiter's read blocks on it.
-    let mut tx = admin.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 FOR UPDATE")
-        .bind(&sc.0[..])
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = lock_row(&admin, &sc).await;
     let t0 = Instant::now();
     s.wait(&sc, t0 + Duration::from_millis(300)).await.unwrap();
     let took = t0.elapsed();
@@ -354,14 +362,8 @@ async fn a_statement_blocked_past_its_timeout_is_unavailable() {
     else {
         return;
     };
-    let sc = scope();
-    let fence = acquire(&s, &sc, LONG).await;
-    let mut tx = admin.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 FOR UPDATE")
-        .bind(&sc.0[..])
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let (sc, fence) = acquired(&s).await;
+    let tx = lock_row(&admin, &sc).await;
     for _ in 0..3 {
         let t0 = Instant::now();
         let r = s
@@ -397,9 +399,7 @@ async fn a_statement_blocked_past_its_timeout_is_unavailable() {
         s.get(&sc).await.unwrap(),
         Some(RecordState::InFlight { .. })
     ));
-    s.complete(completion(&sc, fence, response(b"r"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &sc, fence, b"r").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -410,8 +410,7 @@ async fn a_database_that_goes_away_is_unavailable_then_recovers() {
         return;
     };
     drop(admin);
-    let sc = scope();
-    let fence = acquire(&s, &sc, LONG).await;
+    let (sc, fence) = acquired(&s).await;
     server.stop();
     for _ in 0..3 {
         let t0 = Instant::now();
@@ -479,11 +478,8 @@ async fn malformed_rows_are_corrupt_not_panics() {
         ),
     ];
     for (what, sql) in breakages {
-        let sc = scope();
-        let f = acquire(&s, &sc, LONG).await;
-        s.complete(completion(&sc, f, response(b"ok"), LONG))
-            .await
-            .unwrap();
+        let (sc, f) = acquired(&s).await;
+        complete(&s, &sc, f, b"ok").await;
         sqlx::query(sql)
             .bind(&sc.0[..])
             .execute(&admin)
@@ -519,17 +515,14 @@ async fn the_sweep_deletes_expired_rows_in_bounded_batches() {
         return;
     };
     for _ in 0..5 {
-        let sc = scope();
-        let f = acquire(&s, &sc, LONG).await;
+        let (sc, f) = acquired(&s).await;
         s.complete(completion(&sc, f, response(b"t"), Duration::from_millis(1)))
             .await
             .unwrap();
     }
     let live = scope();
     let f = acquire(&s, &live, LONG).await;
-    s.complete(completion(&live, f, response(b"kept"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &live, f, b"kept").await;
     tokio::time::sleep(Duration::from_millis(20)).await;
     let mut swept = Vec::new();
     for _ in 0..4 {
@@ -551,8 +544,7 @@ async fn the_background_sweep_stops_with_the_store() {
     else {
         return;
     };
-    let sc = scope();
-    let f = acquire(&s, &sc, LONG).await;
+    let (sc, f) = acquired(&s).await;
     s.complete(completion(&sc, f, response(b"t"), Duration::from_millis(1)))
         .await
         .unwrap();
@@ -623,11 +615,8 @@ async fn a_role_without_create_privilege_uses_an_existing_schema() {
         .unwrap();
     let url = format!("postgres://app@127.0.0.1:{}/postgres", server.port());
     let s = PostgresStore::connect(url).await.expect("connect as app");
-    let sc = scope();
-    let f = acquire(&s, &sc, LONG).await;
-    s.complete(completion(&sc, f, response(b"app"), LONG))
-        .await
-        .unwrap();
+    let (sc, f) = acquired(&s).await;
+    complete(&s, &sc, f, b"app").await;
     assert_eq!(
         s.claim(req(&sc, LONG)).await.unwrap(),
         Claim::Completed(response(b"app"))
@@ -683,16 +672,11 @@ async fn a_fresh_call_is_two_statements_and_a_replay_one() {
     // Warm: the pool's connection and its prepared statements exist.
     let warm = scope();
     let f = acquire(&s, &warm, LONG).await;
-    s.complete(completion(&warm, f, response(b"w"), LONG))
-        .await
-        .unwrap();
+    complete(&s, &warm, f, b"w").await;
 
     reset().await;
-    let sc = scope();
-    let f = acquire(&s, &sc, LONG).await;
-    s.complete(completion(&sc, f, response(b"fresh"), LONG))
-        .await
-        .unwrap();
+    let (sc, f) = acquired(&s).await;
+    complete(&s, &sc, f, b"fresh").await;
     let (fresh, list) = statements().await;
     eprintln!("fresh call: {fresh} statements: {list:?}");
     assert_eq!(fresh, 2, "{list:?}");
@@ -718,8 +702,7 @@ async fn released_claims_leave_no_rows() {
     let first = acquire(&s, &again, LONG).await;
     s.release(&again, first).await.expect("release");
     for _ in 0..500 {
-        let sc = scope();
-        let fence = acquire(&s, &sc, LONG).await;
+        let (sc, fence) = acquired(&s).await;
         s.release(&sc, fence).await.expect("release");
     }
     let rows: i64 = sqlx::query("SELECT count(*) FROM idem_records")
