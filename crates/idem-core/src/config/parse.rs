@@ -102,6 +102,23 @@ const CLIENT_FIELDS: &[&str] = &[
     "noRetryUnderRetriedInbound",
 ];
 
+/// The fields of every object idem reads, for the tests' generated documents.
+#[cfg(test)]
+pub(super) const FIELD_LISTS: &[&[&str]] = &[
+    TOP_FIELDS,
+    METHOD_FIELDS,
+    NAME_FIELDS,
+    RETRY_FIELDS,
+    HEDGING_FIELDS,
+    THROTTLING_FIELDS,
+    IDEMPOTENCY_FIELDS,
+    IDEM_FIELDS,
+    TENANT_FIELDS,
+    MEMORY_FIELDS,
+    REDIS_FIELDS,
+    CLIENT_FIELDS,
+];
+
 /// Codes whose retry cannot help: the server will answer the same (or there was no error).
 pub(crate) const RISKY_RETRYABLE: CodeSet = CodeSet::of(Code::InvalidArgument)
     .with(Code::NotFound)

@@ -1856,44 +1856,17 @@ fn duration_boundaries_in_a_document() {
 
 // ---- never panics ------------------------------------------------------------------------
 
-/// Field names the parser knows, so generated objects reach its deeper readers.
-const KEYS: &[&str] = &[
-    "methodConfig",
-    "name",
-    "service",
-    "method",
-    "timeout",
-    "waitForReady",
-    "retryPolicy",
-    "hedgingPolicy",
-    "maxAttempts",
-    "initialBackoff",
-    "maxBackoff",
-    "backoffMultiplier",
-    "retryableStatusCodes",
-    "perAttemptRecvTimeout",
-    "hedgingDelay",
-    "nonFatalStatusCodes",
-    "retryThrottling",
-    "maxTokens",
-    "tokenRatio",
-    "idempotency",
-    "cacheableStatusCodes",
-    "releaseStatusCodes",
-    "inFlight",
-    "idem",
-    "keyHeader",
-    "tenant",
-    "single",
-    "header",
-    "redis",
-    "url",
-    "memoryStore",
-    "minRetention",
-    "client",
-    "maxRequestMessageBytes",
-    "maxRequestBytes",
-];
+/// Field names the parser knows (each once), so generated objects reach its deeper
+/// readers.
+fn keys() -> Vec<&'static str> {
+    let mut keys: Vec<&'static str> = parse::FIELD_LISTS
+        .iter()
+        .flat_map(|l| l.iter().copied())
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
 
 fn arb_json() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
@@ -1914,7 +1887,7 @@ fn arb_json() -> impl Strategy<Value = Value> {
             prop::collection::vec(
                 (
                     prop_oneof![
-                        prop::sample::select(KEYS).prop_map(str::to_owned),
+                        prop::sample::select(keys()).prop_map(str::to_owned),
                         any::<String>()
                     ],
                     inner
