@@ -69,26 +69,23 @@ def call_create(stub, request, key, timeout, n, gzip):
         order, call = stub.CreateOrder.with_call(
             request, metadata=metadata, timeout=timeout, compression=compression
         )
-        emit(
-            call=n,
-            code=call.code().name,
-            code_value=call.code().value[0],
-            details=call.details() or "",
-            initial=metadata_to_dict(call.initial_metadata()),
-            trailing=metadata_to_dict(call.trailing_metadata()),
-            order=order_to_dict(order),
-        )
+        emit_call(n, call, order)
     except grpc.RpcError as err:
         # A failed unary call's RpcError is also its grpc.Call.
-        emit(
-            call=n,
-            code=err.code().name,
-            code_value=err.code().value[0],
-            details=err.details() or "",
-            initial=metadata_to_dict(err.initial_metadata()),
-            trailing=metadata_to_dict(err.trailing_metadata()),
-            order=None,
-        )
+        emit_call(n, err, None)
+
+
+def emit_call(n, call, order):
+    """Prints call `n`'s line: its status and metadata, and `order` (None on failure)."""
+    emit(
+        call=n,
+        code=call.code().name,
+        code_value=call.code().value[0],
+        details=call.details() or "",
+        initial=metadata_to_dict(call.initial_metadata()),
+        trailing=metadata_to_dict(call.trailing_metadata()),
+        order=order_to_dict(order) if order is not None else None,
+    )
 
 
 def main():
