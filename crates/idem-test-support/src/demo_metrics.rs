@@ -15,20 +15,18 @@ use idem_store::{Store, instrumented::InstrumentedStore};
 /// The metrics of one demo run: client and server on one provider.
 #[derive(Clone, Debug)]
 pub struct DemoMetrics {
-    prometheus: Prometheus,
     client: ClientMetrics,
-    server: ServerMetrics,
+    instance: InstanceMetrics,
 }
 
 impl DemoMetrics {
     /// Instruments for the demo's config (the client's target is `demo`).
     pub fn new(config: &ServiceConfig) -> Self {
         let prometheus = Prometheus::new();
-        let meter = prometheus.meter("idem-demo");
+        let client = ClientMetrics::new(&prometheus.meter(METER), "demo", config);
         DemoMetrics {
-            client: ClientMetrics::new(&meter, "demo", config),
-            server: ServerMetrics::new(&meter, config),
-            prometheus,
+            client,
+            instance: InstanceMetrics::on(prometheus, config),
         }
     }
 
@@ -49,12 +47,12 @@ impl DemoMetrics {
         kind: &'static str,
         config: &ServiceConfig,
     ) -> IdempotencyLayer<InstrumentedStore<St>> {
-        observed_layer(&self.server, store, kind, config)
+        self.instance.server(store, kind, config)
     }
 
     /// The exposition now.
     pub fn render(&self) -> String {
-        self.prometheus.render()
+        self.instance.prometheus.render()
     }
 
     /// Writes the exposition to `path`.
@@ -63,18 +61,8 @@ impl DemoMetrics {
     }
 }
 
-/// A server layer on `store` (timed, labelled `kind`), observed and watched by `server`.
-fn observed_layer<St: Store>(
-    server: &ServerMetrics,
-    store: St,
-    kind: &'static str,
-    config: &ServiceConfig,
-) -> IdempotencyLayer<InstrumentedStore<St>> {
-    let layer = IdempotencyLayer::new(server.instrument_store(store, kind), config)
-        .observer(server.clone());
-    server.watch(&layer);
-    layer
-}
+/// The meter both sides record on.
+const METER: &str = "idem-demo";
 
 /// The server side of one instance process of a `--crash-every` run: its layer's metrics,
 /// served as a Prometheus exposition on 127.0.0.1 for the demo to scrape before each
@@ -88,10 +76,13 @@ pub struct InstanceMetrics {
 impl InstanceMetrics {
     /// Instruments for `config`'s server side.
     pub fn new(config: &ServiceConfig) -> Self {
-        let prometheus = Prometheus::new();
-        let meter = prometheus.meter("idem-demo");
+        Self::on(Prometheus::new(), config)
+    }
+
+    /// Instruments for `config`'s server side on `prometheus`'s provider.
+    fn on(prometheus: Prometheus, config: &ServiceConfig) -> Self {
         InstanceMetrics {
-            server: ServerMetrics::new(&meter, config),
+            server: ServerMetrics::new(&prometheus.meter(METER), config),
             prometheus,
         }
     }
@@ -103,7 +94,10 @@ impl InstanceMetrics {
         kind: &'static str,
         config: &ServiceConfig,
     ) -> IdempotencyLayer<InstrumentedStore<St>> {
-        observed_layer(&self.server, store, kind, config)
+        let layer = IdempotencyLayer::new(self.server.instrument_store(store, kind), config)
+            .observer(self.server.clone());
+        self.server.watch(&layer);
+        layer
     }
 
     /// Serves `GET /metrics` on 127.0.0.1:`port` until the process ends.
