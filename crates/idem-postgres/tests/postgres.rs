@@ -14,8 +14,8 @@ use idem_store::{
     StoredOutcome,
 };
 use idem_test_support::postgres::PostgresServer;
-use idem_test_support::store::{FP, TENANT, acquire, req};
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use idem_test_support::store::{FP, TENANT, acquire, req, take_over};
+use sqlx::postgres::{PgListener, PgPool};
 use sqlx::{Executor, Row};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -51,18 +51,18 @@ async fn lock_row(admin: &PgPool, sc: &Scope) -> sqlx::Transaction<'static, sqlx
 /// Completes `sc`'s record under `fence` with the response `body`, kept for [`LONG`];
 /// panics when the store refuses.
 async fn complete(s: &PostgresStore, sc: &Scope, fence: u64, body: &'static [u8]) {
-    s.complete(completion(sc, fence, response(body), LONG))
-        .await
-        .unwrap();
+    try_complete(s, sc, fence, body).await.unwrap();
 }
 
-/// A direct connection pool for the test's own SQL.
-async fn admin(server: &PostgresServer) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&server.url())
+/// Completes `sc`'s record under `fence` with the response `body`, kept for [`LONG`].
+async fn try_complete(
+    s: &PostgresStore,
+    sc: &Scope,
+    fence: u64,
+    body: &'static [u8],
+) -> Result<(), StoreError> {
+    s.complete(completion(sc, fence, response(body), LONG))
         .await
-        .expect("admin connection")
 }
 
 async fn start(
@@ -73,7 +73,7 @@ async fn start(
         .connect()
         .await
         .expect("connect to the test postgres");
-    let admin = admin(&server).await;
+    let admin = server.pool(4).await;
     Some((store, server, admin))
 }
 
@@ -104,17 +104,10 @@ async fn a_stale_fence_cannot_complete_after_takeover_release_or_expiry() {
     let sc = scope();
     let old = acquire(&s, &sc, Duration::from_millis(100)).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let Claim::Acquired {
-        fence: new,
-        takeover: true,
-    } = s.claim(req(&sc, LONG)).await.unwrap()
-    else {
-        panic!("expected a takeover")
-    };
+    let new = take_over(&s, &sc, LONG).await;
     assert!(new > old);
     for r in [
-        s.complete(completion(&sc, old, response(b"stale"), LONG))
-            .await,
+        try_complete(&s, &sc, old, b"stale").await,
         s.renew(&sc, old, LONG).await,
         s.release(&sc, old).await,
     ] {
@@ -141,8 +134,7 @@ async fn a_stale_fence_cannot_complete_after_takeover_release_or_expiry() {
     assert!(after > new, "{after} > {new}");
     // The new run's claimant completes; the taken-over one still cannot.
     assert!(matches!(
-        s.complete(completion(&sc, new, response(b"late"), LONG))
-            .await,
+        try_complete(&s, &sc, new, b"late").await,
         Err(StoreError::Fenced { .. })
     ));
     complete(&s, &sc, after, b"third").await;
@@ -366,9 +358,7 @@ async fn a_statement_blocked_past_its_timeout_is_unavailable() {
     let tx = lock_row(&admin, &sc).await;
     for _ in 0..3 {
         let t0 = Instant::now();
-        let r = s
-            .complete(completion(&sc, fence, response(b"r"), LONG))
-            .await;
+        let r = try_complete(&s, &sc, fence, b"r").await;
         assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
         assert!(
             t0.elapsed() < Duration::from_millis(1500),
@@ -414,9 +404,7 @@ async fn a_database_that_goes_away_is_unavailable_then_recovers() {
     server.stop();
     for _ in 0..3 {
         let t0 = Instant::now();
-        let r = s
-            .complete(completion(&sc, fence, response(b"d"), LONG))
-            .await;
+        let r = try_complete(&s, &sc, fence, b"d").await;
         assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
         let r = s.claim(req(&scope(), LONG)).await;
         assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
@@ -426,10 +414,7 @@ async fn a_database_that_goes_away_is_unavailable_then_recovers() {
     // The pool drops its dead connections as they fail, then connects anew.
     let start = Instant::now();
     loop {
-        match s
-            .complete(completion(&sc, fence, response(b"d"), LONG))
-            .await
-        {
+        match try_complete(&s, &sc, fence, b"d").await {
             Ok(()) => break,
             Err(StoreError::Unavailable(_)) if start.elapsed() < Duration::from_secs(10) => {
                 tokio::time::sleep(Duration::from_millis(50)).await
@@ -581,7 +566,7 @@ async fn the_schema_is_created_once_and_its_version_checked() {
     for c in connects {
         c.await.unwrap().expect("connect");
     }
-    let admin = admin(&server).await;
+    let admin = server.pool(4).await;
     let version: i32 = sqlx::query("SELECT version FROM idem_schema_version")
         .fetch_one(&admin)
         .await
@@ -640,7 +625,7 @@ async fn a_fresh_call_is_two_statements_and_a_replay_one() {
     else {
         return;
     };
-    let admin = admin(&server).await;
+    let admin = server.pool(4).await;
     admin
         .execute("CREATE EXTENSION pg_stat_statements")
         .await

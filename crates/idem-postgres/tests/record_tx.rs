@@ -15,7 +15,7 @@ use idem_test_support::shop;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, GetOrderRequest, Order};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use sqlx::{Executor, Row};
 use tonic::transport::Server;
 use tonic::{Code, Request, Response, Status};
@@ -77,11 +77,7 @@ struct Env {
 async fn start(settings: &[(&str, &str)]) -> Option<Env> {
     let server = PostgresServer::start_with(settings)?;
     let store = PostgresStore::connect(server.url()).await.expect("connect");
-    let app = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&server.url())
-        .await
-        .expect("app pool");
+    let app = server.pool(2).await;
     app.execute("CREATE TABLE orders (note text NOT NULL)")
         .await
         .unwrap();

@@ -10,8 +10,8 @@ use idem_postgres::PostgresStore;
 use idem_store::testing::completion;
 use idem_store::{Claim, RecordState, Scope, Store, StoreError, StoredOutcome};
 use idem_test_support::postgres::PostgresServer;
-use idem_test_support::store::{acquire, req};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use idem_test_support::store::{acquire, req, take_over};
+use sqlx::postgres::PgPool;
 use sqlx::{Executor, Postgres, Row, Transaction};
 use tokio::time::Instant;
 
@@ -24,11 +24,7 @@ async fn start() -> Option<(PostgresStore, PostgresServer, PgPool)> {
         .connect()
         .await
         .expect("connect");
-    let app = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&server.url())
-        .await
-        .expect("app pool");
+    let app = server.pool(4).await;
     app.execute("CREATE TABLE orders (id text PRIMARY KEY)")
         .await
         .unwrap();
@@ -117,13 +113,7 @@ async fn a_crash_before_the_handlers_commit_leaves_nothing_done() {
     assert_eq!(orders(&app).await, 0);
     // The record is in flight as before; once its lease ends, the next run takes over.
     tokio::time::sleep(Duration::from_millis(250)).await;
-    let Claim::Acquired {
-        fence: next,
-        takeover: true,
-    } = s.claim(req(&sc, LONG)).await.unwrap()
-    else {
-        panic!("expected a takeover")
-    };
+    let next = take_over(&s, &sc, LONG).await;
     handler(&s, &app, &sc, next, "again").await.unwrap();
     assert_eq!(orders(&app).await, 1);
 }

@@ -353,6 +353,16 @@ impl PostgresServer {
         format!("postgres://{USER}@127.0.0.1:{}/postgres", self.port)
     }
 
+    /// A pool of at most `max_connections` connections to the server, for a test's own
+    /// SQL; panics when it cannot connect.
+    pub async fn pool(&self, max_connections: u32) -> sqlx::PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect(&self.url())
+            .await
+            .expect("a pool on the test postgres")
+    }
+
     /// The server's version line (`postgres (PostgreSQL) 15.x`).
     pub fn version(&self) -> &str {
         &self.install.version

@@ -32,6 +32,18 @@ pub async fn acquire<S: Store>(store: &S, scope: &Scope, lease: Duration) -> Fen
     }
 }
 
+/// Claims `scope` with [`req`] and returns the fence; panics unless the claim took over
+/// a record whose lease ended.
+pub async fn take_over<S: Store>(store: &S, scope: &Scope, lease: Duration) -> Fence {
+    match store.claim(req(scope, lease)).await {
+        Ok(Claim::Acquired {
+            fence,
+            takeover: true,
+        }) => fence,
+        other => panic!("expected a takeover, got {other:?}"),
+    }
+}
+
 /// Completes `scope`'s record under `fence`, keeping no response, for a minute; panics
 /// with `what` when the store refuses.
 pub async fn complete_not_retained<S: Store>(store: &S, scope: &Scope, fence: Fence, what: &str) {
