@@ -626,7 +626,7 @@ async fn keys_are_one_hash_per_record_named_by_the_scope_digest() {
     assert!(!keys.contains(key), "raw client input never in a key name");
     assert_eq!(c.instances[0].store.key_for(&scope), keys);
     assert_eq!(redis.cmd(&["TYPE", &keys]).unwrap().text(), "hash");
-    let ttl: i64 = redis.cmd(&["PTTL", &keys]).unwrap().text().parse().unwrap();
+    let ttl = redis.pttl(&keys);
     let record_ttl = c
         .config
         .lookup("shop.v1.Orders", "CreateOrder")
@@ -715,9 +715,7 @@ async fn start_up_check_reports_risky_settings() {
         return;
     };
     // The harness runs Redis without persistence; make it evict, too.
-    redis
-        .cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"])
-        .expect("CONFIG SET");
+    redis.config_set("maxmemory-policy", "allkeys-lru");
     let store = RedisStore::connect(redis.url()).await.expect("connect");
     let report = store.check_server().await.expect("check");
     assert_eq!(report.maxmemory_policy.as_deref(), Some("allkeys-lru"));
@@ -725,12 +723,8 @@ async fn start_up_check_reports_risky_settings() {
     assert!(report.persistence_off());
     assert_eq!(report.warnings.len(), 2, "{:?}", report.warnings);
 
-    redis
-        .cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
-        .expect("CONFIG SET");
-    redis
-        .cmd(&["CONFIG", "SET", "appendonly", "yes"])
-        .expect("CONFIG SET");
+    redis.config_set("maxmemory-policy", "noeviction");
+    redis.config_set("appendonly", "yes");
     let report = store.check_server().await.expect("check");
     assert!(!report.may_evict_records());
     assert!(!report.persistence_off());

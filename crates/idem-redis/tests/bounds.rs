@@ -41,12 +41,8 @@ async fn a_flood_of_released_claims_leaves_maxmemory_room_for_real_calls() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    redis
-        .cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
-        .expect("CONFIG SET");
-    redis
-        .cmd(&["CONFIG", "SET", "maxmemory", "2mb"])
-        .expect("CONFIG SET");
+    redis.config_set("maxmemory-policy", "noeviction");
+    redis.config_set("maxmemory", "2mb");
     let store = RedisStore::builder(redis.url())
         .key_prefix("flood:")
         .connect()
@@ -245,7 +241,7 @@ async fn a_release_keeps_a_tombstone_only_while_the_clock_is_behind_the_fence() 
         store.get(&scope).await.unwrap(),
         Some(RecordState::Released { fence: ahead })
     );
-    let pttl: i64 = redis.cmd(&["PTTL", &key]).unwrap().text().parse().unwrap();
+    let pttl = redis.pttl(&key);
     assert!(pttl > 0 && pttl <= 3001, "{pttl}");
     // The next claim starts above the tombstone's fence, not at the (behind) clock.
     let Claim::Acquired { fence, takeover } =
@@ -281,18 +277,8 @@ async fn an_abandoned_claim_expires_one_lease_after_its_lease() {
         store.claim(req).await.unwrap(),
         Claim::Acquired { .. }
     ));
-    let pttl: i64 = redis
-        .cmd(&["PTTL", &store.key_for(&scope)])
-        .unwrap()
-        .text()
-        .parse()
-        .unwrap();
+    let pttl = redis.pttl(&store.key_for(&scope));
     assert!((19_000..=20_000).contains(&pttl), "{pttl}");
-    let pttl: i64 = redis
-        .cmd(&["PTTL", &store.tenant_key_for(&tenant)])
-        .unwrap()
-        .text()
-        .parse()
-        .unwrap();
+    let pttl = redis.pttl(&store.tenant_key_for(&tenant));
     assert!((10_000..=11_000).contains(&pttl), "{pttl}");
 }

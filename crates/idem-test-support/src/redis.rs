@@ -254,6 +254,18 @@ impl RedisServer {
         });
     }
 
+    /// `CONFIG SET name value`; panics when the server refuses.
+    pub fn config_set(&self, name: &str, value: &str) {
+        self.cmd(&["CONFIG", "SET", name, value])
+            .unwrap_or_else(|e| panic!("CONFIG SET {name} {value}: {e}"));
+    }
+
+    /// The time to live of `key` in milliseconds (`PTTL`: -1 without one, -2 without the
+    /// key).
+    pub fn pttl(&self, key: &str) -> i64 {
+        self.cmd(&["PTTL", key]).unwrap().text().parse().unwrap()
+    }
+
     /// Sends one command on a fresh connection and reads its reply.
     pub fn cmd(&self, args: &[&str]) -> Result<Resp, String> {
         self.cmd_bytes(&args.iter().map(|a| a.as_bytes()).collect::<Vec<_>>())
