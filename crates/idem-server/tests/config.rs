@@ -2,9 +2,9 @@
 //! A real tonic `Orders` server (the shared `shop_fake::Shop`) on 127.0.0.1.
 
 use idem_test_support::net;
-use idem_test_support::shop::GetOrderRequest;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::OrdersServer;
+use idem_test_support::shop::{GetOrderRequest, Order};
 use idem_test_support::shop_fake::{Shop, create};
 
 use std::io::Write;
@@ -48,6 +48,19 @@ fn keyed<T>(msg: T, key: &str) -> Request<T> {
 fn replayed(md: &tonic::metadata::MetadataMap) -> bool {
     md.get("x-idempotency-replayed")
         .is_some_and(|v| v == "true")
+}
+
+/// Sends `CreateOrder` for `sku` with `key`, which must be answered by a replay of
+/// `original`.
+async fn assert_replays(
+    c: &mut OrdersClient<Channel>,
+    sku: &str,
+    key: &str,
+    original: &tonic::Response<Order>,
+) {
+    let again = c.create_order(keyed(create(sku), key)).await.unwrap();
+    assert!(replayed(again.metadata()));
+    assert_eq!(again.get_ref(), original.get_ref());
 }
 
 fn assert_idem_error(s: &Status, code: Code, why: &str) {
@@ -233,23 +246,13 @@ async fn reload_protects_a_new_method_keeps_records_and_calls_in_flight_keep_the
     assert_eq!(shop.runs(), runs_before + 1);
 
     // Records made before the reload are kept.
-    let again = c
-        .create_order(keyed(create("ok"), "order-key-kept"))
-        .await
-        .unwrap();
-    assert!(replayed(again.metadata()));
-    assert_eq!(again.get_ref(), kept.get_ref());
+    assert_replays(&mut c, "ok", "order-key-kept", &kept).await;
 
     // The call in flight finishes under the policy it started with: its response is
     // retained although the new policy keeps nothing over 1 byte.
     shop.open_gate(1);
     let first = in_flight.await.unwrap().unwrap();
-    let dup = c
-        .create_order(keyed(create("gate"), "order-key-flight"))
-        .await
-        .unwrap();
-    assert!(replayed(dup.metadata()));
-    assert_eq!(dup.get_ref(), first.get_ref());
+    assert_replays(&mut c, "gate", "order-key-flight", &first).await;
 
     // A call started after the reload follows the new policy.
     c.create_order(keyed(create("ok"), "order-key-new"))
