@@ -202,12 +202,26 @@ fn calls(seen: &Arc<Mutex<Seen>>) -> usize {
     seen.lock().unwrap().calls
 }
 
+/// The handler calls of each hop, in order.
+fn counts(seen: &[Arc<Mutex<Seen>>]) -> Vec<usize> {
+    seen.iter().map(calls).collect()
+}
+
+/// One call of `req` into `addr` from a plain client (no retries of its own).
+async fn call_plain(
+    addr: SocketAddr,
+    req: Request<CreateOrderRequest>,
+) -> Result<Response<Order>, Status> {
+    OrdersClient::new(net::channel(addr))
+        .create_order(req)
+        .await
+}
+
 #[tokio::test]
 async fn with_the_guard_d_sees_three_attempts_per_call_from_a() {
     let (a, seen) = chain(Middle::Forward, Bottom::Unavailable, true).await;
     // A plain client: one call into A.
-    let mut top = OrdersClient::new(net::channel(a));
-    let err = top.create_order(request()).await.unwrap_err();
+    let err = call_plain(a, request()).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert_eq!(
         err.metadata()
@@ -216,8 +230,7 @@ async fn with_the_guard_d_sees_three_attempts_per_call_from_a() {
         Some("-1"),
         "A's caller is told not to retry"
     );
-    let counts: Vec<usize> = seen.iter().map(calls).collect();
-    assert_eq!(counts, vec![1, 1, 1, 3], "A, B, C, D handler calls");
+    assert_eq!(counts(&seen), vec![1, 1, 1, 3], "A, B, C, D handler calls");
     // Internal headers never leave the process.
     for name in [
         "x-idem-downstream-exhausted",
@@ -231,12 +244,10 @@ async fn with_the_guard_d_sees_three_attempts_per_call_from_a() {
 #[tokio::test]
 async fn without_the_guard_d_sees_twenty_seven() {
     let (a, seen) = chain(Middle::Forward, Bottom::Unavailable, false).await;
-    let mut top = OrdersClient::new(net::channel(a));
-    let err = top.create_order(request()).await.unwrap_err();
+    let err = call_plain(a, request()).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
     assert!(err.metadata().get("grpc-retry-pushback-ms").is_none());
-    let counts: Vec<usize> = seen.iter().map(calls).collect();
-    assert_eq!(counts, vec![1, 3, 9, 27], "A, B, C, D handler calls");
+    assert_eq!(counts(&seen), vec![1, 3, 9, 27], "A, B, C, D handler calls");
 }
 
 #[tokio::test]
@@ -246,9 +257,8 @@ async fn a_retrying_client_at_the_top_does_not_retry_the_marked_failure() {
     let mut top = retrying_client(a, &cfg);
     let err = top.create_order(request()).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
-    let counts: Vec<usize> = seen.iter().map(calls).collect();
     assert_eq!(
-        counts,
+        counts(&seen),
         vec![1, 1, 1, 3],
         "the top client stopped after one attempt"
     );
@@ -258,36 +268,24 @@ async fn a_retrying_client_at_the_top_does_not_retry_the_marked_failure() {
 async fn errors_not_from_an_exhausted_downstream_call_carry_no_marker() {
     // D's own UNAVAILABLE to a plain caller: no pushback.
     let (d, _) = start_hop(None, Bottom::Unavailable, true).await;
-    let err = OrdersClient::new(net::channel(d))
-        .create_order(request())
-        .await
-        .unwrap_err();
+    let err = call_plain(d, request()).await.unwrap_err();
     assert!(err.metadata().get("grpc-retry-pushback-ms").is_none());
 
     // A non-retryable code passed up unchanged through the chain: nothing was exhausted.
     let (a, seen) = chain(Middle::Forward, Bottom::InvalidArgument, true).await;
-    let err = OrdersClient::new(net::channel(a))
-        .create_order(request())
-        .await
-        .unwrap_err();
+    let err = call_plain(a, request()).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.metadata().get("grpc-retry-pushback-ms").is_none());
-    assert_eq!(seen.iter().map(calls).collect::<Vec<_>>(), vec![1, 1, 1, 1]);
+    assert_eq!(counts(&seen), vec![1, 1, 1, 1]);
 
     // A handler that answers an error of its own after its downstream call was
     // exhausted: its error is not the exhausted one, so it is retried normally.
     let (a, seen) = chain(Middle::OwnError, Bottom::Unavailable, true).await;
-    let err = OrdersClient::new(net::channel(a))
-        .create_order(request())
-        .await
-        .unwrap_err();
+    let err = call_plain(a, request()).await.unwrap_err();
     assert_eq!(err.message(), "my own error");
     assert!(err.metadata().get("grpc-retry-pushback-ms").is_none());
     assert!(err.metadata().get("x-idem-downstream-exhausted").is_none());
-    assert_eq!(
-        seen.iter().map(calls).collect::<Vec<_>>(),
-        vec![1, 3, 9, 27]
-    );
+    assert_eq!(counts(&seen), vec![1, 3, 9, 27]);
 }
 
 #[tokio::test]
@@ -300,10 +298,9 @@ async fn the_inbound_deadline_flows_down_the_chain_minus_time_spent() {
         true,
     )
     .await;
-    let mut top = OrdersClient::new(net::channel(a));
     let mut req = request();
     req.set_timeout(Duration::from_secs(1));
-    top.create_order(req).await.expect("OK through the chain");
+    call_plain(a, req).await.expect("OK through the chain");
 
     let given: Vec<(Duration, Instant)> = seen
         .iter()
@@ -345,10 +342,7 @@ async fn a_second_sequential_call_gets_less_time_than_the_first() {
     .await;
     let mut req = request();
     req.set_timeout(Duration::from_secs(1));
-    OrdersClient::new(net::channel(a))
-        .create_order(req)
-        .await
-        .expect("OK");
+    call_plain(a, req).await.expect("OK");
     let seen = seen_d.lock().unwrap();
     assert_eq!(seen.timeouts.len(), 2);
     let first = seen.timeouts[0].0.expect("first call has a deadline");
@@ -400,10 +394,7 @@ async fn deadline_propagation_works_without_idempotency() {
     );
     let mut req = request();
     req.set_timeout(Duration::from_millis(500));
-    OrdersClient::new(net::channel(a))
-        .create_order(req)
-        .await
-        .expect("OK");
+    call_plain(a, req).await.expect("OK");
     let t = seen_d.lock().unwrap().timeouts[0]
         .0
         .expect("D got a deadline");
