@@ -25,7 +25,7 @@ use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};
 use idem_test_support::shop::{CreateOrderRequest, Order};
-use idem_test_support::shop_fake::create_only;
+use idem_test_support::shop_fake::{create_only, keyed_create};
 use idem_test_support::{net, pg_orders};
 use tonic::transport::Server;
 use tonic::{Request, Response};
@@ -85,16 +85,7 @@ impl Drop for Dir {
 }
 
 fn create(intent: &str, key: &str) -> Request<CreateOrderRequest> {
-    let mut r = Request::new(CreateOrderRequest {
-        customer_id: "customer-1".into(),
-        sku: "sku-42".into(),
-        quantity: 1,
-        note: intent.into(),
-    });
-    r.metadata_mut()
-        .insert("x-idempotency-key", key.parse().unwrap());
-    r.set_timeout(Duration::from_secs(10));
-    r
+    keyed_create(key, intent, Duration::from_secs(10))
 }
 
 fn client(port: u16) -> OrdersClient<tonic::transport::Channel> {

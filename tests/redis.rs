@@ -34,6 +34,7 @@ use idem_store::{
     Claim, ClaimRequest, ClaimantId, CompleteRequest, RecordState, Store, StoreError, StoredOutcome,
 };
 use idem_test_support::redis::RedisServer;
+use idem_test_support::shop_fake::keyed_create;
 use idem_test_support::store::{acquire, complete_not_retained, req};
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
@@ -173,15 +174,7 @@ impl Cluster {
 }
 
 fn order_request(key: &str, note: &str) -> Request<CreateOrderRequest> {
-    let mut req = Request::new(CreateOrderRequest {
-        customer_id: "c-1".into(),
-        sku: "sku-42".into(),
-        quantity: 3,
-        note: note.into(),
-    });
-    idem_client::with_key(&mut req, &key.parse().expect("valid key"));
-    req.set_timeout(PATIENCE);
-    req
+    keyed_create(key, note, PATIENCE)
 }
 
 /// Sends the call with `key` and `note` again through every client: each must replay

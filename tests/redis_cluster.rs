@@ -28,6 +28,7 @@ use idem_core::config::ServiceConfig;
 use idem_redis::RedisStore;
 use idem_server::idempotency::{IdempotencyLayer, scope_for};
 use idem_test_support::redis::RedisCluster;
+use idem_test_support::shop_fake::keyed_create;
 use rand::{Rng, SeedableRng};
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
@@ -169,15 +170,7 @@ async fn serve(
 }
 
 fn order_request(key: &str, deadline: Duration) -> Request<CreateOrderRequest> {
-    let mut req = Request::new(CreateOrderRequest {
-        customer_id: "c-1".into(),
-        sku: "sku-42".into(),
-        quantity: 1,
-        note: key.into(),
-    });
-    idem_client::with_key(&mut req, &key.parse().expect("valid key"));
-    req.set_timeout(deadline);
-    req
+    keyed_create(key, key, deadline)
 }
 
 fn new_key(i: usize) -> String {

@@ -122,6 +122,20 @@ impl Shop {
     }
 }
 
+/// A `CreateOrder` request (customer `c-1`, sku `sku-42`, quantity 1) with `note`, the
+/// idempotency key `key` and a deadline `timeout` away.
+pub fn keyed_create(key: &str, note: &str, timeout: Duration) -> Request<CreateOrderRequest> {
+    let mut req = Request::new(CreateOrderRequest {
+        customer_id: "c-1".into(),
+        sku: "sku-42".into(),
+        quantity: 1,
+        note: note.into(),
+    });
+    idem_client::with_key(&mut req, &key.parse().expect("valid key"));
+    req.set_timeout(timeout);
+    req
+}
+
 /// A `CreateOrder` request for `sku` (customer `c-1`, quantity 2).
 pub fn create(sku: &str) -> CreateOrderRequest {
     CreateOrderRequest {
