@@ -24,16 +24,16 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use idem_client::retry::{Retry, RetryLayer};
 use idem_core::config::ServiceConfig;
 use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
-use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_store::memory::MemoryStore;
 use idem_test_support::net;
+use idem_test_support::one_worker::OneWorker;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::OrdersServer;
 use idem_test_support::shop::{self, CreateOrderRequest, Order};
@@ -260,19 +260,6 @@ fn median(rates: &mut [f64]) -> f64 {
     }
 }
 
-/// Protected calls in progress on the server (started, not ended).
-#[derive(Clone, Default)]
-struct InProgress(Arc<AtomicI64>);
-
-impl ServerObserver for InProgress {
-    fn call_started(&self, _: &str) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-    fn call_ended(&self, _: &ProtectedCallEnded<'_>) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// `CreateOrder` protected (hedged when `hedged`); `GetOrder` neither.
 fn create_only(hedged: bool) -> ServiceConfig {
     let policy = if hedged {
@@ -315,24 +302,9 @@ async fn until(mut f: impl FnMut() -> bool) {
 }
 
 async fn parked_hedges() {
-    let shop = shop_fake::Shop::new();
-    let in_progress = InProgress::default();
-    let layer = IdempotencyLayer::new(MemoryStore::default(), &create_only(false))
-        .tenant(SingleTenant::new("t"))
-        .observer(in_progress.clone());
-    let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (addr, incoming) = server.spawn(net::bind()).await.unwrap();
-    server.spawn(
-        Server::builder()
-            .layer(layer.clone())
-            .add_service(OrdersServer::new(shop.clone()))
-            .serve_with_incoming(incoming),
-    );
-    let tasks = || server.handle().metrics().num_alive_tasks();
+    let server = OneWorker::start(&create_only(false)).await;
+    let (addr, shop, layer) = (server.addr, &server.shop, &server.layer);
+    let tasks = || server.alive_tasks();
     let plain = OrdersClient::new(net::channel(addr));
     let retry = RetryLayer::from_config(&create_only(true));
     let hedged = OrdersClient::new(Retry::new(net::channel(addr), &retry));
@@ -349,7 +321,7 @@ async fn parked_hedges() {
         .create_order(shop_fake::create("warm"))
         .await
         .unwrap();
-    until(|| in_progress.0.load(Ordering::SeqCst) == 0).await;
+    until(|| server.in_progress() == 0).await;
 
     // Warm the server's path for unrelated calls, then alternate: alone, with the
     // hedged calls parked, alone again (each hedged call's gate opened and its answer
@@ -370,7 +342,7 @@ async fn parked_hedges() {
             })
             .collect();
         until(|| {
-            in_progress.0.load(Ordering::SeqCst) == 3 * PARKED as i64
+            server.in_progress() == 3 * PARKED as i64
                 && layer.stats().snapshot().waited == 2 * PARKED as u64 * (round as u64 + 1)
         })
         .await;
@@ -380,8 +352,7 @@ async fn parked_hedges() {
         for c in calls {
             c.await.unwrap().unwrap();
         }
-        until(|| in_progress.0.load(Ordering::SeqCst) == 0 && layer.handlers_in_flight() == 0)
-            .await;
+        until(|| server.in_progress() == 0 && layer.handlers_in_flight() == 0).await;
     }
     let base = median(&mut alone);
     println!(
@@ -408,7 +379,6 @@ async fn parked_hedges() {
             m / base
         );
     }
-    server.shutdown_background();
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -15,8 +15,9 @@
 //! durations beyond lower bounds (their waits are bounded by generous timeouts).
 
 use idem_test_support::net;
+use idem_test_support::one_worker::OneWorker;
 use idem_test_support::shop;
-use idem_test_support::shop_fake::{self, Shop};
+use idem_test_support::shop_fake;
 use idem_test_support::stream::tally_client::TallyClient;
 use idem_test_support::stream::tally_server::{Tally, TallyServer};
 use idem_test_support::stream::{Number, Total, number, padded};
@@ -25,7 +26,6 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -36,7 +36,6 @@ use idem_client::retry::{AttemptEnd, CallOutcome, CallReport, Retry, RetryLayer}
 use idem_core::config::ServiceConfig;
 use idem_core::deadline::parse_grpc_timeout;
 use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
-use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_store::memory::MemoryStore;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
@@ -1390,81 +1389,6 @@ async fn without_wait_for_ready_hedges_to_a_closed_port_fail_fast() {
 
 // ---------------------------------------------------------------- (k) losing hedges
 
-/// Protected calls in progress on a server: started and not yet ended (the layer ends a
-/// call when its response ended or was dropped, and its outcome, if it ran, is recorded).
-#[derive(Clone, Default)]
-struct InProgress(Arc<AtomicI64>);
-
-impl ServerObserver for InProgress {
-    fn call_started(&self, _: &str) {
-        self.0.fetch_add(1, AtomicOrdering::SeqCst);
-    }
-    fn call_ended(&self, _: &ProtectedCallEnded<'_>) {
-        self.0.fetch_sub(1, AtomicOrdering::SeqCst);
-    }
-}
-
-/// An idem server (`CreateOrder` protected, WAIT) on a runtime of its own with one
-/// worker thread.
-struct OneWorker {
-    addr: SocketAddr,
-    runtime: Option<tokio::runtime::Runtime>,
-    shop: Shop,
-    layer: IdempotencyLayer<MemoryStore>,
-    in_progress: InProgress,
-}
-
-impl OneWorker {
-    async fn start() -> Self {
-        let shop = Shop::new();
-        let in_progress = InProgress::default();
-        let layer = IdempotencyLayer::new(MemoryStore::default(), &config(r#""maxAttempts": 2"#))
-            .tenant(SingleTenant::new("t"))
-            .observer(in_progress.clone());
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (addr, incoming) = runtime.spawn(net::bind()).await.unwrap();
-        let server = Server::builder()
-            .layer(layer.clone())
-            .add_service(OrdersServer::new(shop.clone()))
-            .serve_with_incoming(incoming);
-        runtime.spawn(server);
-        OneWorker {
-            addr,
-            runtime: Some(runtime),
-            shop,
-            layer,
-            in_progress,
-        }
-    }
-
-    /// Tasks alive on the server's runtime (the server's, its connections', its
-    /// requests', the layer's).
-    fn alive_tasks(&self) -> usize {
-        self.runtime
-            .as_ref()
-            .unwrap()
-            .handle()
-            .metrics()
-            .num_alive_tasks()
-    }
-
-    fn in_progress(&self) -> i64 {
-        self.in_progress.0.load(AtomicOrdering::SeqCst)
-    }
-}
-
-impl Drop for OneWorker {
-    fn drop(&mut self) {
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
 /// Waits (real time, at most 10 s) until `f` holds; panics with `what` otherwise.
 async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = std::time::Instant::now();
@@ -1485,7 +1409,8 @@ fn get(id: &str) -> shop::GetOrderRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_hedges_parked_on_an_idem_server_hold_no_worker_and_leave_nothing_behind() {
     const CALLS: usize = 64;
-    let server = OneWorker::start().await;
+    // An idem server (`CreateOrder` protected, WAIT) on a runtime with one worker thread.
+    let server = OneWorker::start(&config(r#""maxAttempts": 2"#)).await;
     let layer = retry_layer(&config(&policy(3, "0.005s")));
     let client = OrdersClient::new(Retry::new(net::channel(server.addr), &layer));
     // Warm up: the connection, and a protected call through the store.

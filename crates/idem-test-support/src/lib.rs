@@ -9,6 +9,7 @@ pub mod demo;
 pub mod demo_metrics;
 pub mod faulty_store;
 pub mod net;
+pub mod one_worker;
 pub mod pg_orders;
 pub mod postgres;
 pub mod redis;
