@@ -408,13 +408,7 @@ async fn demo() {
     print_table(&o, store_label, crash_every, &reports);
     let idem = &reports[0];
     if crash_every.is_some() && postgres_url.is_some() {
-        if idem.duplicates > 0 || idem.lost > 0 {
-            eprintln!(
-                "FAIL: with idem on PostgreSQL there were {} duplicate orders and {} lost intents under crashes",
-                idem.duplicates, idem.lost
-            );
-            std::process::exit(1);
-        }
+        exit_unless_exactly_once(idem, "with idem on PostgreSQL", " under crashes");
         println!(
             "OK: with idem on PostgreSQL every intent took effect exactly once through {} SIGKILLs: \
              each order commits in the transaction that completes its record (without idem: {} duplicates).",
@@ -436,17 +430,23 @@ async fn demo() {
         }
         return;
     }
-    if idem.duplicates > 0 || idem.lost > 0 {
-        eprintln!(
-            "FAIL: with idem there were {} duplicate orders and {} lost intents",
-            idem.duplicates, idem.lost
-        );
-        std::process::exit(1);
-    }
+    exit_unless_exactly_once(idem, "with idem", "");
     println!(
         "OK: with idem every intent took effect exactly once; without it, {} duplicate orders.",
         reports[1].duplicates
     );
+}
+
+/// Exits with status 1 (after saying so) when the run `with` let a duplicate order
+/// through or lost an intent; `when` ends the message.
+fn exit_unless_exactly_once(idem: &RunReport, with: &str, when: &str) {
+    if idem.duplicates > 0 || idem.lost > 0 {
+        eprintln!(
+            "FAIL: {with} there were {} duplicate orders and {} lost intents{when}",
+            idem.duplicates, idem.lost
+        );
+        std::process::exit(1);
+    }
 }
 
 /// Both runs with every instance in this process.
