@@ -101,6 +101,13 @@ async fn start(settings: &[(&str, &str)]) -> Option<Env> {
     })
 }
 
+impl Env {
+    /// Sends `CreateOrder` with `note` and `key`; panics on an error.
+    async fn create_ok(&mut self, note: &str, key: &str) -> Response<Order> {
+        self.client.create_order(create(note, key)).await.unwrap()
+    }
+}
+
 fn keyed<T>(msg: T, key: &str) -> Request<T> {
     let mut r = Request::new(msg);
     r.metadata_mut()
@@ -140,17 +147,9 @@ async fn the_reply_committed_with_the_order_is_replayed_byte_for_byte() {
     let Some(mut env) = start(&[]).await else {
         return;
     };
-    let first = env
-        .client
-        .create_order(create("a", "key-a-0001"))
-        .await
-        .unwrap();
+    let first = env.create_ok("a", "key-a-0001").await;
     assert_eq!(first.get_ref(), &order("a"));
-    let again = env
-        .client
-        .create_order(create("a", "key-a-0001"))
-        .await
-        .unwrap();
+    let again = env.create_ok("a", "key-a-0001").await;
     assert_eq!(again.get_ref(), &order("a"));
     assert_eq!(
         again.metadata().get("x-idempotency-replayed").unwrap(),
@@ -225,8 +224,8 @@ async fn a_fresh_call_is_one_statement_outside_the_handlers_transaction() {
     // Warm the pool's connections and their prepared statements.
     for i in 0..4 {
         let key = format!("warm-key-{i:04}");
-        env.client.create_order(create("w", &key)).await.unwrap();
-        env.client.create_order(create("w", &key)).await.unwrap();
+        env.create_ok("w", &key).await;
+        env.create_ok("w", &key).await;
     }
     let statements = |app: PgPool| async move {
         let rows = sqlx::query(
@@ -246,10 +245,7 @@ async fn a_fresh_call_is_one_statement_outside_the_handlers_transaction() {
             .unwrap();
     };
     reset(env.app.clone()).await;
-    env.client
-        .create_order(create("f", "fresh-key-01"))
-        .await
-        .unwrap();
+    env.create_ok("f", "fresh-key-01").await;
     // The layer records nothing after the handler: wait out anything in the background.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let fresh = statements(env.app.clone()).await;
@@ -269,11 +265,7 @@ async fn a_fresh_call_is_one_statement_outside_the_handlers_transaction() {
     assert_eq!(fresh.iter().map(|(_, c)| c).sum::<i64>(), 2, "{fresh:?}");
 
     reset(env.app.clone()).await;
-    let replay = env
-        .client
-        .create_order(create("f", "fresh-key-01"))
-        .await
-        .unwrap();
+    let replay = env.create_ok("f", "fresh-key-01").await;
     assert_eq!(
         replay.metadata().get("x-idempotency-replayed").unwrap(),
         "true"
