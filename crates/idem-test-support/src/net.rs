@@ -16,6 +16,12 @@ pub async fn bind() -> (SocketAddr, TcpListenerStream) {
     (addr, TcpListenerStream::new(listener))
 }
 
+/// A port on 127.0.0.1 that was free a moment ago (for a server process to listen on).
+pub(crate) fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local addr").port()
+}
+
 /// A lazily-connecting channel to `addr`.
 pub fn channel(addr: SocketAddr) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_shared(format!("http://{addr}"))

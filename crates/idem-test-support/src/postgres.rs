@@ -19,7 +19,7 @@
 //! committed row.
 #![allow(missing_docs)]
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -202,11 +202,6 @@ impl Install {
     }
 }
 
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local addr").port()
-}
-
 impl PostgresServer {
     /// Starts a server, or returns `None` (outside CI only) when PostgreSQL is not
     /// installed. Panics when it cannot start.
@@ -268,7 +263,7 @@ impl PostgresServer {
         // A free port can be taken between our probe and the server binding it.
         let mut last = String::new();
         for _ in 0..5 {
-            server.port = free_port();
+            server.port = crate::net::free_port();
             match server.spawn() {
                 Ok(()) => return Some(server),
                 Err(e) => last = e,

@@ -101,11 +101,6 @@ fn require_tool(name: &str, env: &str) -> Option<PathBuf> {
     found
 }
 
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local addr").port()
-}
-
 impl RedisServer {
     /// Starts a server, or returns `None` (outside CI only) when `redis-server` is
     /// missing. Panics when it cannot start.
@@ -124,32 +119,31 @@ impl RedisServer {
         let port = master.port.to_string();
         let replica = Self::start_with(&["--replicaof", "127.0.0.1", &port])?;
         let started = Instant::now();
-        while !replica
-            .cmd(&["INFO", "replication"])
-            .is_ok_and(|r| r.text().contains("master_link_status:up"))
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "the replica on {} never synced with {}",
-                replica.port,
-                master.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // Polls `ready` until it holds; after 20 s (from the start), panics: the replica
+        // never `did` something to the master.
+        let wait = |did: &str, ready: &dyn Fn() -> bool| {
+            while !ready() {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "the replica on {} never {did} {}",
+                    replica.port,
+                    master.port
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        wait("synced with", &|| {
+            replica
+                .cmd(&["INFO", "replication"])
+                .is_ok_and(|r| r.text().contains("master_link_status:up"))
+        });
         // The replica's side of the link comes up before the master counts it as online
         // and acknowledging: until then `WAIT` answers 0. Wait until a write is
         // acknowledged (then the key is removed, replicated too).
-        while !(master.cmd(&["SET", "idem-test:replica-sync", "1"]).is_ok()
-            && matches!(master.cmd(&["WAIT", "1", "500"]), Ok(Resp::Int(n)) if n >= 1))
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "the replica on {} never acknowledged a write to {}",
-                replica.port,
-                master.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait("acknowledged a write to", &|| {
+            master.cmd(&["SET", "idem-test:replica-sync", "1"]).is_ok()
+                && matches!(master.cmd(&["WAIT", "1", "500"]), Ok(Resp::Int(n)) if n >= 1)
+        });
         let _ = master.cmd(&["DEL", "idem-test:replica-sync"]);
         Some(replica)
     }
@@ -179,7 +173,7 @@ impl RedisServer {
         for _ in 0..5 {
             let mut server = RedisServer {
                 binary: binary.clone(),
-                port: free_port(),
+                port: crate::net::free_port(),
                 dir: dir.clone(),
                 child: None,
                 extra: extra.iter().map(|a| (*a).to_owned()).collect(),
@@ -384,7 +378,7 @@ pub struct RedisCluster {
 /// A port whose cluster bus port (+10000) is free too.
 fn free_cluster_port(taken: &[u16]) -> u16 {
     loop {
-        let port = free_port();
+        let port = crate::net::free_port();
         if port > 55_000 || taken.contains(&port) {
             continue;
         }
