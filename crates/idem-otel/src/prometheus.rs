@@ -161,35 +161,15 @@ fn add_data<T: Number>(
     data: &MetricData<T>,
 ) {
     let base = prom_name(metric.name(), metric.unit());
-    let family = |families: &mut BTreeMap<String, Family>, name: String, kind| {
-        let help = metric.description().to_owned();
-        families
-            .entry(name)
-            .or_insert_with(|| Family {
-                kind,
-                help,
-                samples: Vec::new(),
-            })
-            .samples
-            .len();
-    };
     match data {
         MetricData::Sum(sum) if sum.is_monotonic() => {
             let name = format!("{}_total", base.trim_end_matches("_total"));
-            family(families, name.clone(), "counter");
-            sums(families.get_mut(&name), &name, sum);
+            sums(family(families, metric, &name, "counter"), &name, sum);
         }
-        MetricData::Sum(sum) => {
-            family(families, base.clone(), "gauge");
-            sums(families.get_mut(&base), &base, sum);
-        }
-        MetricData::Gauge(g) => {
-            family(families, base.clone(), "gauge");
-            gauges(families.get_mut(&base), &base, g);
-        }
+        MetricData::Sum(sum) => sums(family(families, metric, &base, "gauge"), &base, sum),
+        MetricData::Gauge(g) => gauges(family(families, metric, &base, "gauge"), &base, g),
         MetricData::Histogram(h) => {
-            family(families, base.clone(), "histogram");
-            histograms(families.get_mut(&base), &base, h);
+            histograms(family(families, metric, &base, "histogram"), &base, h)
         }
         MetricData::ExponentialHistogram(_) => {
             tracing::debug!(
@@ -234,26 +214,50 @@ fn float(v: f64) -> String {
     }
 }
 
-fn sums<T: Number>(f: Option<&mut Family>, name: &str, sum: &Sum<T>) {
-    let Some(f) = f else { return };
-    for p in sum.data_points() {
-        let l = labels(p.attributes(), None);
-        let line = format!("{name}{l} {}", p.value().text());
+/// The family `name` of `kind` in `families`, made (with `metric`'s description) if new.
+fn family<'f>(
+    families: &'f mut BTreeMap<String, Family>,
+    metric: &Metric,
+    name: &str,
+    kind: &'static str,
+) -> &'f mut Family {
+    families.entry(name.to_owned()).or_insert_with(|| Family {
+        kind,
+        help: metric.description().to_owned(),
+        samples: Vec::new(),
+    })
+}
+
+fn sums<T: Number>(f: &mut Family, name: &str, sum: &Sum<T>) {
+    samples(
+        f,
+        name,
+        sum.data_points().map(|p| (p.attributes(), p.value())),
+    );
+}
+
+fn gauges<T: Number>(f: &mut Family, name: &str, g: &Gauge<T>) {
+    samples(
+        f,
+        name,
+        g.data_points().map(|p| (p.attributes(), p.value())),
+    );
+}
+
+/// One sample line per point (its attributes and value): a sum's or a gauge's.
+fn samples<'a, T: Number, A: Iterator<Item = &'a KeyValue>>(
+    f: &mut Family,
+    name: &str,
+    points: impl Iterator<Item = (A, T)>,
+) {
+    for (attributes, value) in points {
+        let l = labels(attributes, None);
+        let line = format!("{name}{l} {}", value.text());
         f.samples.push((l, vec![line]));
     }
 }
 
-fn gauges<T: Number>(f: Option<&mut Family>, name: &str, g: &Gauge<T>) {
-    let Some(f) = f else { return };
-    for p in g.data_points() {
-        let l = labels(p.attributes(), None);
-        let line = format!("{name}{l} {}", p.value().text());
-        f.samples.push((l, vec![line]));
-    }
-}
-
-fn histograms<T: Number>(f: Option<&mut Family>, name: &str, h: &Histogram<T>) {
-    let Some(f) = f else { return };
+fn histograms<T: Number>(f: &mut Family, name: &str, h: &Histogram<T>) {
     for p in h.data_points() {
         let mut lines = Vec::new();
         let mut cumulative = 0;
@@ -424,25 +428,15 @@ mod tests {
             .build();
         h.record(0.5, &[]);
         let text = p.render();
-        assert!(text.contains("# TYPE a_calls_total counter\n"), "{text}");
-        assert!(
-            text.contains("a_calls_total{grpc_method=\"x/\\\"y\\\"\"} 2\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("a_d_seconds_bucket{le=\"0.1\"} 0\n"),
-            "{text}"
-        );
-        assert!(text.contains("a_d_seconds_bucket{le=\"1\"} 1\n"), "{text}");
-        assert!(
-            text.contains("a_d_seconds_bucket{le=\"+Inf\"} 1\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                "a_d_seconds_bucket{le=\"+Inf\"} 1\na_d_seconds_sum 0.5\na_d_seconds_count 1\n"
-            ),
-            "{text}"
-        );
+        for line in [
+            "# TYPE a_calls_total counter\n",
+            "a_calls_total{grpc_method=\"x/\\\"y\\\"\"} 2\n",
+            "a_d_seconds_bucket{le=\"0.1\"} 0\n",
+            "a_d_seconds_bucket{le=\"1\"} 1\n",
+            "a_d_seconds_bucket{le=\"+Inf\"} 1\n",
+            "a_d_seconds_bucket{le=\"+Inf\"} 1\na_d_seconds_sum 0.5\na_d_seconds_count 1\n",
+        ] {
+            assert!(text.contains(line), "{line:?} not in {text}");
+        }
     }
 }
