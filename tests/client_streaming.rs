@@ -259,6 +259,14 @@ fn client(addr: std::net::SocketAddr, layer: &RetryLayer) -> Client {
     TallyClient::new(tower::Layer::layer(layer, net::channel(addr)))
 }
 
+/// The server, its events, the layer `builder` builds and a client through it.
+async fn start(builder: RetryLayerBuilder) -> (Tallies, Events, RetryLayer, Client) {
+    let (server, events, addr) = serve().await;
+    let layer = builder.build().unwrap();
+    let client = client(addr, &layer);
+    (server, events, layer, client)
+}
+
 type Sender = mpsc::UnboundedSender<Number>;
 
 /// A streaming request with `metadata`, and the sender that feeds it.
@@ -273,6 +281,16 @@ fn streaming(
     (tx, req)
 }
 
+/// Asserts that the call behind `resp` committed after `attempts` attempts.
+#[track_caller]
+fn assert_committed<T>(resp: &tonic::Response<T>, attempts: u32) {
+    let report = CallReport::from_response(resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, attempts)
+    );
+}
+
 fn received(attempt: usize, value: i64) -> Event {
     Event::Received { attempt, value }
 }
@@ -285,9 +303,7 @@ fn total(sum: i64, count: i64) -> Total {
 
 #[tokio::test(start_paused = true)]
 async fn a_client_stream_that_failed_after_three_messages_is_replayed_whole() {
-    let (server, mut events, addr) = serve().await;
-    let layer = builder().build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, mut events, layer, mut client) = start(builder()).await;
     let (tx, req) = streaming(&[("x-fail-after", "3")]);
     let call = tokio::spawn(async move { client.sum(req).await });
     for v in 1..=3 {
@@ -300,11 +316,7 @@ async fn a_client_stream_that_failed_after_three_messages_is_replayed_whole() {
     drop(tx);
     let resp = call.await.unwrap().unwrap();
     assert_eq!(resp.get_ref(), &total(15, 5));
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!(
-        (report.outcome, report.attempts),
-        (CallOutcome::Committed, 2)
-    );
+    assert_committed(&resp, 2);
     let log = server.log();
     assert_eq!(log.len(), 2);
     assert_eq!(log[0].values, [1, 2, 3]);
@@ -318,9 +330,7 @@ async fn a_client_stream_that_failed_after_three_messages_is_replayed_whole() {
 
 #[tokio::test(start_paused = true)]
 async fn the_first_message_reaches_the_server_before_the_second_is_produced() {
-    let (server, mut events, addr) = serve().await;
-    let layer = builder().build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, mut events, layer, mut client) = start(builder()).await;
     let (tx, req) = streaming(&[]);
     let call = tokio::spawn(async move { client.sum(req).await });
     tx.send(number(1)).unwrap();
@@ -337,9 +347,8 @@ async fn the_first_message_reaches_the_server_before_the_second_is_produced() {
 
 #[tokio::test(start_paused = true)]
 async fn a_stream_over_the_per_call_limit_is_sent_once_and_not_retried() {
-    let (server, mut events, addr) = serve().await;
-    let layer = builder().max_replay_bytes_per_call(1000).build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, mut events, layer, mut client) =
+        start(builder().max_replay_bytes_per_call(1000)).await;
     let (tx, req) = streaming(&[("x-fail-after", "3")]);
     let call = tokio::spawn(async move { client.sum(req).await });
     tx.send(padded(1, 600)).unwrap();
@@ -371,9 +380,8 @@ async fn a_stream_over_the_per_call_limit_is_sent_once_and_not_retried() {
 
 #[tokio::test(start_paused = true)]
 async fn a_bidi_call_committed_by_the_per_call_limit_goes_on_after_its_headers() {
-    let (server, _events, addr) = serve().await;
-    let layer = builder().max_replay_bytes_per_call(1000).build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, _events, layer, mut client) =
+        start(builder().max_replay_bytes_per_call(1000)).await;
     // The server answers headers only after two messages; the second passes the limit.
     let (tx, req) = streaming(&[("x-headers-after", "2")]);
     tx.send(padded(1, 600)).unwrap();
@@ -442,17 +450,11 @@ async fn concurrent_calls_share_the_layer_budget() {
 
 #[tokio::test(start_paused = true)]
 async fn bidi_headers_then_an_error_is_not_retried() {
-    let (server, _events, addr) = serve().await;
-    let layer = builder().build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, _events, layer, mut client) = start(builder()).await;
     let (tx, req) = streaming(&[("x-fail-after", "1"), ("x-headers-first", "1")]);
     tx.send(number(1)).unwrap();
     let resp = client.running(req).await.unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!(
-        (report.outcome, report.attempts),
-        (CallOutcome::Committed, 1)
-    );
+    assert_committed(&resp, 1);
     assert_eq!(
         layer.replay_bytes_held(),
         0,
@@ -467,19 +469,13 @@ async fn bidi_headers_then_an_error_is_not_retried() {
 
 #[tokio::test(start_paused = true)]
 async fn bidi_trailers_only_failure_replays_then_ping_pong_goes_on() {
-    let (server, mut events, addr) = serve().await;
-    let layer = builder().build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, mut events, layer, mut client) = start(builder()).await;
     let (tx, req) = streaming(&[("x-fail-after", "2")]);
     // Two messages without waiting for anything.
     tx.send(number(1)).unwrap();
     tx.send(number(2)).unwrap();
     let resp = client.running(req).await.unwrap();
-    let report = CallReport::from_response(&resp).unwrap();
-    assert_eq!(
-        (report.outcome, report.attempts),
-        (CallOutcome::Committed, 2)
-    );
+    assert_committed(&resp, 2);
     let mut answers = resp.into_inner();
     assert_eq!(answers.message().await.unwrap(), Some(total(1, 1)));
     assert_eq!(answers.message().await.unwrap(), Some(total(3, 2)));
@@ -500,9 +496,8 @@ async fn bidi_trailers_only_failure_replays_then_ping_pong_goes_on() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_message_over_its_limit_ends_a_committed_bidi_call() {
-    let (server, mut events, addr) = serve().await;
-    let layer = builder().max_request_message_bytes(100).build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, mut events, _layer, mut client) =
+        start(builder().max_request_message_bytes(100)).await;
     let (tx, req) = streaming(&[]);
     tx.send(number(1)).unwrap();
     let mut answers = client.running(req).await.unwrap().into_inner();
@@ -524,9 +519,7 @@ async fn a_request_message_over_its_limit_ends_a_committed_bidi_call() {
 
 #[tokio::test(start_paused = true)]
 async fn the_deadline_holds_across_the_attempts_of_a_stream() {
-    let (server, _events, addr) = serve().await;
-    let layer = builder().build().unwrap();
-    let mut client = client(addr, &layer);
+    let (server, _events, _layer, mut client) = start(builder()).await;
     // The first attempt fails after one message; the second answers headers, then
     // nothing: the call's 1 s deadline ends it, 1 s after it started.
     let (tx, mut req) = streaming(&[("x-fail-after", "1"), ("x-stall-attempt", "1")]);
@@ -561,9 +554,7 @@ fn alive_tasks() -> usize {
 
 #[tokio::test(start_paused = true)]
 async fn ten_thousand_cancelled_streaming_calls_leave_the_budget_full() {
-    let (server, mut events, addr) = serve().await;
-    let layer = builder().build().unwrap();
-    let client = client(addr, &layer);
+    let (server, mut events, layer, client) = start(builder()).await;
     // One call first, to see the copy held while it runs.
     let (tx, req) = streaming(&[]);
     tx.send(number(1)).unwrap();
