@@ -76,7 +76,7 @@ impl EncodedSize {
     }
 }
 
-fn put_headers(out: &mut BytesMut, h: &HeaderMap) {
+fn put_headers(out: &mut impl BufMut, h: &HeaderMap) {
     out.put_u32(h.len() as u32);
     for (n, v) in h {
         out.put_u16(n.as_str().len() as u16);
@@ -134,23 +134,12 @@ impl StoredResponse {
 
     /// The stored bytes.
     pub fn encode(&self) -> Bytes {
-        let mut out = BytesMut::with_capacity(self.encoded_len());
-        out.put_slice(MAGIC);
-        out.put_u16(self.status.as_u16());
-        put_headers(&mut out, &self.headers);
-        out.put_u32(self.frames.len() as u32);
+        let mut out =
+            ResponseEncoder::with_capacity(self.status, &self.headers, self.encoded_len());
         for f in &self.frames {
-            out.put_u32(f.len() as u32);
-            out.put_slice(f);
+            out.frame(f);
         }
-        match &self.trailers {
-            None => out.put_u8(0),
-            Some(t) => {
-                out.put_u8(1);
-                put_headers(&mut out, t);
-            }
-        }
-        out.freeze()
+        out.finish(self.trailers.as_ref())
     }
 
     /// Decodes; frames share the input's allocation.
@@ -192,6 +181,91 @@ impl StoredResponse {
             frames,
             trailers,
         })
+    }
+}
+
+/// Room kept after a response's head and after its first frame for the trailers of a
+/// successful call (the flag, then the map `grpc-status: 0`), so that a unary OK
+/// response's record is allocated once at its head and grown once, exactly, at its
+/// frame.
+const TRAILERS_ROOM: usize = 1 + 4 + 2 + "grpc-status".len() + 4 + 1;
+
+/// A [`StoredResponse`] encoded as it arrives: the head when the response starts, each
+/// DATA frame as it comes, the trailers at the end. [`finish`](Self::finish) gives the
+/// bytes [`StoredResponse::encode`] gives for the same parts, without a copy of the
+/// head or a list of the frames kept on the way.
+///
+/// ```
+/// use idem_store::response::{ResponseEncoder, StoredResponse};
+///
+/// let reply = StoredResponse::unary_ok(&[0x0a, 0x01, b'x']);
+/// let mut out = ResponseEncoder::new(reply.status, &reply.headers);
+/// for frame in &reply.frames {
+///     out.frame(frame);
+/// }
+/// assert_eq!(out.finish(reply.trailers.as_ref()), reply.encode());
+/// ```
+#[derive(Debug)]
+pub struct ResponseEncoder {
+    out: Vec<u8>,
+    /// Where the frame count goes; written by `finish`.
+    count_at: usize,
+    frames: u32,
+}
+
+impl ResponseEncoder {
+    /// Starts a response with its status and headers.
+    pub fn new(status: StatusCode, headers: &HeaderMap) -> Self {
+        let head = MAGIC.len() + 2 + headers_len(headers) + 4;
+        ResponseEncoder::with_capacity(status, headers, head + TRAILERS_ROOM)
+    }
+
+    fn with_capacity(status: StatusCode, headers: &HeaderMap, capacity: usize) -> Self {
+        let mut out = Vec::with_capacity(capacity);
+        out.put_slice(MAGIC);
+        out.put_u16(status.as_u16());
+        put_headers(&mut out, headers);
+        let count_at = out.len();
+        out.put_u32(0);
+        ResponseEncoder {
+            out,
+            count_at,
+            frames: 0,
+        }
+    }
+
+    /// Appends one DATA frame as sent (gRPC message framing included).
+    pub fn frame(&mut self, frame: &[u8]) {
+        let need = 4 + frame.len();
+        if self.out.capacity() - self.out.len() < need {
+            if self.frames == 0 {
+                // Exactly: most responses have this one frame and then their trailers.
+                self.out.reserve_exact(need + TRAILERS_ROOM);
+            } else {
+                self.out.reserve(need);
+            }
+        }
+        self.frames = self.frames.saturating_add(1);
+        self.out.put_u32(frame.len() as u32);
+        self.out.put_slice(frame);
+    }
+
+    /// Ends the response with its trailers (`None`: Trailers-Only) and gives the bytes.
+    pub fn finish(mut self, trailers: Option<&HeaderMap>) -> Bytes {
+        let count = self.frames.to_be_bytes();
+        self.out[self.count_at..self.count_at + 4].copy_from_slice(&count);
+        match trailers {
+            None => self.out.put_u8(0),
+            Some(t) => {
+                self.out.reserve_exact(1 + headers_len(t));
+                self.out.put_u8(1);
+                put_headers(&mut self.out, t);
+            }
+        }
+        // A store keeps these bytes as they are: give back any room not used (none for
+        // a unary OK response), so a record holds no more memory than its length.
+        self.out.shrink_to_fit();
+        Bytes::from(self.out)
     }
 }
 
@@ -282,6 +356,46 @@ mod tests {
         let mut extra = BytesMut::from(&enc[..]);
         extra.put_u8(0);
         assert!(StoredResponse::decode(extra.freeze()).is_err());
+    }
+
+    #[test]
+    fn the_encoder_writes_what_encode_writes() {
+        let many = StoredResponse {
+            frames: (0..40).map(|i| Bytes::from(vec![i as u8; i * 7])).collect(),
+            ..sample()
+        };
+        let trailers_only = StoredResponse {
+            frames: vec![],
+            trailers: None,
+            ..sample()
+        };
+        let big_trailers = {
+            let mut r = sample();
+            let t = r.trailers.as_mut().unwrap();
+            t.insert("grpc-message", HeaderValue::from_static("x"));
+            t.insert("x-long", HeaderValue::from_bytes(&[b'v'; 300]).unwrap());
+            r
+        };
+        for r in [sample(), many, trailers_only, big_trailers] {
+            let mut out = ResponseEncoder::new(r.status, &r.headers);
+            for f in &r.frames {
+                out.frame(f);
+            }
+            let bytes = out.finish(r.trailers.as_ref());
+            assert_eq!(bytes, r.encode());
+            assert_eq!(StoredResponse::decode(bytes).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn a_unary_ok_record_is_allocated_at_its_head_and_grown_once_exactly() {
+        let r = StoredResponse::unary_ok(&[7; 40]);
+        let mut out = ResponseEncoder::new(r.status, &r.headers);
+        assert_eq!(out.out.capacity(), out.out.len() + TRAILERS_ROOM);
+        out.frame(&r.frames[0]);
+        assert_eq!(out.out.capacity(), out.out.len() + TRAILERS_ROOM);
+        let trailers = r.trailers.as_ref().unwrap();
+        assert_eq!(1 + headers_len(trailers), TRAILERS_ROOM);
     }
 
     proptest! {

@@ -35,8 +35,6 @@ use crate::metrics::CallTrace;
 pub(crate) struct Call<St> {
     pub(crate) shared: Arc<Shared<St>>,
     pub(crate) policy: IdempotencyPolicy,
-    /// Shared with the call's trace.
-    pub(crate) path: Arc<str>,
     pub(crate) scope: Scope,
     pub(crate) tenant: TenantId,
     /// The call's trace, when an observer listens.
@@ -64,7 +62,7 @@ impl<St: Store> Call<St> {
         S: Inner<ResBody>,
         ResBody: ResponseBody,
     {
-        let hook = self.shared.hooks.get(&*self.path);
+        let hook = self.shared.hooks.get(parts.uri.path());
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
         let ReadRequest {
             mut body,

@@ -124,15 +124,19 @@ impl TenantIds {
 /// what is hashed makes every stored record a mismatch.
 const FINGERPRINT_V1: &[u8] = b"idem-fp-v1";
 /// Small messages are gathered to this size before SHA-256 sees them: one hash update
-/// per message costs more than the message when messages are empty.
-const STAGE: usize = 8 * 1024;
+/// per message costs more than the message when messages are empty. The stage is
+/// inline (the fingerprinter lives on the reading thread's stack): a unary request's
+/// message usually fits, and a heap buffer per request costs more than hashing it.
+const STAGE: usize = 1024;
 
 /// The fingerprint of a request, fed one message at a time: SHA-256 over
 /// `idem-fp-v1`, then each message as a big-endian `u64` length and its (decompressed)
 /// bytes.
 pub(crate) struct Fingerprinter {
     sha: Sha256,
-    stage: Vec<u8>,
+    stage: [u8; STAGE],
+    /// How much of `stage` is filled.
+    staged: usize,
     /// Bytes fed to SHA-256 so far, prefixes included.
     pub(crate) hashed: u64,
 }
@@ -143,30 +147,39 @@ impl Fingerprinter {
         sha.update(FINGERPRINT_V1);
         Fingerprinter {
             sha,
-            stage: Vec::with_capacity(STAGE),
+            stage: [0; STAGE],
+            staged: 0,
             hashed: 0,
         }
     }
 
     pub(crate) fn message(&mut self, m: &[u8]) {
         self.hashed += 8 + m.len() as u64;
-        self.stage
-            .extend_from_slice(&(m.len() as u64).to_be_bytes());
-        if self.stage.len() + m.len() <= STAGE {
-            self.stage.extend_from_slice(m);
+        self.stage(&(m.len() as u64).to_be_bytes());
+        if self.staged + m.len() <= STAGE {
+            self.stage(m);
         } else {
-            self.sha.update(&self.stage);
-            self.stage.clear();
+            self.flush();
             self.sha.update(m);
-        }
-        if self.stage.len() >= STAGE - 8 {
-            self.sha.update(&self.stage);
-            self.stage.clear();
         }
     }
 
+    /// Appends `bytes` (which fit after a flush: at most `STAGE`) to the stage.
+    fn stage(&mut self, bytes: &[u8]) {
+        if self.staged + bytes.len() > STAGE {
+            self.flush();
+        }
+        self.stage[self.staged..self.staged + bytes.len()].copy_from_slice(bytes);
+        self.staged += bytes.len();
+    }
+
+    fn flush(&mut self) {
+        self.sha.update(&self.stage[..self.staged]);
+        self.staged = 0;
+    }
+
     pub(crate) fn finish(mut self) -> Fingerprint {
-        self.sha.update(&self.stage);
+        self.flush();
         Fingerprint(self.sha.finalize().into())
     }
 }
@@ -254,6 +267,11 @@ mod tests {
             3 * STAGE,
             0,
             5,
+            // 21 bytes staged before it: this one leaves the stage 2 short of full, so
+            // the next length prefix flushes it.
+            STAGE - 31,
+            2,
+            3,
         ];
         let msgs: Vec<Bytes> = sizes
             .iter()

@@ -18,7 +18,7 @@ use http_body_util::{BodyExt, Full};
 use idem_core::config::IdempotencyPolicy;
 use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_core::derive::KeySource;
-use idem_store::response::{EncodedSize, StoredResponse};
+use idem_store::response::{EncodedSize, ResponseEncoder};
 use idem_store::{Fence, RecordRef, Store, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
 use tokio::time::Duration;
@@ -229,9 +229,9 @@ async fn run<S, St, ResBody>(
         // The handler's own transaction completed the record with its reply.
         None
     } else {
-        Some(plan(&shared.stats, &policy, &collected))
+        Some(plan(&shared.stats, &policy, &mut collected))
     };
-    let trailers = collected.stored.trailers.take();
+    let trailers = collected.trailers.take();
     drop(collected);
     let (attempted, on_attempted) = oneshot::channel();
     let deliver = async move {
@@ -263,7 +263,7 @@ enum Plan {
 fn plan(
     stats: &super::IdempotencyStats,
     policy: &IdempotencyPolicy,
-    collected: &Collected,
+    collected: &mut Collected,
 ) -> Plan {
     let origin = collected.origin();
     let code = collected.code();
@@ -274,16 +274,17 @@ fn plan(
         }
         return Plan::Release;
     }
-    if collected.over_limit {
-        stats.inc(|c| &c.not_retained);
-        let max = policy.max_response_bytes;
-        tracing::warn!(
-            max,
-            "response over the size limit: recorded as not retained"
-        );
-        Plan::Complete(StoredOutcome::NotRetained)
-    } else {
-        Plan::Complete(StoredOutcome::Response(collected.stored.encode()))
+    match collected.encode() {
+        Some(bytes) => Plan::Complete(StoredOutcome::Response(bytes)),
+        None => {
+            stats.inc(|c| &c.not_retained);
+            let max = policy.max_response_bytes;
+            tracing::warn!(
+                max,
+                "response over the size limit: recorded as not retained"
+            );
+            Plan::Complete(StoredOutcome::NotRetained)
+        }
     }
 }
 
@@ -354,9 +355,17 @@ where
     Ok(())
 }
 
-/// The response as it will be stored, collected within the size limit.
+/// The response as it will be stored, encoded as it arrives within the size limit.
 struct Collected {
-    stored: StoredResponse,
+    /// The record's bytes so far; `None` once over the limit.
+    encoded: Option<ResponseEncoder>,
+    /// The response's trailers, until they move to the caller's side.
+    trailers: Option<HeaderMap>,
+    /// The head's `grpc-status` (a Trailers-Only response's code).
+    head_code: Option<Code>,
+    /// The head is tonic's own refusal of a request it could not decode.
+    decode_refusal: bool,
+    frames: usize,
     size: EncodedSize,
     max: usize,
     over_limit: bool,
@@ -371,58 +380,63 @@ impl Collected {
         let from_extension = head.extensions.remove::<IdemDecision>();
         let decision = decision::take_decision(&mut head.headers).or(from_extension);
         let size = EncodedSize::of_head(&head.headers);
+        let over_limit = size.bytes() > max;
+        let head_code = decision::grpc_status(&head.headers);
         Collected {
-            stored: StoredResponse {
-                status: head.status,
-                headers: head.headers.clone(),
-                frames: Vec::new(),
-                trailers: None,
-            },
+            encoded: (!over_limit).then(|| ResponseEncoder::new(head.status, &head.headers)),
+            trailers: None,
+            head_code,
+            decode_refusal: head_code == Some(Code::Internal)
+                && decision::is_decode_refusal(&head.headers),
+            frames: 0,
             size,
             max,
-            over_limit: size.bytes() > max,
+            over_limit,
             decision,
             broken: false,
         }
     }
 
     fn data(&mut self, data: &Bytes) {
+        self.frames += 1;
         self.size.add_frame(data);
         if !self.over_limit && self.size.bytes() > self.max {
             self.over_limit = true;
-            self.stored.frames = Vec::new();
+            self.encoded = None;
         }
-        if !self.over_limit {
-            self.stored.frames.push(data.clone());
+        if let Some(e) = &mut self.encoded {
+            e.frame(data);
         }
     }
 
     fn trailers(&mut self, mut t: HeaderMap) {
         self.decision = decision::take_decision(&mut t).or(self.decision);
         self.size.add_trailers(&t);
-        self.over_limit |= self.size.bytes() > self.max;
-        self.stored.trailers = Some(t);
+        if !self.over_limit && self.size.bytes() > self.max {
+            self.over_limit = true;
+            self.encoded = None;
+        }
+        self.trailers = Some(t);
+    }
+
+    /// The record's bytes: the response as collected, with its trailers.
+    fn encode(&mut self) -> Option<Bytes> {
+        let encoded = self.encoded.take()?;
+        Some(encoded.finish(self.trailers.as_ref()))
     }
 
     /// The response's code: its trailers' `grpc-status`, else the Trailers-Only
     /// head's; a response without one counts as UNKNOWN.
     fn code(&self) -> Code {
-        let from_trailers = self
-            .stored
-            .trailers
-            .as_ref()
-            .and_then(decision::grpc_status);
-        from_trailers
-            .or_else(|| decision::grpc_status(&self.stored.headers))
-            .unwrap_or(Code::Unknown)
+        let from_trailers = self.trailers.as_ref().and_then(decision::grpc_status);
+        from_trailers.or(self.head_code).unwrap_or(Code::Unknown)
     }
 
     fn origin(&self) -> Origin {
-        let trailers_only =
-            self.stored.frames.is_empty() && !self.over_limit && self.stored.trailers.is_none();
+        let trailers_only = self.frames == 0 && !self.over_limit && self.trailers.is_none();
         if self.broken {
             Origin::Broken
-        } else if trailers_only && decision::is_decode_refusal(&self.stored.headers) {
+        } else if trailers_only && self.decode_refusal {
             Origin::BeforeHandler
         } else {
             Origin::Handler

@@ -166,13 +166,14 @@ where
             Route::Protect { scope, tenant } => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                let path = Arc::<str>::from(parts.uri.path());
-                let span = call_span(&path, Some(&scope));
-                let trace = CallTrace::start(self.shared.observer.as_ref(), || path.clone(), &span);
+                let path = parts.uri.path();
+                let span = call_span(path, Some(&scope));
+                // The path is copied only for an observer's trace.
+                let trace =
+                    CallTrace::start(self.shared.observer.as_ref(), || Arc::from(path), &span);
                 let call = Call {
                     shared: self.shared.clone(),
                     policy: policy.clone(),
-                    path,
                     scope,
                     tenant: self.shared.tenant_ids.of(&tenant),
                     trace: trace.map(|t| t.with_tenant(tenant)),
