@@ -1,8 +1,9 @@
 //! [`ResponseFuture`]: the future of a [`Retry`](super::Retry) call.
 //!
 //! The layer sends one attempt itself, on the service it was handed ready, and the future
-//! awaits it by hand, without allocating: every call of a method without a retry policy
-//! (nor `waitForReady`), and the first attempt of a retrying call. When a retry is due,
+//! awaits it by hand: every call of a method without a retry policy (nor `waitForReady`),
+//! without allocating, and the first attempt of a retrying call, whose state between
+//! attempts ([`Run`]) waits in a box so that the future stays small. When a retry is due,
 //! the `async` loop of the call module ([`Run::run`]) takes over in a box, on a clone of
 //! the service: it awaits the service's readiness for each retry, backoff sleeps and
 //! per-attempt timers, and reads like A6's prose instead of a six-state machine. Hedged
@@ -58,11 +59,13 @@ pin_project! {
             started: Instant,
             span: Span,
         },
-        // A retrying call's first attempt; `spare` is cloned for the retries.
+        // A retrying call's first attempt; `spare` is cloned for the retries. The call's
+        // state is boxed: inline, it would make every call's future (and each future
+        // holding it: tonic's, the caller's) about 1 KB larger, copied at every move.
         First {
             #[pin]
             attempt: Timed<S::Future>,
-            run: Option<Run>,
+            run: Option<Box<Run>>,
             spare: Arc<Spare<S>>,
             started: Instant,
             span: Span,
@@ -110,7 +113,7 @@ impl<S: Service<Req>> ResponseFuture<S> {
     /// A retrying call's first attempt, sent at `started`.
     pub(crate) fn first(
         attempt: Timed<S::Future>,
-        run: Run,
+        run: Box<Run>,
         spare: Arc<Spare<S>>,
         started: Instant,
         span: Span,
@@ -180,7 +183,7 @@ where
                 } => {
                     let _enter = span.enter();
                     let attempt = match std::task::ready!(attempt.poll(cx)) {
-                        Ok(result) => Attempt::of(result, run.as_ref().and_then(Run::deadline)),
+                        Ok(result) => Attempt::of(result, run.as_deref().and_then(Run::deadline)),
                         Err(cut) => cut.attempt(),
                     };
                     let mut run = run.take().expect("ResponseFuture polled after completion");
@@ -198,7 +201,7 @@ where
                                 .clone();
                             let span = std::mem::replace(span, Span::none());
                             Kind::Looping {
-                                fut: Box::pin(run.run(svc, Some(wait)).instrument(span)),
+                                fut: Box::pin((*run).run(svc, Some(wait)).instrument(span)),
                             }
                         }
                     }

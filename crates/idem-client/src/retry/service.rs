@@ -179,7 +179,7 @@ where
         self.spare.get_or_init(|| Mutex::new(self.inner.clone()));
         drop(_enter);
         let spare = self.spare.clone();
-        ResponseFuture::first(attempt, run, spare, started, span)
+        ResponseFuture::first(attempt, Box::new(run), spare, started, span)
     }
 }
 
