@@ -17,10 +17,18 @@ use tokio::time::Instant;
 
 const LONG: Duration = Duration::from_secs(60);
 
-/// The store, the server, and the service's own pool with an `orders` table.
-async fn start() -> Option<(PostgresStore, PostgresServer, PgPool)> {
+/// One test's world: the store, the service's own pool with an `orders` table, and a
+/// fresh scope.
+struct World {
+    s: PostgresStore,
+    app: PgPool,
+    sc: Scope,
+    _server: PostgresServer,
+}
+
+async fn start() -> Option<World> {
     let server = PostgresServer::start()?;
-    let store = PostgresStore::builder(server.url())
+    let s = PostgresStore::builder(server.url())
         .connect()
         .await
         .expect("connect");
@@ -28,62 +36,72 @@ async fn start() -> Option<(PostgresStore, PostgresServer, PgPool)> {
     app.execute("CREATE TABLE orders (id text PRIMARY KEY)")
         .await
         .unwrap();
-    Some((store, server, app))
+    Some(World {
+        s,
+        app,
+        sc: Scope(rand::random()),
+        _server: server,
+    })
 }
 
-async fn orders(app: &PgPool) -> i64 {
-    sqlx::query("SELECT count(*) FROM orders")
-        .fetch_one(app)
-        .await
-        .unwrap()
-        .get(0)
-}
+impl World {
+    /// The scope's first claim, with a lease of `lease`: its fence.
+    async fn acquire(&self, lease: Duration) -> u64 {
+        acquire(&self.s, &self.sc, lease).await
+    }
 
-/// The handler's transaction after its own write: order `id` inserted, not committed.
-async fn insert_order(app: &PgPool, id: &str) -> Transaction<'static, Postgres> {
-    let mut tx = app.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES ($1)")
-        .bind(id)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx
-}
+    /// What a duplicate's claim finds.
+    async fn claim(&self) -> Claim {
+        self.s.claim(req(&self.sc, LONG)).await.unwrap()
+    }
 
-/// The handler: insert an order, mark the record, commit.
-async fn handler(
-    s: &PostgresStore,
-    app: &PgPool,
-    scope: &Scope,
-    fence: u64,
-    id: &str,
-) -> Result<(), StoreError> {
-    let mut tx = insert_order(app, id).await;
-    s.commit_in(&mut tx, scope, fence, LONG).await?;
-    tx.commit().await.unwrap();
-    Ok(())
+    async fn orders(&self) -> i64 {
+        sqlx::query("SELECT count(*) FROM orders")
+            .fetch_one(&self.app)
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    /// The handler up to its own COMMIT: order `id` inserted and the record marked done
+    /// under `fence` (its lease extended by `lease`), in one transaction not yet committed.
+    async fn marked(
+        &self,
+        fence: u64,
+        id: &str,
+        lease: Duration,
+    ) -> Result<Transaction<'static, Postgres>, StoreError> {
+        let mut tx = self.app.begin().await.unwrap();
+        sqlx::query("INSERT INTO orders VALUES ($1)")
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        self.s.commit_in(&mut tx, &self.sc, fence, lease).await?;
+        Ok(tx)
+    }
+
+    /// The handler: insert order `id`, mark the record under `fence`, commit.
+    async fn handler(&self, fence: u64, id: &str) -> Result<(), StoreError> {
+        self.marked(fence, id, LONG).await?.commit().await.unwrap();
+        Ok(())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_and_completion_commit_together() {
-    let Some((s, _server, app)) = start().await else {
-        return;
-    };
-    let sc = Scope(rand::random());
-    let fence = acquire(&s, &sc, LONG).await;
-    handler(&s, &app, &sc, fence, "a").await.unwrap();
+    let Some(w) = start().await else { return };
+    let fence = w.acquire(LONG).await;
+    w.handler(fence, "a").await.unwrap();
     // Committed, response not recorded yet: duplicates wait, as for any run in flight.
+    assert!(matches!(w.claim().await, Claim::InFlight { .. }));
     assert!(matches!(
-        s.claim(req(&sc, LONG)).await.unwrap(),
-        Claim::InFlight { .. }
-    ));
-    assert!(matches!(
-        s.get(&sc).await.unwrap(),
+        w.s.get(&w.sc).await.unwrap(),
         Some(RecordState::InFlight { fence: f, .. }) if f == fence
     ));
-    s.renew(&sc, fence, LONG).await.unwrap();
-    s.complete(completion(
-        &sc,
+    w.s.renew(&w.sc, fence, LONG).await.unwrap();
+    w.s.complete(completion(
+        &w.sc,
         fence,
         StoredOutcome::Response(Bytes::from_static(b"ok")),
         LONG,
@@ -91,54 +109,44 @@ async fn writes_and_completion_commit_together() {
     .await
     .unwrap();
     assert_eq!(
-        s.claim(req(&sc, LONG)).await.unwrap(),
+        w.claim().await,
         Claim::Completed(StoredOutcome::Response(Bytes::from_static(b"ok")))
     );
-    assert_eq!(orders(&app).await, 1);
+    assert_eq!(w.orders().await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_before_the_handlers_commit_leaves_nothing_done() {
-    let Some((s, _server, app)) = start().await else {
-        return;
-    };
-    let sc = Scope(rand::random());
-    let fence = acquire(&s, &sc, Duration::from_millis(200)).await;
+    let Some(w) = start().await else { return };
+    let fence = w.acquire(Duration::from_millis(200)).await;
     {
-        let mut tx = insert_order(&app, "lost").await;
-        s.commit_in(&mut tx, &sc, fence, LONG).await.unwrap();
+        let tx = w.marked(fence, "lost", LONG).await.unwrap();
         // The process dies here: the transaction never commits.
         drop(tx);
     }
-    assert_eq!(orders(&app).await, 0);
+    assert_eq!(w.orders().await, 0);
     // The record is in flight as before; once its lease ends, the next run takes over.
     tokio::time::sleep(Duration::from_millis(250)).await;
-    let next = take_over(&s, &sc, LONG).await;
-    handler(&s, &app, &sc, next, "again").await.unwrap();
-    assert_eq!(orders(&app).await, 1);
+    let next = take_over(&w.s, &w.sc, LONG).await;
+    w.handler(next, "again").await.unwrap();
+    assert_eq!(w.orders().await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_handlers_commit_never_runs_it_again() {
-    let Some((s, _server, app)) = start().await else {
-        return;
-    };
-    let sc = Scope(rand::random());
-    let fence = acquire(&s, &sc, Duration::from_millis(200)).await;
-    let mut tx = insert_order(&app, "kept").await;
-    s.commit_in(&mut tx, &sc, fence, Duration::from_millis(300))
+    let Some(w) = start().await else { return };
+    let fence = w.acquire(Duration::from_millis(200)).await;
+    let tx = w
+        .marked(fence, "kept", Duration::from_millis(300))
         .await
         .unwrap();
     tx.commit().await.unwrap();
     // The process dies before `complete`. While the lease lasts, duplicates wait...
-    assert!(matches!(
-        s.claim(req(&sc, LONG)).await.unwrap(),
-        Claim::InFlight { .. }
-    ));
+    assert!(matches!(w.claim().await, Claim::InFlight { .. }));
     // ...then learn it is done, without its response. Never a second run.
     let start = Instant::now();
     loop {
-        match s.claim(req(&sc, LONG)).await.unwrap() {
+        match w.claim().await {
             Claim::InFlight { .. } if start.elapsed() < Duration::from_secs(5) => {
                 tokio::time::sleep(Duration::from_millis(50)).await
             }
@@ -146,43 +154,36 @@ async fn a_crash_after_the_handlers_commit_never_runs_it_again() {
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!(orders(&app).await, 1);
+    assert_eq!(w.orders().await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_fence_rolls_the_handlers_writes_back() {
-    let Some((s, _server, app)) = start().await else {
-        return;
-    };
-    let sc = Scope(rand::random());
-    let old = acquire(&s, &sc, Duration::from_millis(100)).await;
+    let Some(w) = start().await else { return };
+    let old = w.acquire(Duration::from_millis(100)).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let new = acquire(&s, &sc, LONG).await;
-    let r = handler(&s, &app, &sc, old, "stale").await;
+    let new = w.acquire(LONG).await;
+    let r = w.handler(old, "stale").await;
     assert!(
         matches!(r, Err(StoreError::Fenced { presented, current: Some(c) }) if presented == old && c == new),
         "{r:?}"
     );
     // The handler's transaction was dropped uncommitted.
-    assert_eq!(orders(&app).await, 0);
-    handler(&s, &app, &sc, new, "fresh").await.unwrap();
-    assert_eq!(orders(&app).await, 1);
+    assert_eq!(w.orders().await, 0);
+    w.handler(new, "fresh").await.unwrap();
+    assert_eq!(w.orders().await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_waits_for_the_handlers_transaction() {
-    let Some((s, _server, app)) = start().await else {
-        return;
-    };
-    let sc = Scope(rand::random());
-    let fence = acquire(&s, &sc, Duration::from_millis(300)).await;
-    let mut tx = insert_order(&app, "slow").await;
-    s.commit_in(&mut tx, &sc, fence, LONG).await.unwrap();
+    let Some(w) = start().await else { return };
+    let fence = w.acquire(Duration::from_millis(300)).await;
+    let tx = w.marked(fence, "slow", LONG).await.unwrap();
     // The old lease ends while the handler is still before its COMMIT: a claim now
     // blocks on the record's row instead of taking over...
     tokio::time::sleep(Duration::from_millis(350)).await;
     let claim = {
-        let s = s.clone();
+        let (s, sc) = (w.s.clone(), w.sc);
         tokio::spawn(async move { s.claim(req(&sc, LONG)).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -193,21 +194,18 @@ async fn a_takeover_waits_for_the_handlers_transaction() {
         claim.await.unwrap().unwrap(),
         Claim::InFlight { .. }
     ));
-    assert_eq!(orders(&app).await, 1);
+    assert_eq!(w.orders().await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releasing_a_committed_run_records_it_as_done() {
-    let Some((s, _server, app)) = start().await else {
-        return;
-    };
-    let sc = Scope(rand::random());
-    let fence = acquire(&s, &sc, LONG).await;
-    handler(&s, &app, &sc, fence, "r").await.unwrap();
+    let Some(w) = start().await else { return };
+    let fence = w.acquire(LONG).await;
+    w.handler(fence, "r").await.unwrap();
     // The handler committed, then answered with a "nothing was done" code.
-    s.release(&sc, fence).await.unwrap();
+    w.s.release(&w.sc, fence).await.unwrap();
     assert_eq!(
-        s.claim(req(&sc, LONG)).await.unwrap(),
+        w.claim().await,
         Claim::Completed(StoredOutcome::NotRetained)
     );
 }
