@@ -113,6 +113,14 @@ impl Otel {
             .collect()
     }
 
+    /// The count of the one histogram point of `name` whose attributes include `attrs`.
+    fn count(&self, name: &str, attrs: &[(&str, &str)]) -> u64 {
+        match self.value(name, attrs) {
+            Some(Value::Histogram { count, .. }) => count,
+            other => panic!("{name} {attrs:?}: {other:?}"),
+        }
+    }
+
     /// Waits (server metrics are recorded once the record is written, just after the
     /// response) until `name` with `attrs` has `want`.
     async fn expect(&self, name: &str, attrs: &[(&str, &str)], want: Value) {
@@ -142,33 +150,28 @@ fn points(data: &AggregatedMetrics) -> Vec<Point> {
         v.sort();
         v
     }
+    // Each data point type has its own accessors: `each!` maps one kind's points.
+    macro_rules! each {
+        ($points:expr, |$p:ident| $value:expr) => {
+            $points
+                .map(|$p| Point {
+                    attrs: attrs($p.attributes()),
+                    value: $value,
+                })
+                .collect()
+        };
+    }
     macro_rules! of {
         ($d:expr) => {
             match $d {
-                MetricData::Sum(s) => s
-                    .data_points()
-                    .map(|p| Point {
-                        attrs: attrs(p.attributes()),
-                        value: Value::Sum(p.value() as f64),
-                    })
-                    .collect(),
-                MetricData::Gauge(g) => g
-                    .data_points()
-                    .map(|p| Point {
-                        attrs: attrs(p.attributes()),
-                        value: Value::Gauge(p.value() as f64),
-                    })
-                    .collect(),
-                MetricData::Histogram(h) => h
-                    .data_points()
-                    .map(|p| Point {
-                        attrs: attrs(p.attributes()),
-                        value: Value::Histogram {
-                            count: p.count(),
-                            sum: p.sum() as f64,
-                        },
-                    })
-                    .collect(),
+                MetricData::Sum(s) => each!(s.data_points(), |p| Value::Sum(p.value() as f64)),
+                MetricData::Gauge(g) => {
+                    each!(g.data_points(), |p| Value::Gauge(p.value() as f64))
+                }
+                MetricData::Histogram(h) => each!(h.data_points(), |p| Value::Histogram {
+                    count: p.count(),
+                    sum: p.sum() as f64,
+                }),
                 MetricData::ExponentialHistogram(_) => Vec::new(),
             }
         };
@@ -210,10 +213,6 @@ fn server_layer<St: Store>(
     layer
 }
 
-fn hist(count: u64) -> impl Fn(&Value) -> bool {
-    move |v| matches!(v, Value::Histogram { count: c, .. } if *c == count)
-}
-
 #[tokio::test]
 async fn two_retries_then_ok() {
     let otel = Otel::new();
@@ -240,18 +239,10 @@ async fn two_retries_then_ok() {
     assert_eq!(otel.unit("grpc.client.attempt.duration"), "s");
     let unavailable = [m[0], m[1], ("grpc.status", "UNAVAILABLE")];
     let ok = [m[0], m[1], ("grpc.status", "OK")];
-    assert!(hist(2)(
-        &otel
-            .value("grpc.client.attempt.duration", &unavailable)
-            .unwrap()
-    ));
-    assert!(hist(1)(
-        &otel.value("grpc.client.attempt.duration", &ok).unwrap()
-    ));
+    assert_eq!(otel.count("grpc.client.attempt.duration", &unavailable), 2);
+    assert_eq!(otel.count("grpc.client.attempt.duration", &ok), 1);
     assert_eq!(otel.unit("grpc.client.call.duration"), "s");
-    assert!(hist(1)(
-        &otel.value("grpc.client.call.duration", &ok).unwrap()
-    ));
+    assert_eq!(otel.count("grpc.client.call.duration", &ok), 1);
     assert_eq!(
         otel.labels("grpc.client.call.duration"),
         [["grpc.method", "grpc.status", "grpc.target"]]
@@ -284,11 +275,10 @@ async fn two_retries_then_ok() {
     let executed = [sm[0], ("idem.outcome", "executed")];
     otel.expect("idem.server.call.outcome", &executed, Value::Sum(1.0))
         .await;
-    assert!(hist(1)(
-        &otel
-            .value("grpc.server.call.duration", &[sm[0], ("grpc.status", "OK")])
-            .unwrap()
-    ));
+    assert_eq!(
+        otel.count("grpc.server.call.duration", &[sm[0], ("grpc.status", "OK")]),
+        1
+    );
     otel.expect_stored(1.0).await;
     assert_eq!(
         otel.value("idem.server.stale_fences", &[]),
@@ -317,15 +307,9 @@ async fn two_retries_then_ok() {
         ("idem.store.operation", "claim"),
         ("idem.store.result", "ok"),
     ];
-    assert!(hist(1)(
-        &otel.value("idem.store.operation.duration", &claim).unwrap()
-    ));
+    assert_eq!(otel.count("idem.store.operation.duration", &claim), 1);
     let complete = [claim[0], ("idem.store.operation", "complete"), claim[2]];
-    assert!(hist(1)(
-        &otel
-            .value("idem.store.operation.duration", &complete)
-            .unwrap()
-    ));
+    assert_eq!(otel.count("idem.store.operation.duration", &complete), 1);
     // A series exists once it has a value: none, empty, for the other operations,
     // results or status codes.
     assert_eq!(otel.labels("idem.store.operation.duration").len(), 2);
@@ -357,9 +341,7 @@ async fn throttled() {
         Some(Value::Sum(1.0))
     );
     let status = [m[0], m[1], ("grpc.status", "UNAVAILABLE")];
-    assert!(hist(1)(
-        &otel.value("grpc.client.call.duration", &status).unwrap()
-    ));
+    assert_eq!(otel.count("grpc.client.call.duration", &status), 1);
     assert_eq!(
         otel.value("grpc.client.call.retries", &m),
         None,
@@ -415,15 +397,12 @@ async fn replay_and_mismatch() {
         .await;
     otel.expect("grpc.server.call.started", &[m], Value::Sum(4.0))
         .await;
-    assert!(hist(2)(
-        &otel
-            .value("grpc.server.call.duration", &[m, ("grpc.status", "OK")])
-            .unwrap()
-    ));
+    assert_eq!(
+        otel.count("grpc.server.call.duration", &[m, ("grpc.status", "OK")]),
+        2
+    );
     let fp = [m, ("grpc.status", "FAILED_PRECONDITION")];
-    assert!(hist(1)(
-        &otel.value("grpc.server.call.duration", &fp).unwrap()
-    ));
+    assert_eq!(otel.count("grpc.server.call.duration", &fp), 1);
     otel.expect_stored(1.0).await;
 }
 
@@ -444,22 +423,19 @@ async fn store_down() {
     let down = [m, ("idem.outcome", "store_unavailable")];
     otel.expect("idem.server.call.outcome", &down, Value::Sum(1.0))
         .await;
-    assert!(hist(1)(
-        &otel
-            .value(
-                "grpc.server.call.duration",
-                &[m, ("grpc.status", "UNAVAILABLE")]
-            )
-            .unwrap()
-    ));
+    assert_eq!(
+        otel.count(
+            "grpc.server.call.duration",
+            &[m, ("grpc.status", "UNAVAILABLE")]
+        ),
+        1
+    );
     // The claim is sent once more with the same claimant before giving up.
     let claim = [
         ("idem.store.operation", "claim"),
         ("idem.store.result", "unavailable"),
     ];
-    assert!(hist(2)(
-        &otel.value("idem.store.operation.duration", &claim).unwrap()
-    ));
+    assert_eq!(otel.count("idem.store.operation.duration", &claim), 2);
 }
 
 /// 10,000 distinct keys (and 100 made-up method names) make a fixed number of series.
@@ -494,16 +470,12 @@ async fn ten_thousand_keys_make_a_bounded_number_of_series() {
     assert_eq!(series("idem.server.call.outcome"), 1);
     // Every call's values reach the export: histogram values are handed to the SDK in
     // batches per thread, and a collection takes the part-filled ones too.
-    let count = |name: &str, attrs: &[(&str, &str)]| match otel.value(name, attrs) {
-        Some(Value::Histogram { count, .. }) => count,
-        other => panic!("{name} {attrs:?}: {other:?}"),
-    };
-    assert_eq!(count("grpc.server.call.duration", &[]), 10_000);
-    assert_eq!(count("grpc.client.call.duration", &[]), 10_000);
-    assert_eq!(count("grpc.client.attempt.duration", &[]), 10_000);
+    assert_eq!(otel.count("grpc.server.call.duration", &[]), 10_000);
+    assert_eq!(otel.count("grpc.client.call.duration", &[]), 10_000);
+    assert_eq!(otel.count("grpc.client.attempt.duration", &[]), 10_000);
     for op in ["claim", "complete"] {
         let op = [("idem.store.operation", op)];
-        assert_eq!(count("idem.store.operation.duration", &op), 10_000);
+        assert_eq!(otel.count("idem.store.operation.duration", &op), 10_000);
     }
     assert_eq!(series("grpc.server.call.duration"), 1);
     assert_eq!(series("grpc.client.call.duration"), 1);
@@ -658,19 +630,14 @@ async fn passthrough_calls_are_counted() {
     otel.expect("grpc.server.call.started", &[get], Value::Sum(1.0))
         .await;
     let unimplemented = [get, ("grpc.status", "UNIMPLEMENTED")];
-    assert!(hist(1)(
-        &otel
-            .value("grpc.server.call.duration", &unimplemented)
-            .unwrap()
-    ));
-    assert!(hist(3)(
-        &otel
-            .value(
-                "grpc.server.call.duration",
-                &[create, ("grpc.status", "OK")]
-            )
-            .unwrap()
-    ));
+    assert_eq!(otel.count("grpc.server.call.duration", &unimplemented), 1);
+    assert_eq!(
+        otel.count(
+            "grpc.server.call.duration",
+            &[create, ("grpc.status", "OK")]
+        ),
+        3
+    );
     // Passed-through calls carry no tenant, even when tenants are labelled.
     assert!(
         otel.labels("idem.server.call.outcome")
@@ -865,11 +832,11 @@ async fn a_detached_run_that_panics_leaves_the_gauge_and_the_call_reads_cancelle
         .await;
     otel.expect_stored(1.0).await;
     let cancelled = [("grpc.status", "CANCELLED")];
-    assert!(hist(1)(
-        &otel
-            .value("grpc.server.call.duration", &cancelled)
-            .expect("the call's duration, as CANCELLED")
-    ));
+    assert_eq!(
+        otel.count("grpc.server.call.duration", &cancelled),
+        1,
+        "the call's duration, as CANCELLED"
+    );
 }
 
 /// A server whose handler says it `started`, then waits for `release` (and then
