@@ -23,13 +23,16 @@ use idem_core::config::{
     IdemSettings, IdempotencyPolicy, InFlightPolicy, MethodConfig, ServiceConfig,
 };
 use idem_core::headers::reason;
-use idem_server::idempotency::{IdempotencyLayer, StatsSnapshot, scope_for, tenant::FromExtension};
+use idem_server::idempotency::{
+    IdempotencyLayer, IdempotencyStats, StatsSnapshot, scope_for, tenant::FromExtension,
+};
 use idem_store::{RecordState, Store, memory::MemoryStore};
 use prost::Message;
 use shop::orders_client::OrdersClient;
 use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, GetOrderRequest, ListOrdersRequest, Order};
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::body::Body;
 use tonic::codec::CompressionEncoding;
@@ -97,6 +100,8 @@ fn auth(mut req: http::Request<Body>) -> http::Request<Body> {
 struct Running {
     addr: SocketAddr,
     shop: Shop,
+    /// The layer's counters.
+    stats: IdempotencyStats,
 }
 
 impl Running {
@@ -113,6 +118,7 @@ async fn serve<St: Store>(layer: IdempotencyLayer<St>) -> Running {
 /// way the docs say: `Server::builder().layer(auth).layer(idempotency)`.
 async fn serve_probed<St: Store>(layer: IdempotencyLayer<St>, dropped: Arc<Notify>) -> Running {
     let shop = Shop::new();
+    let stats = layer.stats();
     let (addr, incoming) = net::bind().await;
     let auth_fn: fn(http::Request<Body>) -> http::Request<Body> = auth;
     let router = Server::builder()
@@ -122,17 +128,28 @@ async fn serve_probed<St: Store>(layer: IdempotencyLayer<St>, dropped: Arc<Notif
         .layer(layer)
         .add_service(OrdersServer::new(shop.clone()).accept_compressed(CompressionEncoding::Gzip));
     tokio::spawn(async move { router.serve_with_incoming(incoming).await.expect("server") });
-    Running { addr, shop }
+    Running { addr, shop, stats }
+}
+
+/// [`serve`] with the default policy on `CreateOrder` and `ListOrders`, over `store`.
+async fn serve_on<St: Store>(store: St) -> Running {
+    serve(layer(store, &config(policy(), None))).await
 }
 
 fn layer<St: Store>(store: St, cfg: &ServiceConfig) -> IdempotencyLayer<St> {
     IdempotencyLayer::new(store, cfg).tenant(FromExtension::<Tenant>::new())
 }
 
-fn keyed<T>(msg: T, key: &str, tenant: &str) -> Request<T> {
+/// `msg` with an idempotency key and no tenant.
+fn key_only<T>(msg: T, key: &str) -> Request<T> {
     let mut r = Request::new(msg);
     r.metadata_mut()
         .insert("x-idempotency-key", key.parse().unwrap());
+    r
+}
+
+fn keyed<T>(msg: T, key: &str, tenant: &str) -> Request<T> {
+    let mut r = key_only(msg, key);
     r.metadata_mut()
         .insert("x-test-tenant", tenant.parse().unwrap());
     r
@@ -145,6 +162,13 @@ async fn create_ok(
     tenant: &str,
 ) -> Result<Response<Order>, Status> {
     client.create_order(keyed(create("ok"), KEY, tenant)).await
+}
+
+/// `GetOrder` for order "x": the call to a method other than `CreateOrder`.
+fn get_order_x() -> GetOrderRequest {
+    GetOrderRequest {
+        order_id: "x".into(),
+    }
 }
 
 fn error_reason(s: &Status) -> Option<(String, String)> {
@@ -195,9 +219,7 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 #[tokio::test]
 async fn same_key_twice_runs_once_and_replays_headers_body_and_trailers() {
     let store = MemoryStore::default();
-    let l = layer(store.clone(), &config(policy(), None));
-    let stats = l.stats();
-    let srv = serve(l).await;
+    let srv = serve_on(store.clone()).await;
     let mut client = srv.client();
 
     let first = create_ok(&mut client, "t1").await.unwrap();
@@ -239,14 +261,13 @@ async fn same_key_twice_runs_once_and_replays_headers_body_and_trailers() {
     assert_eq!(comparable(&a_md), comparable(&b_md));
     assert!(replayed(&b_md));
 
-    let s = stats.snapshot();
+    let s = srv.stats.snapshot();
     assert_eq!((s.executed, s.replayed, s.stored), (2, 2, 2), "{s:?}");
 }
 
 #[tokio::test]
 async fn compressed_and_plain_copies_of_a_request_match() {
-    let l = layer(MemoryStore::default(), &config(policy(), None));
-    let srv = serve(l).await;
+    let srv = serve_on(MemoryStore::default()).await;
     let mut gz = srv.client().send_compressed(CompressionEncoding::Gzip);
     let mut plain = srv.client();
     let mut req = create("ok");
@@ -266,8 +287,7 @@ async fn compressed_and_plain_copies_of_a_request_match() {
 #[tokio::test]
 async fn same_key_different_request_is_refused_and_the_record_is_unchanged() {
     let store = MemoryStore::default();
-    let l = layer(store.clone(), &config(policy(), None));
-    let srv = serve(l).await;
+    let srv = serve_on(store.clone()).await;
     let mut client = srv.client();
     create_ok(&mut client, "t1").await.unwrap();
     let scope = scope_for("t1", CREATE, KEY);
@@ -302,7 +322,6 @@ async fn thousand(
         ..policy()
     };
     let l = layer(MemoryStore::default(), &config(p, None));
-    let stats = l.stats();
     let srv = serve(l).await;
     let client = srv.client();
     let mut calls = Vec::new();
@@ -313,17 +332,18 @@ async fn thousand(
         }));
     }
     // Hold the one execution until the 999 others have found it in flight.
-    let s2 = stats.clone();
+    let stats = &srv.stats;
     match in_flight {
-        InFlightPolicy::Wait => eventually("999 waiters", || s2.snapshot().waited >= 999).await,
-        InFlightPolicy::Abort => eventually("999 aborts", || s2.snapshot().aborted >= 999).await,
+        InFlightPolicy::Wait => eventually("999 waiters", || stats.snapshot().waited >= 999).await,
+        InFlightPolicy::Abort => eventually("999 aborts", || stats.snapshot().aborted >= 999).await,
     }
     srv.shop.open_gate(1);
     let mut out = Vec::new();
     for c in calls {
         out.push(c.await.unwrap());
     }
-    (srv, out, stats.snapshot())
+    let s = srv.stats.snapshot();
+    (srv, out, s)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -380,22 +400,16 @@ async fn tenants_and_methods_isolate_keys() {
     assert_eq!(b2.get_ref(), b.get_ref());
     // Same key on another method: another execution.
     let g = client
-        .get_order(keyed(
-            GetOrderRequest {
-                order_id: "x".into(),
-            },
-            KEY,
-            "tenant-a",
-        ))
+        .get_order(keyed(get_order_x(), KEY, "tenant-a"))
         .await
         .unwrap();
     assert!(!replayed(g.metadata()));
     assert_eq!(srv.shop.runs(), 3);
     // No tenant on a protected call.
-    let mut r = Request::new(create("ok"));
-    r.metadata_mut()
-        .insert("x-idempotency-key", KEY.parse().unwrap());
-    let err = client.create_order(r).await.unwrap_err();
+    let err = client
+        .create_order(key_only(create("ok"), KEY))
+        .await
+        .unwrap_err();
     assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
     assert_eq!(srv.shop.runs(), 3);
 }
@@ -403,21 +417,17 @@ async fn tenants_and_methods_isolate_keys() {
 #[tokio::test]
 async fn unprotected_methods_pass_through_whatever_they_carry() {
     let store = MemoryStore::default();
-    let l = layer(store.clone(), &config(policy(), None));
-    let stats = l.stats();
-    let srv = serve(l).await;
+    let srv = serve_on(store.clone()).await;
     let mut client = srv.client();
     for key in ["", "bad key", KEY] {
-        let mut r = Request::new(GetOrderRequest {
-            order_id: "x".into(),
-        });
-        r.metadata_mut()
-            .insert("x-idempotency-key", key.parse().unwrap());
-        client.get_order(r).await.unwrap();
+        client
+            .get_order(key_only(get_order_x(), key))
+            .await
+            .unwrap();
     }
     assert_eq!(srv.shop.runs(), 3);
     assert!(store.is_empty());
-    assert_eq!(stats.snapshot(), StatsSnapshot::default());
+    assert_eq!(srv.stats.snapshot(), StatsSnapshot::default());
     // keyRequired: false → a keyless call passes through unprotected.
     let p = IdempotencyPolicy {
         key_required: false,
@@ -496,7 +506,6 @@ where
 async fn a_caller_that_disconnects_does_not_cancel_the_handler() {
     let store = MemoryStore::default();
     let l = layer(store.clone(), &config(policy(), None));
-    let stats = l.stats();
     let dropped = Arc::new(Notify::new());
     let srv = serve_probed(l, dropped.clone()).await;
     let mut client = srv.client();
@@ -507,8 +516,10 @@ async fn a_caller_that_disconnects_does_not_cancel_the_handler() {
     dropped.notified().await; // the server saw the caller go away
     assert_eq!(srv.shop.finished(), 0, "handler still running");
     srv.shop.open_gate(1);
-    let s2 = stats.clone();
-    eventually("the outcome to be stored", || s2.snapshot().stored == 1).await;
+    eventually("the outcome to be stored", || {
+        srv.stats.snapshot().stored == 1
+    })
+    .await;
     assert_eq!(srv.shop.finished(), 1, "the handler ran to completion");
     assert!(matches!(
         store.get(&scope_for("t1", CREATE, KEY)).await.unwrap(),
@@ -528,8 +539,7 @@ async fn a_caller_that_disconnects_does_not_cancel_the_handler() {
 
 #[tokio::test]
 async fn cache_and_release_lists_and_handler_overrides() {
-    let l = layer(MemoryStore::default(), &config(policy(), None));
-    let srv = serve(l).await;
+    let srv = serve_on(MemoryStore::default()).await;
     let mut client = srv.client();
     // (sku, key, code of both calls, runs after two calls)
     let cases: [(&str, &str, Option<Code>, usize); 5] = [
@@ -589,9 +599,7 @@ async fn cache_and_release_lists_and_handler_overrides() {
 #[tokio::test]
 async fn bad_keys_are_refused_before_anything_runs_or_is_stored() {
     let store = MemoryStore::default();
-    let l = layer(store.clone(), &config(policy(), None));
-    let stats = l.stats();
-    let srv = serve(l).await;
+    let srv = serve_on(store.clone()).await;
     // Raw header values, injected below the generated client's metadata checks.
     let table: Vec<(&str, Vec<&[u8]>, &str)> = vec![
         ("missing", vec![], reason::KEY_MISSING),
@@ -649,10 +657,17 @@ async fn bad_keys_are_refused_before_anything_runs_or_is_stored() {
     }
     assert_eq!(srv.shop.runs(), 0, "handler not run");
     assert!(store.is_empty(), "nothing stored");
-    assert_eq!(stats.snapshot().rejected, 11);
+    assert_eq!(srv.stats.snapshot().rejected, 11);
 }
 
 // ---------------------------------------------------------------- store failure
+
+/// A memory store whose next `times` calls of `op` fail with `fault`.
+fn faulty(op: Op, fault: Fault, times: usize) -> FaultyStore<MemoryStore> {
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(op, fault, times);
+    store
+}
 
 /// A store that cannot answer anything.
 fn failing_store() -> FaultyStore<MemoryStore> {
@@ -681,7 +696,6 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
         }),
     );
     let l = layer(store.clone(), &cfg);
-    let stats = l.stats();
     let srv = serve(l).await;
     let mut client = srv.client();
     let err = create_ok(&mut client, "t1").await.unwrap_err();
@@ -694,13 +708,7 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
     assert_eq!(srv.shop.runs(), 0);
     for _ in 0..2 {
         let r = client
-            .get_order(keyed(
-                GetOrderRequest {
-                    order_id: "x".into(),
-                },
-                KEY,
-                "t1",
-            ))
+            .get_order(keyed(get_order_x(), KEY, "t1"))
             .await
             .unwrap();
         assert!(!replayed(r.metadata()));
@@ -710,7 +718,7 @@ async fn a_failing_store_fails_closed_unless_the_method_is_fail_open() {
         2,
         "fail-open runs without a record, every time"
     );
-    let s = stats.snapshot();
+    let s = srv.stats.snapshot();
     // Each call sends its claim twice (once more in case only the reply was lost).
     assert_eq!(
         (s.store_errors, s.fail_open_runs, s.executed),
@@ -730,8 +738,7 @@ async fn a_claim_whose_reply_was_lost_is_sent_again_and_recognised() {
     let memory = MemoryStore::default();
     let store = FaultyStore::new(memory.clone());
     store.inject(Op::Claim, Fault::ReplyLost, 1);
-    let l = layer(store.clone(), &config(policy(), None));
-    let srv = serve(l).await;
+    let srv = serve_on(store.clone()).await;
     let mut client = srv.client();
     // Without the resend, the record would stay in flight (held by the lost claim) until
     // its lease ends, and this call would wait for it.
@@ -866,22 +873,46 @@ fn decode_orders(frames: &[Bytes]) -> Vec<Order> {
 
 type InProcess<St> = idem_server::idempotency::Idempotency<OrdersServer<Shop>, St>;
 
-fn in_process<St: Store>(l: &IdempotencyLayer<St>, shop: &Shop) -> InProcess<St> {
-    tower::Layer::layer(l, OrdersServer::new(shop.clone()))
+/// A fresh `Shop`, and `l` around it in-process.
+fn in_process<St: Store>(l: &IdempotencyLayer<St>) -> (Shop, InProcess<St>) {
+    let shop = Shop::new();
+    (
+        shop.clone(),
+        tower::Layer::layer(l, OrdersServer::new(shop)),
+    )
 }
 
 async fn call<St: Store>(svc: &InProcess<St>, req: http::Request<Body>) -> Raw {
     collect(svc.clone().oneshot(req).await.unwrap()).await
 }
 
+/// [`call`] in a task of its own: a call to hold open, or to abandon.
+fn spawn_call<St: Store>(svc: &InProcess<St>, req: http::Request<Body>) -> JoinHandle<Raw> {
+    let svc = svc.clone();
+    tokio::spawn(async move { call(&svc, req).await })
+}
+
+/// `CreateOrder` for item `sku` under `key`, no deadline.
+fn raw_create(sku: &str, key: &str) -> http::Request<Body> {
+    raw_request(CREATE, &create(sku), key, None)
+}
+
+impl Raw {
+    /// Marked as a replay (`x-idempotency-replayed: true`).
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("x-idempotency-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn replay_is_byte_for_byte_including_trailers_only_errors() {
-    let shop = Shop::new();
     let l = layer(MemoryStore::default(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     // OK, unary.
-    let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
-    let mut b = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    let a = call(&svc, raw_create("ok", KEY)).await;
+    let mut b = call(&svc, raw_create("ok", KEY)).await;
     assert_eq!(b.headers.remove("x-idempotency-replayed").unwrap(), "true");
     assert_eq!(a, b);
     assert!(a.trailers.is_some());
@@ -896,16 +927,8 @@ async fn replay_is_byte_for_byte_including_trailers_only_errors() {
     assert_eq!(a, b);
     assert_eq!(decode_orders(&a.frames).len(), 3);
     // A Trailers-Only error (INTERNAL is stored).
-    let a = call(
-        &svc,
-        raw_request(CREATE, &create("internal"), "key-internal-2", None),
-    )
-    .await;
-    let mut b = call(
-        &svc,
-        raw_request(CREATE, &create("internal"), "key-internal-2", None),
-    )
-    .await;
+    let a = call(&svc, raw_create("internal", "key-internal-2")).await;
+    let mut b = call(&svc, raw_create("internal", "key-internal-2")).await;
     b.headers.remove("x-idempotency-replayed").unwrap();
     assert_eq!(a, b);
     assert!(a.frames.is_empty() && a.trailers.is_none(), "Trailers-Only");
@@ -915,29 +938,20 @@ async fn replay_is_byte_for_byte_including_trailers_only_errors() {
 
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
-    let shop = Shop::new();
     let memory = MemoryStore::default();
     // Renewals fail, as when the store is partitioned from this instance for a while.
     let store = FaultyStore::new(memory.clone());
     store.inject(Op::Renew, Fault::Unavailable, usize::MAX);
     let l = layer(store, &config(policy(), None));
     let stats = l.stats();
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     let scope = scope_for("t1", CREATE, KEY);
 
-    let s1 = svc.clone();
-    let first =
-        tokio::spawn(
-            async move { call(&s1, raw_request(CREATE, &create("gate"), KEY, None)).await },
-        );
+    let first = spawn_call(&svc, raw_create("gate", KEY));
     shop.started().await;
     // The lease (10 s) runs out while the first handler is stuck.
     tokio::time::advance(Duration::from_secs(11)).await;
-    let s2 = svc.clone();
-    let second =
-        tokio::spawn(
-            async move { call(&s2, raw_request(CREATE, &create("gate"), KEY, None)).await },
-        );
+    let second = spawn_call(&svc, raw_create("gate", KEY));
     shop.started().await;
     let fences = shop.fences();
     assert_eq!(fences.len(), 2);
@@ -969,8 +983,8 @@ async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
         matches!(memory.get(&scope).await.unwrap(), Some(RecordState::Completed { fence, .. }) if fence == fences[1])
     );
     // Duplicates now get the takeover's outcome.
-    let c = call(&svc, raw_request(CREATE, &create("gate"), KEY, None)).await;
-    assert_eq!(c.headers.get("x-idempotency-replayed").unwrap(), "true");
+    let c = call(&svc, raw_create("gate", KEY)).await;
+    assert!(c.replayed());
     assert_eq!(decode_orders(&c.frames)[0].order_id, "order-2");
     let s = stats.snapshot();
     assert_eq!((s.executed, s.stored, s.stale_fence), (2, 1, 1), "{s:?}");
@@ -979,13 +993,9 @@ async fn a_handler_that_outlives_its_lease_loses_to_a_takeover() {
 
 #[tokio::test(start_paused = true)]
 async fn waiting_is_bounded_by_the_callers_deadline_and_the_handler_sees_its_own() {
-    let shop = Shop::new();
     let l = layer(MemoryStore::default(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
-    let s1 = svc.clone();
-    let first = tokio::spawn(async move {
-        call(&s1, raw_request(CREATE, &create("gate"), KEY, Some("30S"))).await
-    });
+    let (shop, svc) = in_process(&l);
+    let first = spawn_call(&svc, raw_request(CREATE, &create("gate"), KEY, Some("30S")));
     shop.started().await;
     let t = Instant::now();
     let dup = call(&svc, raw_request(CREATE, &create("gate"), KEY, Some("2S"))).await;
@@ -1005,18 +1015,14 @@ async fn waiting_is_bounded_by_the_callers_deadline_and_the_handler_sees_its_own
         Some(("idem".into(), reason::IN_PROGRESS.into()))
     );
     // A duplicate without a deadline waits for the outcome (across lease renewals).
-    let s3 = svc.clone();
-    let waiting =
-        tokio::spawn(
-            async move { call(&s3, raw_request(CREATE, &create("gate"), KEY, None)).await },
-        );
+    let waiting = spawn_call(&svc, raw_create("gate", KEY));
     tokio::time::sleep(Duration::from_secs(25)).await;
     assert!(!waiting.is_finished());
     shop.open_gate(1);
     let a = first.await.unwrap();
     let w = waiting.await.unwrap();
     assert_eq!(w.frames, a.frames);
-    assert_eq!(w.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert!(w.replayed());
     assert_eq!(shop.runs(), 1);
     assert_eq!(shop.saw_deadline(), [true], "inbound deadline recorded");
     assert_eq!(l.stats().snapshot().deadline_exceeded, 1);
@@ -1024,7 +1030,6 @@ async fn waiting_is_bounded_by_the_callers_deadline_and_the_handler_sees_its_own
 
 #[tokio::test(start_paused = true)]
 async fn a_fingerprint_hook_decides_what_a_different_request_is() {
-    let shop = Shop::new();
     // Ignore the `note` field: decode, clear it, re-encode.
     let l = layer(MemoryStore::default(), &config(policy(), None)).fingerprint_with(
         CREATE,
@@ -1038,15 +1043,15 @@ async fn a_fingerprint_hook_decides_what_a_different_request_is() {
             out
         },
     );
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     let mut a = create("ok");
     a.note = "first".into();
     let mut b = create("ok");
     b.note = "second".into();
     call(&svc, raw_request(CREATE, &a, KEY, None)).await;
     let r = call(&svc, raw_request(CREATE, &b, KEY, None)).await;
-    assert_eq!(r.headers.get("x-idempotency-replayed").unwrap(), "true");
-    let c = call(&svc, raw_request(CREATE, &create("other"), KEY, None)).await;
+    assert!(r.replayed());
+    let c = call(&svc, raw_create("other", KEY)).await;
     assert_eq!(
         c.headers.get("grpc-status").unwrap(),
         "9",
@@ -1057,10 +1062,9 @@ async fn a_fingerprint_hook_decides_what_a_different_request_is() {
 
 #[tokio::test(start_paused = true)]
 async fn unsupported_request_encodings_are_refused_clearly() {
-    let shop = Shop::new();
     let l = layer(MemoryStore::default(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
-    let mut req = raw_request(CREATE, &create("ok"), KEY, None);
+    let (shop, svc) = in_process(&l);
+    let mut req = raw_create("ok", KEY);
     req.headers_mut()
         .insert("grpc-encoding", http::HeaderValue::from_static("zstd"));
     // A compressed frame (flag 1) the layer cannot decode.
@@ -1092,12 +1096,6 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
         };
         ServiceConfig::from_parts(entries(), None, settings).unwrap()
     };
-    let keyed_only = |key: &str| {
-        let mut r = Request::new(create("ok"));
-        r.metadata_mut()
-            .insert("x-idempotency-key", key.parse().unwrap());
-        r
-    };
     // Unset: the layer fails its check, and (unchecked) protected calls fail closed as
     // a misconfigured server, not as an unauthenticated caller.
     let store = MemoryStore::default();
@@ -1121,7 +1119,10 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
         &with(TenantSource::Single("acme".into())),
     ))
     .await;
-    srv.client().create_order(keyed_only(KEY)).await.unwrap();
+    srv.client()
+        .create_order(key_only(create("ok"), KEY))
+        .await
+        .unwrap();
     assert!(
         store
             .get(&scope_for("acme", CREATE, KEY))
@@ -1145,7 +1146,7 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
     );
     let err = srv
         .client()
-        .create_order(keyed_only(KEY))
+        .create_order(key_only(create("ok"), KEY))
         .await
         .unwrap_err();
     assert_idem_error(&err, Code::Unauthenticated, reason::TENANT_MISSING);
@@ -1159,29 +1160,19 @@ fn status_of(r: &Raw) -> Status {
 
 #[tokio::test(start_paused = true)]
 async fn a_completion_the_store_refuses_once_is_retried_and_the_waiting_duplicate_replays_it() {
-    let shop = Shop::new();
-    let store = FaultyStore::new(MemoryStore::default());
-    store.inject(Op::Complete, Fault::Unavailable, 1);
+    let store = faulty(Op::Complete, Fault::Unavailable, 1);
     let l = layer(store.clone(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
-    let s1 = svc.clone();
-    let first =
-        tokio::spawn(
-            async move { call(&s1, raw_request(CREATE, &create("gate"), KEY, None)).await },
-        );
+    let (shop, svc) = in_process(&l);
+    let first = spawn_call(&svc, raw_create("gate", KEY));
     shop.started().await;
-    let s2 = svc.clone();
-    let dup =
-        tokio::spawn(
-            async move { call(&s2, raw_request(CREATE, &create("gate"), KEY, None)).await },
-        );
+    let dup = spawn_call(&svc, raw_create("gate", KEY));
     let stats = l.stats();
     eventually("the duplicate to wait", || stats.snapshot().waited == 1).await;
     shop.open_gate(1);
     let a = first.await.unwrap();
     let b = dup.await.unwrap();
     assert_eq!(shop.runs(), 1, "one execution");
-    assert_eq!(b.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert!(b.replayed());
     assert_eq!(a.frames, b.frames);
     assert_eq!(store.faulted(Op::Complete), 1);
     assert_eq!(store.calls(Op::Complete), 2, "sent again after the blip");
@@ -1195,15 +1186,13 @@ async fn a_completion_the_store_refuses_once_is_retried_and_the_waiting_duplicat
 
 #[tokio::test(start_paused = true)]
 async fn a_release_the_store_refuses_once_is_retried_so_the_retry_runs_at_once() {
-    let shop = Shop::new();
-    let store = FaultyStore::new(MemoryStore::default());
-    store.inject(Op::Release, Fault::Unavailable, 1);
+    let store = faulty(Op::Release, Fault::Unavailable, 1);
     let l = layer(store.clone(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
-    let a = call(&svc, raw_request(CREATE, &create("unavailable"), KEY, None)).await;
+    let (shop, svc) = in_process(&l);
+    let a = call(&svc, raw_create("unavailable", KEY)).await;
     assert_eq!(status_of(&a).code(), Code::Unavailable);
     let t = Instant::now();
-    let b = call(&svc, raw_request(CREATE, &create("unavailable"), KEY, None)).await;
+    let b = call(&svc, raw_create("unavailable", KEY)).await;
     assert!(
         Instant::now() - t < Duration::from_secs(1),
         "the retry did not wait for the lease to end"
@@ -1216,18 +1205,16 @@ async fn a_release_the_store_refuses_once_is_retried_so_the_retry_runs_at_once()
 
 #[tokio::test(start_paused = true)]
 async fn a_completion_that_never_lands_gives_up_after_its_timeout_and_says_so() {
-    let shop = Shop::new();
-    let store = FaultyStore::new(MemoryStore::default());
-    store.inject(Op::Complete, Fault::Unavailable, usize::MAX);
+    let store = faulty(Op::Complete, Fault::Unavailable, usize::MAX);
     let p = IdempotencyPolicy {
         completion_retry_timeout: Duration::from_secs(5),
         ..policy()
     };
     let l = layer(store.clone(), &config(p, None));
     let stats = l.stats();
-    let svc = in_process(&l, &shop);
+    let (_, svc) = in_process(&l);
     let t = Instant::now();
-    let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    let a = call(&svc, raw_create("ok", KEY)).await;
     assert_eq!(
         decode_orders(&a.frames).len(),
         1,
@@ -1255,10 +1242,9 @@ async fn a_completion_that_never_lands_gives_up_after_its_timeout_and_says_so() 
 
 #[tokio::test(start_paused = true)]
 async fn a_panic_in_a_response_stream_is_recorded_as_internal_never_left_in_flight() {
-    let shop = Shop::new();
     let store = MemoryStore::default();
     let l = layer(store.clone(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     let list = ListOrdersRequest {
         customer_id: "panic-mid-stream".into(),
     };
@@ -1276,42 +1262,38 @@ async fn a_panic_in_a_response_stream_is_recorded_as_internal_never_left_in_flig
     assert_eq!(b.headers.remove("x-idempotency-replayed").unwrap(), "true");
     assert_eq!(a, b, "replayed as it was sent");
     // A unary handler that panics: the same.
-    let c = call(&svc, raw_request(CREATE, &create("panic"), KEY, None)).await;
+    let c = call(&svc, raw_create("panic", KEY)).await;
     assert_eq!(status_of(&c).code(), Code::Internal);
-    let d = call(&svc, raw_request(CREATE, &create("panic"), KEY, None)).await;
-    assert_eq!(d.headers.get("x-idempotency-replayed").unwrap(), "true");
+    let d = call(&svc, raw_create("panic", KEY)).await;
+    assert!(d.replayed());
     assert_eq!(shop.runs(), 2, "one run per method");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_blocks_its_thread_past_the_lease_keeps_it() {
-    let shop = Shop::new();
     let lease = Duration::from_millis(600);
     let p = IdempotencyPolicy {
         lease_ttl: lease,
         ..policy()
     };
     let l = layer(MemoryStore::default(), &config(p, None));
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     let sku = format!("block-{}", 3 * lease.as_millis());
-    let s1 = svc.clone();
-    let req = raw_request(CREATE, &create(&sku), KEY, None);
-    let first = tokio::spawn(async move { call(&s1, req).await });
+    let first = spawn_call(&svc, raw_create(&sku, KEY));
     shop.started().await;
     // The first handler now blocks its worker thread for three leases.
-    let dup = call(&svc, raw_request(CREATE, &create(&sku), KEY, None)).await;
+    let dup = call(&svc, raw_create(&sku, KEY)).await;
     let a = first.await.unwrap();
     assert_eq!(shop.runs(), 1, "the duplicate did not run it again");
-    assert_eq!(dup.headers.get("x-idempotency-replayed").unwrap(), "true");
+    assert!(dup.replayed());
     assert_eq!(dup.frames, a.frames);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_request_the_service_cannot_decode_does_not_spend_its_key() {
-    let shop = Shop::new();
     let store = MemoryStore::default();
     let l = layer(store.clone(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     let frame = |msg: &[u8]| {
         let mut b = BytesMut::new();
         b.put_u8(0);
@@ -1349,7 +1331,7 @@ async fn a_request_the_service_cannot_decode_does_not_spend_its_key() {
         );
         // The corrected request, with the same key, runs.
         let before = shop.runs();
-        let ok = call(&svc, raw_request(CREATE, &create("ok"), key, None)).await;
+        let ok = call(&svc, raw_create("ok", key)).await;
         assert_eq!(status_of(&ok).code(), Code::Ok, "{key}");
         assert!(ok.headers.get("x-idempotency-replayed").is_none());
         assert_eq!(shop.runs(), before + 1, "{key}");
@@ -1363,19 +1345,15 @@ async fn a_request_the_service_cannot_decode_does_not_spend_its_key() {
 
 #[tokio::test]
 async fn a_full_store_is_resource_exhausted_with_a_retry_delay_and_no_run() {
-    let store = FaultyStore::new(MemoryStore::default());
-    store.inject(Op::Claim, Fault::Full, usize::MAX);
+    let store = faulty(Op::Claim, Fault::Full, usize::MAX);
     let fail_open = IdempotencyPolicy {
         fail_open: true,
         ..policy()
     };
     let l = layer(store.clone(), &config(policy(), Some(fail_open)));
-    let stats = l.stats();
     let srv = serve(l).await;
     let mut client = srv.client();
-    let get = GetOrderRequest {
-        order_id: "x".into(),
-    };
+    let get = get_order_x();
     let errs = [
         create_ok(&mut client, "t1").await.unwrap_err(),
         // Even on a fail-open method: a full store answered, and running anyway could
@@ -1394,19 +1372,17 @@ async fn a_full_store_is_resource_exhausted_with_a_retry_delay_and_no_run() {
     }
     assert_eq!(srv.shop.runs(), 0);
     assert_eq!(store.calls(Op::Claim), 2, "no resend: the store answered");
-    assert_eq!(stats.snapshot().store_full, 2);
+    assert_eq!(srv.stats.snapshot().store_full, 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_response_the_store_has_no_room_for_is_recorded_as_not_retained() {
-    let shop = Shop::new();
-    let store = FaultyStore::new(MemoryStore::default());
-    store.inject(Op::Complete, Fault::Full, 1);
+    let store = faulty(Op::Complete, Fault::Full, 1);
     let l = layer(store.clone(), &config(policy(), None));
-    let svc = in_process(&l, &shop);
-    let a = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    let (shop, svc) = in_process(&l);
+    let a = call(&svc, raw_create("ok", KEY)).await;
     assert_eq!(decode_orders(&a.frames).len(), 1);
-    let b = call(&svc, raw_request(CREATE, &create("ok"), KEY, None)).await;
+    let b = call(&svc, raw_create("ok", KEY)).await;
     assert_idem_error(
         &status_of(&b),
         Code::FailedPrecondition,
@@ -1417,50 +1393,29 @@ async fn a_response_the_store_has_no_room_for_is_recorded_as_not_retained() {
 
 #[tokio::test(start_paused = true)]
 async fn handler_runs_are_bounded_and_cancelled_calls_count_until_their_handlers_end() {
-    let shop = Shop::new();
     let l = layer(MemoryStore::default(), &config(policy(), None)).max_handlers_in_flight(2);
     let stats = l.stats();
-    let svc = in_process(&l, &shop);
-    let start = |key: &'static str| {
-        let s = svc.clone();
-        tokio::spawn(async move { call(&s, raw_request(CREATE, &create("gate"), key, None)).await })
-    };
-    let a = start("key-bounded-a");
-    let b = start("key-bounded-b");
+    let (shop, svc) = in_process(&l);
+    let a = spawn_call(&svc, raw_create("gate", "key-bounded-a"));
+    let b = spawn_call(&svc, raw_create("gate", "key-bounded-b"));
     eventually("two handlers running", || shop.runs() == 2).await;
     let refused = |r: &Raw| {
         let st = status_of(r);
         assert_idem_error(&st, Code::ResourceExhausted, reason::OVERLOADED);
         assert!(st.get_details_retry_info().is_some(), "RetryInfo");
     };
-    refused(
-        &call(
-            &svc,
-            raw_request(CREATE, &create("gate"), "key-bounded-c", None),
-        )
-        .await,
-    );
+    refused(&call(&svc, raw_create("gate", "key-bounded-c")).await);
     // Their callers go away; the handlers keep running, and keep counting.
     a.abort();
     b.abort();
     let _ = (a.await, b.await);
-    refused(
-        &call(
-            &svc,
-            raw_request(CREATE, &create("gate"), "key-bounded-d", None),
-        )
-        .await,
-    );
+    refused(&call(&svc, raw_create("gate", "key-bounded-d")).await);
     assert_eq!(shop.runs(), 2, "refused calls never ran");
     shop.open_gate(2);
     eventually("both outcomes recorded", || stats.snapshot().stored == 2).await;
     // The refused key was left free: it runs now.
     shop.open_gate(1);
-    let c = call(
-        &svc,
-        raw_request(CREATE, &create("gate"), "key-bounded-c", None),
-    )
-    .await;
+    let c = call(&svc, raw_create("gate", "key-bounded-c")).await;
     assert_eq!(status_of(&c).code(), Code::Ok);
     assert_eq!(shop.runs(), 3);
     assert_eq!(stats.snapshot().overloaded, 2);
@@ -1468,7 +1423,6 @@ async fn handler_runs_are_bounded_and_cancelled_calls_count_until_their_handlers
 
 #[tokio::test(start_paused = true)]
 async fn a_caller_that_never_reads_its_stream_holds_no_handler_run_past_the_stall_timeout() {
-    let shop = Shop::new();
     let stall = Duration::from_secs(5);
     let cfg = config(
         IdempotencyPolicy {
@@ -1479,7 +1433,7 @@ async fn a_caller_that_never_reads_its_stream_holds_no_handler_run_past_the_stal
     );
     let l = layer(MemoryStore::default(), &cfg).max_handlers_in_flight(1);
     let stats = l.stats();
-    let svc = in_process(&l, &shop);
+    let (shop, svc) = in_process(&l);
     // 200 messages: far more than the layer queues for a caller that takes none.
     let many = ListOrdersRequest {
         customer_id: "count-200".into(),
@@ -1492,7 +1446,7 @@ async fn a_caller_that_never_reads_its_stream_holds_no_handler_run_past_the_stal
         .unwrap();
     // The caller holds its stream and reads nothing: the run waits for room, and still
     // counts against the bound.
-    let other = |key: &'static str| call(&svc, raw_request(CREATE, &create("ok"), key, None));
+    let other = |key: &'static str| call(&svc, raw_create("ok", key));
     assert_idem_error(
         &status_of(&other("key-while-stalled").await),
         Code::ResourceExhausted,
