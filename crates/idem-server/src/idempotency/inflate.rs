@@ -6,7 +6,7 @@
 //! Here starting a message only resets a few fields of one `flate2::Decompress`, on the
 //! `zlib-rs` backend: its reset keeps the window allocation without clearing it, and its
 //! fixed-Huffman tables are static (the `miniz_oxide` backend rebuilds them for every
-//! block, about 2 µs each, so a body of empty blocks cost seconds). Valid streams decode
+//! block, so a body of empty blocks cost seconds). Valid streams decode
 //! to the same bytes whatever the backend, so fingerprints do not change.
 //!
 //! Rules, as tonic's decoders apply them: a message holds one complete stream (gzip: one
