@@ -199,6 +199,26 @@ async fn tacquire(st: &MemoryStore, t: &TenantId, n: u32) -> Result<Fence, Store
     }
 }
 
+/// Claims record `n` of `t` and completes it with `outcome`, kept for `ttl`.
+async fn tcomplete_with(
+    st: &MemoryStore,
+    t: &TenantId,
+    n: u32,
+    outcome: StoredOutcome,
+    ttl: Duration,
+) -> Result<(), StoreError> {
+    let f = tacquire(st, t, n).await?;
+    st.complete(completion(&tscope(t, n), f, outcome, ttl))
+        .await
+        .unwrap();
+    Ok(())
+}
+
+/// Claims and completes record `n` of `t` with a day's TTL.
+async fn tcomplete(st: &MemoryStore, t: &TenantId, n: u32) -> Result<(), StoreError> {
+    tcomplete_with(st, t, n, resp(b"r"), DAY).await
+}
+
 #[tokio::test(start_paused = true)]
 async fn at_the_store_bound_new_claims_are_refused_and_nothing_is_evicted() {
     let st = store(3, 1 << 20);
@@ -304,8 +324,7 @@ async fn one_tenants_rejected_and_abandoned_calls_cost_another_tenant_nothing() 
         sweep_interval: Duration::from_secs(1),
         min_retention: DEFAULT_MIN_RETENTION,
     });
-    let fb = tacquire(&st, &B, 1).await.unwrap();
-    st.complete(completion(&tscope(&B, 1), fb, resp(b"order of B"), TTL))
+    tcomplete_with(&st, &B, 1, resp(b"order of B"), TTL)
         .await
         .unwrap();
     // 10 000 rejected calls of A: each claims and releases.
@@ -352,8 +371,7 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
         min_retention: DEFAULT_MIN_RETENTION,
     });
     for n in 0..4 {
-        let f = tacquire(&st, &A, n).await.unwrap();
-        st.complete(completion(&tscope(&A, n), f, resp(b"0123456789"), TTL))
+        tcomplete_with(&st, &A, n, resp(b"0123456789"), TTL)
             .await
             .unwrap();
     }
@@ -372,20 +390,14 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
     tacquire(&st, &B, 0).await.unwrap();
     // Bytes: B's big response does not fit its share: not retained; then B is at
     // its byte bound for new records as well.
-    let f = tacquire(&st, &B, 1).await.unwrap();
     let big = StoredOutcome::Response(Bytes::from(vec![1u8; 3 * RECORD_OVERHEAD_BYTES]));
-    st.complete(completion(&tscope(&B, 1), f, big, TTL))
-        .await
-        .unwrap();
+    tcomplete_with(&st, &B, 1, big, TTL).await.unwrap();
     assert_eq!(
         st.claim(treq(&B, &tscope(&B, 1), 51)).await.unwrap(),
         Claim::Completed(StoredOutcome::NotRetained)
     );
-    let f = tacquire(&st, &B, 2).await.unwrap();
     let fits = StoredOutcome::Response(Bytes::from(vec![2u8; RECORD_OVERHEAD_BYTES + 100]));
-    st.complete(completion(&tscope(&B, 2), f, fits, TTL))
-        .await
-        .unwrap();
+    tcomplete_with(&st, &B, 2, fits, TTL).await.unwrap();
     let err = tacquire(&st, &B, 3).await.unwrap_err();
     assert_eq!(
         err.to_string(),
@@ -658,15 +670,6 @@ fn evicting(max_entries: usize, per_tenant: usize, min_retention: Duration) -> M
     })
 }
 
-/// Claims and completes record `n` of `t` with a day's TTL.
-async fn tcomplete(st: &MemoryStore, t: &TenantId, n: u32) -> Result<(), StoreError> {
-    let f = tacquire(st, t, n).await?;
-    st.complete(completion(&tscope(t, n), f, resp(b"r"), DAY))
-        .await
-        .unwrap();
-    Ok(())
-}
-
 /// Whether record `n` of `t` is still there, completed.
 async fn kept(st: &MemoryStore, t: &TenantId, n: u32) -> bool {
     matches!(
@@ -757,8 +760,7 @@ async fn records_younger_than_min_retention_are_never_evicted() {
         ..MemoryStoreSettings::default()
     });
     for n in 0..3 {
-        let f = tacquire(&st, &B, n).await.unwrap();
-        st.complete(completion(&tscope(&B, n), f, resp(b"0123456789"), DAY))
+        tcomplete_with(&st, &B, n, resp(b"0123456789"), DAY)
             .await
             .unwrap();
     }
@@ -915,11 +917,8 @@ async fn eviction_is_o1_amortized() {
     let st = evicting(1 << 20, BOUND as usize, MIN);
     // Half of A's records expire early (stale queue entries once swept).
     for n in 0..BOUND {
-        let f = tacquire(&st, &A, n).await.unwrap();
         let ttl = if n % 2 == 0 { MIN / 2 } else { DAY };
-        st.complete(completion(&tscope(&A, n), f, resp(b"r"), ttl))
-            .await
-            .unwrap();
+        tcomplete_with(&st, &A, n, resp(b"r"), ttl).await.unwrap();
     }
     tokio::time::sleep(MIN + Duration::from_secs(2)).await;
     assert_eq!(st.stats().expirations, u64::from(BOUND / 2));
@@ -930,12 +929,8 @@ async fn eviction_is_o1_amortized() {
     for n in BOUND..BOUND + claims {
         let s0 = steps(&st);
         tokio::time::advance(Duration::from_millis(100)).await;
-        match tacquire(&st, &A, n).await {
-            Ok(f) => st
-                .complete(completion(&tscope(&A, n), f, resp(b"r"), DAY))
-                .await
-                .unwrap(),
-            Err(StoreError::Full(_)) => {}
+        match tcomplete(&st, &A, n).await {
+            Ok(()) | Err(StoreError::Full(_)) => {}
             Err(e) => panic!("{e}"),
         }
         worst = worst.max(steps(&st) - s0);
