@@ -14,12 +14,14 @@ use idem_server::idempotency::IdempotencyLayer;
 use idem_store::{Store, memory::MemoryStore};
 use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
 use idem_test_support::net;
+use idem_test_support::shop::Order;
 use idem_test_support::shop::orders_client::OrdersClient;
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use tokio::task::JoinHandle;
 use tonic::transport::Channel;
-use tonic::{Code, Request};
+use tonic::{Code, Request, Response, Status};
 
 mod support;
 use support::{config, keyed, order, serve};
@@ -113,6 +115,22 @@ impl Otel {
             .collect()
     }
 
+    /// The value of the one sum point of `name` whose attributes include `attrs`.
+    fn sum(&self, name: &str, attrs: &[(&str, &str)]) -> f64 {
+        match self.value(name, attrs) {
+            Some(Value::Sum(v)) => v,
+            other => panic!("{name} {attrs:?}: {other:?}"),
+        }
+    }
+
+    /// The value of the one gauge point of `name` whose attributes include `attrs`.
+    fn gauge(&self, name: &str, attrs: &[(&str, &str)]) -> f64 {
+        match self.value(name, attrs) {
+            Some(Value::Gauge(v)) => v,
+            other => panic!("{name} {attrs:?}: {other:?}"),
+        }
+    }
+
     /// The count of the one histogram point of `name` whose attributes include `attrs`.
     fn count(&self, name: &str, attrs: &[(&str, &str)]) -> u64 {
         match self.value(name, attrs) {
@@ -183,13 +201,15 @@ fn points(data: &AggregatedMetrics) -> Vec<Point> {
     }
 }
 
-/// A server: `fail_first` calls answered UNAVAILABLE in front of the layer.
+/// A retrying client of `addr` under `cfg`, its metrics recorded into `otel`, and the
+/// `grpc.target` they are labelled with.
 fn client(
     otel: &Otel,
     cfg: &ServiceConfig,
     addr: SocketAddr,
-) -> (OrdersClient<idem_client::retry::Retry<Channel>>, RetryLayer) {
-    let metrics = ClientMetrics::new(&otel.meter(), format!("dns:///{addr}"), cfg);
+) -> (OrdersClient<idem_client::retry::Retry<Channel>>, String) {
+    let target = format!("dns:///{addr}");
+    let metrics = ClientMetrics::new(&otel.meter(), target.clone(), cfg);
     let layer = RetryLayer::builder()
         .service_config(cfg.clone())
         .observer(metrics.clone())
@@ -198,7 +218,7 @@ fn client(
         .expect("layer");
     metrics.watch(&layer);
     let svc = tower::Layer::layer(&layer, net::channel(addr));
-    (OrdersClient::new(svc), layer)
+    (OrdersClient::new(svc), target)
 }
 
 fn server_layer<St: Store>(
@@ -224,18 +244,14 @@ async fn two_retries_then_ok() {
         .observer(metrics.clone());
     metrics.watch(&layer);
     let addr = serve(layer, 2).await;
-    let (mut c, _) = client(&otel, &cfg, addr);
+    let (mut c, target) = client(&otel, &cfg, addr);
     c.create_order(Request::new(order("a")))
         .await
         .expect("ok after two retries");
 
-    let target = format!("dns:///{addr}");
     let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
     assert_eq!(otel.unit("grpc.client.attempt.started"), "{attempt}");
-    assert_eq!(
-        otel.value("grpc.client.attempt.started", &m),
-        Some(Value::Sum(3.0))
-    );
+    assert_eq!(otel.sum("grpc.client.attempt.started", &m), 3.0);
     assert_eq!(otel.unit("grpc.client.attempt.duration"), "s");
     let unavailable = [m[0], m[1], ("grpc.status", "UNAVAILABLE")];
     let ok = [m[0], m[1], ("grpc.status", "OK")];
@@ -264,10 +280,7 @@ async fn two_retries_then_ok() {
         "two waits of 10 ms ±20 %: {delay}"
     );
     let committed = [m[0], m[1], ("idem.outcome", "committed")];
-    assert_eq!(
-        otel.value("idem.client.call.outcome", &committed),
-        Some(Value::Sum(1.0))
-    );
+    assert_eq!(otel.sum("idem.client.call.outcome", &committed), 1.0);
     // The fault sits in front of the server layer: it saw one call, which ran.
     let sm = [("grpc.method", METHOD)];
     otel.expect("grpc.server.call.started", &sm, Value::Sum(1.0))
@@ -280,26 +293,17 @@ async fn two_retries_then_ok() {
         1
     );
     otel.expect_stored(1.0).await;
-    assert_eq!(
-        otel.value("idem.server.stale_fences", &[]),
-        Some(Value::Sum(0.0))
-    );
-    assert_eq!(
-        otel.value("idem.server.handlers.in_flight", &[]),
-        Some(Value::Gauge(0.0))
-    );
-    assert_eq!(
-        otel.value("idem.store.memory.entries", &[]),
-        Some(Value::Gauge(1.0))
-    );
+    assert_eq!(otel.sum("idem.server.stale_fences", &[]), 0.0);
+    assert_eq!(otel.gauge("idem.server.handlers.in_flight", &[]), 0.0);
+    assert_eq!(otel.gauge("idem.store.memory.entries", &[]), 1.0);
     assert_eq!(otel.unit("idem.store.memory.size"), "By");
     assert!(
-        matches!(otel.value("idem.store.memory.size", &[]), Some(Value::Gauge(b)) if b > 0.0),
+        otel.gauge("idem.store.memory.size", &[]) > 0.0,
         "the stored response is charged"
     );
     assert_eq!(
-        otel.value("idem.store.memory.in_flight", &[]),
-        Some(Value::Gauge(0.0)),
+        otel.gauge("idem.store.memory.in_flight", &[]),
+        0.0,
         "the record was completed"
     );
     let claim = [
@@ -325,21 +329,14 @@ async fn throttled() {
         usize::MAX,
     )
     .await;
-    let (mut c, _) = client(&otel, &cfg, addr);
+    let (mut c, target) = client(&otel, &cfg, addr);
     let s = c.create_order(Request::new(order("a"))).await.unwrap_err();
     assert_eq!(s.code(), Code::Unavailable);
-    let target = format!("dns:///{addr}");
     let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
     // 2 tokens, one failure leaves 1 (not above half): no retry.
-    assert_eq!(
-        otel.value("grpc.client.attempt.started", &m),
-        Some(Value::Sum(1.0))
-    );
+    assert_eq!(otel.sum("grpc.client.attempt.started", &m), 1.0);
     let throttled = [m[0], m[1], ("idem.outcome", "throttled")];
-    assert_eq!(
-        otel.value("idem.client.call.outcome", &throttled),
-        Some(Value::Sum(1.0))
-    );
+    assert_eq!(otel.sum("idem.client.call.outcome", &throttled), 1.0);
     let status = [m[0], m[1], ("grpc.status", "UNAVAILABLE")];
     assert_eq!(otel.count("grpc.client.call.duration", &status), 1);
     assert_eq!(
@@ -349,11 +346,11 @@ async fn throttled() {
     );
     assert_eq!(otel.unit("idem.client.retry_throttle.tokens"), "{token}");
     assert_eq!(
-        otel.value(
+        otel.gauge(
             "idem.client.retry_throttle.tokens",
             &[("grpc.target", target.as_str())]
         ),
-        Some(Value::Gauge(1.0))
+        1.0
     );
 }
 
@@ -568,11 +565,10 @@ async fn a_hedged_call_records_its_hedges_not_retries() {
     )
     .expect("hedging config");
     let addr = serve(IdempotencyLayer::new(MemoryStore::default(), &cfg), 1).await;
-    let (mut c, _) = client(&otel, &cfg, addr);
+    let (mut c, target) = client(&otel, &cfg, addr);
     c.create_order(Request::new(order("a")))
         .await
         .expect("the second hedge answers");
-    let target = format!("dns:///{addr}");
     let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
     assert_eq!(otel.unit("grpc.client.call.hedges"), "{hedge}");
     assert_eq!(
@@ -763,32 +759,17 @@ async fn memory_store_evictions_and_expirations() {
     let scopes: Vec<Scope> = (1..=3).map(|i| Scope([i; 32])).collect();
     complete(&scopes[0], Duration::from_secs(3600)).await;
     complete(&scopes[1], Duration::from_secs(1)).await;
-    assert_eq!(
-        otel.value("idem.store.memory.evictions", &[]),
-        Some(Value::Sum(0.0))
-    );
+    assert_eq!(otel.sum("idem.store.memory.evictions", &[]), 0.0);
     // The tenant's share is full: its third record takes the oldest one's room.
     complete(&scopes[2], Duration::from_secs(3600)).await;
-    assert_eq!(
-        otel.value("idem.store.memory.evictions", &[]),
-        Some(Value::Sum(1.0))
-    );
-    assert_eq!(
-        otel.value("idem.store.memory.expirations", &[]),
-        Some(Value::Sum(0.0))
-    );
+    assert_eq!(otel.sum("idem.store.memory.evictions", &[]), 1.0);
+    assert_eq!(otel.sum("idem.store.memory.expirations", &[]), 0.0);
     tokio::time::advance(Duration::from_secs(2)).await;
     // A new claim of the expired key finds it gone (the sweeper would find it too).
     acquire(&memory, &scopes[1], lease).await;
-    assert_eq!(
-        otel.value("idem.store.memory.expirations", &[]),
-        Some(Value::Sum(1.0))
-    );
+    assert_eq!(otel.sum("idem.store.memory.expirations", &[]), 1.0);
     assert_eq!(otel.unit("idem.store.memory.evictions"), "{record}");
-    assert_eq!(
-        otel.value("idem.store.memory.evictions", &[]),
-        Some(Value::Sum(1.0))
-    );
+    assert_eq!(otel.sum("idem.store.memory.evictions", &[]), 1.0);
 }
 
 /// A handler whose caller went away goes on in a task of its own: the detached gauge
@@ -796,13 +777,10 @@ async fn memory_store_evictions_and_expirations() {
 #[tokio::test]
 async fn a_cancelled_call_shows_as_a_detached_run_until_it_ends() {
     let otel = Otel::new();
-    let (addr, started, release) = held_handler(&otel, false).await;
-    let mut c = OrdersClient::new(net::channel(addr));
-    let call = tokio::spawn(async move { c.create_order(keyed("a", "key-detached-0001")).await });
-    started.notified().await;
+    let (call, release) = held_call(&otel, false, "key-detached-0001").await;
     assert_eq!(
-        otel.value("idem.server.handlers.detached", &[]),
-        Some(Value::Gauge(0.0)),
+        otel.gauge("idem.server.handlers.detached", &[]),
+        0.0,
         "the caller is still there"
     );
     call.abort();
@@ -820,10 +798,7 @@ async fn a_cancelled_call_shows_as_a_detached_run_until_it_ends() {
 #[tokio::test]
 async fn a_detached_run_that_panics_leaves_the_gauge_and_the_call_reads_cancelled() {
     let otel = Otel::new();
-    let (addr, started, release) = held_handler(&otel, true).await;
-    let mut c = OrdersClient::new(net::channel(addr));
-    let call = tokio::spawn(async move { c.create_order(keyed("a", "key-detached-0002")).await });
-    started.notified().await;
+    let (call, release) = held_call(&otel, true, "key-detached-0002").await;
     call.abort();
     otel.expect("idem.server.handlers.detached", &[], Value::Gauge(1.0))
         .await;
@@ -839,6 +814,23 @@ async fn a_detached_run_that_panics_leaves_the_gauge_and_the_call_reads_cancelle
     );
 }
 
+/// A call with `key` to a [`held_handler`], in a task of its own, once its handler has
+/// started; and the handler's `release`.
+async fn held_call(
+    otel: &Otel,
+    panics: bool,
+    key: &'static str,
+) -> (
+    JoinHandle<Result<Response<Order>, Status>>,
+    Arc<tokio::sync::Notify>,
+) {
+    let (addr, started, release) = held_handler(otel, panics).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    let call = tokio::spawn(async move { c.create_order(keyed("a", key)).await });
+    started.notified().await;
+    (call, release)
+}
+
 /// A server whose handler says it `started`, then waits for `release` (and then
 /// panics, if `panics`).
 async fn held_handler(
@@ -849,7 +841,6 @@ async fn held_handler(
     Arc<tokio::sync::Notify>,
     Arc<tokio::sync::Notify>,
 ) {
-    use idem_test_support::shop::Order;
     use tokio::sync::Notify;
 
     let layer = server_layer(otel, &config(false), MemoryStore::default());
@@ -861,7 +852,7 @@ async fn held_handler(
             s.notify_one();
             r.notified().await;
             assert!(!panics, "the handler panics after its caller went away");
-            Ok(tonic::Response::new(Order::default()))
+            Ok(Response::new(Order::default()))
         }
     });
     let (addr, incoming) = net::bind().await;
