@@ -1079,6 +1079,15 @@ async fn unsupported_request_encodings_are_refused_clearly() {
     assert_eq!(shop.runs(), 0);
 }
 
+/// Whether `store` holds a record of `tenant`'s `CreateOrder` under [`KEY`].
+async fn has_record(store: &MemoryStore, tenant: &str) -> bool {
+    store
+        .get(&scope_for(tenant, CREATE, KEY))
+        .await
+        .unwrap()
+        .is_some()
+}
+
 #[tokio::test]
 async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
     use idem_core::config::TenantSource;
@@ -1123,13 +1132,7 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
         .create_order(key_only(create("ok"), KEY))
         .await
         .unwrap();
-    assert!(
-        store
-            .get(&scope_for("acme", CREATE, KEY))
-            .await
-            .unwrap()
-            .is_some()
-    );
+    assert!(has_record(&store, "acme").await);
     // Header (explicit opt-in): the client's header is the tenant.
     let header = TenantSource::Header(http::HeaderName::from_static("x-test-tenant"));
     let srv = serve(IdempotencyLayer::new(store.clone(), &with(header))).await;
@@ -1137,13 +1140,7 @@ async fn the_configs_tenant_source_applies_when_the_builder_sets_none() {
         .create_order(keyed(create("ok"), KEY, "from-header"))
         .await
         .unwrap();
-    assert!(
-        store
-            .get(&scope_for("from-header", CREATE, KEY))
-            .await
-            .unwrap()
-            .is_some()
-    );
+    assert!(has_record(&store, "from-header").await);
     let err = srv
         .client()
         .create_order(key_only(create("ok"), KEY))
