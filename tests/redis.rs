@@ -752,6 +752,19 @@ async fn commands_time_out_as_unavailable() {
     }
 }
 
+/// `store.wait` for `scope` (for up to [`PATIENCE`]) in a task of its own, which ends
+/// with the instant the wait returned.
+fn spawn_wait(store: &RedisStore, scope: idem_store::Scope) -> tokio::task::JoinHandle<Instant> {
+    let store = store.clone();
+    tokio::spawn(async move {
+        store
+            .wait(&scope, tokio::time::Instant::now() + PATIENCE)
+            .await
+            .expect("wait");
+        Instant::now()
+    })
+}
+
 /// How late a waiter on another instance learns of a completion, with each
 /// [`WaitStrategy`]: printed for the docs' choice, not asserted (wall-clock numbers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -774,15 +787,7 @@ async fn wait_latency_notify_versus_poll() {
         for _ in 0..ROUNDS {
             let scope = idem_store::Scope(rand::random());
             let fence = acquire(&a, &scope, Duration::from_secs(10)).await;
-            let waiter = {
-                let b = b.clone();
-                tokio::spawn(async move {
-                    b.wait(&scope, tokio::time::Instant::now() + PATIENCE)
-                        .await
-                        .expect("wait");
-                    Instant::now()
-                })
-            };
+            let waiter = spawn_wait(&b, scope);
             // Complete after 0-300 ms, so the waiter is at a random point of its backoff.
             let pause = Duration::from_millis(rand::random_range(0..300));
             tokio::time::sleep(pause).await;
@@ -831,14 +836,7 @@ async fn waiters_survive_a_lost_notification_connection() {
     for round in 0..2 {
         let scope = idem_store::Scope(rand::random());
         let fence = acquire(&a, &scope, Duration::from_secs(30)).await;
-        let waiter = {
-            let b = b.clone();
-            tokio::spawn(async move {
-                b.wait(&scope, tokio::time::Instant::now() + PATIENCE)
-                    .await
-                    .expect("wait")
-            })
-        };
+        let waiter = spawn_wait(&b, scope);
         // Wait until the waiter is subscribed, then cut every pub/sub connection.
         let start = Instant::now();
         while redis
