@@ -214,6 +214,22 @@ async fn tcomplete_with(
     Ok(())
 }
 
+/// What a claim of record `n` of `t` is refused with.
+async fn refusal(st: &MemoryStore, t: &TenantId, n: u32) -> String {
+    tacquire(st, t, n).await.unwrap_err().to_string()
+}
+
+/// `t` floods: records `ns`, one per [`MIN`], each completed (at a bound, by evicting one
+/// of `t`'s own).
+async fn flood(st: &MemoryStore, t: &TenantId, ns: std::ops::Range<u32>) {
+    for n in ns {
+        tokio::time::advance(MIN).await;
+        tcomplete(st, t, n)
+            .await
+            .expect("the flooding tenant evicts its own");
+    }
+}
+
 /// Claims and completes record `n` of `t` with a day's TTL.
 async fn tcomplete(st: &MemoryStore, t: &TenantId, n: u32) -> Result<(), StoreError> {
     tcomplete_with(st, t, n, resp(b"r"), DAY).await
@@ -375,9 +391,8 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
             .await
             .unwrap();
     }
-    let err = tacquire(&st, &A, 4).await.unwrap_err();
     assert_eq!(
-        err.to_string(),
+        refusal(&st, &A, 4).await,
         "store full: tenant at its record bound (4)"
     );
     // Its own records are kept (no eviction), and other tenants are not affected.
@@ -398,9 +413,8 @@ async fn a_tenant_at_its_record_or_byte_bound_is_refused_and_keeps_its_records()
     );
     let fits = StoredOutcome::Response(Bytes::from(vec![2u8; RECORD_OVERHEAD_BYTES + 100]));
     tcomplete_with(&st, &B, 2, fits, TTL).await.unwrap();
-    let err = tacquire(&st, &B, 3).await.unwrap_err();
     assert_eq!(
-        err.to_string(),
+        refusal(&st, &B, 3).await,
         "store full: tenant at its byte bound (1380)"
     );
     let stats = st.stats();
@@ -690,9 +704,8 @@ async fn at_its_record_bound_a_tenant_evicts_its_own_oldest_records_past_min_ret
         tokio::time::advance(Duration::from_secs(1)).await;
     }
     // All three are younger than minRetention: refused, nothing evicted.
-    let err = tacquire(&st, &A, 3).await.unwrap_err();
     assert_eq!(
-        err.to_string(),
+        refusal(&st, &A, 3).await,
         "store full: tenant at its record bound (3)"
     );
     // Record 0 is exactly minRetention old: it makes room, the two younger stay.
@@ -738,8 +751,10 @@ async fn records_younger_than_min_retention_are_never_evicted() {
     }
     tokio::time::advance(MIN - Duration::from_millis(1)).await;
     for n in 3..10 {
-        let err = tacquire(&st, &A, n).await.unwrap_err();
-        assert_eq!(err.to_string(), "store full: store at its record bound (3)");
+        assert_eq!(
+            refusal(&st, &A, n).await,
+            "store full: store at its record bound (3)"
+        );
     }
     for n in 0..3 {
         assert_eq!(
@@ -764,9 +779,8 @@ async fn records_younger_than_min_retention_are_never_evicted() {
             .await
             .unwrap();
     }
-    let err = tacquire(&st, &B, 3).await.unwrap_err();
     assert_eq!(
-        err.to_string(),
+        refusal(&st, &B, 3).await,
         format!(
             "store full: tenant at its byte bound ({})",
             3 * (RECORD_OVERHEAD_BYTES + 10)
@@ -849,10 +863,7 @@ async fn one_tenants_flood_never_evicts_another_tenants_records() {
     let st = evicting(100, 2, MIN);
     tcomplete(&st, &B, 0).await.unwrap();
     tcomplete(&st, &B, 1).await.unwrap();
-    for n in 0..1000 {
-        tokio::time::advance(MIN).await;
-        tcomplete(&st, &A, n).await.expect("A evicts its own");
-    }
+    flood(&st, &A, 0..1000).await;
     assert!(kept(&st, &B, 0).await && kept(&st, &B, 1).await);
     assert_eq!(st.stats().evicted_after_min_retention, 998);
     assert_eq!(st.stats().evicted_for_other_tenants, 0);
@@ -864,15 +875,14 @@ async fn one_tenants_flood_never_evicts_another_tenants_records() {
     tcomplete(&st, &B, 1).await.unwrap();
     tcomplete(&st, &A, 0).await.unwrap();
     tcomplete(&st, &A, 1).await.unwrap();
-    for n in 2..1000 {
-        tokio::time::advance(MIN).await;
-        tcomplete(&st, &A, n).await.expect("A evicts its own");
-    }
+    flood(&st, &A, 2..1000).await;
     assert!(kept(&st, &B, 0).await && kept(&st, &B, 1).await);
     // Once both of A's records are young, A is refused, and B is still untouched.
     tcomplete(&st, &A, 1000).await.unwrap();
-    let err = tacquire(&st, &A, 1001).await.unwrap_err();
-    assert_eq!(err.to_string(), "store full: store at its record bound (4)");
+    assert_eq!(
+        refusal(&st, &A, 1001).await,
+        "store full: store at its record bound (4)"
+    );
     assert!(kept(&st, &B, 0).await && kept(&st, &B, 1).await);
     assert_eq!(st.stats().evicted_for_other_tenants, 0);
 }
@@ -886,8 +896,10 @@ async fn below_its_fair_share_a_tenant_takes_room_from_one_above_it() {
         tcomplete(&st, &A, n).await.unwrap();
     }
     // A's records are young: B is refused.
-    let err = tacquire(&st, &B, 0).await.unwrap_err();
-    assert_eq!(err.to_string(), "store full: store at its record bound (4)");
+    assert_eq!(
+        refusal(&st, &B, 0).await,
+        "store full: store at its record bound (4)"
+    );
     tokio::time::advance(MIN).await;
     // Two tenants: a share is 2 records. B takes two of A's four.
     tacquire(&st, &B, 0).await.unwrap();
