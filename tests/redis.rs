@@ -103,6 +103,8 @@ struct Cluster {
     instances: Vec<Instance>,
     runs: Arc<AtomicUsize>,
     config: ServiceConfig,
+    /// A client of each instance, in order.
+    clients: Vec<OrdersClient<Channel>>,
 }
 
 async fn cluster(redis: &RedisServer, n: usize, delay: Duration) -> Cluster {
@@ -124,10 +126,15 @@ async fn cluster(redis: &RedisServer, n: usize, delay: Duration) -> Cluster {
             _stop: stop,
         });
     }
+    let clients = instances
+        .iter()
+        .map(|i| OrdersClient::new(net::channel(i.addr)))
+        .collect();
     Cluster {
         instances,
         runs,
         config,
+        clients,
     }
 }
 
@@ -162,12 +169,6 @@ async fn serve<St: Store + std::fmt::Debug>(
 }
 
 impl Cluster {
-    fn clients(&self) -> Vec<OrdersClient<Channel>> {
-        self.instances
-            .iter()
-            .map(|i| OrdersClient::new(net::channel(i.addr)))
-            .collect()
-    }
     fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
     }
@@ -210,11 +211,10 @@ async fn one_key_500_concurrent_calls_over_three_instances_run_once() {
     };
     // The handler takes a while, so most duplicates arrive while it is in flight.
     let c = cluster(&redis, 3, Duration::from_millis(300)).await;
-    let clients = c.clients();
     let key = new_key();
     let mut calls = Vec::new();
     for i in 0..500 {
-        let mut client = clients[i % clients.len()].clone();
+        let mut client = c.clients[i % c.clients.len()].clone();
         let req = order_request(&key, "same request");
         calls.push(tokio::spawn(async move { client.create_order(req).await }));
     }
@@ -258,12 +258,11 @@ async fn redis_down_fails_closed_and_recovers_after_restart() {
         return;
     };
     let c = cluster(&redis, 3, Duration::from_millis(5)).await;
-    let clients = c.clients();
 
     // Load running while Redis is killed: every call ends OK or UNAVAILABLE.
     let stop_load = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut load = Vec::new();
-    for (i, client) in clients.iter().enumerate() {
+    for (i, client) in c.clients.iter().enumerate() {
         let mut client = client.clone();
         let stop = stop_load.clone();
         load.push(tokio::spawn(async move {
@@ -313,7 +312,7 @@ async fn redis_down_fails_closed_and_recovers_after_restart() {
 
     // Redis is down: protected calls fail closed and no handler runs.
     let runs_before = c.runs();
-    for (i, client) in clients.iter().enumerate() {
+    for (i, client) in c.clients.iter().enumerate() {
         for _ in 0..5 {
             let err = client
                 .clone()
@@ -333,7 +332,7 @@ async fn redis_down_fails_closed_and_recovers_after_restart() {
     // Same port again: every instance reconnects on its own (the first calls may still
     // fail closed while a connection is re-established).
     redis.restart();
-    for (i, client) in clients.iter().enumerate() {
+    for (i, client) in c.clients.iter().enumerate() {
         let start = Instant::now();
         loop {
             match client
@@ -351,14 +350,14 @@ async fn redis_down_fails_closed_and_recovers_after_restart() {
     }
     // And idempotency works across instances again.
     let key = new_key();
-    let first = clients[0]
+    let first = c.clients[0]
         .clone()
         .create_order(order_request(&key, "after restart"))
         .await
         .expect("fresh call after restart")
         .into_inner();
     let runs = c.runs();
-    replayed_by_all(&clients, &key, "after restart", &first).await;
+    replayed_by_all(&c.clients, &key, "after restart", &first).await;
     assert_eq!(c.runs(), runs);
 }
 
@@ -368,12 +367,11 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
         return;
     };
     let c = cluster(&redis, 3, Duration::ZERO).await;
-    let clients = c.clients();
     let store = &c.instances[0].store;
 
     // Learn the request's fingerprint from a completed record of another key.
     let probe = new_key();
-    clients[0]
+    c.clients[0]
         .clone()
         .create_order(order_request(&probe, "crash"))
         .await
@@ -405,7 +403,7 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
     let claimed_at = Instant::now();
 
     // The retry lands on instance 1: it waits out the lease, then takes over.
-    let resp = clients[1]
+    let resp = c.clients[1]
         .clone()
         .create_order(order_request(&key, "crash"))
         .await
@@ -438,7 +436,7 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
         "{late:?}"
     );
     // Duplicates everywhere replay the taken-over run.
-    replayed_by_all(&clients, &key, "crash", &order).await;
+    replayed_by_all(&c.clients, &key, "crash", &order).await;
     assert_eq!(c.runs(), runs + 1);
 }
 
@@ -448,13 +446,12 @@ async fn round_trips_per_fresh_call_and_per_replay() {
         return;
     };
     let c = cluster(&redis, 3, Duration::ZERO).await;
-    let clients = c.clients();
     const N: usize = 60;
     let keys: Vec<String> = (0..N).map(|_| new_key()).collect();
 
     redis.reset_stats();
     for (i, key) in keys.iter().enumerate() {
-        clients[i % 3]
+        c.clients[i % 3]
             .clone()
             .create_order(order_request(key, "rt"))
             .await
@@ -473,7 +470,7 @@ async fn round_trips_per_fresh_call_and_per_replay() {
 
     redis.reset_stats();
     for (i, key) in keys.iter().enumerate() {
-        let r = clients[(i + 1) % 3]
+        let r = c.clients[(i + 1) % 3]
             .clone()
             .create_order(order_request(key, "rt"))
             .await
@@ -573,11 +570,10 @@ async fn throughput_of_fresh_and_replayed_calls() {
     };
 
     let c = cluster(&redis, 3, Duration::ZERO).await;
-    let clients = c.clients();
     let keys = new_keys();
-    let (fresh, fresh_replays) = run(&clients, keys.clone(), 0).await;
+    let (fresh, fresh_replays) = run(&c.clients, keys.clone(), 0).await;
     // Replays on another instance than the one that ran the call.
-    let (replay, replays) = run(&clients, keys, 1).await;
+    let (replay, replays) = run(&c.clients, keys, 1).await;
     assert_eq!(fresh_replays, 0);
     assert_eq!(replays, CALLS);
     assert_eq!(c.runs(), CALLS);
@@ -604,7 +600,7 @@ async fn keys_are_one_hash_per_record_named_by_the_scope_digest() {
     };
     let c = cluster(&redis, 1, Duration::ZERO).await;
     let key = "raw-client-key-123";
-    c.clients()[0]
+    c.clients[0]
         .clone()
         .create_order(order_request(key, "layout"))
         .await
