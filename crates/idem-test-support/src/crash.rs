@@ -37,7 +37,7 @@ use tonic::transport::{Channel, Server};
 use tonic::{Request, Response};
 use tower::ServiceBuilder;
 
-use crate::demo::{Faults, Ledger, Options, OrdersImpl, RunReport, strip_idempotency};
+use crate::demo::{Faults, Ledger, Options, OrdersImpl, RunReport};
 use crate::demo_metrics::{DemoMetrics, InstanceMetrics, merge, scrape};
 use crate::pg_orders::{self, PgOrders};
 use crate::shop::orders_client::OrdersClient;
@@ -533,6 +533,96 @@ pub fn free_port() -> Result<u16, Error> {
     Ok(l.local_addr()?.port())
 }
 
+/// The files one run's instances share: the config they read and the ledger they append
+/// to, in a directory of their own.
+struct RunFiles {
+    dir: PathBuf,
+    config: PathBuf,
+    ledger: PathBuf,
+}
+
+impl RunFiles {
+    fn new(with_idem: bool, config_text: &str) -> Result<Self, Error> {
+        static RUNS: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "idem-demo-{}-{}-{}",
+            std::process::id(),
+            RUNS.fetch_add(1, Ordering::Relaxed),
+            if with_idem { "idem" } else { "plain" }
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let config = dir.join("service_config.json");
+        std::fs::write(&config, config_text)?;
+        let ledger = dir.join("ledger");
+        let _ = std::fs::remove_file(&ledger);
+        std::fs::write(&ledger, "")?;
+        Ok(RunFiles {
+            dir,
+            config,
+            ledger,
+        })
+    }
+}
+
+/// Starts `o.instances` processes, each on a free port (and a metrics port when
+/// `metrics`).
+async fn start_instances(
+    o: &Options,
+    with_idem: bool,
+    metrics: bool,
+    store: &StoreKind,
+    files: &RunFiles,
+    launch: &Launch,
+) -> Result<Vec<Instance>, Error> {
+    let mut instances = Vec::new();
+    for i in 0..o.instances {
+        let args = ServeArgs {
+            with_idem,
+            metrics_port: if metrics { Some(free_port()?) } else { None },
+            seed: o.seed.wrapping_add(i as u64),
+            unavailable: o.unavailable,
+            drop: o.drop,
+            latency_ms: o.latency.as_millis() as u64,
+            ..ServeArgs::new(
+                i,
+                free_port()?,
+                store.clone(),
+                files.config.clone(),
+                files.ledger.clone(),
+            )
+        };
+        instances.push(Instance::start(launch, args).await?);
+    }
+    Ok(instances)
+}
+
+/// One channel balanced over the instances' ports.
+fn balance(instances: &[Instance]) -> Channel {
+    let endpoints = instances.iter().map(|i| {
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", i.args.port))
+            .expect("valid endpoint")
+            .connect_timeout(Duration::from_millis(500))
+    });
+    Channel::balance_list(endpoints)
+}
+
+/// The metrics of the instances still running, scraped once their last calls' metrics
+/// have landed (a lost scrape is reported, not fatal).
+async fn scrape_survivors(instances: &[Instance]) -> Vec<String> {
+    // Server metrics of a call are recorded just after its response: let them land.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut last = Vec::new();
+    for i in instances {
+        if let Some(port) = i.args.metrics_port {
+            match scrape(port).await {
+                Ok(text) => last.push(text),
+                Err(e) => eprintln!("metrics of instance {} lost: {e}", i.args.instance),
+            }
+        }
+    }
+    last
+}
+
 /// One run with instance processes that are killed with SIGKILL each time `crash_every`
 /// more intents are done (the victim taken in turn, killed after a random pause of up to
 /// 3 ms so it dies at a random point of its work), and started again on the same port.
@@ -550,19 +640,7 @@ pub async fn run_with_crashes(
     } else {
         "without idem"
     };
-    static RUNS: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "idem-demo-{}-{}-{}",
-        std::process::id(),
-        RUNS.fetch_add(1, Ordering::Relaxed),
-        if with_idem { "idem" } else { "plain" }
-    ));
-    std::fs::create_dir_all(&dir)?;
-    let config_path = dir.join("service_config.json");
-    std::fs::write(&config_path, config_text)?;
-    let ledger = dir.join("ledger");
-    let _ = std::fs::remove_file(&ledger);
-    std::fs::write(&ledger, "")?;
+    let files = RunFiles::new(with_idem, config_text)?;
     let orders_db = match store {
         StoreKind::Postgres(url) => {
             let pool = sqlx::postgres::PgPoolOptions::new()
@@ -582,49 +660,13 @@ pub async fn run_with_crashes(
         .as_ref()
         .filter(|_| with_idem)
         .map(|_| DemoMetrics::new(config));
-    let mut instances = Vec::new();
-    for i in 0..o.instances {
-        let args = ServeArgs {
-            with_idem,
-            metrics_port: match metrics {
-                Some(_) => Some(free_port()?),
-                None => None,
-            },
-            seed: o.seed.wrapping_add(i as u64),
-            unavailable: o.unavailable,
-            drop: o.drop,
-            latency_ms: o.latency.as_millis() as u64,
-            ..ServeArgs::new(
-                i,
-                free_port()?,
-                store.clone(),
-                config_path.clone(),
-                ledger.clone(),
-            )
-        };
-        instances.push(Instance::start(launch, args).await?);
-    }
-    let endpoints = instances.iter().map(|i| {
-        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", i.args.port))
-            .expect("valid endpoint")
-            .connect_timeout(Duration::from_millis(500))
-    });
-    let retry = match (&metrics, with_idem) {
-        (Some(m), _) => m
-            .client(RetryLayer::builder().service_config(config.clone()))
-            .build()
-            .expect("a config needs no validation"),
-        (None, true) => RetryLayer::from_config(config),
-        (None, false) => RetryLayer::from_config(&strip_idempotency(config)),
-    };
-    if let Some(m) = &metrics {
-        m.watch_client(&retry);
-    }
+    let instances = start_instances(o, with_idem, metrics.is_some(), store, &files, launch).await?;
+    let retry = crate::demo::retry_layer(config, with_idem, metrics.as_ref());
     let stats = retry.stats();
     let client = OrdersClient::new(
         ServiceBuilder::new()
             .layer(retry)
-            .service(tonic::transport::Channel::balance_list(endpoints)),
+            .service(balance(&instances)),
     );
 
     let done = Arc::new(AtomicU64::new(0));
@@ -640,19 +682,10 @@ pub async fn run_with_crashes(
     ));
     let w = crate::demo::workload(o, with_idem, label, &client, done).await?;
     let (mut instances, dead) = killer.await??;
-    let mut last = Vec::new();
-    if metrics.is_some() {
-        // Server metrics of a call are recorded just after its response: let them land.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        for i in &instances {
-            if let Some(port) = i.args.metrics_port {
-                match scrape(port).await {
-                    Ok(text) => last.push(text),
-                    Err(e) => eprintln!("metrics of instance {} lost: {e}", i.args.instance),
-                }
-            }
-        }
-    }
+    let last = match metrics {
+        Some(_) => scrape_survivors(&instances).await,
+        None => Vec::new(),
+    };
     for i in &mut instances {
         i.kill().await?;
     }
@@ -663,12 +696,11 @@ pub async fn run_with_crashes(
     }
     let by_intent = match &orders_db {
         Some(pool) => pg_orders::orders_by_intent(pool).await?,
-        None => Ledger::read_file(&ledger)?,
+        None => Ledger::read_file(&files.ledger)?,
     };
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&files.dir);
     let mut report = crate::demo::tally(o, label, &by_intent, w);
-    let snapshot = stats.snapshot();
-    report.attempts = snapshot.attempts;
+    report.attempts = stats.snapshot().attempts;
     report.crashes = crashes.load(Ordering::Relaxed);
     Ok(report)
 }

@@ -334,6 +334,12 @@ struct Fleet {
 }
 
 impl Fleet {
+    /// Calls the instances' layers answered from a stored record.
+    fn replays(&self) -> u64 {
+        let stats = self.stats.lock().expect("stats lock");
+        stats.iter().map(|s| s.snapshot().replayed).sum()
+    }
+
     /// Serves `svc` behind the fault injector, `InboundLayer` and `IdempotencyLayer`.
     fn serve_with_idem<St: idem_store::Store>(
         &self,
@@ -418,6 +424,57 @@ fn client_channel(addrs: &[SocketAddr]) -> Channel {
     Channel::balance_list(endpoints)
 }
 
+/// The demo client's retry layer, observed by `metrics` when given. Without idem it
+/// keeps the same retry policy, but no method is protected, so no key is sent.
+pub(crate) fn retry_layer(
+    config: &ServiceConfig,
+    with_idem: bool,
+    metrics: Option<&crate::demo_metrics::DemoMetrics>,
+) -> RetryLayer {
+    let retry = if with_idem {
+        let builder = RetryLayer::builder().service_config(config.clone());
+        let builder = match metrics {
+            Some(m) => m.client(builder),
+            None => builder,
+        };
+        builder.build().expect("a config needs no validation")
+    } else {
+        RetryLayer::from_config(&strip_idempotency(config))
+    };
+    if let Some(m) = metrics {
+        m.watch_client(&retry);
+    }
+    retry
+}
+
+/// Once `after` intents are done, kills `first` (its serving task aborted, its
+/// connections dropped) and starts it again on the same port, so the client's balancer
+/// reconnects to it.
+async fn restart_after(
+    after: usize,
+    first: Instance,
+    fleet: Fleet,
+    done: Arc<AtomicU64>,
+) -> Instance {
+    while done.load(Ordering::Relaxed) < after as u64 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.task.abort();
+    let _ = first.task.await;
+    let mut tries = 0;
+    let listener = loop {
+        match tokio::net::TcpListener::bind(first.addr).await {
+            Ok(l) => break l,
+            Err(_) if tries < 200 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("cannot rebind {}: {e}", first.addr),
+        }
+    };
+    fleet.spawn(0, listener)
+}
+
 /// Runs the workload once (with idem or without) and counts what happened.
 ///
 /// With `o.restart_after = Some(n)`, instance 0 is killed (its serving task aborted, its
@@ -453,52 +510,16 @@ pub async fn run(
     }
     let addrs: Vec<SocketAddr> = instances.iter().map(|i| i.addr).collect();
 
-    // Without idem: the same retry policy, but no method is protected, so no key.
-    let retry = if with_idem {
-        let builder = RetryLayer::builder().service_config(config.clone());
-        let builder = match &fleet.metrics {
-            Some(m) => m.client(builder),
-            None => builder,
-        };
-        builder.build().expect("a config needs no validation")
-    } else {
-        RetryLayer::from_config(&strip_idempotency(config))
-    };
-    if let Some(m) = &fleet.metrics {
-        m.watch_client(&retry);
-    }
     let client = OrdersClient::new(
         ServiceBuilder::new()
-            .layer(retry)
+            .layer(retry_layer(config, with_idem, fleet.metrics.as_ref()))
             .service(client_channel(&addrs)),
     );
 
     let done = Arc::new(AtomicU64::new(0));
     let restarter = o.restart_after.map(|after| {
-        let done = done.clone();
-        let fleet = fleet.clone();
         let first = instances.remove(0);
-        tokio::spawn(async move {
-            while done.load(Ordering::Relaxed) < after as u64 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            first.task.abort();
-            let _ = first.task.await;
-            // Same port, so the client's balancer reconnects to it.
-            let mut tries = 0;
-            let listener = loop {
-                match tokio::net::TcpListener::bind(first.addr).await {
-                    Ok(l) => break l,
-                    Err(e) if tries < 200 => {
-                        tries += 1;
-                        let _ = e;
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                    Err(e) => panic!("cannot rebind {}: {e}", first.addr),
-                }
-            };
-            fleet.spawn(0, listener)
-        })
+        tokio::spawn(restart_after(after, first, fleet.clone(), done.clone()))
     });
 
     let w = workload(o, with_idem, label, &client, done).await?;
@@ -510,16 +531,9 @@ pub async fn run(
     for i in &instances {
         i.task.abort();
     }
-    let replays = fleet
-        .stats
-        .lock()
-        .expect("stats lock")
-        .iter()
-        .map(|s| s.snapshot().replayed)
-        .sum();
     let mut report = tally(o, label, &fleet.ledger.by_intent(), w);
     report.attempts = fleet.faults.attempts();
-    report.replays = replays;
+    report.replays = fleet.replays();
     report.restarted = restarted;
     if let (Some(m), Some(path)) = (&fleet.metrics, &o.metrics_out) {
         // Server metrics of a call are recorded just after its response: let them land.
