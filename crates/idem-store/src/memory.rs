@@ -22,6 +22,12 @@
 //! - **Waiting**: a waiter parks on a `tokio::sync::Notify` that belongs to the in-flight
 //!   record (allocated only when someone waits) and is woken directly by complete,
 //!   release, takeover or removal; it also wakes when the lease ends.
+//! - **Compact records**: a record is keyed by the first 128 bits of its scope digest
+//!   (SHA-256, so two scopes share them with odds of about n² / 2¹²⁹ for n records; a
+//!   caller choosing keys can make two of its own tenant's scopes share them only with
+//!   about 2⁶⁴ digests, and another tenant's only by a second preimage, about 2¹²⁸), and
+//!   keeps its times as 8-byte ticks of the store's clock: [`RECORD_OVERHEAD_BYTES`] per
+//!   record.
 //! - **Clock**: `tokio::time::Instant`, so tests run on a paused clock.
 //!
 //! # Bounds
@@ -190,11 +196,12 @@ const TENANT_SHARDS: usize = 16;
 /// Bytes charged against the byte bounds for each record on top of its stored response.
 ///
 /// Measured (test `memory_per_record`, 100 000 records of 16-byte responses): a map slot
-/// is 145 bytes (scope 32 + entry 112 + 1 control byte) and the tables run about 76 %
-/// full, so 190 bytes per record amortized; the two completion queues add 2 × 48 bytes,
-/// 126 amortized (a `VecDeque` grows by doubling): 316 in all. The resident set grew by
-/// 332 bytes per record including the 16-byte response and its allocation header.
-pub const RECORD_OVERHEAD_BYTES: usize = 320;
+/// is 113 bytes (the scope's first 16 bytes + entry 96 + 1 control byte) and the tables
+/// run about 76 % full, so 149 bytes per record amortized; the two completion queues add
+/// 2 × 32 bytes, 84 amortized (a `VecDeque` grows by doubling): 232 in all. The resident
+/// set grew by 254 bytes per record including the 16-byte response and its allocation
+/// header.
+pub const RECORD_OVERHEAD_BYTES: usize = 240;
 
 /// The scope is already a uniform digest: hash it by taking 8 of its bytes.
 #[derive(Default)]
@@ -213,7 +220,27 @@ impl Hasher for ScopeHasher {
     }
 }
 
-type Map = HashMap<Scope, Entry, BuildHasherDefault<ScopeHasher>>;
+/// How this store names a record: the first 16 bytes of its [`Scope`].
+///
+/// The scope is a SHA-256 digest, so 128 of its bits name a record here as well as all
+/// 256: two scopes share a name with probability about n² / 2¹²⁹ for n records (about
+/// 2⁻⁶⁹ at a billion). Making two share one on purpose takes about 2⁶⁴ digests of
+/// scopes the caller chooses, and a caller chooses only the key part of its own
+/// tenant's scopes: at worst it replays one of its own records to itself. Reaching
+/// another tenant's record would take a second preimage (2¹²⁸). Half the bytes per
+/// record of the full digest, in the map and in both completion queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Name([u8; 16]);
+
+impl Name {
+    fn of(scope: &Scope) -> Self {
+        let mut n = [0u8; 16];
+        n.copy_from_slice(&scope.0[..16]);
+        Name(n)
+    }
+}
+
+type Map = HashMap<Name, Entry, BuildHasherDefault<ScopeHasher>>;
 type Tenants = HashMap<TenantId, Arc<Usage>, BuildHasherDefault<ScopeHasher>>;
 
 /// A completion, queued in completion order for eviction.
@@ -222,11 +249,11 @@ type Tenants = HashMap<TenantId, Arc<Usage>, BuildHasherDefault<ScopeHasher>>;
 /// gone or was completed again (another fence) is stale and skipped when it comes up.
 #[derive(Debug, Clone, Copy)]
 struct Done {
-    scope: Scope,
+    scope: Name,
     /// The fence of the run that completed: identifies this completion of the scope.
     fence: Fence,
-    /// When it completed, in nanoseconds since the store's epoch.
-    at: u64,
+    /// When it completed.
+    at: Tick,
 }
 
 type Queue = VecDeque<Done>;
@@ -347,7 +374,7 @@ enum State {
         fence: Fence,
         fingerprint: Fingerprint,
         claimant: ClaimantId,
-        lease_until: Instant,
+        lease_until: Tick,
         waiters: Option<Arc<Notify>>,
     },
     Completed {
@@ -361,7 +388,7 @@ enum State {
 struct Entry {
     state: State,
     /// When the sweeper may drop the record.
-    expires_at: Instant,
+    expires_at: Tick,
     /// The usage of the tenant the record is charged to.
     tenant: Arc<Usage>,
 }
@@ -411,9 +438,18 @@ fn later(now: Instant, d: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// A point in the store's time: nanoseconds since its epoch. A record keeps its times
+/// in 8 bytes each where an `Instant` takes 16; it saturates 584 years on.
+type Tick = u64;
+
+/// `now + d`, saturated.
+fn after(now: Tick, d: Duration) -> Tick {
+    now.saturating_add(nanos(d))
+}
+
 /// Expiry of an in-flight record: one more lease after the lease ends.
-fn in_flight_expiry(now: Instant, lease: Duration) -> Instant {
-    later(later(now, lease), lease)
+fn in_flight_expiry(now: Tick, lease: Duration) -> Tick {
+    after(after(now, lease), lease)
 }
 
 /// Counters of a [`MemoryStore`].
@@ -640,7 +676,7 @@ impl MemoryStore {
 }
 
 impl Inner {
-    fn shard(&self, scope: &Scope) -> &Mutex<Shard> {
+    fn shard(&self, scope: &Name) -> &Mutex<Shard> {
         &self.shards[usize::from(scope.0[0]) % SHARDS]
     }
 
@@ -712,8 +748,13 @@ impl Inner {
     // taking a tenant's queue (complete queues the tenant's entry after unlocking).
 
     /// `now` in nanoseconds since the epoch.
-    fn tick(&self, now: Instant) -> u64 {
+    fn tick(&self, now: Instant) -> Tick {
         nanos(now.saturating_duration_since(self.epoch))
+    }
+
+    /// The instant of tick `t`.
+    fn instant(&self, t: Tick) -> Instant {
+        later(self.epoch, Duration::from_nanos(t))
     }
 
     /// Whether a record completed at tick `at` may be evicted at tick `now`.
@@ -809,7 +850,7 @@ impl Inner {
                     };
                     Self::measure(&e.tenant, bound) >= fair.saturating_add(cost)
                 };
-                if (over || Self::is_expired(e, now))
+                if (over || self.is_expired(e, now))
                     && let Some(e) = shard.map.remove(&d.scope)
                 {
                     drop(guard);
@@ -826,7 +867,7 @@ impl Inner {
     /// Uncharges an evicted record, counts it and logs (the 1st, 2nd, 4th, 8th…).
     fn evicted(&self, e: &Entry, bound: Bound, for_other: bool, now: Instant) {
         self.forget(e);
-        if Self::is_expired(e, now) {
+        if self.is_expired(e, now) {
             self.expirations.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -881,8 +922,8 @@ impl Inner {
         StoreError::Full(format!("{} ({limit})", bound.describe()).into())
     }
 
-    fn is_expired(e: &Entry, now: Instant) -> bool {
-        e.expires_at <= now
+    fn is_expired(&self, e: &Entry, now: Instant) -> bool {
+        e.expires_at <= self.tick(now)
     }
 
     fn sweep(&self, now: Instant) {
@@ -890,7 +931,7 @@ impl Inner {
             let mut guard = lock(shard);
             let Shard { map, done } = &mut *guard;
             map.retain(|_, e| {
-                if Self::is_expired(e, now) {
+                if self.is_expired(e, now) {
                     e.wake();
                     self.forget(e);
                     self.expirations.fetch_add(1, Ordering::Relaxed);
@@ -938,12 +979,13 @@ impl Inner {
     }
 
     fn new_in_flight(&self, req: &ClaimRequest<'_>, now: Instant, tenant: Arc<Usage>) -> Entry {
+        let now = self.tick(now);
         Entry {
             state: State::InFlight {
                 fence: self.fence(),
                 fingerprint: *req.fingerprint,
                 claimant: req.claimant,
-                lease_until: later(now, req.lease),
+                lease_until: after(now, req.lease),
                 waiters: None,
             },
             expires_at: in_flight_expiry(now, req.lease),
@@ -954,6 +996,7 @@ impl Inner {
     /// Claim on an entry that has not expired: replay, mismatch, wait, re-claim or
     /// takeover. Adds no record, so no bound applies.
     fn claim_existing(&self, e: &mut Entry, req: &ClaimRequest<'_>, now: Instant) -> Claim {
+        let tick = self.tick(now);
         match &mut e.state {
             State::Completed {
                 fingerprint,
@@ -974,15 +1017,15 @@ impl Inner {
                 claimant,
                 lease_until,
                 ..
-            } if *lease_until > now => {
+            } if *lease_until > tick => {
                 if *claimant != req.claimant {
                     return Claim::InFlight {
-                        lease_remaining: *lease_until - now,
+                        lease_remaining: Duration::from_nanos(*lease_until - tick),
                     };
                 }
                 // The same claimant again (a lost reply): same fence, lease extended.
-                *lease_until = (*lease_until).max(later(now, req.lease));
-                e.expires_at = e.expires_at.max(in_flight_expiry(now, req.lease));
+                *lease_until = (*lease_until).max(after(tick, req.lease));
+                e.expires_at = e.expires_at.max(in_flight_expiry(tick, req.lease));
                 Claim::Acquired {
                     fence: *fence,
                     takeover: false,
@@ -1003,15 +1046,16 @@ impl Inner {
     }
 
     fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let scope = &Name::of(req.scope);
         let mut evictions = 0;
         loop {
             let now = Instant::now();
-            let mut map = lock(self.shard(req.scope));
-            if let Some(e) = map.get_mut(req.scope) {
-                if !Self::is_expired(e, now) {
+            let mut map = lock(self.shard(scope));
+            if let Some(e) = map.get_mut(scope) {
+                if !self.is_expired(e, now) {
                     return Ok(self.claim_existing(e, &req, now));
                 }
-                if let Some(mut old) = map.remove(req.scope) {
+                if let Some(mut old) = map.remove(scope) {
                     old.wake();
                     self.forget(&old);
                     self.expirations.fetch_add(1, Ordering::Relaxed);
@@ -1022,7 +1066,7 @@ impl Inner {
                 Ok(()) => {
                     let e = self.new_in_flight(&req, now, tenant);
                     let fence = e.fence();
-                    map.insert(*req.scope, e);
+                    map.insert(*scope, e);
                     return Ok(Claim::Acquired {
                         fence,
                         takeover: false,
@@ -1047,10 +1091,10 @@ impl Inner {
     /// Locks the shard of `scope` and checks that it holds an in-flight record with
     /// `fence`. A lease that ended does not matter (the fence stays current until
     /// someone takes over); an expired record counts as gone.
-    fn fenced(&self, scope: &Scope, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
+    fn fenced(&self, scope: &Name, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
         let now = Instant::now();
         let map = lock(self.shard(scope));
-        match map.get(scope).filter(|e| !Self::is_expired(e, now)) {
+        match map.get(scope).filter(|e| !self.is_expired(e, now)) {
             Some(e) if e.is_in_flight() && e.fence() == fence => Ok(map),
             other => Err(StoreError::Fenced {
                 presented: fence,
@@ -1059,13 +1103,13 @@ impl Inner {
         }
     }
 
-    fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
-        let now = Instant::now();
+    fn renew(&self, scope: &Name, fence: Fence, lease: Duration) -> Result<(), StoreError> {
+        let now = self.tick(Instant::now());
         let mut map = self.fenced(scope, fence)?;
         if let Some(e) = map.get_mut(scope)
             && let State::InFlight { lease_until, .. } = &mut e.state
         {
-            *lease_until = later(now, lease);
+            *lease_until = after(now, lease);
             e.expires_at = in_flight_expiry(now, lease);
         }
         Ok(())
@@ -1078,6 +1122,7 @@ impl Inner {
             outcome,
             ttl,
         } = req;
+        let scope = &Name::of(scope);
         let n = outcome.len();
         // A response that could never fit evicts nothing.
         let may_evict = n + RECORD_OVERHEAD_BYTES <= self.limits.tenant_bytes;
@@ -1110,7 +1155,7 @@ impl Inner {
             }
             evictions += 1;
         };
-        let now = Instant::now();
+        let now = self.tick(Instant::now());
         let Shard { map: records, done } = &mut *map;
         let Some(e) = records.get_mut(scope) else {
             unreachable!("checked by fenced")
@@ -1124,13 +1169,13 @@ impl Inner {
             fingerprint,
             outcome,
         };
-        e.expires_at = later(now, ttl);
+        e.expires_at = after(now, ttl);
         sub(&e.tenant.in_flight, 1);
         sub(&self.total.in_flight, 1);
         let d = Done {
             scope: *scope,
             fence,
-            at: self.tick(now),
+            at: now,
         };
         done.push_back(d);
         let tenant = e.tenant.clone();
@@ -1140,7 +1185,7 @@ impl Inner {
     }
 
     /// Removes the record: the global fence counter keeps the next claim's fence higher.
-    fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
+    fn release(&self, scope: &Name, fence: Fence) -> Result<(), StoreError> {
         let mut map = self.fenced(scope, fence)?;
         if let Some(mut e) = map.remove(scope) {
             e.wake();
@@ -1149,10 +1194,10 @@ impl Inner {
         Ok(())
     }
 
-    fn get(&self, scope: &Scope) -> Option<RecordState> {
+    fn get(&self, scope: &Name) -> Option<RecordState> {
         let now = Instant::now();
         let map = lock(self.shard(scope));
-        let e = map.get(scope).filter(|e| !Self::is_expired(e, now))?;
+        let e = map.get(scope).filter(|e| !self.is_expired(e, now))?;
         Some(match &e.state {
             State::InFlight {
                 fence,
@@ -1162,7 +1207,7 @@ impl Inner {
             } => RecordState::InFlight {
                 fence: *fence,
                 fingerprint: *fingerprint,
-                lease_until: *lease_until,
+                lease_until: self.instant(*lease_until),
             },
             State::Completed {
                 fence,
@@ -1176,11 +1221,11 @@ impl Inner {
         })
     }
 
-    fn wait_target(&self, scope: &Scope) -> Option<(Arc<Notify>, Fence, Instant)> {
+    fn wait_target(&self, scope: &Name) -> Option<(Arc<Notify>, Fence, Instant)> {
         let now = Instant::now();
         let mut map = lock(self.shard(scope));
         let e = map.get_mut(scope)?;
-        if Self::is_expired(e, now) {
+        if self.is_expired(e, now) {
             return None;
         }
         match &mut e.state {
@@ -1189,18 +1234,18 @@ impl Inner {
                 lease_until,
                 waiters,
                 ..
-            } if *lease_until > now => {
+            } if *lease_until > self.tick(now) => {
                 let n = waiters
                     .get_or_insert_with(|| Arc::new(Notify::new()))
                     .clone();
-                Some((n, *fence, *lease_until))
+                Some((n, *fence, self.instant(*lease_until)))
             }
             _ => None,
         }
     }
 
-    fn still_in_flight(&self, scope: &Scope, fence: Fence) -> bool {
-        let now = Instant::now();
+    fn still_in_flight(&self, scope: &Name, fence: Fence) -> bool {
+        let now = self.tick(Instant::now());
         let map = lock(self.shard(scope));
         map.get(scope).is_some_and(|e| {
             matches!(e.state, State::InFlight { fence: f, lease_until, .. } if f == fence && lease_until > now)
@@ -1215,7 +1260,7 @@ impl Store for MemoryStore {
     }
 
     async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
-        self.inner.renew(scope, fence, lease)
+        self.inner.renew(&Name::of(scope), fence, lease)
     }
 
     async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
@@ -1223,14 +1268,15 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        self.inner.release(scope, fence)
+        self.inner.release(&Name::of(scope), fence)
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {
-        Ok(self.inner.get(scope))
+        Ok(self.inner.get(&Name::of(scope)))
     }
 
     async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
+        let scope = &Name::of(scope);
         let Some((notify, fence, lease_until)) = self.inner.wait_target(scope) else {
             return Ok(());
         };
