@@ -188,62 +188,6 @@ impl RetryThrottle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
-
-    /// Log lines written while `f` runs.
-    fn logs(f: impl FnOnce()) -> Vec<String> {
-        #[derive(Clone, Default)]
-        struct Sink(Arc<Mutex<Vec<u8>>>);
-        impl Write for Sink {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().write(buf)
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let sink = Sink::default();
-        let writer = sink.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::DEBUG)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::with_default(subscriber, f);
-        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
-        text.lines().map(str::to_owned).collect()
-    }
-
-    #[test]
-    fn logs_once_when_retries_stop_and_once_when_they_resume() {
-        let t = RetryThrottle::new(RetryThrottling {
-            max_milli_tokens: 4_000,
-            token_ratio_milli: 1_000,
-        });
-        let lines = logs(|| {
-            // 4 → 3 (allowed), 3 → 2 (at half: stops), then more failures: still stopped.
-            for _ in 0..5 {
-                t.record_failure();
-            }
-            // 0 → 1 → 2 (still at half) → 3: resumes; more successes log nothing.
-            for _ in 0..6 {
-                t.record_success();
-            }
-            t.record_failure();
-            t.record_failure();
-        });
-        let warn: Vec<_> = lines.iter().filter(|l| l.contains("WARN")).collect();
-        let info: Vec<_> = lines.iter().filter(|l| l.contains("INFO")).collect();
-        assert_eq!(lines.len(), 3, "{lines:#?}");
-        assert_eq!(warn.len(), 2);
-        assert_eq!(info.len(), 1);
-        assert!(warn[0].contains("retry throttle engaged: the token bucket is at or below half"));
-        assert!(warn[0].contains("tokens=2.0 max_tokens=4.0"), "{}", warn[0]);
-        assert!(info[0].contains("retry throttle released"));
-        assert!(
-            lines[0].contains("WARN") && lines[1].contains("INFO") && lines[2].contains("WARN")
-        );
-    }
 
     #[test]
     fn threshold_is_half_after_the_failure() {
