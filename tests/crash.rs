@@ -17,10 +17,9 @@ use idem::core::config::ServiceConfig;
 use idem::postgres::PostgresStore;
 use idem::server::idempotency::{IdempotencyLayer, scope_for, tenant::SingleTenant};
 use idem::store::{RecordState, Store, memory::MemoryStore};
-use idem_test_support::crash::{
-    self, Instance, Launch, PausePoint, ServeArgs, StoreKind, free_port,
-};
+use idem_test_support::crash::{self, Instance, Launch, PausePoint, ServeArgs, StoreKind};
 use idem_test_support::demo::{DEFAULT_CONFIG, Options, RunReport};
+use idem_test_support::net::free_port;
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};
@@ -102,7 +101,7 @@ async fn kill_at(point: PausePoint) {
     let store = PostgresStore::connect(pg.url()).await.unwrap();
     let pool = store.pool();
     pg_orders::reset_table(pool).await.unwrap();
-    let port = free_port().unwrap();
+    let port = free_port();
     let args = dir.args(StoreKind::Postgres(pg.url()), port);
     let mut first = Instance::start(
         &launch(),
@@ -202,7 +201,7 @@ async fn a_hop_killed_after_its_downstream_call_replays_it_when_run_again() {
             .serve_with_incoming(incoming),
     );
     // A, a process on a memory store (which dies with it), calling B.
-    let port = free_port().unwrap();
+    let port = free_port();
     let args = ServeArgs {
         downstream: Some(b_addr.port()),
         ..dir.args(StoreKind::Memory, port)

@@ -39,6 +39,7 @@ use tower::ServiceBuilder;
 
 use crate::demo::{Faults, Ledger, Options, OrdersImpl, RunReport};
 use crate::demo_metrics::{DemoMetrics, InstanceMetrics, merge, scrape};
+use crate::net::free_port;
 use crate::pg_orders::{self, PgOrders};
 use crate::shop::orders_client::OrdersClient;
 use crate::shop::orders_server::{Orders, OrdersServer};
@@ -527,12 +528,6 @@ impl Instance {
     }
 }
 
-/// A free loopback port.
-pub fn free_port() -> Result<u16, Error> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
-}
-
 /// The files one run's instances share: the config they read and the ledger they append
 /// to, in a directory of their own.
 struct RunFiles {
@@ -578,14 +573,14 @@ async fn start_instances(
     for i in 0..o.instances {
         let args = ServeArgs {
             with_idem,
-            metrics_port: if metrics { Some(free_port()?) } else { None },
+            metrics_port: metrics.then(free_port),
             seed: o.seed.wrapping_add(i as u64),
             unavailable: o.unavailable,
             drop: o.drop,
             latency_ms: o.latency.as_millis() as u64,
             ..ServeArgs::new(
                 i,
-                free_port()?,
+                free_port(),
                 store.clone(),
                 files.config.clone(),
                 files.ledger.clone(),

@@ -17,7 +17,7 @@ pub async fn bind() -> (SocketAddr, TcpListenerStream) {
 }
 
 /// A port on 127.0.0.1 that was free a moment ago (for a server process to listen on).
-pub(crate) fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     l.local_addr().expect("local addr").port()
 }
