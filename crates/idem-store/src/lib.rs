@@ -65,6 +65,11 @@ pub type Fence = u64;
 
 /// The 32-byte digest naming a record: SHA-256 of the length-prefixed
 /// (tenant, method path, key). Raw client input never reaches a store.
+///
+/// A store may name a record by a prefix of the digest ([`memory::MemoryStore`] keys
+/// by the first 16 bytes), so a scope made by other means than the server layer's must
+/// be as uniform as a digest in every byte: two scopes equal in their first 16 bytes
+/// are one record there.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Scope(pub [u8; 32]);
 

@@ -22,12 +22,15 @@
 //! - **Waiting**: a waiter parks on a `tokio::sync::Notify` that belongs to the in-flight
 //!   record (allocated only when someone waits) and is woken directly by complete,
 //!   release, takeover or removal; it also wakes when the lease ends.
-//! - **Compact records**: a record is keyed by the first 128 bits of its scope digest
-//!   (SHA-256, so two scopes share them with odds of about n² / 2¹²⁹ for n records; a
-//!   caller choosing keys can make two of its own tenant's scopes share them only with
-//!   about 2⁶⁴ digests, and another tenant's only by a second preimage, about 2¹²⁸), and
-//!   keeps its times as 8-byte ticks of the store's clock: [`RECORD_OVERHEAD_BYTES`] per
-//!   record.
+//! - **Compact records**: a record is keyed by the first 128 bits of its [`Scope`]
+//!   digest, and keeps its times as 8-byte ticks of the store's clock:
+//!   [`RECORD_OVERHEAD_BYTES`] per record. For SHA-256 scopes (as the server layer makes
+//!   them) two records alive at once share those bits with odds of about n² / 2¹²⁹ for
+//!   n records. Making two scopes share them on purpose takes about 2⁶⁴ digests of keys
+//!   the attacker chooses for both (normally two of its own tenant's keys: it then
+//!   replays its own record to itself); aiming at a given record without choosing its
+//!   key takes a second preimage, about 2¹²⁸ / n digests. A `Scope` made by other means
+//!   must be uniform in its first 16 bytes.
 //! - **Clock**: `tokio::time::Instant`, so tests run on a paused clock.
 //!
 //! # Bounds
@@ -220,15 +223,9 @@ impl Hasher for ScopeHasher {
     }
 }
 
-/// How this store names a record: the first 16 bytes of its [`Scope`].
-///
-/// The scope is a SHA-256 digest, so 128 of its bits name a record here as well as all
-/// 256: two scopes share a name with probability about n² / 2¹²⁹ for n records (about
-/// 2⁻⁶⁹ at a billion). Making two share one on purpose takes about 2⁶⁴ digests of
-/// scopes the caller chooses, and a caller chooses only the key part of its own
-/// tenant's scopes: at worst it replays one of its own records to itself. Reaching
-/// another tenant's record would take a second preimage (2¹²⁸). Half the bytes per
-/// record of the full digest, in the map and in both completion queues.
+/// How this store names a record: the first 16 bytes of its [`Scope`], half the bytes
+/// of the full digest in the map and in both completion queues. What that costs in
+/// collisions: the module docs ("Compact records").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Name([u8; 16]);
 
@@ -438,6 +435,17 @@ fn later(now: Instant, d: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// The store's epoch: a day before it was made where the clock allows, so that a `now`
+/// read on tokio's paused clock (a runtime built before the store, whose time stands
+/// still) comes after it, and every tick stays as exact as the `Instant`s it stands for.
+fn epoch() -> Instant {
+    let now = Instant::now();
+    [86_400, 3_600, 60, 1]
+        .into_iter()
+        .find_map(|s| now.checked_sub(Duration::from_secs(s)))
+        .unwrap_or(now)
+}
+
 /// A point in the store's time: nanoseconds since its epoch. A record keeps its times
 /// in 8 bytes each where an `Instant` takes 16; it saturates 584 years on.
 type Tick = u64;
@@ -577,7 +585,7 @@ impl MemoryStore {
                 tenants,
                 tenant_count: AtomicUsize::new(0),
                 limits: Limits::of(&settings),
-                epoch: Instant::now(),
+                epoch: epoch(),
                 min_retention: nanos(settings.min_retention),
                 settings,
                 next_fence: AtomicU64::new(1),
@@ -747,7 +755,7 @@ impl Inner {
     // Lock order: a tenant's queue, then one shard. A shard lock is never held while
     // taking a tenant's queue (complete queues the tenant's entry after unlocking).
 
-    /// `now` in nanoseconds since the epoch.
+    /// `now` in ticks.
     fn tick(&self, now: Instant) -> Tick {
         nanos(now.saturating_duration_since(self.epoch))
     }
@@ -816,7 +824,7 @@ impl Inner {
                 && let Some(e) = shard.remove(&d.scope)
             {
                 drop(shard);
-                self.evicted(&e, bound, false, now);
+                self.evicted(&e, bound, false, tick);
                 return true;
             }
             // Stale: the record was released, expired or evicted already.
@@ -850,11 +858,11 @@ impl Inner {
                     };
                     Self::measure(&e.tenant, bound) >= fair.saturating_add(cost)
                 };
-                if (over || self.is_expired(e, now))
+                if (over || Self::is_expired(e, tick))
                     && let Some(e) = shard.map.remove(&d.scope)
                 {
                     drop(guard);
-                    self.evicted(&e, bound, true, now);
+                    self.evicted(&e, bound, true, tick);
                     return true;
                 }
                 // Its tenant holds no more than its share: from now on only its own
@@ -865,9 +873,9 @@ impl Inner {
     }
 
     /// Uncharges an evicted record, counts it and logs (the 1st, 2nd, 4th, 8th…).
-    fn evicted(&self, e: &Entry, bound: Bound, for_other: bool, now: Instant) {
+    fn evicted(&self, e: &Entry, bound: Bound, for_other: bool, now: Tick) {
         self.forget(e);
-        if self.is_expired(e, now) {
+        if Self::is_expired(e, now) {
             self.expirations.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -922,16 +930,17 @@ impl Inner {
         StoreError::Full(format!("{} ({limit})", bound.describe()).into())
     }
 
-    fn is_expired(&self, e: &Entry, now: Instant) -> bool {
-        e.expires_at <= self.tick(now)
+    fn is_expired(e: &Entry, now: Tick) -> bool {
+        e.expires_at <= now
     }
 
     fn sweep(&self, now: Instant) {
+        let now = self.tick(now);
         for shard in self.shards.iter() {
             let mut guard = lock(shard);
             let Shard { map, done } = &mut *guard;
             map.retain(|_, e| {
-                if self.is_expired(e, now) {
+                if Self::is_expired(e, now) {
                     e.wake();
                     self.forget(e);
                     self.expirations.fetch_add(1, Ordering::Relaxed);
@@ -1052,7 +1061,7 @@ impl Inner {
             let now = Instant::now();
             let mut map = lock(self.shard(scope));
             if let Some(e) = map.get_mut(scope) {
-                if !self.is_expired(e, now) {
+                if !Self::is_expired(e, self.tick(now)) {
                     return Ok(self.claim_existing(e, &req, now));
                 }
                 if let Some(mut old) = map.remove(scope) {
@@ -1092,9 +1101,9 @@ impl Inner {
     /// `fence`. A lease that ended does not matter (the fence stays current until
     /// someone takes over); an expired record counts as gone.
     fn fenced(&self, scope: &Name, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
-        let now = Instant::now();
+        let now = self.tick(Instant::now());
         let map = lock(self.shard(scope));
-        match map.get(scope).filter(|e| !self.is_expired(e, now)) {
+        match map.get(scope).filter(|e| !Self::is_expired(e, now)) {
             Some(e) if e.is_in_flight() && e.fence() == fence => Ok(map),
             other => Err(StoreError::Fenced {
                 presented: fence,
@@ -1195,9 +1204,9 @@ impl Inner {
     }
 
     fn get(&self, scope: &Name) -> Option<RecordState> {
-        let now = Instant::now();
+        let now = self.tick(Instant::now());
         let map = lock(self.shard(scope));
-        let e = map.get(scope).filter(|e| !self.is_expired(e, now))?;
+        let e = map.get(scope).filter(|e| !Self::is_expired(e, now))?;
         Some(match &e.state {
             State::InFlight {
                 fence,
@@ -1222,10 +1231,10 @@ impl Inner {
     }
 
     fn wait_target(&self, scope: &Name) -> Option<(Arc<Notify>, Fence, Instant)> {
-        let now = Instant::now();
+        let now = self.tick(Instant::now());
         let mut map = lock(self.shard(scope));
         let e = map.get_mut(scope)?;
-        if self.is_expired(e, now) {
+        if Self::is_expired(e, now) {
             return None;
         }
         match &mut e.state {
@@ -1234,7 +1243,7 @@ impl Inner {
                 lease_until,
                 waiters,
                 ..
-            } if *lease_until > self.tick(now) => {
+            } if *lease_until > now => {
                 let n = waiters
                     .get_or_insert_with(|| Arc::new(Notify::new()))
                     .clone();

@@ -1402,3 +1402,81 @@ proptest! {
         });
     }
 }
+
+// ---- The store's clock ----
+
+/// A store made after a paused runtime was built (outside it, as `MemoryStore::new`
+/// allows) reads that runtime's clock, which stands behind the real one the store was
+/// made on: leases and TTLs still end exactly when they should.
+#[test]
+fn a_store_made_after_a_paused_runtime_keeps_leases_and_ttls_exact() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    // Real time moves on; the runtime's paused clock does not.
+    std::thread::sleep(Duration::from_millis(10));
+    let st = store(10, 1 << 20);
+    rt.block_on(async {
+        let claimed = Instant::now();
+        acquire(&st, 1).await;
+        let Some(RecordState::InFlight { lease_until, .. }) = st.get(&scope(1)).await.unwrap()
+        else {
+            panic!("in flight")
+        };
+        assert_eq!(lease_until, claimed + LEASE);
+        tokio::time::advance(LEASE).await;
+        assert!(matches!(
+            st.claim(req(&scope(1), &fp(1), 99)).await.unwrap(),
+            Claim::Acquired { takeover: true, .. }
+        ));
+
+        complete(&st, 2, b"x").await;
+        tokio::time::advance(TTL).await;
+        assert!(
+            st.get(&scope(2)).await.unwrap().is_none(),
+            "gone at its TTL"
+        );
+    });
+}
+
+/// Leases, TTLs and retention of `Duration::MAX` saturate instead of overflowing: no
+/// panic anywhere, and the record behaves as one that never ends.
+#[tokio::test(start_paused = true)]
+async fn durations_at_their_maximum_saturate() {
+    let st = MemoryStore::new(MemoryStoreSettings {
+        min_retention: Duration::MAX,
+        sweep_interval: Duration::MAX,
+        ..MemoryStoreSettings::default()
+    });
+    let s = scope(3);
+    let mut first = req(&s, &fp(1), 1);
+    first.lease = Duration::MAX;
+    let Claim::Acquired { fence, .. } = st.claim(first).await.unwrap() else {
+        panic!("acquired")
+    };
+    let mut second = req(&s, &fp(1), 2);
+    second.lease = Duration::MAX;
+    let Claim::InFlight { lease_remaining } = st.claim(second).await.unwrap() else {
+        panic!("in flight")
+    };
+    assert!(lease_remaining > Duration::from_secs(100 * 365 * 24 * 3600));
+    // What the server layer does with it: wait until the lease ends or its deadline.
+    let lease_end = Instant::now() + lease_remaining;
+    let t = Instant::now();
+    st.wait(&s, lease_end.min(t + Duration::from_secs(1)))
+        .await
+        .unwrap();
+    assert_eq!(Instant::now() - t, Duration::from_secs(1));
+    st.renew(&s, fence, Duration::MAX).await.unwrap();
+    st.complete(completion(&s, fence, resp(b"ok"), Duration::MAX))
+        .await
+        .unwrap();
+    tokio::time::advance(Duration::from_secs(10 * 365 * 24 * 3600)).await;
+    st.sweep();
+    assert!(matches!(
+        st.get(&s).await.unwrap(),
+        Some(RecordState::Completed { .. })
+    ));
+}
