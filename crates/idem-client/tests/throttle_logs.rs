@@ -3,36 +3,9 @@
 //! other test of the binary, and a test elsewhere that hits the same warning first, on a
 //! thread with no subscriber, could leave it disabled for this one.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use idem_client::retry::RetryThrottle;
 use idem_core::config::RetryThrottling;
-
-/// Log lines written while `f` runs.
-fn logs(f: impl FnOnce()) -> Vec<String> {
-    #[derive(Clone, Default)]
-    struct Sink(Arc<Mutex<Vec<u8>>>);
-    impl Write for Sink {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let sink = Sink::default();
-    let writer = sink.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::DEBUG)
-        .with_writer(move || writer.clone())
-        .finish();
-    tracing::subscriber::with_default(subscriber, f);
-    let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
-    text.lines().map(str::to_owned).collect()
-}
+use idem_test_support::logs;
 
 #[test]
 fn logs_once_when_retries_stop_and_once_when_they_resume() {
@@ -40,7 +13,7 @@ fn logs_once_when_retries_stop_and_once_when_they_resume() {
         max_milli_tokens: 4_000,
         token_ratio_milli: 1_000,
     });
-    let lines = logs(|| {
+    let text = logs::capture(tracing::Level::DEBUG, || {
         // 4 → 3 (allowed), 3 → 2 (at half: stops), then more failures: still stopped.
         for _ in 0..5 {
             t.record_failure();
@@ -52,6 +25,7 @@ fn logs_once_when_retries_stop_and_once_when_they_resume() {
         t.record_failure();
         t.record_failure();
     });
+    let lines: Vec<&str> = text.lines().collect();
     let warn: Vec<_> = lines.iter().filter(|l| l.contains("WARN")).collect();
     let info: Vec<_> = lines.iter().filter(|l| l.contains("INFO")).collect();
     assert_eq!(lines.len(), 3, "{lines:#?}");

@@ -2,30 +2,17 @@
 //! binary: a subscriber set per thread (`set_default`) shares tracing's global callsite
 //! interest with every other test of the binary, which made this one flaky beside them.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_client::retry::RetryLayer;
 use idem_server::idempotency::IdempotencyLayer;
 use idem_store::memory::MemoryStore;
+use idem_test_support::logs::Sink;
 use idem_test_support::net;
 use idem_test_support::shop::orders_client::OrdersClient;
 
 mod support;
 use support::{config, keyed, serve};
-
-/// Log lines a plain `tracing_subscriber::fmt()` prints while `f` runs (this thread).
-#[derive(Clone, Default)]
-struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// One INFO line per protected call, with its outcome, record and status, inside a span
 /// with the RPC attributes; the client's span has attempts, delay and stop reason; no
@@ -57,7 +44,7 @@ async fn logs_tell_the_story_without_keys() {
     raw.create_order(keyed("a", key)).await.expect("replay");
     let mut lines = Vec::new();
     for _ in 0..200 {
-        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        let text = sink.text();
         lines = text.lines().map(str::to_owned).collect::<Vec<_>>();
         if lines
             .iter()

@@ -7,9 +7,7 @@ use idem_test_support::shop::orders_server::OrdersServer;
 use idem_test_support::shop::{GetOrderRequest, Order};
 use idem_test_support::shop_fake::{Shop, create};
 
-use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 
 use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
@@ -102,27 +100,9 @@ async fn from_config_builds_the_memory_store_from_idem_memory_store() {
     assert_eq!(shop.runs(), 10, "the 11th call did not run");
 }
 
-/// Collects what `tracing` writes while `f` runs.
+/// Collects what `tracing` writes (INFO and above) while `f` runs.
 fn logs_of(f: impl FnOnce()) -> String {
-    #[derive(Clone, Default)]
-    struct Buf(Arc<Mutex<Vec<u8>>>);
-    impl Write for Buf {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let buf = Buf::default();
-    let writer = buf.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    tracing::subscriber::with_default(subscriber, f);
-    String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+    idem_test_support::logs::capture(tracing::Level::INFO, f)
 }
 
 #[tokio::test]

@@ -8,6 +8,7 @@ pub mod deflate;
 pub mod demo;
 pub mod demo_metrics;
 pub mod faulty_store;
+pub mod logs;
 pub mod net;
 pub mod one_worker;
 pub mod pg_orders;
