@@ -9,6 +9,7 @@
 
 use idem_test_support::net;
 use idem_test_support::shop;
+use idem_test_support::unavailable_policy as policy;
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -20,7 +21,6 @@ use idem_client::{
     retry::{CallOutcome, CallReport, Retry, RetryLayer},
     with_key,
 };
-use idem_core::code::{Code, CodeSet};
 use idem_core::config::{
     IdemSettings, IdempotencyPolicy, MethodConfig, RetryPolicy, RetryThrottling,
 };
@@ -202,17 +202,6 @@ fn client(addr: std::net::SocketAddr, layer: RetryLayer) -> Client {
         .layer(layer)
         .service(net::channel(addr));
     OrdersClient::new(svc)
-}
-
-fn policy(max_attempts: u32, initial: Duration, max: Duration, multiplier: f64) -> RetryPolicy {
-    RetryPolicy::new(
-        max_attempts,
-        initial,
-        max,
-        multiplier,
-        CodeSet::of(Code::Unavailable),
-    )
-    .unwrap()
 }
 
 /// `shop.v1.Orders` retries with `policy`; `CreateOrder` is protected (has `idempotency`).

@@ -46,6 +46,24 @@ pub mod stream {
     }
 }
 
+/// A valid retry policy that retries `UNAVAILABLE` only, for the client layer's tests.
+pub fn unavailable_policy(
+    max_attempts: u32,
+    initial: std::time::Duration,
+    max: std::time::Duration,
+    multiplier: f64,
+) -> idem_core::config::RetryPolicy {
+    use idem_core::code::{Code, CodeSet};
+    idem_core::config::RetryPolicy::new(
+        max_attempts,
+        initial,
+        max,
+        multiplier,
+        CodeSet::of(Code::Unavailable),
+    )
+    .expect("a valid retry policy")
+}
+
 /// The `ListOrdersStream` of the [`create_only_orders!`] doubles: they list nothing.
 pub type NoOrders = tokio_stream::Empty<Result<shop::Order, tonic::Status>>;
 

@@ -1,31 +1,14 @@
 //! Helpers shared by the retry module's tests.
 
-use std::time::Duration;
-
 use http::HeaderMap;
 use http_body::Body;
 use http_body_util::BodyExt;
-use idem_core::code::{Code, CodeSet};
-use idem_core::config::RetryPolicy;
 
 use super::{CallOutcome, CallReport};
 
-/// A valid retry policy that retries `UNAVAILABLE` only.
-pub(super) fn unavailable_policy(
-    max_attempts: u32,
-    initial: Duration,
-    max: Duration,
-    multiplier: f64,
-) -> RetryPolicy {
-    RetryPolicy::new(
-        max_attempts,
-        initial,
-        max,
-        multiplier,
-        CodeSet::of(Code::Unavailable),
-    )
-    .unwrap()
-}
+/// A valid retry policy that retries `UNAVAILABLE` only (the one the end-to-end tests
+/// use too).
+pub(super) use idem_test_support::unavailable_policy;
 
 /// The body's next frame, which must be its trailers.
 pub(super) async fn next_trailers<B>(body: &mut B) -> HeaderMap
