@@ -25,6 +25,7 @@ use super::handler;
 use super::layer::Shared;
 use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
+use super::stats::Counter;
 use super::status;
 use super::{Inner, ResponseBody};
 use crate::metrics::BodyEnd;
@@ -92,7 +93,7 @@ impl<St: Store> Call<St> {
                     let Some(permit) = permit else {
                         return Ok(self.overloaded_after_claim(fence).await);
                     };
-                    self.shared.stats.inc(|c| &c.executed);
+                    self.shared.stats.inc(Counter::executed);
                     self.outcome("executed");
                     tracing::Span::current().record("fence", fence);
                     if takeover {
@@ -105,11 +106,11 @@ impl<St: Store> Call<St> {
                     return Ok(self.replay(bytes, waited));
                 }
                 Claim::Completed(StoredOutcome::NotRetained) => {
-                    self.shared.stats.inc(|c| &c.not_retained_hits);
+                    self.shared.stats.inc(Counter::not_retained_hits);
                     return Ok(self.answer("not_retained", status::response_not_retained()));
                 }
                 Claim::Mismatch => {
-                    self.shared.stats.inc(|c| &c.mismatched);
+                    self.shared.stats.inc(Counter::mismatched);
                     return Ok(self.answer("mismatch", status::key_reused()));
                 }
                 Claim::InFlight { lease_remaining } => {
@@ -150,7 +151,7 @@ impl<St: Store> Call<St> {
         };
         match self.shared.store.claim(request).await {
             Err(StoreError::Unavailable(e)) => {
-                self.shared.stats.inc(|c| &c.store_errors);
+                self.shared.stats.inc(Counter::store_errors);
                 tracing::debug!(error = %e, "claim failed; sending it again once");
                 self.shared.store.claim(request).await
             }
@@ -175,11 +176,11 @@ impl<St: Store> Call<St> {
     {
         let stats = &self.shared.stats;
         if let StoreError::Full(cause) = &e {
-            stats.inc(|c| &c.store_full);
+            stats.inc(Counter::store_full);
             tracing::warn!(error = %cause, scope = %self.short_scope(), "idempotency store full: refusing the call");
             return Ok(self.answer("store_full", status::store_full()));
         }
-        stats.inc(|c| &c.store_errors);
+        stats.inc(Counter::store_errors);
         if !self.policy.fail_open {
             tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed: refusing the call");
             return Ok(self.answer("store_unavailable", status::store_unavailable()));
@@ -187,7 +188,7 @@ impl<St: Store> Call<St> {
         let Some(permit) = permit else {
             return Ok(self.overloaded());
         };
-        stats.inc(|c| &c.fail_open_runs);
+        stats.inc(Counter::fail_open_runs);
         self.outcome("fail_open");
         tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed; method is fail-open: running without a record");
         let req = Request::from_parts(parts, Body::new(Full::new(body)));
@@ -206,14 +207,14 @@ impl<St: Store> Call<St> {
         first_wait: bool,
     ) -> Option<Response<Body>> {
         let stats = &self.shared.stats;
-        stats.inc(|c| &c.in_flight_hits);
+        stats.inc(Counter::in_flight_hits);
         if self.policy.in_flight == InFlightPolicy::Abort {
-            stats.inc(|c| &c.aborted);
+            stats.inc(Counter::aborted);
             let status = status::in_progress_aborted(self.policy.abort_retry_delay);
             return Some(self.answer("aborted", status));
         }
         if first_wait {
-            stats.inc(|c| &c.waited);
+            stats.inc(Counter::waited);
         }
         let now = Instant::now();
         if deadline.is_some_and(|d| d <= now) {
@@ -222,7 +223,7 @@ impl<St: Store> Call<St> {
         let lease_end = now + lease_remaining;
         let until = deadline.map_or(lease_end, |d| d.min(lease_end));
         if let Err(e) = self.shared.store.wait(&self.scope, until).await {
-            stats.inc(|c| &c.store_errors);
+            stats.inc(Counter::store_errors);
             tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed while waiting");
             return Some(self.answer("store_unavailable", status::store_unavailable()));
         }
@@ -236,12 +237,12 @@ impl<St: Store> Call<St> {
         let stored = match StoredResponse::decode(bytes) {
             Ok(s) => s,
             Err(e) => {
-                self.shared.stats.inc(|c| &c.store_errors);
+                self.shared.stats.inc(Counter::store_errors);
                 tracing::error!(error = %e, scope = %self.short_scope(), "stored response does not decode");
                 return self.answer("store_unavailable", status::stored_response_unreadable());
             }
         };
-        self.shared.stats.inc(|c| &c.replayed);
+        self.shared.stats.inc(Counter::replayed);
         self.outcome(if waited { "waited" } else { "replayed" });
         let StoredResponse {
             status,
@@ -266,7 +267,7 @@ impl<St: Store> Call<St> {
     }
 
     fn deadline_exceeded(&self) -> Response<Body> {
-        self.shared.stats.inc(|c| &c.deadline_exceeded);
+        self.shared.stats.inc(Counter::deadline_exceeded);
         self.answer("waited_deadline", status::in_progress_past_deadline())
     }
 
@@ -278,7 +279,7 @@ impl<St: Store> Call<St> {
     }
 
     fn overloaded(&self) -> Response<Body> {
-        self.shared.stats.inc(|c| &c.overloaded);
+        self.shared.stats.inc(Counter::overloaded);
         let limit = self.shared.max_handlers;
         tracing::warn!(limit, scope = %self.short_scope(), "too many idempotent handlers running: refusing the call");
         self.answer("overloaded", status::overloaded(limit))
@@ -286,7 +287,7 @@ impl<St: Store> Call<St> {
 
     /// A call refused before it reached the store (counted as rejected).
     fn refuse(&self, name: &'static str, status: Status) -> Response<Body> {
-        self.shared.stats.inc(|c| &c.rejected);
+        self.shared.stats.inc(Counter::rejected);
         tracing::info!(code = ?status.code(), "{}", status.message());
         self.answer(name, status)
     }

@@ -31,6 +31,7 @@ use super::body::{ChannelBody, ReplayBody};
 use super::call::Call;
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
+use super::stats::Counter;
 use super::status;
 use super::{Inner, ResponseBody};
 use crate::metrics::{BodyEnd, CallTrace};
@@ -277,7 +278,7 @@ fn plan(
     match collected.encode() {
         Some(bytes) => Plan::Complete(StoredOutcome::Response(bytes)),
         None => {
-            stats.inc(|c| &c.not_retained);
+            stats.inc(Counter::not_retained);
             let max = policy.max_response_bytes;
             tracing::warn!(
                 max,

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use super::call::Call;
 use super::renewal::Registration;
-use super::stats::IdempotencyStats;
+use super::stats::{Counter, IdempotencyStats};
 
 /// Backoff between attempts to record an outcome: 20 ms doubling to 1 s, ±20 % jitter.
 const FIRST_RETRY: Duration = Duration::from_millis(20);
@@ -107,7 +107,7 @@ impl<St: Store> Lease<St> {
         if let Err(Unrecorded::Failed(StoreError::Full(e))) = &r
             && matches!(outcome, StoredOutcome::Response(_))
         {
-            self.stats.inc(|c| &c.not_retained);
+            self.stats.inc(Counter::not_retained);
             tracing::warn!(error = %e, scope = %self.short_scope(), "no room in the store for the response: recorded as not retained");
             let (attempted, _) = oneshot::channel();
             r = self
@@ -116,14 +116,14 @@ impl<St: Store> Lease<St> {
                 })
                 .await;
         }
-        self.report(r, "completion", |c| &c.stored);
+        self.report(r, "completion", Counter::stored);
     }
 
     /// The record was completed under this fence by the handler's own transaction (see
     /// `RecordRef`): nothing is left to record; renewal stops.
     pub(crate) fn completed_elsewhere(self, attempted: oneshot::Sender<()>) {
         let _ = attempted.send(());
-        self.stats.inc(|c| &c.stored);
+        self.stats.inc(Counter::stored);
     }
 
     /// Gives the record up (nothing was done), so the next claim runs the handler.
@@ -131,7 +131,7 @@ impl<St: Store> Lease<St> {
     pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {
         let (store, scope, fence) = (&self.store, &self.scope, self.fence);
         let r = self.settle(attempted, || store.release(scope, fence)).await;
-        self.report(r, "release", |c| &c.released);
+        self.report(r, "release", Counter::released);
     }
 
     /// Runs `op` until it lands, retrying transient store failures with backoff for up
@@ -162,13 +162,13 @@ impl<St: Store> Lease<St> {
                 }
                 Err(StoreError::Fenced { .. }) => return Err(Unrecorded::Fenced),
                 Err(StoreError::Unavailable(e)) => {
-                    self.stats.inc(|c| &c.store_errors);
+                    self.stats.inc(Counter::store_errors);
                     let jittered = jitter(wait);
                     if Instant::now() + jittered > give_up {
                         return Err(Unrecorded::Failed(StoreError::Unavailable(e)));
                     }
                     tracing::debug!(error = %e, "store refused to record the outcome; retrying");
-                    self.stats.inc(|c| &c.record_retries);
+                    self.stats.inc(Counter::record_retries);
                     tokio::time::sleep(jittered).await;
                     wait = (wait * 2).min(MAX_RETRY);
                 }
@@ -177,12 +177,7 @@ impl<St: Store> Lease<St> {
         }
     }
 
-    fn report(
-        &self,
-        r: Result<(), Unrecorded>,
-        what: &str,
-        landed: impl FnOnce(&super::stats::Counters) -> &usize,
-    ) {
+    fn report(&self, r: Result<(), Unrecorded>, what: &str, landed: Counter) {
         if let Some(t) = &self.trace {
             t.recorded(match (&r, what) {
                 (Ok(()), "completion") => "stored",
@@ -194,7 +189,7 @@ impl<St: Store> Lease<St> {
         match r {
             Ok(()) => self.stats.inc(landed),
             Err(Unrecorded::Fenced) => {
-                self.stats.inc(|c| &c.stale_fence);
+                self.stats.inc(Counter::stale_fence);
                 tracing::warn!(
                     fence = self.fence,
                     "{what} refused: the lease was taken over"
@@ -202,9 +197,9 @@ impl<St: Store> Lease<St> {
             }
             Err(Unrecorded::Failed(e)) => {
                 if !matches!(e, StoreError::Unavailable(_)) {
-                    self.stats.inc(|c| &c.store_errors);
+                    self.stats.inc(Counter::store_errors);
                 }
-                self.stats.inc(|c| &c.unrecorded);
+                self.stats.inc(Counter::unrecorded);
                 tracing::warn!(
                     error = %e,
                     scope = %self.short_scope(),

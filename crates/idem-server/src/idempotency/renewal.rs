@@ -28,7 +28,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::stats::IdempotencyStats;
+use super::stats::{Counter, IdempotencyStats};
 
 /// The leases one layer holds (shared by its clones).
 #[derive(Debug, Default)]
@@ -195,7 +195,7 @@ impl Renewals {
             state.leases.remove(key);
             drop(state);
             if lost {
-                stats.inc(|c| &c.renew_failures);
+                stats.inc(Counter::renew_failures);
                 span.in_scope(|| {
                     tracing::warn!(fence, "lease lost: another claimant took the record over");
                 });
@@ -211,7 +211,7 @@ impl Renewals {
         }
         drop(state);
         if let Err(err) = r {
-            stats.inc(|c| &c.renew_failures);
+            stats.inc(Counter::renew_failures);
             span.in_scope(|| {
                 tracing::warn!(error = %err, fence, "could not renew the idempotency lease");
             });

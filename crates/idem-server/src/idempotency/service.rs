@@ -19,6 +19,7 @@ use super::call::Call;
 use super::digest::scope_for;
 use super::future::ResponseFuture;
 use super::layer::{Current, IdempotencyLayer, Shared};
+use super::stats::Counter;
 use super::status;
 use crate::metrics::{self, CallTrace};
 
@@ -148,7 +149,7 @@ where
                 )
             }
             Route::Reject(status) => {
-                self.shared.stats.inc(|c| &c.rejected);
+                self.shared.stats.inc(Counter::rejected);
                 let path = parts.uri.path();
                 let span = call_span(path, None);
                 let trace =

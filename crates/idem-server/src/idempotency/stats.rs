@@ -6,15 +6,12 @@ use idem_core::striped::Striped;
 
 macro_rules! stats {
     ($($(#[$doc:meta])* $name:ident,)*) => {
-        /// Each counter's place in the [`Striped`] counters.
+        /// A counter of [`IdempotencyStats`]: its place in the [`Striped`] counters.
         #[allow(non_camel_case_types)]
-        enum Index { $($name,)* Count }
+        #[derive(Debug, Clone, Copy)]
+        pub(crate) enum Counter { $($name,)* }
 
-        /// Where each counter is: what [`IdempotencyStats::inc`]'s argument picks from.
-        pub(crate) struct Counters { $(pub(crate) $name: usize,)* }
-
-        const COUNTERS: Counters = Counters { $($name: Index::$name as usize,)* };
-        const COUNT: usize = Index::Count as usize;
+        const COUNT: usize = [$(Counter::$name),*].len();
 
         /// A point-in-time copy of [`IdempotencyStats`].
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -23,7 +20,7 @@ macro_rules! stats {
         impl IdempotencyStats {
             /// Reads every counter.
             pub fn snapshot(&self) -> StatsSnapshot {
-                StatsSnapshot { $($name: self.0.get(COUNTERS.$name),)* }
+                StatsSnapshot { $($name: self.0.get(Counter::$name as usize),)* }
             }
         }
     };
@@ -90,8 +87,8 @@ impl std::fmt::Debug for IdempotencyStats {
 }
 
 impl IdempotencyStats {
-    /// Adds one to the counter `f` picks.
-    pub(crate) fn inc(&self, f: impl FnOnce(&Counters) -> &usize) {
-        self.0.add(*f(&COUNTERS));
+    /// Adds one to counter `c`.
+    pub(crate) fn inc(&self, c: Counter) {
+        self.0.add(c as usize);
     }
 }
