@@ -207,7 +207,7 @@ async fn run<S, St, ResBody>(
     };
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
     // response with INTERNAL and is recorded like any outcome, never left in flight.
-    let produced = AssertUnwindSafe(produce(inner, req, &mut out, max)).catch_unwind();
+    let produced = AssertUnwindSafe(produce(inner, req, &mut out, max, &record)).catch_unwind();
     match scope_inbound_deadline(inbound, keys.run(produced)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
@@ -307,19 +307,22 @@ impl<E> Output<E> {
             }
             None => {
                 let (mut head, ()) = status::handler_panicked().into_http::<()>().into_parts();
-                self.collected = Some(Collected::new(&mut head, max));
+                self.collected = Some(Collected::new(&mut head, max, true));
                 self.forward.head = Some(head);
             }
         }
     }
 }
 
-/// Calls the handler and reads its response to the end, forwarding and collecting it.
+/// Calls the handler and reads its response to the end, forwarding and collecting it
+/// (encoding it for the record unless the handler's own transaction already completed
+/// the record: a completed record stays completed, so nothing would read the bytes).
 async fn produce<S, ResBody>(
     mut inner: S,
     req: Request<Body>,
     out: &mut Output<S::Error>,
     max: usize,
+    record: &RecordRef,
 ) -> Result<(), S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
@@ -328,7 +331,7 @@ where
     let resp = inner.call(req).await?;
     let (mut head, mut body) = resp.map(Body::new).into_parts();
     let Output { forward, collected } = out;
-    let collected = collected.insert(Collected::new(&mut head, max));
+    let collected = collected.insert(Collected::new(&mut head, max, !record.is_completed()));
     forward.head = Some(head);
     while let Some(frame) = body.frame().await {
         let frame = match frame {
@@ -358,7 +361,8 @@ where
 
 /// The response as it will be stored, encoded as it arrives within the size limit.
 struct Collected {
-    /// The record's bytes so far; `None` once over the limit.
+    /// The record's bytes so far; `None` once over the limit, or when nothing is to be
+    /// recorded (the handler's own transaction completed the record).
     encoded: Option<ResponseEncoder>,
     /// The response's trailers, until they move to the caller's side.
     trailers: Option<HeaderMap>,
@@ -369,22 +373,22 @@ struct Collected {
     frames: usize,
     size: EncodedSize,
     max: usize,
-    over_limit: bool,
     decision: Option<IdemDecision>,
     /// The body failed mid-way: no complete response exists.
     broken: bool,
 }
 
 impl Collected {
-    /// Starts from the response head, taking the handler's decision out of it.
-    fn new(head: &mut http::response::Parts, max: usize) -> Self {
+    /// Starts from the response head, taking the handler's decision out of it; `encode`
+    /// says whether the response is to be recorded.
+    fn new(head: &mut http::response::Parts, max: usize, encode: bool) -> Self {
         let from_extension = head.extensions.remove::<IdemDecision>();
         let decision = decision::take_decision(&mut head.headers).or(from_extension);
         let size = EncodedSize::of_head(&head.headers);
-        let over_limit = size.bytes() > max;
         let head_code = decision::grpc_status(&head.headers);
         Collected {
-            encoded: (!over_limit).then(|| ResponseEncoder::new(head.status, &head.headers)),
+            encoded: (encode && size.bytes() <= max)
+                .then(|| ResponseEncoder::new(head.status, &head.headers)),
             trailers: None,
             head_code,
             decode_refusal: head_code == Some(Code::Internal)
@@ -392,7 +396,6 @@ impl Collected {
             frames: 0,
             size,
             max,
-            over_limit,
             decision,
             broken: false,
         }
@@ -401,10 +404,7 @@ impl Collected {
     fn data(&mut self, data: &Bytes) {
         self.frames += 1;
         self.size.add_frame(data);
-        if !self.over_limit && self.size.bytes() > self.max {
-            self.over_limit = true;
-            self.encoded = None;
-        }
+        self.drop_over_limit();
         if let Some(e) = &mut self.encoded {
             e.frame(data);
         }
@@ -413,14 +413,19 @@ impl Collected {
     fn trailers(&mut self, mut t: HeaderMap) {
         self.decision = decision::take_decision(&mut t).or(self.decision);
         self.size.add_trailers(&t);
-        if !self.over_limit && self.size.bytes() > self.max {
-            self.over_limit = true;
-            self.encoded = None;
-        }
+        self.drop_over_limit();
         self.trailers = Some(t);
     }
 
-    /// The record's bytes: the response as collected, with its trailers.
+    /// A response over the size limit is not kept: its record says so instead.
+    fn drop_over_limit(&mut self) {
+        if self.size.bytes() > self.max {
+            self.encoded = None;
+        }
+    }
+
+    /// The record's bytes: the response as collected, with its trailers; `None` when it
+    /// is over the size limit.
     fn encode(&mut self) -> Option<Bytes> {
         let encoded = self.encoded.take()?;
         Some(encoded.finish(self.trailers.as_ref()))
@@ -434,7 +439,8 @@ impl Collected {
     }
 
     fn origin(&self) -> Origin {
-        let trailers_only = self.frames == 0 && !self.over_limit && self.trailers.is_none();
+        let within_limit = self.size.bytes() <= self.max;
+        let trailers_only = self.frames == 0 && within_limit && self.trailers.is_none();
         if self.broken {
             Origin::Broken
         } else if trailers_only && self.decode_refusal {
