@@ -591,16 +591,6 @@ async fn start_instances(
     Ok(instances)
 }
 
-/// One channel balanced over the instances' ports.
-fn balance(instances: &[Instance]) -> Channel {
-    let endpoints = instances.iter().map(|i| {
-        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", i.args.port))
-            .expect("valid endpoint")
-            .connect_timeout(Duration::from_millis(500))
-    });
-    Channel::balance_list(endpoints)
-}
-
 /// The metrics of the instances still running, scraped once their last calls' metrics
 /// have landed (a lost scrape is reported, not fatal).
 async fn scrape_survivors(instances: &[Instance]) -> Vec<String> {
@@ -656,13 +646,15 @@ pub async fn run_with_crashes(
         .filter(|_| with_idem)
         .map(|_| DemoMetrics::new(config));
     let instances = start_instances(o, with_idem, metrics.is_some(), store, &files, launch).await?;
+    let addrs: Vec<SocketAddr> = instances
+        .iter()
+        .map(|i| SocketAddr::from(([127, 0, 0, 1], i.args.port)))
+        .collect();
     let retry = crate::demo::retry_layer(config, with_idem, metrics.as_ref());
     let stats = retry.stats();
-    let client = OrdersClient::new(
-        ServiceBuilder::new()
-            .layer(retry)
-            .service(balance(&instances)),
-    );
+    let client = OrdersClient::new(ServiceBuilder::new().layer(retry).service(
+        crate::demo::client_channel(&addrs, Duration::from_millis(500)),
+    ));
 
     let done = Arc::new(AtomicU64::new(0));
     let crashes = Arc::new(AtomicU64::new(0));

@@ -415,11 +415,12 @@ impl Fleet {
     }
 }
 
-fn client_channel(addrs: &[SocketAddr]) -> Channel {
+/// One channel balanced over the instances at `addrs`.
+pub(crate) fn client_channel(addrs: &[SocketAddr], connect_timeout: Duration) -> Channel {
     let endpoints = addrs.iter().map(|a| {
         Endpoint::from_shared(format!("http://{a}"))
             .expect("valid endpoint")
-            .connect_timeout(Duration::from_secs(2))
+            .connect_timeout(connect_timeout)
     });
     Channel::balance_list(endpoints)
 }
@@ -513,7 +514,7 @@ pub async fn run(
     let client = OrdersClient::new(
         ServiceBuilder::new()
             .layer(retry_layer(config, with_idem, fleet.metrics.as_ref()))
-            .service(client_channel(&addrs)),
+            .service(client_channel(&addrs, Duration::from_secs(2))),
     );
 
     let done = Arc::new(AtomicU64::new(0));
