@@ -790,7 +790,7 @@ impl Inner {
     /// bytes) under `bound`; false when no record may go. At its own bound a tenant
     /// evicts its own records; at a store-wide bound a tenant below its fair share
     /// evicts a record of a tenant above its share, and any other tenant its own.
-    fn make_room(&self, t: &Arc<Usage>, bound: Bound, need: usize, now: Instant) -> bool {
+    fn make_room(&self, t: &Arc<Usage>, bound: Bound, need: usize, now: Tick) -> bool {
         match bound {
             Bound::TenantInFlight => false,
             Bound::TenantEntries | Bound::TenantBytes => self.evict_own(t, bound, now),
@@ -810,8 +810,7 @@ impl Inner {
     }
 
     /// Evicts `t`'s oldest completed record if it completed `min_retention` ago or more.
-    fn evict_own(&self, t: &Usage, bound: Bound, now: Instant) -> bool {
-        let tick = self.tick(now);
+    fn evict_own(&self, t: &Usage, bound: Bound, tick: Tick) -> bool {
         let mut queue = t.done();
         while let Some(d) = queue.front().copied() {
             self.queue_steps.fetch_add(1, Ordering::Relaxed);
@@ -834,8 +833,7 @@ impl Inner {
 
     /// Evicts the oldest evictable record, shard by shard, of a tenant holding more than
     /// its fair share of `bound` (keeping at least its share), or an expired record.
-    fn evict_over_share(&self, claimant: &Arc<Usage>, bound: Bound, now: Instant) -> bool {
-        let tick = self.tick(now);
+    fn evict_over_share(&self, claimant: &Arc<Usage>, bound: Bound, tick: Tick) -> bool {
         let fair = self.fair_share(bound);
         let start = self.cursor.fetch_add(1, Ordering::Relaxed);
         for i in 0..SHARDS {
@@ -987,8 +985,7 @@ impl Inner {
         }
     }
 
-    fn new_in_flight(&self, req: &ClaimRequest<'_>, now: Instant, tenant: Arc<Usage>) -> Entry {
-        let now = self.tick(now);
+    fn new_in_flight(&self, req: &ClaimRequest<'_>, now: Tick, tenant: Arc<Usage>) -> Entry {
         Entry {
             state: State::InFlight {
                 fence: self.fence(),
@@ -1004,8 +1001,7 @@ impl Inner {
 
     /// Claim on an entry that has not expired: replay, mismatch, wait, re-claim or
     /// takeover. Adds no record, so no bound applies.
-    fn claim_existing(&self, e: &mut Entry, req: &ClaimRequest<'_>, now: Instant) -> Claim {
-        let tick = self.tick(now);
+    fn claim_existing(&self, e: &mut Entry, req: &ClaimRequest<'_>, tick: Tick) -> Claim {
         match &mut e.state {
             State::Completed {
                 fingerprint,
@@ -1045,7 +1041,7 @@ impl Inner {
                 // record).
                 e.wake();
                 let tenant = e.tenant.clone();
-                *e = self.new_in_flight(req, now, tenant);
+                *e = self.new_in_flight(req, tick, tenant);
                 Claim::Acquired {
                     fence: e.fence(),
                     takeover: true,
@@ -1058,10 +1054,10 @@ impl Inner {
         let scope = &Name::of(req.scope);
         let mut evictions = 0;
         loop {
-            let now = Instant::now();
+            let now = self.tick(Instant::now());
             let mut map = lock(self.shard(scope));
             if let Some(e) = map.get_mut(scope) {
-                if !Self::is_expired(e, self.tick(now)) {
+                if !Self::is_expired(e, now) {
                     return Ok(self.claim_existing(e, &req, now));
                 }
                 if let Some(mut old) = map.remove(scope) {
@@ -1152,7 +1148,7 @@ impl Inner {
             drop(map);
             if !(may_evict
                 && evictions < MAX_EVICTIONS_PER_CALL
-                && self.make_room(&tenant, bound, n, Instant::now()))
+                && self.make_room(&tenant, bound, n, self.tick(Instant::now())))
             {
                 self.responses_dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
