@@ -5,7 +5,6 @@
 //! the clock, the counters and the tracing around it.
 
 use std::future::{Future, poll_fn};
-use std::sync::Arc;
 use std::task::Context;
 use std::time::Duration;
 
@@ -19,7 +18,6 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::body::{self, Lease, Overflow, Partial, Read};
-use super::config::Settings;
 use super::context::{Attempt, CallContext};
 use super::limit::RequestCheck;
 use super::outcome::{AttemptEnd, CallOutcome, CallReport};
@@ -36,7 +34,6 @@ pub(crate) type Req = http::Request<tonic::body::Body>;
 /// What one call through the loop needs.
 pub(crate) struct Call {
     pub(crate) cx: CallContext,
-    pub(crate) settings: Arc<Settings>,
     /// `None`: one attempt (a method without a retry policy, here for `waitForReady`).
     pub(crate) policy: Option<RetryPolicy>,
     /// `Some`: the call is hedged ([`hedge::run`](super::hedge::run)), not retried.
@@ -87,7 +84,7 @@ impl Start {
             .request
             .zip(call.cx.fault.clone())
             .map(|(limit, fault)| RequestCheck::new(limit, fault));
-        let cap = call.settings.max_replay_bytes_per_call();
+        let cap = call.cx.settings.max_replay_bytes_per_call();
         let read = match body::read_ready(source, cap, &mut lease, check.as_mut(), cx) {
             Read::TooLarge => {
                 return Err(call.cx.request_fault().unwrap_or_else(|| {
@@ -264,7 +261,7 @@ impl Call {
     /// without one).
     pub(super) fn not_ready(&self, ready: &mut ReadyWait, attempt: &Attempt) -> NotReady {
         let now = Instant::now();
-        let limit = self.settings.wait_for_ready_limit();
+        let limit = self.cx.settings.wait_for_ready_limit();
         let end = match self.cx.deadline {
             Some(deadline) => deadline,
             None => *ready
@@ -311,8 +308,8 @@ impl Call {
                 .cx
                 .deadline
                 .map(|d| d.saturating_duration_since(Instant::now())),
-            min_attempt_time: self.settings.min_attempt_time(),
-            max_retry_delay: self.settings.max_retry_delay(),
+            min_attempt_time: self.cx.settings.min_attempt_time(),
+            max_retry_delay: self.cx.settings.max_retry_delay(),
             jitter: self.cx.shared.jitter.as_ref(),
         };
         decide(state, attempted, &limits, || {
@@ -372,7 +369,8 @@ impl Run {
             }
         };
         Ok(Run {
-            peek: call.settings.peek_early_trailers() && matches!(body, AttemptBody::Replay { .. }),
+            peek: call.cx.settings.peek_early_trailers()
+                && matches!(body, AttemptBody::Replay { .. }),
             parts,
             body,
             call,
@@ -489,7 +487,7 @@ impl Run {
         if attempted.end == AttemptEnd::Committed {
             self.body.commit();
         }
-        let throttle = call.cx.throttle.as_ref();
+        let throttle = call.cx.settings.throttle();
         match call.decide(&mut self.state, &attempted, &self.body, throttle) {
             Decision::Done(outcome) => {
                 if let Some(t) = throttle.filter(|_| attempted.end.is_success()) {

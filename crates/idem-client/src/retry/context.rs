@@ -10,6 +10,7 @@ use idem_core::headers::DOWNSTREAM_EXHAUSTED;
 use tokio::time::Instant;
 use tonic::Code;
 
+use super::config::Settings;
 use super::config::{MessageLimits, Shared};
 use super::deadline;
 use super::limit::{self, RequestFault};
@@ -17,7 +18,6 @@ use super::outcome::{AttemptEnd, CallOutcome, CallReport};
 use super::peek::{Resp, early_code};
 use super::policy::Attempted;
 use super::pushback::{Pushback, pushback, retry_info_delay};
-use super::throttle::RetryThrottle;
 use super::transport::TransportBody;
 use crate::BoxError;
 use crate::metrics::{self, Started};
@@ -55,8 +55,8 @@ pub(crate) struct CallContext {
     pub(crate) fault: Option<Arc<RequestFault>>,
     /// When the call started, read only for an observed layer.
     pub(crate) started: Option<Started>,
-    /// The retry throttle of the call's settings.
-    pub(crate) throttle: Option<RetryThrottle>,
+    /// The call's settings (and their retry throttle).
+    pub(crate) settings: Arc<Settings>,
 }
 
 /// How one attempt ended, with what it left for the caller.
@@ -194,10 +194,12 @@ impl CallContext {
                     .insert(DOWNSTREAM_EXHAUSTED, m.to_header_value());
             }
         }
-        spare.clear();
-        spare.extend(std::mem::take(resp.extensions_mut()));
-        spare.insert(report);
-        *resp.extensions_mut() = spare;
+        let extensions = resp.extensions_mut();
+        if extensions.is_empty() {
+            spare.clear();
+            *extensions = spare;
+        }
+        extensions.insert(report);
         let resp = limit::bound(resp, self.limits.response, self.fault.clone(), report);
         let resp = deadline::bound(resp, self.deadline, report);
         let observer = self.shared.observer.as_ref();

@@ -230,7 +230,7 @@ fn pass_through(cx: &CallContext, attempt: Attempt, took: std::time::Duration) -
     let end = attempt.observe().end;
     let mut report = CallReport::new(CallOutcome::without_policy(end));
     report.record(end, took);
-    if let Some(t) = cx.throttle.as_ref().filter(|_| end.is_success()) {
+    if let Some(t) = cx.settings.throttle().filter(|_| end.is_success()) {
         t.record_success();
     }
     cx.finish(attempt, report)

@@ -67,7 +67,7 @@ struct Race<'a> {
     parts: &'a Parts,
     body: &'a HedgeRequest,
     policy: &'a HedgingPolicy,
-    throttle: Option<RetryThrottle>,
+    throttle: Option<&'a RetryThrottle>,
     peek: bool,
     state: HedgeState,
     running: Vec<Running<'a>>,
@@ -149,8 +149,8 @@ where
         parts: &parts,
         body: &body,
         policy: &policy,
-        throttle: call.cx.throttle.clone(),
-        peek: call.settings.peek_early_trailers() && body.may_peek(),
+        throttle: call.cx.settings.throttle(),
+        peek: call.cx.settings.peek_early_trailers() && body.may_peek(),
         state: HedgeState::default(),
         running: Vec::new(),
         timer: None,
@@ -294,10 +294,7 @@ impl<'a> Race<'a> {
             }
             self.unsent.clear();
         }
-        let allowed = self
-            .throttle
-            .as_ref()
-            .is_none_or(RetryThrottle::is_retry_allowed);
+        let allowed = self.throttle.is_none_or(RetryThrottle::is_retry_allowed);
         self.state.running = self.running.len() as u32;
         match hedge_policy::may_send(&mut self.state, allowed) {
             None => {
@@ -342,14 +339,14 @@ impl<'a> Race<'a> {
         self.report
             .ended(done.index, attempted.end, done.started.elapsed());
         let limits = self.limits();
-        let throttle = self.throttle.as_ref();
+        let throttle = self.throttle;
         let decision = hedge_policy::decide(&mut self.state, &attempted, &limits, || {
             throttle.is_none_or(RetryThrottle::record_failure)
         });
         match decision {
             HedgeDecision::Done(outcome) => {
                 if attempted.end.is_success() {
-                    if let Some(t) = self.throttle.as_ref() {
+                    if let Some(t) = self.throttle {
                         t.record_success();
                     }
                     self.report.won(done.index);
@@ -476,8 +473,8 @@ impl<'a> Race<'a> {
                 .cx
                 .deadline
                 .map(|d| d.saturating_duration_since(Instant::now())),
-            min_attempt_time: self.call.settings.min_attempt_time(),
-            max_retry_delay: self.call.settings.max_retry_delay(),
+            min_attempt_time: self.call.cx.settings.min_attempt_time(),
+            max_retry_delay: self.call.cx.settings.max_retry_delay(),
         }
     }
 
@@ -518,7 +515,7 @@ where
     };
     let mut report = CallReport::new(outcome);
     report.record(end, started.elapsed());
-    if let Some(t) = call.cx.throttle.as_ref().filter(|_| end.is_success()) {
+    if let Some(t) = call.cx.settings.throttle().filter(|_| end.is_success()) {
         t.record_success();
     }
     call.cx.finish(attempt, report)

@@ -125,7 +125,7 @@ where
                 .request
                 .map(|_| Arc::new(RequestFault::default())),
             started: Started::now(self.shared.observer.as_ref()),
-            throttle: settings.throttle().cloned(),
+            settings,
         };
         let span = tracing::debug_span!(
             "idem_retry",
@@ -144,7 +144,6 @@ where
         let (parts, body) = req.into_parts();
         let call = Call {
             cx,
-            settings,
             policy: policy.retry,
             hedging: policy.hedging,
             wait_for_ready: policy.wait_for_ready,

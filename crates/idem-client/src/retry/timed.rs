@@ -4,6 +4,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use idem_core::deadline::earliest;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
@@ -26,20 +27,10 @@ impl Cut {
         deadline: Option<Instant>,
         recv_timeout: Option<Instant>,
     ) -> Option<Cut> {
-        match (deadline, recv_timeout) {
-            (Some(d), Some(r)) if r < d => Some(Cut {
-                at: r,
-                deadline: false,
-            }),
-            (Some(d), _) => Some(Cut {
-                at: d,
-                deadline: true,
-            }),
-            (None, r) => r.map(|at| Cut {
-                at,
-                deadline: false,
-            }),
-        }
+        earliest([deadline, recv_timeout]).map(|at| Cut {
+            at,
+            deadline: deadline == Some(at),
+        })
     }
 
     /// How the attempt it cut ends.
