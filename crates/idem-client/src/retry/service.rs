@@ -79,7 +79,23 @@ impl<S> Retry<S> {
         RetryLayer::from_config(config)
     }
 
-    idem_core::define_inner_service_accessors!(inner);
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably. What is changed through it reaches retries too: this
+    /// service's retries clone it again from now on (clones of this service made before
+    /// keep their own inner service and spare).
+    pub fn get_mut(&mut self) -> &mut S {
+        self.spare = Arc::default();
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S, B, RB> Service<http::Request<B>> for Retry<S>

@@ -1249,6 +1249,25 @@ async fn first_attempts_go_out_on_the_ready_service_and_retries_on_one_shared_cl
     assert_eq!(script.seen().len(), 12);
 }
 
+/// A service replaced through `get_mut` takes the retries too, not only first attempts:
+/// the spare cloned from the old one is dropped with it.
+#[tokio::test(start_paused = true)]
+async fn retries_go_to_the_inner_service_that_get_mut_put_in() {
+    let old = Script::new([unavailable()]);
+    let layer = builder().max_attempts(3).build().unwrap();
+    let mut svc = layer.layer(old.service());
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
+    assert_eq!(old.seen().len(), 2);
+
+    let new = Script::new([unavailable()]);
+    *svc.get_mut() = new.service();
+    let resp = send(&mut svc, request(PATH)).await.unwrap();
+    assert_summary(&resp, CallOutcome::Committed, 2, None);
+    assert_eq!(new.seen().len(), 2, "first attempt and retry");
+    assert_eq!(old.seen().len(), 2, "nothing more to the old service");
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_report_reuses_the_request_extensions_map_without_its_entries() {
     #[derive(Clone, Debug, PartialEq)]
