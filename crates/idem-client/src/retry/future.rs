@@ -170,9 +170,7 @@ where
                         Ok(result) => Attempt::of(result, call.deadline),
                         Err(cut) => cut.attempt(),
                     };
-                    Kind::Ready {
-                        response: Some(pass_through(call, attempt, started.elapsed())),
-                    }
+                    Step::Answer(pass_through(call, attempt, started.elapsed()))
                 }
                 KindProj::First {
                     attempt,
@@ -188,9 +186,7 @@ where
                     };
                     let mut run = run.take().expect("ResponseFuture polled after completion");
                     match run.settle(attempt, *started) {
-                        Next::Answer(answer) => Kind::Ready {
-                            response: Some(answer),
-                        },
+                        Next::Answer(answer) => Step::Answer(answer),
                         Next::After(wait) => {
                             drop(_enter);
                             let svc = spare
@@ -200,9 +196,9 @@ where
                                 .unwrap_or_else(PoisonError::into_inner)
                                 .clone();
                             let span = std::mem::replace(span, Span::none());
-                            Kind::Looping {
+                            Step::Then(Kind::Looping {
                                 fut: Box::pin((*run).run(svc, Some(wait)).instrument(span)),
-                            }
+                            })
                         }
                     }
                 }
@@ -220,9 +216,21 @@ where
                 }
                 KindProj::Done => panic!("ResponseFuture polled after completion"),
             };
-            kind.set(next);
+            match next {
+                Step::Answer(response) => {
+                    kind.set(Kind::Done);
+                    return Poll::Ready(Ok(response));
+                }
+                Step::Then(next) => kind.set(next),
+            }
         }
     }
+}
+
+/// What a poll of one state leads to: the answer, or the next state.
+enum Step<K> {
+    Answer(Resp),
+    Then(K),
 }
 
 /// Answers a passed-through call: its one attempt, with a report.
