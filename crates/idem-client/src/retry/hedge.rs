@@ -116,10 +116,10 @@ async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, toni
 }
 
 /// The hedging loop.
-pub(crate) async fn run<S, B, RB>(
+pub(crate) async fn run<S, RB>(
     mut svc: S,
     parts: Parts,
-    body: B,
+    body: tonic::body::Body,
     call: Call,
     policy: HedgingPolicy,
 ) -> Result<Resp, S::Error>
@@ -127,12 +127,10 @@ where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
     S::Future: Send + 'static,
     S::Error: Into<BoxError> + 'static,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let body = match begin(tonic::body::Body::new(body), &call).await {
+    let body = match begin(body, &call).await {
         Ok(Begin::Hedged(body)) => body,
         Ok(Begin::Once(body)) => return Ok(once(&mut svc, &parts, &body, &call).await),
         Err(status) => {
