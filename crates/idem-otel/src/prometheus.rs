@@ -31,8 +31,10 @@ use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use opentelemetry_sdk::metrics::{
     MeterProviderBuilder, PeriodicReader, SdkMeterProvider, Temporality,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+
+mod endpoint;
+pub use endpoint::{DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, Endpoint};
 
 /// A `MeterProvider` whose metrics can be rendered as Prometheus text at any moment.
 /// Cheap to clone.
@@ -348,47 +350,13 @@ fn escape_help(s: &str) -> String {
 }
 
 /// Answers `GET /metrics` (any other path: 404) on `listener` with the exposition of
-/// `prometheus`, until the listener fails. One short request per connection
-/// (`Connection: close`), as Prometheus scrapes.
+/// `prometheus`, one short request per connection (`Connection: close`), as Prometheus
+/// scrapes; with [`Endpoint`]'s default bounds (at most [`DEFAULT_MAX_CONNECTIONS`]
+/// connections, each closed after [`DEFAULT_REQUEST_TIMEOUT`]). Runs until the future
+/// is dropped: an accept error (`EMFILE`…) is logged and retried after a backoff, never
+/// returned.
 pub async fn serve(listener: TcpListener, prometheus: Prometheus) -> std::io::Result<()> {
-    loop {
-        let (mut stream, _) = listener.accept().await?;
-        let prometheus = prometheus.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut read = 0;
-            // The request line and headers; a scrape has no body.
-            while read < buf.len() {
-                match stream.read(&mut buf[read..]).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => read += n,
-                }
-                if buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..read]);
-            let mut words = head.split_whitespace();
-            let (method, path) = (words.next(), words.next());
-            let path = path.map(|p| p.split('?').next().unwrap_or(p));
-            let (status, body) = match (method, path) {
-                (Some("GET"), Some("/metrics")) => {
-                    let text = tokio::task::spawn_blocking(move || prometheus.render()).await;
-                    ("200 OK", text.unwrap_or_default())
-                }
-                _ => (
-                    "404 Not Found",
-                    "not found: scrape GET /metrics\n".to_owned(),
-                ),
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(response.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        });
-    }
+    Endpoint::new(prometheus).serve(listener).await
 }
 
 #[cfg(test)]
@@ -438,5 +406,23 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line:?} not in {text}");
         }
+    }
+
+    /// Through the public `serve` on a real socket: a connection that never sends a
+    /// request is closed at the default request timeout instead of being held for ever.
+    #[tokio::test(start_paused = true)]
+    async fn serve_closes_a_connection_that_sends_nothing() {
+        use tokio::io::AsyncReadExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve(listener, Prometheus::new()));
+        let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let began = tokio::time::Instant::now();
+        let mut out = Vec::new();
+        let read =
+            tokio::time::timeout(DEFAULT_REQUEST_TIMEOUT * 2, idle.read_to_end(&mut out)).await;
+        assert!(read.is_ok(), "still open after twice the request timeout");
+        assert!(out.is_empty());
+        assert_eq!(began.elapsed(), DEFAULT_REQUEST_TIMEOUT);
     }
 }
