@@ -101,91 +101,12 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+pub use idem_core::config::{DEFAULT_MIN_RETENTION, MemoryStoreSettings};
+
 use crate::{
     Claim, ClaimRequest, ClaimantId, CompleteRequest, Fence, Fingerprint, RecordState, Scope,
     Store, StoreError, StoredOutcome, TenantId,
 };
-
-/// Bounds and timings of a [`MemoryStore`] (`idem.memoryStore` in the service config).
-///
-/// # Defaults
-/// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `maxInFlightPerTenant`
-/// `maxEntries / 16`, `maxEntriesPerTenant` `maxEntries / 4`, `maxBytesPerTenant`
-/// `maxBytes / 4`, `sweepInterval` `"1s"`, `minRetention` `"600s"`
-/// ([`DEFAULT_MIN_RETENTION`]). A per-tenant bound above its store-wide bound is cut to
-/// it. See the [module docs](self) for what happens at each bound.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemoryStoreSettings {
-    /// Most records kept, all tenants together.
-    pub max_entries: usize,
-    /// Most bytes of stored responses (plus per-record overhead) kept, all tenants
-    /// together.
-    pub max_bytes: usize,
-    /// Most in-flight records of one tenant; `None`: `max_entries / 16` (at least 1).
-    pub max_in_flight_per_tenant: Option<usize>,
-    /// Most records of one tenant; `None`: `max_entries / 4` (at least 1).
-    pub max_entries_per_tenant: Option<usize>,
-    /// Most bytes of one tenant; `None`: `max_bytes / 4`.
-    pub max_bytes_per_tenant: Option<usize>,
-    /// How often expired records are swept.
-    pub sweep_interval: Duration,
-    /// How long a completed record is kept for certain. At a bound, a new record may
-    /// take the place of a completed record older than this (oldest first: the
-    /// tenant's own, or at a store-wide bound one of a tenant above its fair share); see
-    /// the [module docs](self#eviction). Zero: any completed record may be evicted at a
-    /// bound. At or above every method's record TTL: nothing is ever evicted (records
-    /// expire first).
-    pub min_retention: Duration,
-}
-
-impl Default for MemoryStoreSettings {
-    fn default() -> Self {
-        MemoryStoreSettings {
-            max_entries: 100_000,
-            max_bytes: 256 * 1024 * 1024,
-            max_in_flight_per_tenant: None,
-            max_entries_per_tenant: None,
-            max_bytes_per_tenant: None,
-            sweep_interval: Duration::from_secs(1),
-            min_retention: DEFAULT_MIN_RETENTION,
-        }
-    }
-}
-
-/// Default of [`MemoryStoreSettings::min_retention`]: 10 minutes.
-///
-/// Longer than any retry schedule a record is meant to answer: gRPC's own retries
-/// (at most 5 attempts; backoffs of seconds), a client library's or an application's
-/// retry loop with exponential backoff capped at a minute or a few, a message
-/// redelivered after a visibility timeout (30 s by default in the usual queues), a
-/// client restarted by its supervisor (a crash-loop backoff caps at 5 minutes). Short
-/// enough that the default bounds keep working: a tenant's default share of 25 000
-/// records holds 10 minutes of about 40 protected calls per second, so below that
-/// rate a tenant at its bound always has records it may evict.
-pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(600);
-
-impl MemoryStoreSettings {
-    /// The in-flight records one tenant may hold, defaults applied.
-    pub fn tenant_in_flight_bound(&self) -> usize {
-        self.max_in_flight_per_tenant
-            .unwrap_or((self.max_entries / 16).max(1))
-            .min(self.tenant_entries_bound())
-    }
-
-    /// The records one tenant may hold, defaults applied.
-    pub fn tenant_entries_bound(&self) -> usize {
-        self.max_entries_per_tenant
-            .unwrap_or((self.max_entries / 4).max(1))
-            .min(self.max_entries)
-    }
-
-    /// The bytes one tenant may hold, defaults applied.
-    pub fn tenant_bytes_bound(&self) -> usize {
-        self.max_bytes_per_tenant
-            .unwrap_or(self.max_bytes / 4)
-            .min(self.max_bytes)
-    }
-}
 
 /// Number of shards.
 pub const SHARDS: usize = 64;
