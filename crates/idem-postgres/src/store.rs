@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_store::{
     Claim, ClaimRequest, CompleteRequest, Fence, Fingerprint, RecordState, Scope, Store,
-    StoreError, StoredOutcome,
+    StoreError, StoredOutcome, wait,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -418,19 +418,8 @@ impl Store for PostgresStore {
                 interval = (interval * 2).min(self.backend.poll_max);
                 s
             };
-            // One millisecond past the lease, so the next read sees it ended.
-            let wake = (now + step)
-                .min(now + p.lease_left + Duration::from_millis(1))
-                .min(until);
-            tokio::select! {
-                _ = async {
-                    match notified.as_mut().as_pin_mut() {
-                        Some(n) => n.await,
-                        None => std::future::pending().await,
-                    }
-                } => {}
-                _ = tokio::time::sleep_until(wake) => {}
-            }
+            let wake = wait::next_read(now, step, p.lease_left, until);
+            wait::sleep_or_notified(notified.as_mut(), wake).await;
         }
     }
 }

@@ -46,6 +46,17 @@ pub(crate) fn read_items(
     Ok(Some(items.into_iter()))
 }
 
+/// The state, fence and lease left that begin every reply of the read script.
+pub(crate) fn read_head(
+    it: &mut impl Iterator<Item = Value>,
+) -> Result<(u8, Fence, Duration), StoreError> {
+    Ok((
+        state_byte(it.next())?,
+        fence(it.next())?,
+        millis(it.next())?,
+    ))
+}
+
 pub(crate) fn array(v: Value) -> Result<Vec<Value>, StoreError> {
     match v {
         Value::Array(items) | Value::Set(items) => Ok(items),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idem_store::{
     Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
+    StoredOutcome, TenantId, wait,
 };
 use redis::{RedisError, Script, Value};
 use tokio::time::Instant;
@@ -17,8 +17,8 @@ use crate::notify::Notifier;
 use crate::quota::{self, Held};
 use crate::replica::ReplicaAcks;
 use crate::reply::{
-    array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, read_items,
-    state_byte, tag,
+    array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, read_head,
+    read_items, tag,
 };
 use crate::scripts::Scripts;
 
@@ -193,9 +193,7 @@ impl RedisStore {
         let Some(mut it) = read_items(v, 3)? else {
             return Ok(None);
         };
-        let state = state_byte(it.next())?;
-        let fence = fence(it.next())?;
-        let lease_left = millis(it.next())?;
+        let (state, fence, lease_left) = read_head(&mut it)?;
         Ok(Some(Peek {
             state,
             fence,
@@ -477,9 +475,7 @@ impl Store for RedisStore {
         let Some(mut it) = read_items(v, 6)? else {
             return Ok(None);
         };
-        let state = state_byte(it.next())?;
-        let fence = fence(it.next())?;
-        let left = millis(it.next())?;
+        let (state, fence, left) = read_head(&mut it)?;
         let fp = bytes(it.next())?;
         let kind = bytes(it.next())?;
         let body = bytes(it.next())?;
@@ -554,19 +550,8 @@ impl Store for RedisStore {
             if now >= until {
                 return Ok(());
             }
-            // One millisecond past the lease so the next read sees it expired.
-            let wake = (now + interval)
-                .min(now + lease_left + Duration::from_millis(1))
-                .min(until);
-            tokio::select! {
-                _ = async {
-                    match notified.as_mut().as_pin_mut() {
-                        Some(n) => n.await,
-                        None => std::future::pending().await,
-                    }
-                } => {}
-                _ = tokio::time::sleep_until(wake) => {}
-            }
+            let wake = wait::next_read(now, interval, lease_left, until);
+            wait::sleep_or_notified(notified.as_mut(), wake).await;
             interval = (interval * 2).min(poll_max);
         }
     }
