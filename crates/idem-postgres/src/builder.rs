@@ -9,7 +9,7 @@ use sqlx::{ConnectOptions, Connection, PgConnection};
 
 use crate::listen::Listener;
 use crate::schema::{self, Queries, SchemaError};
-use crate::store::{Inner, PostgresStore};
+use crate::store::{Backend, PostgresStore};
 
 /// Default table prefix: tables `idem_records`, `idem_schema_version`, and so on.
 pub const DEFAULT_TABLE_PREFIX: &str = "idem_";
@@ -292,7 +292,7 @@ impl PostgresStoreBuilder {
                 self.connect_timeout,
             ))
         });
-        let inner = Inner {
+        let backend = Backend {
             pool,
             sql: queries,
             statement_timeout: self.statement_timeout,
@@ -302,7 +302,7 @@ impl PostgresStoreBuilder {
             sweep_batch: self.sweep_batch,
             listener,
         };
-        Ok(PostgresStore::start(inner, self.sweep_interval))
+        Ok(PostgresStore::start(backend, self.sweep_interval))
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_store::{
     Claim, ClaimRequest, CompleteRequest, Fence, Fingerprint, RecordState, Scope, Store,
-    StoreError, StoredOutcome,
+    StoreError, StoredOutcome, wait,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -25,10 +25,12 @@ use crate::schema::Queries;
 /// [crate docs](crate) for the schema, the round trips and the failure behaviour.
 #[derive(Clone)]
 pub struct PostgresStore {
-    inner: Arc<Inner>,
+    backend: Arc<Backend>,
 }
 
-pub(crate) struct Inner {
+/// What every clone of a [`PostgresStore`] shares: the pool, the queries for the table
+/// prefix, the timeouts, the sweep batch and the listener of notifications.
+pub(crate) struct Backend {
     pub(crate) pool: PgPool,
     pub(crate) sql: Queries,
     pub(crate) statement_timeout: Duration,
@@ -42,22 +44,23 @@ pub(crate) struct Inner {
 impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresStore")
-            .field("table_prefix", &self.inner.sql.prefix)
-            .field("statement_timeout", &self.inner.statement_timeout)
-            .field("tombstone_ttl", &self.inner.tombstone_ttl)
+            .field("table_prefix", &self.backend.sql.prefix)
+            .field("statement_timeout", &self.backend.statement_timeout)
+            .field("tombstone_ttl", &self.backend.tombstone_ttl)
             .finish_non_exhaustive()
     }
 }
 
 /// What a waiter reads about a record.
 struct Peek {
-    state: State,
+    state: RowState,
     fence: Fence,
     lease_left: Duration,
 }
 
+/// The state a record's row is in (its `state` letter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
+enum RowState {
     InFlight,
     Completed,
     Released,
@@ -77,30 +80,30 @@ impl PostgresStore {
         Self::builder(url).connect().await
     }
 
-    pub(crate) fn start(inner: Inner, sweep_interval: Option<Duration>) -> Self {
+    pub(crate) fn start(backend: Backend, sweep_interval: Option<Duration>) -> Self {
         let store = PostgresStore {
-            inner: Arc::new(inner),
+            backend: Arc::new(backend),
         };
         if let Some(interval) = sweep_interval {
-            crate::sweep::spawn(Arc::downgrade(&store.inner), interval);
+            crate::sweep::spawn(Arc::downgrade(&store.backend), interval);
         }
         store
     }
 
     /// The table prefix in use.
     pub fn table_prefix(&self) -> &str {
-        &self.inner.sql.prefix
+        &self.backend.sql.prefix
     }
 
     /// The connection pool the store uses (to read its size, or to close it).
     pub fn pool(&self) -> &PgPool {
-        &self.inner.pool
+        &self.backend.pool
     }
 
     /// Whether the listener connection of [`WaitStrategy::Notify`](crate::WaitStrategy)
     /// is up. False before the first wait opens it, and while it reconnects.
     pub fn is_listening(&self) -> bool {
-        self.inner
+        self.backend
             .listener
             .as_ref()
             .is_some_and(|l| l.is_listening())
@@ -114,7 +117,7 @@ impl PostgresStore {
     /// `StoreError::Unavailable` when PostgreSQL does not answer within the statement
     /// timeout.
     pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
-        self.inner.sweep().await
+        self.backend.sweep().await
     }
 
     /// Marks the in-flight record held with `fence` as "the handler's writes are
@@ -142,12 +145,12 @@ impl PostgresStore {
         fence: Fence,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let q = sqlx::query(&self.inner.sql.commit)
+        let q = sqlx::query(&self.backend.sql.commit)
             .bind(&scope.0[..])
             .bind(fence_arg(fence))
             .bind(us(lease))
-            .bind(us(self.inner.tombstone_ttl));
-        let limit = self.inner.statement_timeout;
+            .bind(us(self.backend.tombstone_ttl));
+        let limit = self.backend.statement_timeout;
         let row = match tokio::time::timeout(limit, q.fetch_one(&mut *conn)).await {
             Ok(r) => r.map_err(map_error)?,
             Err(_) => return Err(timed_out(limit)),
@@ -173,13 +176,13 @@ impl PostgresStore {
         record: &idem_store::RecordRef,
         response: Bytes,
     ) -> Result<(), StoreError> {
-        let q = sqlx::query(&self.inner.sql.complete)
+        let q = sqlx::query(&self.backend.sql.complete)
             .bind(&record.scope().0[..])
             .bind(fence_arg(record.fence()))
             .bind("r")
             .bind(&response[..])
             .bind(us(record.record_ttl()));
-        let limit = self.inner.statement_timeout;
+        let limit = self.backend.statement_timeout;
         let row = match tokio::time::timeout(limit, q.fetch_one(&mut *conn)).await {
             Ok(r) => r.map_err(map_error)?,
             Err(_) => return Err(timed_out(limit)),
@@ -188,7 +191,7 @@ impl PostgresStore {
     }
 
     pub(crate) fn statement_timeout(&self) -> Duration {
-        self.inner.statement_timeout
+        self.backend.statement_timeout
     }
 
     async fn fenced(
@@ -196,7 +199,7 @@ impl PostgresStore {
         presented: Fence,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<(), StoreError> {
-        let row = self.inner.fetch_one(query).await?;
+        let row = self.backend.fetch_one(query).await?;
         fenced_reply(presented, &row)
     }
 
@@ -213,14 +216,14 @@ impl PostgresStore {
         if now >= until {
             return Ok(None);
         }
-        let limit = self.inner.statement_timeout.min(until - now);
+        let limit = self.backend.statement_timeout.min(until - now);
         let sql = if watch {
-            &self.inner.sql.watch
+            &self.backend.sql.watch
         } else {
-            &self.inner.sql.peek
+            &self.backend.sql.peek
         };
         let read = self
-            .inner
+            .backend
             .fetch_optional_within(limit, sqlx::query(sql).bind(&scope.0[..]))
             .await;
         let row = match read {
@@ -240,7 +243,7 @@ impl PostgresStore {
     }
 }
 
-impl Inner {
+impl Backend {
     /// Runs one statement on a pooled connection, bounded by the statement timeout.
     async fn fetch_one(
         &self,
@@ -278,14 +281,14 @@ impl Inner {
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let claimant = req.claimant.0.to_be_bytes();
-        let q = sqlx::query(&self.inner.sql.claim)
+        let q = sqlx::query(&self.backend.sql.claim)
             .bind(&req.scope.0[..])
             .bind(&req.tenant.0[..])
             .bind(&req.fingerprint.0[..])
             .bind(&claimant[..])
             .bind(us(req.lease))
-            .bind(us(self.inner.tombstone_ttl));
-        let row = self.inner.fetch_one(q).await?;
+            .bind(us(self.backend.tombstone_ttl));
+        let row = self.backend.fetch_one(q).await?;
         let get = |i| row.try_get::<Option<i64>, _>(i).map_err(map_error);
         let tag: Option<String> = row.try_get(0).map_err(map_error)?;
         match tag.as_deref() {
@@ -310,11 +313,11 @@ impl Store for PostgresStore {
     }
 
     async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
-        let q = sqlx::query(&self.inner.sql.renew)
+        let q = sqlx::query(&self.backend.sql.renew)
             .bind(&scope.0[..])
             .bind(fence_arg(fence))
             .bind(us(lease))
-            .bind(us(self.inner.tombstone_ttl));
+            .bind(us(self.backend.tombstone_ttl));
         self.fenced(fence, q).await
     }
 
@@ -323,7 +326,7 @@ impl Store for PostgresStore {
             StoredOutcome::Response(b) => ("r", b),
             StoredOutcome::NotRetained => ("n", b""),
         };
-        let q = sqlx::query(&self.inner.sql.complete)
+        let q = sqlx::query(&self.backend.sql.complete)
             .bind(&req.scope.0[..])
             .bind(fence_arg(req.fence))
             .bind(kind)
@@ -333,18 +336,18 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        let q = sqlx::query(&self.inner.sql.release)
+        let q = sqlx::query(&self.backend.sql.release)
             .bind(&scope.0[..])
             .bind(fence_arg(fence))
-            .bind(us(self.inner.tombstone_ttl));
+            .bind(us(self.backend.tombstone_ttl));
         self.fenced(fence, q).await
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {
-        let q = sqlx::query(&self.inner.sql.get).bind(&scope.0[..]);
+        let q = sqlx::query(&self.backend.sql.get).bind(&scope.0[..]);
         let Some(row) = self
-            .inner
-            .fetch_optional_within(self.inner.statement_timeout, q)
+            .backend
+            .fetch_optional_within(self.backend.statement_timeout, q)
             .await?
         else {
             return Ok(None);
@@ -355,12 +358,12 @@ impl Store for PostgresStore {
             fingerprint(row.try_get::<Option<Vec<u8>>, _>(2).map_err(map_error)?)
         };
         Ok(Some(match state_of(&state)? {
-            State::InFlight => RecordState::InFlight {
+            RowState::InFlight => RecordState::InFlight {
                 fence,
                 fingerprint: fp(&row)?,
                 lease_until: Instant::now() + micros(row.try_get(3).map_err(map_error)?),
             },
-            State::Completed => RecordState::Completed {
+            RowState::Completed => RecordState::Completed {
                 fence,
                 fingerprint: fp(&row)?,
                 outcome: outcome(
@@ -370,7 +373,7 @@ impl Store for PostgresStore {
                     row.try_get(5).map_err(map_error)?,
                 )?,
             },
-            State::Released => RecordState::Released { fence },
+            RowState::Released => RecordState::Released { fence },
         }))
     }
 
@@ -379,8 +382,8 @@ impl Store for PostgresStore {
     /// next read (every [`NOTIFY_SAFETY_POLL`] while notifications arrive, with the
     /// polling backoff while they cannot), and reads again. See the crate docs, "Waiting".
     async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
-        let watch = self.inner.listener.as_ref().map(|l| l.watch(*scope));
-        let mut interval = self.inner.poll_min;
+        let watch = self.backend.listener.as_ref().map(|l| l.watch(*scope));
+        let mut interval = self.backend.poll_min;
         let mut marked = false;
         let mut watched_fence = None;
         loop {
@@ -397,7 +400,7 @@ impl Store for PostgresStore {
                 return Ok(());
             };
             marked |= mark;
-            if p.state != State::InFlight
+            if p.state != RowState::InFlight
                 || p.lease_left.is_zero()
                 || watched_fence.is_some_and(|f| f != p.fence)
             {
@@ -412,22 +415,11 @@ impl Store for PostgresStore {
                 NOTIFY_SAFETY_POLL
             } else {
                 let s = interval;
-                interval = (interval * 2).min(self.inner.poll_max);
+                interval = (interval * 2).min(self.backend.poll_max);
                 s
             };
-            // One millisecond past the lease, so the next read sees it ended.
-            let wake = (now + step)
-                .min(now + p.lease_left + Duration::from_millis(1))
-                .min(until);
-            tokio::select! {
-                _ = async {
-                    match notified.as_mut().as_pin_mut() {
-                        Some(n) => n.await,
-                        None => std::future::pending().await,
-                    }
-                } => {}
-                _ = tokio::time::sleep_until(wake) => {}
-            }
+            let wake = wait::next_read(now, step, p.lease_left, until);
+            wait::sleep_or_notified(notified.as_mut(), wake).await;
         }
     }
 }
@@ -473,12 +465,12 @@ fn micros(v: Option<i64>) -> Duration {
     Duration::from_micros(v.and_then(|v| u64::try_from(v).ok()).unwrap_or(0))
 }
 
-fn state_of(s: &str) -> Result<State, StoreError> {
+fn state_of(s: &str) -> Result<RowState, StoreError> {
     match s {
         // 'p': in flight, the handler's writes committed (see `commit_in`).
-        "i" | "p" => Ok(State::InFlight),
-        "c" => Ok(State::Completed),
-        "r" => Ok(State::Released),
+        "i" | "p" => Ok(RowState::InFlight),
+        "c" => Ok(RowState::Completed),
+        "r" => Ok(RowState::Released),
         _ => Err(corrupt("unknown record state")),
     }
 }

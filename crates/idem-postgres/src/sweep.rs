@@ -8,20 +8,22 @@
 use std::sync::Weak;
 use std::time::Duration;
 
-use crate::store::Inner;
+use crate::store::Backend;
 
 /// After a full batch, the next sweep comes this soon (bounded work per sweep, and no
 /// backlog left for a whole interval).
 const AGAIN: Duration = Duration::from_secs(1);
 
-pub(crate) fn spawn(inner: Weak<Inner>, interval: Duration) {
+pub(crate) fn spawn(backend: Weak<Backend>, interval: Duration) {
     tokio::spawn(async move {
         let mut next = interval;
         loop {
             tokio::time::sleep(next).await;
-            let Some(inner) = inner.upgrade() else { return };
-            next = match inner.sweep().await {
-                Ok(n) if n >= inner.sweep_batch() => AGAIN.min(interval),
+            let Some(backend) = backend.upgrade() else {
+                return;
+            };
+            next = match backend.sweep().await {
+                Ok(n) if n >= backend.sweep_batch() => AGAIN.min(interval),
                 Ok(_) => interval,
                 Err(e) => {
                     tracing::debug!(target: "idem_postgres", error = %e, "sweep failed");

@@ -7,8 +7,10 @@ use redis::cluster::ClusterClientBuilder;
 
 use crate::conn::Conn;
 use crate::notify::{Notifier, Target};
+use crate::replica::ReplicaAcks;
+use crate::reply::map_error;
 use crate::scripts::Scripts;
-use crate::store::{Inner, RedisStore, map_error};
+use crate::store::{Backend, RedisStore};
 
 /// Default key prefix.
 pub const DEFAULT_KEY_PREFIX: &str = "idem:";
@@ -23,16 +25,6 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(2);
 /// Default longest polling interval of [`wait`](idem_store::Store::wait).
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_millis(50);
-
-/// Confirmation of claims and completions on replicas with Redis `WAIT` (see
-/// [`RedisStoreBuilder::replica_acks`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReplicaAcks {
-    /// How many replicas must acknowledge each claim, renewal and completion.
-    pub replicas: usize,
-    /// How long `WAIT` waits for them (less than the command timeout).
-    pub timeout: Duration,
-}
 
 /// Where the store connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -308,7 +300,7 @@ impl RedisStoreBuilder {
             ))
         });
         let sharded = conn.is_cluster();
-        let store = RedisStore::from_inner(Inner {
+        let store = RedisStore::from_backend(Backend {
             conn,
             prefix: self.key_prefix,
             command_timeout: self.command_timeout,

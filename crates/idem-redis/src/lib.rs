@@ -237,13 +237,16 @@ mod check;
 mod conn;
 mod notify;
 mod quota;
+mod replica;
+mod reply;
 mod scripts;
 mod store;
 
 pub use builder::{
     ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX,
     DEFAULT_MAX_IN_FLIGHT_PER_TENANT, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN, NOTIFY_POLL_MAX,
-    NOTIFY_POLL_MIN, RedisStoreBuilder, ReplicaAcks, WaitStrategy,
+    NOTIFY_POLL_MIN, RedisStoreBuilder, WaitStrategy,
 };
 pub use check::ServerReport;
+pub use replica::ReplicaAcks;
 pub use store::RedisStore;

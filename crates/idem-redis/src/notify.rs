@@ -217,12 +217,7 @@ impl Notifier {
                     c.notify.notify_waiters();
                 }
             }
-            // Connection gone: its subscriptions are gone too. Wake everyone (they poll
-            // from now on) and forget the registrations made on it.
-            for (_, c) in lock(&channels).drain() {
-                c.notify.notify_waiters();
-            }
-            task_dead.store(true, Ordering::Release);
+            connection_gone(&channels, &task_dead);
         });
         Some(Conn {
             sink: Sink::Single(sink),
@@ -271,16 +266,23 @@ impl Notifier {
                 }
             }
             // The connection itself is gone (the store was dropped or it failed).
-            for (_, c) in lock(&channels).drain() {
-                c.notify.notify_waiters();
-            }
-            task_dead.store(true, Ordering::Release);
+            connection_gone(&channels, &task_dead);
         });
         Some(Conn {
             sink: Sink::Cluster(conn),
             dead,
         })
     }
+}
+
+/// A subscriber connection is gone, and its subscriptions with it: wakes every waiter
+/// (they read the record again and poll from now on), forgets the registrations made on
+/// it, and marks it dead so that the next watch connects again.
+fn connection_gone(channels: &Mutex<HashMap<String, Channel>>, dead: &AtomicBool) {
+    for (_, c) in lock(channels).drain() {
+        c.notify.notify_waiters();
+    }
+    dead.store(true, Ordering::Release);
 }
 
 /// The channel of a pushed `message`/`smessage` (`[channel, payload]`); `None` for a

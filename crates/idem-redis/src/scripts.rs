@@ -98,15 +98,19 @@ end
 return take(f + 1, 1)
 "#;
 
-/// Checks that the record is in flight with fence `ARGV[1]`; on failure returns the
-/// `{'F', current fence or -1}` reply the caller maps to `StoreError::Fenced`.
-const FENCE_CHECK: &str = r#"
+/// Reads the record's state and fence (`r`, and `cur` as a number); with no record,
+/// returns the reply `{'F', -1}`. Begins the fenced scripts and the confirm script.
+const READ_FENCE: &str = r#"
 local key = KEYS[1]
 local r = redis.call('HMGET', key, 's', 'f')
 if not r[1] then return {'F', -1} end
 local cur = tonumber(r[2])
 if not cur then return corrupt('record without a fence') end
-if r[1] ~= 'i' or r[2] ~= ARGV[1] then return {'F', cur} end
+"#;
+
+/// Checks that the record is in flight with fence `ARGV[1]`; on failure returns the
+/// `{'F', current fence}` reply the caller maps to `StoreError::Fenced`.
+const FENCE_CHECK: &str = r#"if r[1] ~= 'i' or r[2] ~= ARGV[1] then return {'F', cur} end
 "#;
 
 /// `ARGV`: fence, lease ms. Reply `{'OK'}` or `{'F', current}`.
@@ -165,20 +169,14 @@ if redis.call('PTTL', key) < lease + 1000 then redis.call('PEXPIRE', key, lease 
 return {'OK'}
 "#;
 
-/// `ARGV[1]`: fence. Reply `{'OK'}` or `{'F', current or -1}`.
+/// `ARGV[1]`: fence; runs after [`READ_FENCE`]. Reply `{'OK'}` or `{'F', current or -1}`.
 ///
 /// Used before `WAIT` when claims and completions are confirmed on replicas: it writes
 /// (sets the fence field to the value it has), so the `WAIT` that follows on the same
 /// connection has a write of its own to wait for, after the claim or completion it
 /// confirms in the replication stream. It checks the fence, in flight or completed: on
 /// a master that lost the record (a failover) it answers `F`.
-const CONFIRM: &str = r#"
-local key = KEYS[1]
-local r = redis.call('HMGET', key, 's', 'f')
-if not r[1] then return {'F', -1} end
-local cur = tonumber(r[2])
-if not cur then return corrupt('record without a fence') end
-if r[2] ~= ARGV[1] or (r[1] ~= 'i' and r[1] ~= 'c') then return {'F', cur} end
+const CONFIRM: &str = r#"if r[2] ~= ARGV[1] or (r[1] ~= 'i' and r[1] ~= 'c') then return {'F', cur} end
 redis.call('HSET', key, 'f', r[2])
 return {'OK'}
 "#;
@@ -232,7 +230,12 @@ impl Scripts {
                 body.to_owned()
             }
         };
-        let fenced = |body: &str| Script::new(&format!("{PRELUDE}{FENCE_CHECK}{}", publish(body)));
+        let fenced = |body: &str| {
+            Script::new(&format!(
+                "{PRELUDE}{READ_FENCE}{FENCE_CHECK}{}",
+                publish(body)
+            ))
+        };
         Scripts {
             claim: Script::new(&format!("{PRELUDE}{CLAIM}")),
             renew: fenced(RENEW),
@@ -240,7 +243,7 @@ impl Scripts {
             release: fenced(RELEASE),
             read: Script::new(&format!("{PRELUDE}{READ}")),
             account: Script::new(&format!("{PRELUDE}{ACCOUNT}")),
-            confirm: Script::new(&format!("{PRELUDE}{CONFIRM}")),
+            confirm: Script::new(&format!("{PRELUDE}{READ_FENCE}{CONFIRM}")),
         }
     }
 

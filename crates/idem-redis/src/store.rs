@@ -4,18 +4,22 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use idem_store::{
-    Cause, Claim, ClaimRequest, CompleteRequest, Fence, Fingerprint, RecordState, Scope, Store,
-    StoreError, StoredOutcome, TenantId,
+    Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
+    StoredOutcome, TenantId, wait,
 };
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use redis::{RedisError, Script, Value};
 use tokio::time::Instant;
 
-use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder, ReplicaAcks};
+use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
 use crate::conn::Conn;
 use crate::notify::Notifier;
 use crate::quota::{self, Held};
+use crate::replica::ReplicaAcks;
+use crate::reply::{
+    array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, read_head,
+    read_items, tag,
+};
 use crate::scripts::Scripts;
 
 /// An idempotency [`Store`] on Redis, shared by every server instance that points at the
@@ -27,10 +31,12 @@ use crate::scripts::Scripts;
 /// scripts and the Redis settings a deployment needs.
 #[derive(Clone)]
 pub struct RedisStore {
-    inner: Arc<Inner>,
+    pub(crate) backend: Arc<Backend>,
 }
 
-pub(crate) struct Inner {
+/// What every clone of a [`RedisStore`] shares: the connection, the key prefix, the
+/// scripts, the per-tenant quota and the settings of waiting and of replica confirmation.
+pub(crate) struct Backend {
     pub(crate) conn: Conn,
     pub(crate) prefix: String,
     pub(crate) command_timeout: Duration,
@@ -46,14 +52,14 @@ pub(crate) struct Inner {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
-            .field("prefix", &self.inner.prefix)
-            .field("command_timeout", &self.inner.command_timeout)
+            .field("prefix", &self.backend.prefix)
+            .field("command_timeout", &self.backend.command_timeout)
             .field(
                 "max_in_flight_per_tenant",
-                &self.inner.max_in_flight_per_tenant,
+                &self.backend.max_in_flight_per_tenant,
             )
-            .field("cluster", &self.inner.conn.is_cluster())
-            .field("replica_acks", &self.inner.replica_acks)
+            .field("cluster", &self.backend.conn.is_cluster())
+            .field("replica_acks", &self.backend.replica_acks)
             .finish_non_exhaustive()
     }
 }
@@ -85,7 +91,7 @@ impl RedisStore {
 
     /// Whether the store talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        self.inner.conn.is_cluster()
+        self.backend.conn.is_cluster()
     }
 
     /// Connects to `url` with the default settings (see [`RedisStoreBuilder`]).
@@ -106,36 +112,36 @@ impl RedisStore {
         RedisStoreBuilder::from_settings(settings).connect().await
     }
 
-    pub(crate) fn from_inner(inner: Inner) -> Self {
+    pub(crate) fn from_backend(backend: Backend) -> Self {
         RedisStore {
-            inner: Arc::new(inner),
+            backend: Arc::new(backend),
         }
     }
 
     /// The Redis key holding the record of `scope`: `<prefix>{<scope hex>}`. The braces
     /// are a Redis Cluster hash tag, so a record always lives in one slot.
     pub fn key_for(&self, scope: &Scope) -> String {
-        format!("{}{{{}}}", self.inner.prefix, scope.to_hex())
+        format!("{}{{{}}}", self.backend.prefix, scope.to_hex())
     }
 
     /// The Redis key counting `tenant`'s in-flight records: `<prefix>tenant:{<tenant hex>}`,
     /// a sorted set with the tenant as its hash tag (see the crate docs, "Per-tenant
     /// quota").
     pub fn tenant_key_for(&self, tenant: &TenantId) -> String {
-        format!("{}tenant:{{{}}}", self.inner.prefix, tenant.to_hex())
+        format!("{}tenant:{{{}}}", self.backend.prefix, tenant.to_hex())
     }
 
     /// The key prefix in use.
     pub fn key_prefix(&self) -> &str {
-        &self.inner.prefix
+        &self.backend.prefix
     }
 
     pub(crate) fn connection(&self) -> Conn {
-        self.inner.conn.clone()
+        self.backend.conn.clone()
     }
 
     pub(crate) fn command_timeout(&self) -> Duration {
-        self.inner.command_timeout
+        self.backend.command_timeout
     }
 
     /// Runs one command future under the command timeout.
@@ -166,106 +172,13 @@ impl RedisStore {
             .0)
     }
 
-    /// Runs `script` on `key` (`EVALSHA`, loading the script on `NOSCRIPT`, e.g. after a
-    /// Redis restart or on a node that joined the cluster). With `confirm` and replica
-    /// confirmation on, `WAIT` follows in the same pipeline, so it runs on the
-    /// connection that wrote and waits for this write; the second value is then the
-    /// number of replicas that acknowledged it.
-    async fn eval_confirmed(
-        &self,
-        script: &Script,
-        key: &str,
-        args: &[&[u8]],
-        limit: Duration,
-        confirm: bool,
-    ) -> Result<(Value, Option<i64>), StoreError> {
-        let acks = self.inner.replica_acks.filter(|_| confirm);
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash()).arg(1).arg(key);
-        for a in args {
-            cmd.arg(*a);
-        }
-        let mut conn = self.connection();
-        self.bounded(limit, async move {
-            let mut loaded = false;
-            loop {
-                let reply = match acks {
-                    None => cmd.query_async::<Value>(&mut conn).await.map(|v| (v, None)),
-                    Some(a) => {
-                        let mut pipe = redis::pipe();
-                        pipe.add_command(cmd.clone())
-                            .cmd("WAIT")
-                            .arg(a.replicas)
-                            .arg(ms(a.timeout));
-                        pipe.query_async::<Vec<Value>>(&mut conn)
-                            .await
-                            .and_then(script_and_acks)
-                    }
-                };
-                match reply {
-                    Err(e)
-                        if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
-                    {
-                        script.prepare_invoke().load_async(&mut conn).await?;
-                        loaded = true;
-                    }
-                    r => return r,
-                }
-            }
-        })
-        .await
-    }
-
-    /// `Unavailable` unless the write was acknowledged by the replicas asked for.
-    fn check_acks(&self, acks: Option<i64>) -> Result<(), StoreError> {
-        let (Some(want), Some(got)) = (self.inner.replica_acks, acks) else {
-            return Ok(());
-        };
-        if usize::try_from(got).is_ok_and(|got| got >= want.replicas) {
-            return Ok(());
-        }
-        Err(StoreError::Unavailable(
-            format!(
-                "write acknowledged by {got} of {} replicas within {:?} (WAIT)",
-                want.replicas, want.timeout
-            )
-            .into(),
-        ))
-    }
-
-    /// Confirms on the replicas that the record holds `fence` (in flight or completed):
-    /// a write of the record to itself, then `WAIT`. `Fenced` when the record is not
-    /// there with that fence (a failover lost it, or it was taken over).
-    async fn confirm(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        let key = self.key_for(scope);
-        let fence_s = fence.to_string();
-        let (v, acks) = self
-            .eval_confirmed(
-                &self.inner.scripts.confirm,
-                &key,
-                &[fence_s.as_bytes()],
-                self.inner.command_timeout,
-                true,
-            )
-            .await?;
-        let mut it = array(v)?.into_iter();
-        match tag(it.next())?.as_slice() {
-            b"OK" => self.check_acks(acks),
-            b"F" => Err(StoreError::Fenced {
-                presented: fence,
-                current: u64::try_from(int(it.next())?).ok(),
-            }),
-            _ => Err(corrupt("unexpected confirm reply tag")),
-        }
-    }
-
     /// Loads every script into the script cache, so the first calls are one `EVALSHA`
     /// each. (After a Redis restart the cache is empty; a `NOSCRIPT` reply then loads the
     /// script again transparently.)
     pub(crate) async fn load_scripts(&self) -> Result<(), StoreError> {
-        for s in self.inner.scripts.all() {
+        for s in self.backend.scripts.all() {
             let mut conn = self.connection();
-            self.bounded(self.inner.command_timeout, async move {
+            self.bounded(self.backend.command_timeout, async move {
                 s.prepare_invoke().load_async(&mut conn).await
             })
             .await?;
@@ -275,14 +188,12 @@ impl RedisStore {
 
     async fn peek(&self, key: &str, limit: Duration) -> Result<Option<Peek>, StoreError> {
         let v = self
-            .eval(&self.inner.scripts.read, key, &[b"0"], limit)
+            .eval(&self.backend.scripts.read, key, &[b"0"], limit)
             .await?;
         let Some(mut it) = read_items(v, 3)? else {
             return Ok(None);
         };
-        let state = state_byte(it.next())?;
-        let fence = fence(it.next())?;
-        let lease_left = millis(it.next())?;
+        let (state, fence, lease_left) = read_head(&mut it)?;
         Ok(Some(Peek {
             state,
             fence,
@@ -298,7 +209,7 @@ impl RedisStore {
             // Report it as changed-or-not-known: the caller claims again.
             return Ok(None);
         }
-        let limit = self.inner.command_timeout.min(until - now);
+        let limit = self.backend.command_timeout.min(until - now);
         match self.peek(key, limit).await {
             Err(StoreError::Unavailable(_)) if Instant::now() >= until => Ok(None),
             r => r,
@@ -308,7 +219,7 @@ impl RedisStore {
     /// Runs a fenced script (renew, complete, release). With `confirm` and replica
     /// confirmation on, the write is confirmed by `WAIT`; so is an earlier write of the
     /// same fence that this call finds already landed (a retry after a lost reply).
-    async fn fenced(
+    pub(crate) async fn fenced(
         &self,
         script: &Script,
         scope: &Scope,
@@ -322,7 +233,7 @@ impl RedisStore {
         args.push(fence_s.as_bytes());
         args.extend_from_slice(rest);
         let (v, acks) = self
-            .eval_confirmed(script, &key, &args, self.inner.command_timeout, confirm)
+            .eval_confirmed(script, &key, &args, self.backend.command_timeout, confirm)
             .await?;
         let items = array(v)?;
         let mut it = items.into_iter();
@@ -331,7 +242,7 @@ impl RedisStore {
             b"F" => {
                 let cur = int(it.next())?;
                 if confirm
-                    && self.inner.replica_acks.is_some()
+                    && self.backend.replica_acks.is_some()
                     && u64::try_from(cur).ok() == Some(fence_presented)
                 {
                     // Landed earlier, reply lost: confirm it before saying so.
@@ -355,10 +266,10 @@ impl RedisStore {
         let lease = ms(req.lease).to_string();
         let v = self
             .eval(
-                &self.inner.scripts.claim,
+                &self.backend.scripts.claim,
                 &key,
                 &[&req.fingerprint.0, claimant.as_bytes(), lease.as_bytes()],
-                self.inner.command_timeout,
+                self.backend.command_timeout,
             )
             .await?;
         let mut it = array(v)?.into_iter();
@@ -381,30 +292,6 @@ impl RedisStore {
         }
     }
 
-    /// Confirms an acquired claim on the replicas (replica confirmation on). Not
-    /// confirmed in time: the claim is released again (best effort; nothing ran) and the
-    /// caller gets `Unavailable`, so no handler runs on a claim a failover could forget.
-    async fn confirm_claim(&self, req: &ClaimRequest<'_>, fence: Fence) -> Result<(), StoreError> {
-        match self.confirm(req.scope, fence).await {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                if matches!(e, StoreError::Unavailable(_))
-                    && let Err(r) = self
-                        .fenced(&self.inner.scripts.release, req.scope, fence, &[], false)
-                        .await
-                {
-                    tracing::debug!(error = %r, "unconfirmed claim not released; it lapses with its lease");
-                }
-                Err(match e {
-                    StoreError::Fenced { .. } => StoreError::Unavailable(
-                        "the claim was lost before replicas confirmed it (failover?)".into(),
-                    ),
-                    e => e,
-                })
-            }
-        }
-    }
-
     /// Counts a claim just acquired against its tenant's quota: `Ok(true)` counted,
     /// `Ok(false)` the tenant holds its quota already.
     async fn account(
@@ -421,10 +308,10 @@ impl RedisStore {
         let quota = quota.to_string();
         let v = self
             .eval(
-                &self.inner.scripts.account,
+                &self.backend.scripts.account,
                 &key,
                 &[&member, lease.as_bytes(), quota.as_bytes()],
-                self.inner.command_timeout,
+                self.backend.command_timeout,
             )
             .await?;
         let mut it = array(v)?.into_iter();
@@ -438,7 +325,7 @@ impl RedisStore {
     /// Takes a finished claim (completed, released or fenced) out of its tenant's
     /// count. Best effort: a failure only leaves the count until the lease ends.
     async fn uncount(&self, scope: &Scope, fence: Fence) {
-        let Some(tenant) = self.inner.held.get(scope, fence) else {
+        let Some(tenant) = self.backend.held.get(scope, fence) else {
             return;
         };
         let key = self.tenant_key_for(&tenant);
@@ -446,7 +333,7 @@ impl RedisStore {
         let mut conn = self.connection();
         let zrem = redis::cmd("ZREM").arg(&key).arg(&member[..]).to_owned();
         let res = self
-            .bounded(self.inner.command_timeout, async move {
+            .bounded(self.backend.command_timeout, async move {
                 zrem.query_async::<i64>(&mut conn).await
             })
             .await;
@@ -471,7 +358,7 @@ impl RedisStore {
         );
         // Unavailable: the layer retries with the same fence, so keep the note.
         if !matches!(res, Err(StoreError::Unavailable(_))) {
-            self.inner.held.remove(scope, fence);
+            self.backend.held.remove(scope, fence);
         }
         res
     }
@@ -485,11 +372,11 @@ impl Store for RedisStore {
     /// the second step.
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let claim = self.claim_record(&req).await?;
-        if let (Claim::Acquired { fence, .. }, Some(_)) = (&claim, self.inner.replica_acks) {
+        if let (Claim::Acquired { fence, .. }, Some(_)) = (&claim, self.backend.replica_acks) {
             self.confirm_claim(&req, *fence).await?;
         }
         let (Claim::Acquired { fence, .. }, Some(quota)) =
-            (&claim, self.inner.max_in_flight_per_tenant)
+            (&claim, self.backend.max_in_flight_per_tenant)
         else {
             return Ok(claim);
         };
@@ -499,14 +386,14 @@ impl Store for RedisStore {
             .await
         {
             Ok(true) => {
-                self.inner
+                self.backend
                     .held
                     .insert(req.scope, fence, *req.tenant, req.lease);
                 Ok(claim)
             }
             Ok(false) => {
                 if let Err(e) = self
-                    .fenced(&self.inner.scripts.release, req.scope, fence, &[], false)
+                    .fenced(&self.backend.scripts.release, req.scope, fence, &[], false)
                     .await
                 {
                     // The record stays in flight until its lease ends; then the next
@@ -531,7 +418,7 @@ impl Store for RedisStore {
         let lease_ms = ms(lease).to_string();
         let res = self
             .fenced(
-                &self.inner.scripts.renew,
+                &self.backend.scripts.renew,
                 scope,
                 fence,
                 &[lease_ms.as_bytes()],
@@ -539,15 +426,15 @@ impl Store for RedisStore {
                 false,
             )
             .await;
-        match (&res, self.inner.max_in_flight_per_tenant) {
+        match (&res, self.backend.max_in_flight_per_tenant) {
             (Ok(()), Some(quota)) => {
-                if let Some(tenant) = self.inner.held.renewed(scope, fence, lease) {
+                if let Some(tenant) = self.backend.held.renewed(scope, fence, lease) {
                     let _ = self.account(&tenant, scope, fence, lease, quota).await;
                 }
             }
             (Err(StoreError::Fenced { .. }), _) => {
                 self.uncount(scope, fence).await;
-                self.inner.held.remove(scope, fence);
+                self.backend.held.remove(scope, fence);
             }
             _ => {}
         }
@@ -561,7 +448,7 @@ impl Store for RedisStore {
             StoredOutcome::NotRetained => (b"n", b""),
         };
         self.finish(
-            &self.inner.scripts.complete,
+            &self.backend.scripts.complete,
             req.scope,
             req.fence,
             &[kind, body, ttl.as_bytes()],
@@ -571,7 +458,7 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        self.finish(&self.inner.scripts.release, scope, fence, &[], false)
+        self.finish(&self.backend.scripts.release, scope, fence, &[], false)
             .await
     }
 
@@ -579,18 +466,16 @@ impl Store for RedisStore {
         let key = self.key_for(scope);
         let v = self
             .eval(
-                &self.inner.scripts.read,
+                &self.backend.scripts.read,
                 &key,
                 &[b"1"],
-                self.inner.command_timeout,
+                self.backend.command_timeout,
             )
             .await?;
         let Some(mut it) = read_items(v, 6)? else {
             return Ok(None);
         };
-        let state = state_byte(it.next())?;
-        let fence = fence(it.next())?;
-        let left = millis(it.next())?;
+        let (state, fence, left) = read_head(&mut it)?;
         let fp = bytes(it.next())?;
         let kind = bytes(it.next())?;
         let body = bytes(it.next())?;
@@ -623,7 +508,7 @@ impl Store for RedisStore {
         }
         let watched = first.fence;
         // Subscribing (and, the first time, connecting) never runs past `until`.
-        let watch = match &self.inner.notifier {
+        let watch = match &self.backend.notifier {
             Some(n) => tokio::time::timeout_at(until, n.watch(format!("{key}:done")))
                 .await
                 .ok()
@@ -631,15 +516,15 @@ impl Store for RedisStore {
             None => None,
         };
         let poll_max = if watch.is_some() {
-            NOTIFY_POLL_MAX.max(self.inner.poll_max)
+            NOTIFY_POLL_MAX.max(self.backend.poll_max)
         } else {
-            self.inner.poll_max
+            self.backend.poll_max
         };
         // Subscribed, polling only covers a lost notification connection: start slower.
         let mut interval = if watch.is_some() {
-            NOTIFY_POLL_MIN.max(self.inner.poll_min)
+            NOTIFY_POLL_MIN.max(self.backend.poll_min)
         } else {
-            self.inner.poll_min
+            self.backend.poll_min
         };
         let mut lease_left = first.lease_left;
         // Subscribed: read again now that the subscription is live. Not subscribed: the
@@ -665,19 +550,8 @@ impl Store for RedisStore {
             if now >= until {
                 return Ok(());
             }
-            // One millisecond past the lease so the next read sees it expired.
-            let wake = (now + interval)
-                .min(now + lease_left + Duration::from_millis(1))
-                .min(until);
-            tokio::select! {
-                _ = async {
-                    match notified.as_mut().as_pin_mut() {
-                        Some(n) => n.await,
-                        None => std::future::pending().await,
-                    }
-                } => {}
-                _ = tokio::time::sleep_until(wake) => {}
-            }
+            let wake = wait::next_read(now, interval, lease_left, until);
+            wait::sleep_or_notified(notified.as_mut(), wake).await;
             interval = (interval * 2).min(poll_max);
         }
     }
@@ -688,205 +562,15 @@ impl Store for RedisStore {
 const MAX_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
 
 /// Milliseconds for a script argument, in `1..=MAX_MS` (a `PEXPIRE 0` would delete the key).
-fn ms(d: Duration) -> u64 {
+pub(crate) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
         .unwrap_or(MAX_MS)
         .clamp(1, MAX_MS)
 }
 
-/// Maps a client error: connection trouble, timeouts and server conditions that pass
-/// (loading, OOM, read-only replica, cluster down…) are `Unavailable`; a reply of the
-/// wrong shape, a key of the wrong type or a script error on a record is `Corrupt`.
-pub(crate) fn map_error(e: RedisError) -> StoreError {
-    let code = e.code().unwrap_or("");
-    let corrupt_reply = matches!(e.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType)
-        || code == "WRONGTYPE"
-        || code == "IDEMCORRUPT"
-        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
-            && e.detail().is_some_and(|d| d.contains("user_script")));
-    let cause = Cause::new(e.to_string(), e);
-    if corrupt_reply {
-        StoreError::Corrupt(cause)
-    } else {
-        StoreError::Unavailable(cause)
-    }
-}
-
-/// The replies of an `EVALSHA` + `WAIT` pipeline: the script's reply (an error reply
-/// raised as the error it is) and the number of replicas that acknowledged.
-fn script_and_acks(items: Vec<Value>) -> Result<(Value, Option<i64>), RedisError> {
-    let bad = || RedisError::from((ErrorKind::UnexpectedReturnType, "EVALSHA + WAIT reply"));
-    let mut it = items.into_iter();
-    let script = it.next().ok_or_else(bad)?.extract_error()?;
-    match it.next().ok_or_else(bad)?.extract_error()? {
-        Value::Int(n) => Ok((script, Some(n))),
-        _ => Err(bad()),
-    }
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(format!("redis: {what}").into())
-}
-
-/// The fields of the read script's reply: `None` when the record is absent (an empty
-/// reply), else exactly `len` of them.
-fn read_items(v: Value, len: usize) -> Result<Option<std::vec::IntoIter<Value>>, StoreError> {
-    let items = array(v)?;
-    if items.is_empty() {
-        return Ok(None);
-    }
-    if items.len() != len {
-        return Err(corrupt("read reply of unexpected length"));
-    }
-    Ok(Some(items.into_iter()))
-}
-
-fn array(v: Value) -> Result<Vec<Value>, StoreError> {
-    match v {
-        Value::Array(items) | Value::Set(items) => Ok(items),
-        Value::Nil => Ok(Vec::new()),
-        _ => Err(corrupt("expected an array reply")),
-    }
-}
-
-fn bytes(v: Option<Value>) -> Result<Vec<u8>, StoreError> {
-    match v {
-        Some(Value::BulkString(b)) => Ok(b),
-        Some(Value::SimpleString(s)) => Ok(s.into_bytes()),
-        Some(Value::Okay) => Ok(b"OK".to_vec()),
-        _ => Err(corrupt("expected a string in the reply")),
-    }
-}
-
-fn tag(v: Option<Value>) -> Result<Vec<u8>, StoreError> {
-    bytes(v)
-}
-
-fn int(v: Option<Value>) -> Result<i64, StoreError> {
-    match v {
-        Some(Value::Int(i)) => Ok(i),
-        Some(Value::BulkString(b)) => std::str::from_utf8(&b)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| corrupt("expected an integer in the reply")),
-        _ => Err(corrupt("expected an integer in the reply")),
-    }
-}
-
-fn fence(v: Option<Value>) -> Result<Fence, StoreError> {
-    let i = int(v)?;
-    Fence::try_from(i)
-        .ok()
-        .filter(|f| *f > 0)
-        .ok_or_else(|| corrupt("fence out of range"))
-}
-
-fn millis(v: Option<Value>) -> Result<Duration, StoreError> {
-    let i = int(v)?;
-    Ok(Duration::from_millis(u64::try_from(i).unwrap_or(0)))
-}
-
-fn state_byte(v: Option<Value>) -> Result<u8, StoreError> {
-    match bytes(v)?.as_slice() {
-        [s @ (b'i' | b'c' | b'r')] => Ok(*s),
-        _ => Err(corrupt("unknown record state")),
-    }
-}
-
-fn fingerprint(b: &[u8]) -> Result<Fingerprint, StoreError> {
-    <[u8; 32]>::try_from(b)
-        .map(Fingerprint)
-        .map_err(|_| corrupt("fingerprint is not 32 bytes"))
-}
-
-fn outcome(kind: &[u8], body: Vec<u8>) -> Result<StoredOutcome, StoreError> {
-    match kind {
-        b"r" => Ok(StoredOutcome::Response(Bytes::from(body))),
-        b"n" => Ok(StoredOutcome::NotRetained),
-        _ => Err(corrupt("unknown outcome kind")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn replies_of_the_wrong_shape_are_corrupt_not_panics() {
-        assert!(matches!(array(Value::Int(3)), Err(StoreError::Corrupt(_))));
-        assert!(matches!(bytes(None), Err(StoreError::Corrupt(_))));
-        assert!(matches!(
-            fence(Some(Value::Int(0))),
-            Err(StoreError::Corrupt(_))
-        ));
-        assert!(matches!(
-            fence(Some(Value::Int(-4))),
-            Err(StoreError::Corrupt(_))
-        ));
-        assert!(matches!(
-            int(Some(Value::BulkString(b"x1".to_vec()))),
-            Err(StoreError::Corrupt(_))
-        ));
-        assert!(matches!(
-            state_byte(Some(Value::BulkString(b"z".to_vec()))),
-            Err(StoreError::Corrupt(_))
-        ));
-        assert!(matches!(fingerprint(&[1, 2]), Err(StoreError::Corrupt(_))));
-        assert!(matches!(outcome(b"?", vec![]), Err(StoreError::Corrupt(_))));
-        assert_eq!(fence(Some(Value::Int(7))).ok(), Some(7));
-        assert_eq!(millis(Some(Value::Int(-5))).ok(), Some(Duration::ZERO));
-    }
-
-    #[test]
-    fn client_errors_map_to_unavailable_or_corrupt() {
-        let e = |kind, what: &'static str| map_error(RedisError::from((kind, what)));
-        assert!(matches!(
-            e(ErrorKind::Io, "reset"),
-            StoreError::Unavailable(_)
-        ));
-        assert!(matches!(
-            e(ErrorKind::Server(ServerErrorKind::BusyLoading), "loading"),
-            StoreError::Unavailable(_)
-        ));
-        assert!(matches!(
-            e(ErrorKind::Server(ServerErrorKind::ReadOnly), "replica"),
-            StoreError::Unavailable(_)
-        ));
-        assert!(matches!(
-            e(ErrorKind::AuthenticationFailed, "auth"),
-            StoreError::Unavailable(_)
-        ));
-        assert!(matches!(
-            e(ErrorKind::UnexpectedReturnType, "type"),
-            StoreError::Corrupt(_)
-        ));
-        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
-        assert!(matches!(map_error(io), StoreError::Unavailable(_)));
-    }
-
-    #[test]
-    fn evalsha_and_wait_replies_of_any_shape_never_panic() {
-        let ok = Value::Array(vec![Value::BulkString(b"OK".to_vec())]);
-        assert!(matches!(
-            script_and_acks(vec![ok.clone(), Value::Int(1)]),
-            Ok((_, Some(1)))
-        ));
-        // Too short, WAIT not an integer, a script error: errors, not panics.
-        assert!(script_and_acks(vec![]).is_err());
-        assert!(script_and_acks(vec![ok.clone()]).is_err());
-        assert!(script_and_acks(vec![ok.clone(), Value::Nil]).is_err());
-        assert!(
-            script_and_acks(vec![
-                redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n")
-                    .expect("an error reply parses as a value"),
-                Value::Int(1),
-            ])
-            .is_err_and(|e| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript))
-        );
-        // A WAIT error reply (e.g. a replica refusing it) is an error too.
-        let wait_err = redis::RedisError::from((ErrorKind::Io, "gone"));
-        assert!(map_error(wait_err).to_string().contains("gone"));
-    }
 
     #[test]
     fn durations_become_at_least_one_millisecond() {

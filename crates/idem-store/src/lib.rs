@@ -57,6 +57,7 @@ mod record;
 pub mod response;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod wait;
 
 pub use record::RecordRef;
 

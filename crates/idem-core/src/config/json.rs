@@ -11,7 +11,7 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
-use super::parse::child;
+use super::read::child;
 
 /// The document and the paths of the keys it repeats (in document order).
 pub(crate) struct Read {

@@ -104,19 +104,32 @@
 //!
 //! idem's own objects follow the same conventions; their fields and defaults are on
 //! [`IdempotencyPolicy`], [`IdemSettings`],
-//! [`MemoryStoreSettings`](idem_store::memory::MemoryStoreSettings), [`RedisSettings`] and
+//! [`MemoryStoreSettings`], [`RedisSettings`] and
 //! [`ClientSettings`]. In `idempotency`, when only one of `cacheableStatusCodes` /
 //! `releaseStatusCodes` is given the other is its complement; when both are given they
 //! must not overlap, and a code in neither is cached (with a warning), because caching
 //! an outcome is the safe side: a duplicate sees it instead of running again. `inFlight`
 //! is `"WAIT"` or `"ABORT"`, exactly (it is idem's own enum, so no case games).
 
+mod document;
 mod duration;
-mod json;
-mod parse;
 #[cfg(test)]
-mod tests;
-mod types;
+mod fixtures;
+mod idem;
+mod idempotency;
+mod json;
+mod method;
+mod read;
+mod retry;
+mod stores;
 
+pub use document::{Parsed, ServiceConfig, split_path};
 pub use duration::{DurationError, MAX_DURATION_SECONDS, format_duration, parse_duration};
-pub use types::*;
+pub use idem::{ClientSettings, IdemSettings, TenantSource};
+pub use idempotency::{Compression, CompressionSet, IdempotencyPolicy, InFlightPolicy};
+pub use method::{MethodConfig, MethodName};
+pub use read::{ConfigError, Diagnostic};
+pub use retry::{
+    HedgingPolicy, InvalidRetryPolicy, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryThrottling,
+};
+pub use stores::{DEFAULT_MIN_RETENTION, MemoryStoreSettings, RedisSettings};

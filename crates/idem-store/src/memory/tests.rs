@@ -1,5 +1,10 @@
+use std::collections::HashMap;
+
+use super::entry::{Done, Name, lock};
+use super::sweep::QUEUE_SLACK;
 use super::*;
 use crate::testing::completion;
+use crate::{ClaimantId, Fingerprint};
 use proptest::prelude::*;
 
 fn scope(n: u8) -> Scope {

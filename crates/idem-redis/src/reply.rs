@@ -1,0 +1,182 @@
+//! Decoding the scripts' replies: every reply is checked for its shape, and one of the
+//! wrong shape is `StoreError::Corrupt`, never a panic; and the mapping of client errors
+//! to `Unavailable` or `Corrupt`.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_store::{Cause, Fence, Fingerprint, StoreError, StoredOutcome};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+
+/// Maps a client error: connection trouble, timeouts and server conditions that pass
+/// (loading, OOM, read-only replica, cluster down…) are `Unavailable`; a reply of the
+/// wrong shape, a key of the wrong type or a script error on a record is `Corrupt`.
+pub(crate) fn map_error(e: RedisError) -> StoreError {
+    let code = e.code().unwrap_or("");
+    let corrupt_reply = matches!(e.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType)
+        || code == "WRONGTYPE"
+        || code == "IDEMCORRUPT"
+        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+            && e.detail().is_some_and(|d| d.contains("user_script")));
+    let cause = Cause::new(e.to_string(), e);
+    if corrupt_reply {
+        StoreError::Corrupt(cause)
+    } else {
+        StoreError::Unavailable(cause)
+    }
+}
+
+pub(crate) fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("redis: {what}").into())
+}
+
+/// The fields of the read script's reply: `None` when the record is absent (an empty
+/// reply), else exactly `len` of them.
+pub(crate) fn read_items(
+    v: Value,
+    len: usize,
+) -> Result<Option<std::vec::IntoIter<Value>>, StoreError> {
+    let items = array(v)?;
+    if items.is_empty() {
+        return Ok(None);
+    }
+    if items.len() != len {
+        return Err(corrupt("read reply of unexpected length"));
+    }
+    Ok(Some(items.into_iter()))
+}
+
+/// The state, fence and lease left that begin every reply of the read script.
+pub(crate) fn read_head(
+    it: &mut impl Iterator<Item = Value>,
+) -> Result<(u8, Fence, Duration), StoreError> {
+    Ok((
+        state_byte(it.next())?,
+        fence(it.next())?,
+        millis(it.next())?,
+    ))
+}
+
+pub(crate) fn array(v: Value) -> Result<Vec<Value>, StoreError> {
+    match v {
+        Value::Array(items) | Value::Set(items) => Ok(items),
+        Value::Nil => Ok(Vec::new()),
+        _ => Err(corrupt("expected an array reply")),
+    }
+}
+
+pub(crate) fn bytes(v: Option<Value>) -> Result<Vec<u8>, StoreError> {
+    match v {
+        Some(Value::BulkString(b)) => Ok(b),
+        Some(Value::SimpleString(s)) => Ok(s.into_bytes()),
+        Some(Value::Okay) => Ok(b"OK".to_vec()),
+        _ => Err(corrupt("expected a string in the reply")),
+    }
+}
+
+pub(crate) fn tag(v: Option<Value>) -> Result<Vec<u8>, StoreError> {
+    bytes(v)
+}
+
+pub(crate) fn int(v: Option<Value>) -> Result<i64, StoreError> {
+    match v {
+        Some(Value::Int(i)) => Ok(i),
+        Some(Value::BulkString(b)) => std::str::from_utf8(&b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| corrupt("expected an integer in the reply")),
+        _ => Err(corrupt("expected an integer in the reply")),
+    }
+}
+
+pub(crate) fn fence(v: Option<Value>) -> Result<Fence, StoreError> {
+    let i = int(v)?;
+    Fence::try_from(i)
+        .ok()
+        .filter(|f| *f > 0)
+        .ok_or_else(|| corrupt("fence out of range"))
+}
+
+pub(crate) fn millis(v: Option<Value>) -> Result<Duration, StoreError> {
+    let i = int(v)?;
+    Ok(Duration::from_millis(u64::try_from(i).unwrap_or(0)))
+}
+
+pub(crate) fn state_byte(v: Option<Value>) -> Result<u8, StoreError> {
+    match bytes(v)?.as_slice() {
+        [s @ (b'i' | b'c' | b'r')] => Ok(*s),
+        _ => Err(corrupt("unknown record state")),
+    }
+}
+
+pub(crate) fn fingerprint(b: &[u8]) -> Result<Fingerprint, StoreError> {
+    <[u8; 32]>::try_from(b)
+        .map(Fingerprint)
+        .map_err(|_| corrupt("fingerprint is not 32 bytes"))
+}
+
+pub(crate) fn outcome(kind: &[u8], body: Vec<u8>) -> Result<StoredOutcome, StoreError> {
+    match kind {
+        b"r" => Ok(StoredOutcome::Response(Bytes::from(body))),
+        b"n" => Ok(StoredOutcome::NotRetained),
+        _ => Err(corrupt("unknown outcome kind")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_of_the_wrong_shape_are_corrupt_not_panics() {
+        assert!(matches!(array(Value::Int(3)), Err(StoreError::Corrupt(_))));
+        assert!(matches!(bytes(None), Err(StoreError::Corrupt(_))));
+        assert!(matches!(
+            fence(Some(Value::Int(0))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            fence(Some(Value::Int(-4))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            int(Some(Value::BulkString(b"x1".to_vec()))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            state_byte(Some(Value::BulkString(b"z".to_vec()))),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(fingerprint(&[1, 2]), Err(StoreError::Corrupt(_))));
+        assert!(matches!(outcome(b"?", vec![]), Err(StoreError::Corrupt(_))));
+        assert_eq!(fence(Some(Value::Int(7))).ok(), Some(7));
+        assert_eq!(millis(Some(Value::Int(-5))).ok(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn client_errors_map_to_unavailable_or_corrupt() {
+        let e = |kind, what: &'static str| map_error(RedisError::from((kind, what)));
+        assert!(matches!(
+            e(ErrorKind::Io, "reset"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::Server(ServerErrorKind::BusyLoading), "loading"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::Server(ServerErrorKind::ReadOnly), "replica"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::AuthenticationFailed, "auth"),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            e(ErrorKind::UnexpectedReturnType, "type"),
+            StoreError::Corrupt(_)
+        ));
+        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(matches!(map_error(io), StoreError::Unavailable(_)));
+    }
+}
