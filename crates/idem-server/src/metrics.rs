@@ -48,12 +48,9 @@ use futures_util::future::Either;
 use http::Response;
 use idem_core::code::{OnEnd, grpc_status_code};
 use idem_core::headers::reason;
-use idem_store::Store;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
-
-use crate::idempotency::IdempotencyLayer;
 
 /// Told about every call an [`IdempotencyLayer`] sees: protected ones, and those it
 /// passes through (outcome `passthrough`; see the [module docs](self)).
@@ -102,26 +99,6 @@ pub struct ProtectedCallEnded<'a> {
     pub duration: Duration,
 }
 
-/// The observer as the layer holds it.
-pub(crate) type SharedObserver = Arc<dyn ServerObserver>;
-
-impl<St: Store> IdempotencyLayer<St> {
-    /// Tells `observer` about every call (default none).
-    pub fn observer(mut self, observer: impl ServerObserver) -> Self {
-        Arc::make_mut(&mut self.shared).observer = Some(Arc::new(observer));
-        self
-    }
-
-    /// Handler runs in progress now: from their claim until their outcome is recorded,
-    /// runs whose caller went away included (at most
-    /// [`max_handlers_in_flight`](Self::max_handlers_in_flight)).
-    pub fn handlers_in_flight(&self) -> usize {
-        let s = &self.shared;
-        s.max_handlers
-            .saturating_sub(s.handlers.available_permits())
-    }
-}
-
 #[derive(Default)]
 struct State {
     /// The response body reports its own end ([`BodyEnd`]): [`watch`] wraps nothing.
@@ -135,7 +112,7 @@ struct State {
 
 /// One protected call being traced; it reports when the last reference goes.
 pub(crate) struct CallTrace {
-    observer: Option<SharedObserver>,
+    observer: Option<Arc<dyn ServerObserver>>,
     method: Arc<str>,
     tenant: Option<String>,
     /// A call passed through: no event, only the observer.
@@ -149,7 +126,7 @@ impl CallTrace {
     /// A trace of a protected call to `method`, when someone listens.
     /// `method` makes the method's path only then.
     pub(crate) fn start(
-        observer: Option<&SharedObserver>,
+        observer: Option<&Arc<dyn ServerObserver>>,
         method: impl FnOnce() -> Arc<str>,
         span: &tracing::Span,
     ) -> Option<Arc<CallTrace>> {
@@ -173,7 +150,7 @@ impl CallTrace {
 
     /// A trace of a call passed through to `method`, when an observer listens.
     pub(crate) fn passthrough(
-        observer: Option<&SharedObserver>,
+        observer: Option<&Arc<dyn ServerObserver>>,
         method: &str,
     ) -> Option<Arc<Self>> {
         let o = observer?;
