@@ -14,9 +14,9 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response};
 use http_body::Frame;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use idem_core::config::IdempotencyPolicy;
-use idem_core::deadline::{InboundScope, scope_inbound_deadline};
+use idem_core::deadline::scope_inbound_deadline;
 use idem_core::derive::KeySource;
 use idem_store::response::{EncodedSize, ResponseEncoder};
 use idem_store::{Fence, RecordRef, Store, StoredOutcome};
@@ -28,7 +28,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::body::{ChannelBody, ReplayBody};
-use super::call::Call;
+use super::context::{BufferedRequest, Call};
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::stats::Counter;
@@ -43,6 +43,13 @@ use crate::metrics::{BodyEnd, CallTrace};
 pub struct RecordFence(pub Fence);
 
 type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
+
+/// What a handler's run holds until its outcome is recorded: the lease on the record its
+/// call claimed, and one of the layer's handler runs (`maxHandlersInFlight`).
+struct Claimed<St> {
+    lease: Lease<St>,
+    permit: OwnedSemaphorePermit,
+}
 
 /// Runs the handler for `call` under the record it claimed with `fence`, and answers
 /// with the response as soon as it starts.
@@ -60,10 +67,8 @@ type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
 pub(crate) fn execute<S, St, ResBody>(
     call: Call<St>,
     inner: S,
-    mut parts: http::request::Parts,
-    body: Bytes,
+    mut request: BufferedRequest,
     fence: Fence,
-    inbound: InboundScope,
     permit: OwnedSemaphorePermit,
 ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
 where
@@ -71,25 +76,22 @@ where
     ResBody: ResponseBody,
     St: Store,
 {
-    let lease = Lease::start(&call, fence);
+    let lease = call.lease(fence);
     let scheduled_renewals = lease.scheduled_renewal_task();
-    parts.extensions.insert(RecordFence(fence));
-    let record = RecordRef::new(
-        call.scope,
-        fence,
-        call.policy.record_ttl,
-        call.policy.lease_ttl,
-    );
-    parts.extensions.insert(record.clone());
-    // The buffer moves into the request: once the service has read it, it is freed.
-    let req = Request::from_parts(parts, Body::new(Full::new(body)));
+    let extensions = &mut request.parts.extensions;
+    extensions.insert(RecordFence(fence));
+    extensions.insert(lease.record().clone());
     let (tx, mut rx) = oneshot::channel();
     let trace = call.trace.as_ref().filter(|t| t.observed()).cloned();
     let mut run = Detach {
         trace,
         answered: false,
         run: Some(Box::pin(run(
-            call, inner, lease, record, req, inbound, tx, permit,
+            call,
+            inner,
+            request,
+            Claimed { lease, permit },
+            tx,
         ))),
         span: tracing::Span::current(),
         runtime: tokio::runtime::Handle::try_current().ok(),
@@ -175,18 +177,14 @@ impl Drop for Detach {
 /// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
 /// the record's scope, so client calls it makes derive their keys from this call's
 /// (the same keys on every run of it: a run after a crash replays downstream).
-/// `permit` is held until the outcome is recorded (not until the caller has read the
-/// rest of the response).
-#[allow(clippy::too_many_arguments)]
+/// The claim's permit is held until the outcome is recorded (not until the caller has
+/// read the rest of the response).
 async fn run<S, St, ResBody>(
     call: Call<St>,
     inner: S,
-    lease: Lease<St>,
-    record: RecordRef,
-    req: Request<Body>,
-    inbound: InboundScope,
+    request: BufferedRequest,
+    claimed: Claimed<St>,
     reply: Reply<S::Error>,
-    permit: OwnedSemaphorePermit,
 ) where
     S: Inner<ResBody>,
     ResBody: ResponseBody,
@@ -199,6 +197,8 @@ async fn run<S, St, ResBody>(
         trace,
         ..
     } = call;
+    let Claimed { lease, permit } = claimed;
+    let (req, inbound) = request.into_request();
     let keys = KeySource::new(scope.0, super::derived_key);
     let max = policy.max_response_bytes;
     let mut out = Output {
@@ -207,7 +207,8 @@ async fn run<S, St, ResBody>(
     };
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
     // response with INTERNAL and is recorded like any outcome, never left in flight.
-    let produced = AssertUnwindSafe(produce(inner, req, &mut out, max, &record)).catch_unwind();
+    let produced = produce(inner, req, &mut out, max, lease.record());
+    let produced = AssertUnwindSafe(produced).catch_unwind();
     match scope_inbound_deadline(inbound, keys.run(produced)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
@@ -226,7 +227,7 @@ async fn run<S, St, ResBody>(
     let mut collected = collected.expect("a response head, or the panic's");
     // What to record is settled (and the response encoded) before the trailers move to
     // the caller's side: no copy of them is kept.
-    let plan = if record.is_completed() {
+    let plan = if lease.record().is_completed() {
         // The handler's own transaction completed the record with its reply.
         None
     } else {

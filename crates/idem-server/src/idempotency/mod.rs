@@ -240,6 +240,7 @@
 
 mod body;
 mod call;
+mod context;
 mod decision;
 mod digest;
 mod error;
