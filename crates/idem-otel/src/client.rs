@@ -11,7 +11,7 @@ use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
 use crate::labels::{
-    self, Bound, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped, status_index,
+    self, BoundSeries, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped, status_index,
 };
 use crate::{per_call_histogram, seconds_histogram};
 
@@ -29,12 +29,12 @@ use crate::{per_call_histogram, seconds_histogram};
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct ClientMetrics(Arc<Inner>);
+pub struct ClientMetrics(Arc<ClientInstruments>);
 
-struct Inner {
+struct ClientInstruments {
     meter: Meter,
     target: KeyValue,
-    counts: Arc<MethodCounters<Counts>>,
+    counts: Arc<MethodCounters<ClientCounts>>,
     attempt_duration: Histogram<f64>,
     call_duration: Histogram<f64>,
     call_retries: Histogram<u64>,
@@ -44,20 +44,20 @@ struct Inner {
 
 /// The client's counters per method label (see [`MethodCounters`]).
 #[derive(Default)]
-struct Counts {
+struct ClientCounts {
     attempts: Striped<1>,
     outcomes: Striped<{ CallOutcome::COUNT }>,
     /// The histograms' series of this method, per `grpc.status` where they have one.
-    attempt_duration: Bound<f64, STATUS_COUNT>,
-    call_duration: Bound<f64, STATUS_COUNT>,
-    call_retries: Bound<u64, 1>,
-    call_hedges: Bound<u64, 1>,
-    retry_delay: Bound<f64, 1>,
+    attempt_duration: BoundSeries<f64, STATUS_COUNT>,
+    call_duration: BoundSeries<f64, STATUS_COUNT>,
+    call_retries: BoundSeries<u64, 1>,
+    call_hedges: BoundSeries<u64, 1>,
+    retry_delay: BoundSeries<f64, 1>,
 }
 
-impl Counts {
+impl ClientCounts {
     /// Hands the histogram values buffered since the last collection to the SDK (see
-    /// [`Bound`]).
+    /// [`BoundSeries`]).
     fn flush(&self) {
         self.attempt_duration.flush();
         self.call_duration.flush();
@@ -82,9 +82,9 @@ impl ClientMetrics {
     pub fn new(meter: &Meter, target: impl Into<String>, config: &ServiceConfig) -> Self {
         // Shared, not owned: an owned string value is copied at every clone.
         let target = KeyValue::new("grpc.target", Value::from(Arc::<str>::from(target.into())));
-        let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
-            config, true,
-        )));
+        let counts = Arc::new(MethodCounters::<ClientCounts>::new(
+            MethodLabels::from_config(config, true),
+        ));
         let (c, t) = (counts.clone(), target.clone());
         meter
             .u64_observable_counter("grpc.client.attempt.started")
@@ -119,7 +119,7 @@ impl ClientMetrics {
                 })
             })
             .build();
-        ClientMetrics(Arc::new(Inner {
+        ClientMetrics(Arc::new(ClientInstruments {
             target,
             counts,
             attempt_duration: seconds_histogram(
@@ -190,9 +190,9 @@ impl CallObserver for ClientMetrics {
     }
 }
 
-impl Inner {
+impl ClientInstruments {
     /// Records `call` on its method's `counts`.
-    fn call_ended(&self, counts: &PerMethod<Counts>, call: &CallEnded<'_>) {
+    fn call_ended(&self, counts: &PerMethod<ClientCounts>, call: &CallEnded<'_>) {
         let m = self;
         if let Some(i) = CallOutcome::ALL
             .iter()

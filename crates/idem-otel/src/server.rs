@@ -14,8 +14,8 @@ use opentelemetry::metrics::{Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
 use crate::labels::{
-    self, Bound, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped,
-    lock, status_index,
+    self, BoundSeries, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT,
+    Striped, lock, status_index,
 };
 use crate::seconds_histogram;
 
@@ -37,11 +37,11 @@ use crate::seconds_histogram;
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct ServerMetrics(Arc<Inner>);
+pub struct ServerMetrics(Arc<ServerInstruments>);
 
-struct Inner {
+struct ServerInstruments {
     meter: Meter,
-    counts: Arc<MethodCounters<Counts>>,
+    counts: Arc<MethodCounters<ServerCounts>>,
     /// The series of every store made by [`ServerMetrics::instrument_store`].
     stores: StoreSeries,
     /// Handler runs detached by their caller's cancel, going on now.
@@ -54,19 +54,19 @@ struct Inner {
 
 /// The server's counters per method label (see [`MethodCounters`]).
 #[derive(Default)]
-struct Counts {
+struct ServerCounts {
     started: Striped<1>,
     /// Boxed: a [`Striped`] counter takes 512 bytes, and most of the slots stay empty.
     outcomes: FirstFew<OutcomeKey, Box<Striped<1>>>,
     /// `grpc.server.call.duration`, per `grpc.status`.
-    duration: Bound<f64, STATUS_COUNT>,
+    duration: BoundSeries<f64, STATUS_COUNT>,
 }
 
 /// One `idem.server.call.outcome` series of a method: outcome, reason, tenant label.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct OutcomeKey(&'static str, Option<&'static str>, Option<Arc<str>>);
 
-impl Counts {
+impl ServerCounts {
     /// Counts one call ending as `key` says.
     fn add_outcome(&self, key: OutcomeKey) {
         self.outcomes.with(
@@ -89,9 +89,9 @@ impl ServerMetrics {
     /// are labelled by name; others `"other"` (add more with [`method`](Self::method)):
     /// the layer runs before the router, so a caller could make up method names.
     pub fn new(meter: &Meter, config: &ServiceConfig) -> Self {
-        let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
-            config, false,
-        )));
+        let counts = Arc::new(MethodCounters::<ServerCounts>::new(
+            MethodLabels::from_config(config, false),
+        ));
         let stores = StoreSeries::default();
         let (c, st) = (counts.clone(), stores.clone());
         meter
@@ -130,7 +130,7 @@ impl ServerMetrics {
                 })
             })
             .build();
-        ServerMetrics(Arc::new(Inner {
+        ServerMetrics(Arc::new(ServerInstruments {
             counts,
             stores,
             detached: Arc::default(),
@@ -182,7 +182,7 @@ impl ServerMetrics {
         store: St,
         kind: &'static str,
     ) -> InstrumentedStore<St> {
-        let series = Arc::new(Bound::default());
+        let series = Arc::new(BoundSeries::default());
         lock(&self.0.stores).push(Arc::downgrade(&series));
         let timings = StoreTimings {
             histogram: self.0.store_duration.clone(),
@@ -236,8 +236,8 @@ impl ServerMetrics {
     /// Reports `store`'s records, bytes and in-flight records, and the records it evicted
     /// or expired, at each collection.
     pub fn watch_memory_store(&self, store: &MemoryStore) {
-        type Read = fn(&idem_store::memory::MemoryStoreStats) -> usize;
-        let gauges: [(&str, &str, &str, Read); 3] = [
+        type ReadGauge = fn(&idem_store::memory::MemoryStoreStats) -> usize;
+        let gauges: [(&str, &str, &str, ReadGauge); 3] = [
             (
                 "idem.store.memory.entries",
                 "{record}",
@@ -267,8 +267,8 @@ impl ServerMetrics {
                 .with_callback(move |g| g.observe(read(&store.stats()) as u64, &[]))
                 .build();
         }
-        type Count = fn(&idem_store::memory::MemoryStoreStats) -> u64;
-        let counters: [(&str, &str, Count); 2] = [
+        type ReadCounter = fn(&idem_store::memory::MemoryStoreStats) -> u64;
+        let counters: [(&str, &str, ReadCounter); 2] = [
             (
                 "idem.store.memory.evictions",
                 "Completed records dropped before their TTL (after minRetention) to make room for a new one: a retry of their key runs again.",
@@ -313,9 +313,9 @@ impl ServerObserver for ServerMetrics {
     }
 }
 
-impl Inner {
+impl ServerInstruments {
     /// Records `call` on its method's `counts`.
-    fn call_ended(&self, counts: &PerMethod<Counts>, call: &ProtectedCallEnded<'_>) {
+    fn call_ended(&self, counts: &PerMethod<ServerCounts>, call: &ProtectedCallEnded<'_>) {
         let m = self;
         let code = call.status;
         counts
@@ -344,15 +344,15 @@ struct StoreTimings {
 }
 
 /// The series of one store's `idem.store.operation.duration`.
-type StoreBound = Bound<f64, { STORE_OPS * STORE_RESULTS }>;
+type StoreBound = BoundSeries<f64, { STORE_OPS * STORE_RESULTS }>;
 
 /// The series of the stores a [`ServerMetrics`] times (dropped stores are forgotten at
 /// the next collection).
 type StoreSeries = Arc<Mutex<Vec<Weak<StoreBound>>>>;
 
 /// Hands the histogram values buffered since the last collection to the SDK (see
-/// [`Bound`]).
-fn flush(counts: &MethodCounters<Counts>, stores: &StoreSeries) {
+/// [`BoundSeries`]).
+fn flush(counts: &MethodCounters<ServerCounts>, stores: &StoreSeries) {
     counts.each(|m| m.counts.duration.flush());
     lock(stores).retain(|s| match s.upgrade() {
         Some(series) => {

@@ -99,8 +99,9 @@ pub struct ProtectedCallEnded<'a> {
     pub duration: Duration,
 }
 
+/// What a trace has learned of its call so far.
 #[derive(Default)]
-struct State {
+struct TraceNotes {
     /// The response body reports its own end ([`BodyEnd`]): [`watch`] wraps nothing.
     body_watched: bool,
     outcome: Option<&'static str>,
@@ -119,7 +120,7 @@ pub(crate) struct CallTrace {
     passthrough: bool,
     span: tracing::Span,
     started: Instant,
-    state: Mutex<State>,
+    state: Mutex<TraceNotes>,
 }
 
 impl CallTrace {
@@ -162,9 +163,9 @@ impl CallTrace {
             passthrough: true,
             span: tracing::Span::none(),
             started: Instant::now(),
-            state: Mutex::new(State {
+            state: Mutex::new(TraceNotes {
                 outcome: Some("passthrough"),
-                ..State::default()
+                ..TraceNotes::default()
             }),
         }))
     }
@@ -192,7 +193,7 @@ impl CallTrace {
         Some(DetachedRun(self))
     }
 
-    fn update(&self, f: impl FnOnce(&mut State)) {
+    fn update(&self, f: impl FnOnce(&mut TraceNotes)) {
         f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner));
     }
 

@@ -21,7 +21,7 @@ use super::handler;
 use super::request::{ReadRequest, read_request};
 use super::stats::Counter;
 use super::status;
-use super::{Inner, ResponseBody};
+use super::{HandlerBody, HandlerService};
 use crate::metrics::BodyEnd;
 
 impl<St: Store> Call<St> {
@@ -34,8 +34,8 @@ impl<St: Store> Call<St> {
         body: Body,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Inner<ResBody>,
-        ResBody: ResponseBody,
+        S: HandlerService<ResBody>,
+        ResBody: HandlerBody,
     {
         let hook = self.shared.hooks.get(parts.uri.path());
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
@@ -139,7 +139,7 @@ impl<St: Store> Call<St> {
     ) -> Result<Response<Body>, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
-        ResBody: ResponseBody,
+        ResBody: HandlerBody,
     {
         let stats = &self.shared.stats;
         if let StoreError::Full(cause) = &e {

@@ -33,7 +33,7 @@ use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
 use super::stats::Counter;
 use super::status;
-use super::{Inner, ResponseBody};
+use super::{HandlerBody, HandlerService};
 use crate::metrics::{BodyEnd, CallTrace};
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
@@ -72,8 +72,8 @@ pub(crate) fn execute<S, St, ResBody>(
     permit: OwnedSemaphorePermit,
 ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
 where
-    S: Inner<ResBody>,
-    ResBody: ResponseBody,
+    S: HandlerService<ResBody>,
+    ResBody: HandlerBody,
     St: Store,
 {
     let lease = call.lease(fence);
@@ -186,8 +186,8 @@ async fn run<S, St, ResBody>(
     claimed: Claimed<St>,
     reply: Reply<S::Error>,
 ) where
-    S: Inner<ResBody>,
-    ResBody: ResponseBody,
+    S: HandlerService<ResBody>,
+    ResBody: HandlerBody,
     St: Store,
 {
     let Call {
@@ -327,7 +327,7 @@ async fn produce<S, ResBody>(
 ) -> Result<(), S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: ResponseBody,
+    ResBody: HandlerBody,
 {
     let resp = inner.call(req).await?;
     let (mut head, mut body) = resp.map(Body::new).into_parts();
