@@ -6,14 +6,14 @@ use std::sync::Arc;
 use idem_client::metrics::{CallEnded, CallObserver};
 use idem_client::retry::{AttemptEnd, CallOutcome, RetryLayer};
 use idem_core::config::ServiceConfig;
-use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::metrics::{AsyncInstrument, Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
 use crate::labels::{
     self, BoundSeries, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped, status_index,
 };
-use crate::{per_call_histogram, seconds_histogram};
+use crate::{observed_counter, per_call_histogram, seconds_histogram};
 
 /// Records a retry layer's calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -85,40 +85,45 @@ impl ClientMetrics {
         let counts = Arc::new(MethodCounters::<ClientCounts>::new(
             MethodLabels::from_config(config, true),
         ));
-        let (c, t) = (counts.clone(), target.clone());
-        meter
-            .u64_observable_counter("grpc.client.attempt.started")
-            .with_unit("{attempt}")
-            .with_description("Attempts started, retries included.")
-            .with_callback(move |o| {
-                c.each(|m| {
-                    m.counts.flush();
+        type Observe = fn(&PerMethod<ClientCounts>, &KeyValue, &dyn AsyncInstrument<u64>);
+        let counters: [(&str, &str, &str, Observe); 2] = [
+            (
+                "grpc.client.attempt.started",
+                "{attempt}",
+                "Attempts started, retries included.",
+                |m, target, o| {
                     let n = m.counts.attempts.get(0);
                     if n > 0 {
-                        o.observe(n, &[m.method.clone(), t.clone()]);
+                        o.observe(n, &[m.method.clone(), target.clone()]);
                     }
-                })
-            })
-            .build();
-        let (c, t) = (counts.clone(), target.clone());
-        meter
-            .u64_observable_counter("idem.client.call.outcome")
-            .with_unit("{call}")
-            .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
-            .with_callback(move |o| {
-                c.each(|m| {
-                    // Here too: a view may drop either counter.
-                    m.counts.flush();
+                },
+            ),
+            (
+                "idem.client.call.outcome",
+                "{call}",
+                "Finished calls by why the retry layer stopped (idem.outcome).",
+                |m, target, o| {
                     for (i, outcome) in CallOutcome::ALL.iter().enumerate() {
                         let n = m.counts.outcomes.get(i);
                         if n > 0 {
                             let outcome = KeyValue::new("idem.outcome", outcome.as_str());
-                            o.observe(n, &[m.method.clone(), t.clone(), outcome]);
+                            o.observe(n, &[m.method.clone(), target.clone(), outcome]);
                         }
                     }
+                },
+            ),
+        ];
+        for (name, unit, description, observe) in counters {
+            let (c, t) = (counts.clone(), target.clone());
+            observed_counter(meter, name, unit, description, move |o| {
+                // The histograms are flushed in each counter's callback: a view may drop
+                // either counter.
+                c.each(|m| {
+                    m.counts.flush();
+                    observe(m, &t, o);
                 })
-            })
-            .build();
+            });
+        }
         ClientMetrics(Arc::new(ClientInstruments {
             target,
             counts,
@@ -184,15 +189,13 @@ impl CallObserver for ClientMetrics {
     }
 
     fn call_ended(&self, call: &CallEnded<'_>) {
-        let m = &self.0;
-        m.counts
-            .with(call.method, |counts| m.call_ended(counts, call));
+        self.0.counts.with(call.method, |m| self.0.record(m, call));
     }
 }
 
 impl ClientInstruments {
     /// Records `call` on its method's `counts`.
-    fn call_ended(&self, counts: &PerMethod<ClientCounts>, call: &CallEnded<'_>) {
+    fn record(&self, counts: &PerMethod<ClientCounts>, call: &CallEnded<'_>) {
         let m = self;
         if let Some(i) = CallOutcome::ALL
             .iter()

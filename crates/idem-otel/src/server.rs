@@ -10,14 +10,14 @@ use idem_server::idempotency::IdempotencyLayer;
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_store::instrumented::{InstrumentedStore, OpResult, StoreObserver, StoreOp};
 use idem_store::{Store, memory::MemoryStore};
-use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::metrics::{AsyncInstrument, Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
 use crate::labels::{
     self, BoundSeries, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT,
     Striped, lock, status_index,
 };
-use crate::seconds_histogram;
+use crate::{observed_counter, observed_gauge, seconds_histogram};
 
 /// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -93,43 +93,47 @@ impl ServerMetrics {
             MethodLabels::from_config(config, false),
         ));
         let stores = StoreSeries::default();
-        let (c, st) = (counts.clone(), stores.clone());
-        meter
-            .u64_observable_counter("grpc.server.call.started")
-            .with_unit("{call}")
-            .with_description("Calls received, protected or passed through.")
-            .with_callback(move |o| {
-                flush(&c, &st);
-                c.each(|m| {
+        type Observe = fn(&PerMethod<ServerCounts>, &dyn AsyncInstrument<u64>);
+        let counters: [(&str, &str, Observe); 2] = [
+            (
+                "grpc.server.call.started",
+                "Calls received, protected or passed through.",
+                |m, o| {
                     let n = m.counts.started.get(0);
                     if n > 0 {
                         o.observe(n, std::slice::from_ref(&m.method));
                     }
-                })
-            })
-            .build();
-        let (c, st) = (counts.clone(), stores.clone());
-        meter
-            .u64_observable_counter("idem.server.call.outcome")
-            .with_unit("{call}")
-            .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
-            .with_callback(move |o| {
-                // Here too: a view may drop either counter.
+                },
+            ),
+            (
+                "idem.server.call.outcome",
+                "Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).",
+                |m, o| {
+                    m.counts
+                        .outcomes
+                        .each(|OutcomeKey(outcome, reason, tenant), n| {
+                            let mut attrs =
+                                vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
+                            if let Some(r) = reason {
+                                attrs.push(KeyValue::new("idem.reason", *r));
+                            }
+                            if let Some(t) = tenant {
+                                attrs.push(KeyValue::new("idem.tenant", Value::from(t.clone())));
+                            }
+                            o.observe(n.get(0), &attrs);
+                        })
+                },
+            ),
+        ];
+        for (name, description, observe) in counters {
+            let (c, st) = (counts.clone(), stores.clone());
+            observed_counter(meter, name, "{call}", description, move |o| {
+                // The histograms are flushed in each counter's callback: a view may drop
+                // either counter.
                 flush(&c, &st);
-                c.each(|m| {
-                    m.counts.outcomes.each(|OutcomeKey(outcome, reason, tenant), n| {
-                        let mut attrs = vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
-                        if let Some(r) = reason {
-                            attrs.push(KeyValue::new("idem.reason", *r));
-                        }
-                        if let Some(t) = tenant {
-                            attrs.push(KeyValue::new("idem.tenant", Value::from(t.clone())));
-                        }
-                        o.observe(n.get(0), &attrs);
-                    })
-                })
-            })
-            .build();
+                c.each(|m| observe(m, o));
+            });
+        }
         ServerMetrics(Arc::new(ServerInstruments {
             counts,
             stores,
@@ -197,40 +201,46 @@ impl ServerMetrics {
         let meter = &self.0.meter;
         // Told by the observer events, so counted for every layer this observes.
         let detached = self.0.detached.clone();
-        meter
-            .u64_observable_gauge("idem.server.handlers.detached")
-            .with_unit("{run}")
-            .with_description("Handler runs going on after their caller went away before the response began (their outcome is still recorded).")
-            .with_callback(move |g| g.observe(detached.load(Ordering::Relaxed), &[]))
-            .build();
+        observed_gauge(
+            meter,
+            "idem.server.handlers.detached",
+            "{run}",
+            "Handler runs going on after their caller went away before the response began (their outcome is still recorded).",
+            move || detached.load(Ordering::Relaxed),
+        );
         let l = layer.clone();
-        meter
-            .u64_observable_gauge("idem.server.handlers.in_flight")
-            .with_unit("{run}")
-            .with_description("Handler runs from claim until their outcome is recorded, runs whose caller went away included.")
-            .with_callback(move |g| g.observe(l.handlers_in_flight() as u64, &[]))
-            .build();
+        observed_gauge(
+            meter,
+            "idem.server.handlers.in_flight",
+            "{run}",
+            "Handler runs from claim until their outcome is recorded, runs whose caller went away included.",
+            move || l.handlers_in_flight() as u64,
+        );
         let stats = layer.stats();
-        meter
-            .u64_observable_counter("idem.server.record.outcome")
-            .with_unit("{record}")
-            .with_description("What became of executed calls' records (idem.record: stored, released, unrecorded).")
-            .with_callback(move |c| {
+        observed_counter(
+            meter,
+            "idem.server.record.outcome",
+            "{record}",
+            "What became of executed calls' records (idem.record: stored, released, unrecorded).",
+            move |c| {
                 let s = stats.snapshot();
-                for (name, v) in [("stored", s.stored), ("released", s.released), ("unrecorded", s.unrecorded)] {
+                for (name, v) in [
+                    ("stored", s.stored),
+                    ("released", s.released),
+                    ("unrecorded", s.unrecorded),
+                ] {
                     c.observe(v, &[KeyValue::new("idem.record", name)]);
                 }
-            })
-            .build();
+            },
+        );
         let stats = layer.stats();
-        meter
-            .u64_observable_counter("idem.server.stale_fences")
-            .with_unit("{record}")
-            .with_description(
-                "Completions or releases refused because another claimant took the record over.",
-            )
-            .with_callback(move |c| c.observe(stats.snapshot().stale_fence, &[]))
-            .build();
+        observed_counter(
+            meter,
+            "idem.server.stale_fences",
+            "{record}",
+            "Completions or releases refused because another claimant took the record over.",
+            move |c| c.observe(stats.snapshot().stale_fence, &[]),
+        );
     }
 
     /// Reports `store`'s records, bytes and in-flight records, and the records it evicted
@@ -257,15 +267,11 @@ impl ServerMetrics {
                 |s| s.bytes,
             ),
         ];
+        let meter = &self.0.meter;
         for (name, unit, description, read) in gauges {
             let store = store.clone();
-            self.0
-                .meter
-                .u64_observable_gauge(name)
-                .with_unit(unit)
-                .with_description(description)
-                .with_callback(move |g| g.observe(read(&store.stats()) as u64, &[]))
-                .build();
+            let read = move || read(&store.stats()) as u64;
+            observed_gauge(meter, name, unit, description, read);
         }
         type ReadCounter = fn(&idem_store::memory::MemoryStoreStats) -> u64;
         let counters: [(&str, &str, ReadCounter); 2] = [
@@ -282,13 +288,8 @@ impl ServerMetrics {
         ];
         for (name, description, read) in counters {
             let store = store.clone();
-            self.0
-                .meter
-                .u64_observable_counter(name)
-                .with_unit("{record}")
-                .with_description(description)
-                .with_callback(move |c| c.observe(read(&store.stats()), &[]))
-                .build();
+            let observe = move |c: &dyn AsyncInstrument<u64>| c.observe(read(&store.stats()), &[]);
+            observed_counter(meter, name, "{record}", description, observe);
         }
     }
 }
@@ -299,9 +300,7 @@ impl ServerObserver for ServerMetrics {
     }
 
     fn call_ended(&self, call: &ProtectedCallEnded<'_>) {
-        let m = &self.0;
-        m.counts
-            .with(call.method, |counts| m.call_ended(counts, call));
+        self.0.counts.with(call.method, |m| self.0.record(m, call));
     }
 
     fn run_detached(&self, _method: &str) {
@@ -315,7 +314,7 @@ impl ServerObserver for ServerMetrics {
 
 impl ServerInstruments {
     /// Records `call` on its method's `counts`.
-    fn call_ended(&self, counts: &PerMethod<ServerCounts>, call: &ProtectedCallEnded<'_>) {
+    fn record(&self, counts: &PerMethod<ServerCounts>, call: &ProtectedCallEnded<'_>) {
         let m = self;
         let code = call.status;
         counts
