@@ -14,7 +14,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response};
 use http_body::Frame;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, StreamBody};
 use idem_core::config::IdempotencyPolicy;
 use idem_core::deadline::scope_inbound_deadline;
 use idem_core::derive::KeySource;
@@ -27,7 +27,7 @@ use tonic::{Code, Status};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::body::{ChannelBody, ReplayBody};
+use super::body::ReplayBody;
 use super::context::{BufferedRequest, Call};
 use super::decision::{self, IdemDecision, Origin};
 use super::lease::Lease;
@@ -504,12 +504,15 @@ impl<E> Forwarder<E> {
         }
     }
 
-    /// Sends the head with a body fed from here, once.
+    /// Sends the head with a body fed from here, once. The run goes on (and records
+    /// the outcome) when that body is dropped because the caller went away.
     fn open(&mut self) {
         if let Some(head) = self.head.take() {
-            let (tx, rx) = mpsc::channel(16);
+            let (tx, mut rx) = mpsc::channel(16);
             self.tx = Some(tx);
-            self.respond(Response::from_parts(head, Body::new(ChannelBody { rx })));
+            let frames = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+            let body = Body::new(StreamBody::new(frames));
+            self.respond(Response::from_parts(head, body));
         }
     }
 
