@@ -1,10 +1,11 @@
 //! What the idempotency layer tells an observer and the logs about each protected call.
 //!
-//! Give a [`ServerObserver`] to [`IdempotencyLayer::observer`]; `idem-otel` turns its
-//! events into OpenTelemetry instruments. Whether or not one is set, every protected call
-//! (a call to a method with an `idempotency` object that was not passed through) ends
-//! with one `INFO` event `idempotent call` inside its `idempotency` span, with the
-//! outcome, what became of the record, the gRPC status and the duration:
+//! Give a [`ServerObserver`] to
+//! [`IdempotencyLayer::observer`](crate::idempotency::IdempotencyLayer::observer);
+//! `idem-otel` turns its events into OpenTelemetry instruments. Whether or not one is set,
+//! every protected call (a call to a method with an `idempotency` object that was not
+//! passed through) ends with one `INFO` event `idempotent call` inside its `idempotency`
+//! span, with the outcome, what became of the record, the gRPC status and the duration:
 //!
 //! ```text
 //! INFO idempotency{method=/shop.v1.Orders/CreateOrder scope=5f0c… rpc.system="grpc" …}: idempotent call outcome="executed" record="stored" grpc.status="OK" duration_ms=1.2
@@ -52,7 +53,7 @@ use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
 
-/// Told about every call an [`IdempotencyLayer`] sees: protected ones, and those it
+/// Told about every call an [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) sees: protected ones, and those it
 /// passes through (outcome `passthrough`; see the [module docs](self)).
 ///
 /// Called on the server's tasks: keep it short and never block.

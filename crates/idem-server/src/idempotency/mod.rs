@@ -245,11 +245,13 @@ use tower_service::Service;
 
 mod body;
 mod call;
+mod collect;
 mod context;
 mod decision;
 mod digest;
 mod error;
 mod fingerprint;
+mod forward;
 mod future;
 mod handler;
 mod inflate;
