@@ -6,14 +6,14 @@ use std::sync::Arc;
 use idem_client::metrics::{CallEnded, CallObserver};
 use idem_client::retry::{AttemptEnd, CallOutcome, RetryLayer};
 use idem_core::config::ServiceConfig;
-use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::metrics::{AsyncInstrument, Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 use tonic::Code;
 
 use crate::labels::{
-    self, Bound, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped, status_index,
+    self, BoundSeries, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped, status_index,
 };
-use crate::{per_call_histogram, seconds_histogram};
+use crate::{observed_counter, per_call_histogram, seconds_histogram};
 
 /// Records a retry layer's calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -29,12 +29,12 @@ use crate::{per_call_histogram, seconds_histogram};
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct ClientMetrics(Arc<Inner>);
+pub struct ClientMetrics(Arc<ClientInstruments>);
 
-struct Inner {
+struct ClientInstruments {
     meter: Meter,
     target: KeyValue,
-    counts: Arc<MethodCounters<Counts>>,
+    counts: Arc<MethodCounters<ClientCounts>>,
     attempt_duration: Histogram<f64>,
     call_duration: Histogram<f64>,
     call_retries: Histogram<u64>,
@@ -44,20 +44,20 @@ struct Inner {
 
 /// The client's counters per method label (see [`MethodCounters`]).
 #[derive(Default)]
-struct Counts {
+struct ClientCounts {
     attempts: Striped<1>,
     outcomes: Striped<{ CallOutcome::COUNT }>,
     /// The histograms' series of this method, per `grpc.status` where they have one.
-    attempt_duration: Bound<f64, STATUS_COUNT>,
-    call_duration: Bound<f64, STATUS_COUNT>,
-    call_retries: Bound<u64, 1>,
-    call_hedges: Bound<u64, 1>,
-    retry_delay: Bound<f64, 1>,
+    attempt_duration: BoundSeries<f64, STATUS_COUNT>,
+    call_duration: BoundSeries<f64, STATUS_COUNT>,
+    call_retries: BoundSeries<u64, 1>,
+    call_hedges: BoundSeries<u64, 1>,
+    retry_delay: BoundSeries<f64, 1>,
 }
 
-impl Counts {
+impl ClientCounts {
     /// Hands the histogram values buffered since the last collection to the SDK (see
-    /// [`Bound`]).
+    /// [`BoundSeries`]).
     fn flush(&self) {
         self.attempt_duration.flush();
         self.call_duration.flush();
@@ -82,44 +82,49 @@ impl ClientMetrics {
     pub fn new(meter: &Meter, target: impl Into<String>, config: &ServiceConfig) -> Self {
         // Shared, not owned: an owned string value is copied at every clone.
         let target = KeyValue::new("grpc.target", Value::from(Arc::<str>::from(target.into())));
-        let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
-            config, true,
-        )));
-        let (c, t) = (counts.clone(), target.clone());
-        meter
-            .u64_observable_counter("grpc.client.attempt.started")
-            .with_unit("{attempt}")
-            .with_description("Attempts started, retries included.")
-            .with_callback(move |o| {
-                c.each(|m| {
-                    m.counts.flush();
+        let counts = Arc::new(MethodCounters::<ClientCounts>::new(
+            MethodLabels::from_config(config, true),
+        ));
+        type Observe = fn(&PerMethod<ClientCounts>, &KeyValue, &dyn AsyncInstrument<u64>);
+        let counters: [(&str, &str, &str, Observe); 2] = [
+            (
+                "grpc.client.attempt.started",
+                "{attempt}",
+                "Attempts started, retries included.",
+                |m, target, o| {
                     let n = m.counts.attempts.get(0);
                     if n > 0 {
-                        o.observe(n, &[m.method.clone(), t.clone()]);
+                        o.observe(n, &[m.method.clone(), target.clone()]);
                     }
-                })
-            })
-            .build();
-        let (c, t) = (counts.clone(), target.clone());
-        meter
-            .u64_observable_counter("idem.client.call.outcome")
-            .with_unit("{call}")
-            .with_description("Finished calls by why the retry layer stopped (idem.outcome).")
-            .with_callback(move |o| {
-                c.each(|m| {
-                    // Here too: a view may drop either counter.
-                    m.counts.flush();
+                },
+            ),
+            (
+                "idem.client.call.outcome",
+                "{call}",
+                "Finished calls by why the retry layer stopped (idem.outcome).",
+                |m, target, o| {
                     for (i, outcome) in CallOutcome::ALL.iter().enumerate() {
                         let n = m.counts.outcomes.get(i);
                         if n > 0 {
                             let outcome = KeyValue::new("idem.outcome", outcome.as_str());
-                            o.observe(n, &[m.method.clone(), t.clone(), outcome]);
+                            o.observe(n, &[m.method.clone(), target.clone(), outcome]);
                         }
                     }
+                },
+            ),
+        ];
+        for (name, unit, description, observe) in counters {
+            let (c, t) = (counts.clone(), target.clone());
+            observed_counter(meter, name, unit, description, move |o| {
+                // The histograms are flushed in each counter's callback: a view may drop
+                // either counter.
+                c.each(|m| {
+                    m.counts.flush();
+                    observe(m, &t, o);
                 })
-            })
-            .build();
-        ClientMetrics(Arc::new(Inner {
+            });
+        }
+        ClientMetrics(Arc::new(ClientInstruments {
             target,
             counts,
             attempt_duration: seconds_histogram(
@@ -184,15 +189,13 @@ impl CallObserver for ClientMetrics {
     }
 
     fn call_ended(&self, call: &CallEnded<'_>) {
-        let m = &self.0;
-        m.counts
-            .with(call.method, |counts| m.call_ended(counts, call));
+        self.0.counts.with(call.method, |m| self.0.record(m, call));
     }
 }
 
-impl Inner {
+impl ClientInstruments {
     /// Records `call` on its method's `counts`.
-    fn call_ended(&self, counts: &PerMethod<Counts>, call: &CallEnded<'_>) {
+    fn record(&self, counts: &PerMethod<ClientCounts>, call: &CallEnded<'_>) {
         let m = self;
         if let Some(i) = CallOutcome::ALL
             .iter()

@@ -304,29 +304,29 @@ pub(crate) fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 /// dropped). A bound series takes a mutex inside the SDK for each value: fed one value
 /// at a time from two worker threads, its cache lines move between the cores at every
 /// call.
-pub(crate) struct Bound<T, const N: usize> {
+pub(crate) struct BoundSeries<T, const N: usize> {
     series: [OnceLock<BoundHistogram<T>>; N],
-    pending: [Pending<T>; STRIPES],
+    pending: [Unflushed<T>; STRIPES],
 }
 
 /// One stripe's values not yet handed to the SDK: series index and value.
 #[repr(align(128))]
-struct Pending<T>(Mutex<Vec<(u8, T)>>);
+struct Unflushed<T>(Mutex<Vec<(u8, T)>>);
 
-/// Values a thread buffers per [`Bound`] before it hands them to the SDK.
+/// Values a thread buffers per [`BoundSeries`] before it hands them to the SDK.
 const BATCH: usize = 64;
 
-impl<T, const N: usize> Default for Bound<T, N> {
+impl<T, const N: usize> Default for BoundSeries<T, N> {
     fn default() -> Self {
         const { assert!(N <= 256, "series indices are kept in a u8") };
-        Bound {
+        BoundSeries {
             series: [const { OnceLock::new() }; N],
-            pending: std::array::from_fn(|_| Pending(Mutex::default())),
+            pending: std::array::from_fn(|_| Unflushed(Mutex::default())),
         }
     }
 }
 
-impl<T, const N: usize> Bound<T, N> {
+impl<T, const N: usize> BoundSeries<T, N> {
     /// Records `value` on series `i`, binding it with `bind` the first time. An `i` past
     /// the table (a status code newer than this build) binds for this value alone.
     pub(crate) fn record(&self, i: usize, value: T, bind: impl FnOnce() -> BoundHistogram<T>) {
@@ -360,7 +360,7 @@ impl<T, const N: usize> Bound<T, N> {
     }
 }
 
-impl<T, const N: usize> Drop for Bound<T, N> {
+impl<T, const N: usize> Drop for BoundSeries<T, N> {
     fn drop(&mut self) {
         self.flush();
     }
@@ -374,7 +374,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Series per `grpc.status`: codes 0 to 16.
 pub(crate) const STATUS_COUNT: usize = 17;
 
-/// The index of `code` in a [`Bound`] per status.
+/// The index of `code` in a [`BoundSeries`] per status.
 pub(crate) fn status_index(code: Code) -> usize {
     usize::try_from(code as i32).unwrap_or(usize::MAX)
 }
@@ -515,7 +515,7 @@ mod tests {
         let reader = PeriodicReader::builder(exporter.clone()).build();
         let provider = SdkMeterProvider::builder().with_reader(reader).build();
         let histogram = provider.meter("t").f64_histogram("h").build();
-        let bound = Bound::<f64, 2>::default();
+        let bound = BoundSeries::<f64, 2>::default();
         let histogram = &histogram;
         let bind = |i: usize| move || histogram.bind(&[KeyValue::new("i", i as i64)]);
         // From 3 threads: 3 full batches on series 0, and 10 values left in buffers.

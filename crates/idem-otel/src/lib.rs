@@ -85,6 +85,38 @@ pub const LATENCY_BUCKETS: [f64; 41] = [
 /// Bucket boundaries of `grpc.client.call.retries`: gRFC A96's.
 pub const RETRY_BUCKETS: [f64; 5] = [1.0, 2.0, 3.0, 4.0, 5.0];
 
+/// An observable `u64` counter on `meter`, read by `observe` at each collection.
+pub(crate) fn observed_counter(
+    meter: &opentelemetry::metrics::Meter,
+    name: &'static str,
+    unit: &'static str,
+    description: &'static str,
+    observe: impl Fn(&dyn opentelemetry::metrics::AsyncInstrument<u64>) + Send + Sync + 'static,
+) {
+    meter
+        .u64_observable_counter(name)
+        .with_unit(unit)
+        .with_description(description)
+        .with_callback(observe)
+        .build();
+}
+
+/// An observable `u64` gauge on `meter`, without attributes: `read` at each collection.
+pub(crate) fn observed_gauge(
+    meter: &opentelemetry::metrics::Meter,
+    name: &'static str,
+    unit: &'static str,
+    description: &'static str,
+    read: impl Fn() -> u64 + Send + Sync + 'static,
+) {
+    meter
+        .u64_observable_gauge(name)
+        .with_unit(unit)
+        .with_description(description)
+        .with_callback(move |g| g.observe(read(), &[]))
+        .build();
+}
+
 /// A histogram of seconds, with [`LATENCY_BUCKETS`].
 pub(crate) fn seconds_histogram(
     meter: &opentelemetry::metrics::Meter,

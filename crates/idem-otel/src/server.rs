@@ -10,14 +10,14 @@ use idem_server::idempotency::IdempotencyLayer;
 use idem_server::metrics::{ProtectedCallEnded, ServerObserver};
 use idem_store::instrumented::{InstrumentedStore, OpResult, StoreObserver, StoreOp};
 use idem_store::{Store, memory::MemoryStore};
-use opentelemetry::metrics::{Histogram, Meter};
+use opentelemetry::metrics::{AsyncInstrument, Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
 
 use crate::labels::{
-    self, Bound, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT, Striped,
-    lock, status_index,
+    self, BoundSeries, FirstFew, Learned, MethodCounters, MethodLabels, PerMethod, STATUS_COUNT,
+    Striped, lock, status_index,
 };
-use crate::seconds_histogram;
+use crate::{observed_counter, observed_gauge, seconds_histogram};
 
 /// Records an idempotency layer's protected calls as OpenTelemetry instruments (see the
 /// [crate docs](crate) for the table). Cheap to clone.
@@ -37,11 +37,11 @@ use crate::seconds_histogram;
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct ServerMetrics(Arc<Inner>);
+pub struct ServerMetrics(Arc<ServerInstruments>);
 
-struct Inner {
+struct ServerInstruments {
     meter: Meter,
-    counts: Arc<MethodCounters<Counts>>,
+    counts: Arc<MethodCounters<ServerCounts>>,
     /// The series of every store made by [`ServerMetrics::instrument_store`].
     stores: StoreSeries,
     /// Handler runs detached by their caller's cancel, going on now.
@@ -54,19 +54,19 @@ struct Inner {
 
 /// The server's counters per method label (see [`MethodCounters`]).
 #[derive(Default)]
-struct Counts {
+struct ServerCounts {
     started: Striped<1>,
     /// Boxed: a [`Striped`] counter takes 512 bytes, and most of the slots stay empty.
     outcomes: FirstFew<OutcomeKey, Box<Striped<1>>>,
     /// `grpc.server.call.duration`, per `grpc.status`.
-    duration: Bound<f64, STATUS_COUNT>,
+    duration: BoundSeries<f64, STATUS_COUNT>,
 }
 
 /// One `idem.server.call.outcome` series of a method: outcome, reason, tenant label.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct OutcomeKey(&'static str, Option<&'static str>, Option<Arc<str>>);
 
-impl Counts {
+impl ServerCounts {
     /// Counts one call ending as `key` says.
     fn add_outcome(&self, key: OutcomeKey) {
         self.outcomes.with(
@@ -89,48 +89,52 @@ impl ServerMetrics {
     /// are labelled by name; others `"other"` (add more with [`method`](Self::method)):
     /// the layer runs before the router, so a caller could make up method names.
     pub fn new(meter: &Meter, config: &ServiceConfig) -> Self {
-        let counts = Arc::new(MethodCounters::<Counts>::new(MethodLabels::from_config(
-            config, false,
-        )));
+        let counts = Arc::new(MethodCounters::<ServerCounts>::new(
+            MethodLabels::from_config(config, false),
+        ));
         let stores = StoreSeries::default();
-        let (c, st) = (counts.clone(), stores.clone());
-        meter
-            .u64_observable_counter("grpc.server.call.started")
-            .with_unit("{call}")
-            .with_description("Calls received, protected or passed through.")
-            .with_callback(move |o| {
-                flush(&c, &st);
-                c.each(|m| {
+        type Observe = fn(&PerMethod<ServerCounts>, &dyn AsyncInstrument<u64>);
+        let counters: [(&str, &str, Observe); 2] = [
+            (
+                "grpc.server.call.started",
+                "Calls received, protected or passed through.",
+                |m, o| {
                     let n = m.counts.started.get(0);
                     if n > 0 {
                         o.observe(n, std::slice::from_ref(&m.method));
                     }
-                })
-            })
-            .build();
-        let (c, st) = (counts.clone(), stores.clone());
-        meter
-            .u64_observable_counter("idem.server.call.outcome")
-            .with_unit("{call}")
-            .with_description("Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).")
-            .with_callback(move |o| {
-                // Here too: a view may drop either counter.
+                },
+            ),
+            (
+                "idem.server.call.outcome",
+                "Calls by what the idempotency layer did (idem.outcome, passthrough included; idem.reason for rejected; idem.tenant when opted in).",
+                |m, o| {
+                    m.counts
+                        .outcomes
+                        .each(|OutcomeKey(outcome, reason, tenant), n| {
+                            let mut attrs =
+                                vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
+                            if let Some(r) = reason {
+                                attrs.push(KeyValue::new("idem.reason", *r));
+                            }
+                            if let Some(t) = tenant {
+                                attrs.push(KeyValue::new("idem.tenant", Value::from(t.clone())));
+                            }
+                            o.observe(n.get(0), &attrs);
+                        })
+                },
+            ),
+        ];
+        for (name, description, observe) in counters {
+            let (c, st) = (counts.clone(), stores.clone());
+            observed_counter(meter, name, "{call}", description, move |o| {
+                // The histograms are flushed in each counter's callback: a view may drop
+                // either counter.
                 flush(&c, &st);
-                c.each(|m| {
-                    m.counts.outcomes.each(|OutcomeKey(outcome, reason, tenant), n| {
-                        let mut attrs = vec![m.method.clone(), KeyValue::new("idem.outcome", *outcome)];
-                        if let Some(r) = reason {
-                            attrs.push(KeyValue::new("idem.reason", *r));
-                        }
-                        if let Some(t) = tenant {
-                            attrs.push(KeyValue::new("idem.tenant", Value::from(t.clone())));
-                        }
-                        o.observe(n.get(0), &attrs);
-                    })
-                })
-            })
-            .build();
-        ServerMetrics(Arc::new(Inner {
+                c.each(|m| observe(m, o));
+            });
+        }
+        ServerMetrics(Arc::new(ServerInstruments {
             counts,
             stores,
             detached: Arc::default(),
@@ -182,7 +186,7 @@ impl ServerMetrics {
         store: St,
         kind: &'static str,
     ) -> InstrumentedStore<St> {
-        let series = Arc::new(Bound::default());
+        let series = Arc::new(BoundSeries::default());
         lock(&self.0.stores).push(Arc::downgrade(&series));
         let timings = StoreTimings {
             histogram: self.0.store_duration.clone(),
@@ -197,47 +201,53 @@ impl ServerMetrics {
         let meter = &self.0.meter;
         // Told by the observer events, so counted for every layer this observes.
         let detached = self.0.detached.clone();
-        meter
-            .u64_observable_gauge("idem.server.handlers.detached")
-            .with_unit("{run}")
-            .with_description("Handler runs going on after their caller went away before the response began (their outcome is still recorded).")
-            .with_callback(move |g| g.observe(detached.load(Ordering::Relaxed), &[]))
-            .build();
+        observed_gauge(
+            meter,
+            "idem.server.handlers.detached",
+            "{run}",
+            "Handler runs going on after their caller went away before the response began (their outcome is still recorded).",
+            move || detached.load(Ordering::Relaxed),
+        );
         let l = layer.clone();
-        meter
-            .u64_observable_gauge("idem.server.handlers.in_flight")
-            .with_unit("{run}")
-            .with_description("Handler runs from claim until their outcome is recorded, runs whose caller went away included.")
-            .with_callback(move |g| g.observe(l.handlers_in_flight() as u64, &[]))
-            .build();
+        observed_gauge(
+            meter,
+            "idem.server.handlers.in_flight",
+            "{run}",
+            "Handler runs from claim until their outcome is recorded, runs whose caller went away included.",
+            move || l.handlers_in_flight() as u64,
+        );
         let stats = layer.stats();
-        meter
-            .u64_observable_counter("idem.server.record.outcome")
-            .with_unit("{record}")
-            .with_description("What became of executed calls' records (idem.record: stored, released, unrecorded).")
-            .with_callback(move |c| {
+        observed_counter(
+            meter,
+            "idem.server.record.outcome",
+            "{record}",
+            "What became of executed calls' records (idem.record: stored, released, unrecorded).",
+            move |c| {
                 let s = stats.snapshot();
-                for (name, v) in [("stored", s.stored), ("released", s.released), ("unrecorded", s.unrecorded)] {
+                for (name, v) in [
+                    ("stored", s.stored),
+                    ("released", s.released),
+                    ("unrecorded", s.unrecorded),
+                ] {
                     c.observe(v, &[KeyValue::new("idem.record", name)]);
                 }
-            })
-            .build();
+            },
+        );
         let stats = layer.stats();
-        meter
-            .u64_observable_counter("idem.server.stale_fences")
-            .with_unit("{record}")
-            .with_description(
-                "Completions or releases refused because another claimant took the record over.",
-            )
-            .with_callback(move |c| c.observe(stats.snapshot().stale_fence, &[]))
-            .build();
+        observed_counter(
+            meter,
+            "idem.server.stale_fences",
+            "{record}",
+            "Completions or releases refused because another claimant took the record over.",
+            move |c| c.observe(stats.snapshot().stale_fence, &[]),
+        );
     }
 
     /// Reports `store`'s records, bytes and in-flight records, and the records it evicted
     /// or expired, at each collection.
     pub fn watch_memory_store(&self, store: &MemoryStore) {
-        type Read = fn(&idem_store::memory::MemoryStoreStats) -> usize;
-        let gauges: [(&str, &str, &str, Read); 3] = [
+        type ReadGauge = fn(&idem_store::memory::MemoryStoreStats) -> usize;
+        let gauges: [(&str, &str, &str, ReadGauge); 3] = [
             (
                 "idem.store.memory.entries",
                 "{record}",
@@ -257,18 +267,14 @@ impl ServerMetrics {
                 |s| s.bytes,
             ),
         ];
+        let meter = &self.0.meter;
         for (name, unit, description, read) in gauges {
             let store = store.clone();
-            self.0
-                .meter
-                .u64_observable_gauge(name)
-                .with_unit(unit)
-                .with_description(description)
-                .with_callback(move |g| g.observe(read(&store.stats()) as u64, &[]))
-                .build();
+            let read = move || read(&store.stats()) as u64;
+            observed_gauge(meter, name, unit, description, read);
         }
-        type Count = fn(&idem_store::memory::MemoryStoreStats) -> u64;
-        let counters: [(&str, &str, Count); 2] = [
+        type ReadCounter = fn(&idem_store::memory::MemoryStoreStats) -> u64;
+        let counters: [(&str, &str, ReadCounter); 2] = [
             (
                 "idem.store.memory.evictions",
                 "Completed records dropped before their TTL (after minRetention) to make room for a new one: a retry of their key runs again.",
@@ -282,13 +288,8 @@ impl ServerMetrics {
         ];
         for (name, description, read) in counters {
             let store = store.clone();
-            self.0
-                .meter
-                .u64_observable_counter(name)
-                .with_unit("{record}")
-                .with_description(description)
-                .with_callback(move |c| c.observe(read(&store.stats()), &[]))
-                .build();
+            let observe = move |c: &dyn AsyncInstrument<u64>| c.observe(read(&store.stats()), &[]);
+            observed_counter(meter, name, "{record}", description, observe);
         }
     }
 }
@@ -299,9 +300,7 @@ impl ServerObserver for ServerMetrics {
     }
 
     fn call_ended(&self, call: &ProtectedCallEnded<'_>) {
-        let m = &self.0;
-        m.counts
-            .with(call.method, |counts| m.call_ended(counts, call));
+        self.0.counts.with(call.method, |m| self.0.record(m, call));
     }
 
     fn run_detached(&self, _method: &str) {
@@ -313,9 +312,9 @@ impl ServerObserver for ServerMetrics {
     }
 }
 
-impl Inner {
+impl ServerInstruments {
     /// Records `call` on its method's `counts`.
-    fn call_ended(&self, counts: &PerMethod<Counts>, call: &ProtectedCallEnded<'_>) {
+    fn record(&self, counts: &PerMethod<ServerCounts>, call: &ProtectedCallEnded<'_>) {
         let m = self;
         let code = call.status;
         counts
@@ -344,15 +343,15 @@ struct StoreTimings {
 }
 
 /// The series of one store's `idem.store.operation.duration`.
-type StoreBound = Bound<f64, { STORE_OPS * STORE_RESULTS }>;
+type StoreBound = BoundSeries<f64, { STORE_OPS * STORE_RESULTS }>;
 
 /// The series of the stores a [`ServerMetrics`] times (dropped stores are forgotten at
 /// the next collection).
 type StoreSeries = Arc<Mutex<Vec<Weak<StoreBound>>>>;
 
 /// Hands the histogram values buffered since the last collection to the SDK (see
-/// [`Bound`]).
-fn flush(counts: &MethodCounters<Counts>, stores: &StoreSeries) {
+/// [`BoundSeries`]).
+fn flush(counts: &MethodCounters<ServerCounts>, stores: &StoreSeries) {
     counts.each(|m| m.counts.duration.flush());
     lock(stores).retain(|s| match s.upgrade() {
         Some(series) => {

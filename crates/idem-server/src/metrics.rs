@@ -1,10 +1,11 @@
 //! What the idempotency layer tells an observer and the logs about each protected call.
 //!
-//! Give a [`ServerObserver`] to [`IdempotencyLayer::observer`]; `idem-otel` turns its
-//! events into OpenTelemetry instruments. Whether or not one is set, every protected call
-//! (a call to a method with an `idempotency` object that was not passed through) ends
-//! with one `INFO` event `idempotent call` inside its `idempotency` span, with the
-//! outcome, what became of the record, the gRPC status and the duration:
+//! Give a [`ServerObserver`] to
+//! [`IdempotencyLayer::observer`](crate::idempotency::IdempotencyLayer::observer);
+//! `idem-otel` turns its events into OpenTelemetry instruments. Whether or not one is set,
+//! every protected call (a call to a method with an `idempotency` object that was not
+//! passed through) ends with one `INFO` event `idempotent call` inside its `idempotency`
+//! span, with the outcome, what became of the record, the gRPC status and the duration:
 //!
 //! ```text
 //! INFO idempotency{method=/shop.v1.Orders/CreateOrder scope=5f0c… rpc.system="grpc" …}: idempotent call outcome="executed" record="stored" grpc.status="OK" duration_ms=1.2
@@ -48,14 +49,11 @@ use futures_util::future::Either;
 use http::Response;
 use idem_core::code::{OnEnd, grpc_status_code};
 use idem_core::headers::reason;
-use idem_store::Store;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
 
-use crate::idempotency::IdempotencyLayer;
-
-/// Told about every call an [`IdempotencyLayer`] sees: protected ones, and those it
+/// Told about every call an [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) sees: protected ones, and those it
 /// passes through (outcome `passthrough`; see the [module docs](self)).
 ///
 /// Called on the server's tasks: keep it short and never block.
@@ -102,28 +100,9 @@ pub struct ProtectedCallEnded<'a> {
     pub duration: Duration,
 }
 
-/// The observer as the layer holds it.
-pub(crate) type SharedObserver = Arc<dyn ServerObserver>;
-
-impl<St: Store> IdempotencyLayer<St> {
-    /// Tells `observer` about every call (default none).
-    pub fn observer(mut self, observer: impl ServerObserver) -> Self {
-        Arc::make_mut(&mut self.shared).observer = Some(Arc::new(observer));
-        self
-    }
-
-    /// Handler runs in progress now: from their claim until their outcome is recorded,
-    /// runs whose caller went away included (at most
-    /// [`max_handlers_in_flight`](Self::max_handlers_in_flight)).
-    pub fn handlers_in_flight(&self) -> usize {
-        let s = &self.shared;
-        s.max_handlers
-            .saturating_sub(s.handlers.available_permits())
-    }
-}
-
+/// What a trace has learned of its call so far.
 #[derive(Default)]
-struct State {
+struct TraceNotes {
     /// The response body reports its own end ([`BodyEnd`]): [`watch`] wraps nothing.
     body_watched: bool,
     outcome: Option<&'static str>,
@@ -135,21 +114,21 @@ struct State {
 
 /// One protected call being traced; it reports when the last reference goes.
 pub(crate) struct CallTrace {
-    observer: Option<SharedObserver>,
+    observer: Option<Arc<dyn ServerObserver>>,
     method: Arc<str>,
     tenant: Option<String>,
     /// A call passed through: no event, only the observer.
     passthrough: bool,
     span: tracing::Span,
     started: Instant,
-    state: Mutex<State>,
+    state: Mutex<TraceNotes>,
 }
 
 impl CallTrace {
     /// A trace of a protected call to `method`, when someone listens.
     /// `method` makes the method's path only then.
     pub(crate) fn start(
-        observer: Option<&SharedObserver>,
+        observer: Option<&Arc<dyn ServerObserver>>,
         method: impl FnOnce() -> Arc<str>,
         span: &tracing::Span,
     ) -> Option<Arc<CallTrace>> {
@@ -173,7 +152,7 @@ impl CallTrace {
 
     /// A trace of a call passed through to `method`, when an observer listens.
     pub(crate) fn passthrough(
-        observer: Option<&SharedObserver>,
+        observer: Option<&Arc<dyn ServerObserver>>,
         method: &str,
     ) -> Option<Arc<Self>> {
         let o = observer?;
@@ -185,9 +164,9 @@ impl CallTrace {
             passthrough: true,
             span: tracing::Span::none(),
             started: Instant::now(),
-            state: Mutex::new(State {
+            state: Mutex::new(TraceNotes {
                 outcome: Some("passthrough"),
-                ..State::default()
+                ..TraceNotes::default()
             }),
         }))
     }
@@ -215,7 +194,7 @@ impl CallTrace {
         Some(DetachedRun(self))
     }
 
-    fn update(&self, f: impl FnOnce(&mut State)) {
+    fn update(&self, f: impl FnOnce(&mut TraceNotes)) {
         f(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner));
     }
 

@@ -1,5 +1,6 @@
-//! Response bodies the layer makes: the first run's body (fed by the task that runs the
-//! handler) and a replayed body.
+//! The body of a response the layer delivers whole: a stored response replayed, or a
+//! run's response held back until its outcome was recorded. (A run's streamed response
+//! is the receiving end of the channel its run feeds, see `handler.rs`.)
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -9,28 +10,8 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use idem_core::code::end_of_response;
-use tokio::sync::mpsc;
 
 use crate::metrics::BodyEnd;
-
-/// Frames forwarded from the task that runs the handler. That task keeps running (and
-/// records the outcome) when this body is dropped because the caller went away.
-#[derive(Debug)]
-pub(crate) struct ChannelBody {
-    pub(crate) rx: mpsc::Receiver<Result<Frame<Bytes>, tonic::Status>>,
-}
-
-impl Body for ChannelBody {
-    type Data = Bytes;
-    type Error = tonic::Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
-        self.rx.poll_recv(cx)
-    }
-}
 
 /// A stored response's frames and trailers, replayed as they were.
 #[derive(Debug)]

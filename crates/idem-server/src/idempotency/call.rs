@@ -2,57 +2,31 @@
 //! handler, replay the stored response, refuse, or wait for the call in flight.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use http_body_util::Full;
-use idem_core::config::{IdempotencyPolicy, InFlightPolicy};
-use idem_core::deadline::{InboundScope, scope_inbound_deadline};
+use idem_core::config::InFlightPolicy;
+use idem_core::deadline::scope_inbound_deadline;
 use idem_core::headers;
 use idem_store::response::StoredResponse;
-use idem_store::{
-    Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
-};
+use idem_store::{Claim, ClaimRequest, ClaimantId, Fingerprint, Store, StoreError, StoredOutcome};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 use tokio::time::{Duration, Instant};
-use tonic::Status;
 use tonic::body::Body;
 use tower_service::Service;
 
 use super::body::ReplayBody;
+use super::context::{BufferedRequest, Call};
 use super::handler;
-use super::layer::Shared;
-use super::lease::Lease;
 use super::request::{ReadRequest, read_request};
 use super::stats::Counter;
 use super::status;
-use super::{Inner, ResponseBody};
+use super::{HandlerBody, HandlerService};
 use crate::metrics::BodyEnd;
-use crate::metrics::CallTrace;
-
-/// Per-call state of a protected call (the inner service travels apart from it, so
-/// this is `Sync` whatever the service is).
-pub(crate) struct Call<St> {
-    pub(crate) shared: Arc<Shared<St>>,
-    pub(crate) policy: IdempotencyPolicy,
-    pub(crate) scope: Scope,
-    pub(crate) tenant: TenantId,
-    /// The call's trace, when an observer listens.
-    pub(crate) trace: Option<Arc<CallTrace>>,
-}
-
-/// This call's own deadline (it bounds waiting) and the scope its handler runs in, read
-/// as `InboundLayer` reads them. Under an `InboundLayer` the scope (with its
-/// exhausted-downstream marker) is already set: keep it, so clients in the handler can
-/// mark give-ups.
-fn scopes(headers: &http::HeaderMap) -> (Option<Instant>, InboundScope) {
-    let own = crate::inbound::scope_of(headers);
-    let inbound = idem_core::deadline::current_scope().unwrap_or(own);
-    (own.deadline, inbound)
-}
 
 impl<St: Store> Call<St> {
+    /// Reads the request, claims its record, and answers: the handler's run, a replay,
+    /// a refusal, or (after waiting for the call in flight) a claim again.
     pub(crate) async fn run<S, ResBody>(
         self,
         inner: S,
@@ -60,19 +34,16 @@ impl<St: Store> Call<St> {
         body: Body,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Inner<ResBody>,
-        ResBody: ResponseBody,
+        S: HandlerService<ResBody>,
+        ResBody: HandlerBody,
     {
         let hook = self.shared.hooks.get(parts.uri.path());
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
-        let ReadRequest {
-            mut body,
-            fingerprint,
-        } = match request {
+        let ReadRequest { body, fingerprint } = match request {
             Ok(r) => r,
             Err(status) => return Ok(self.refuse("rejected", status)),
         };
-        let (deadline, inbound) = scopes(&parts.headers);
+        let (mut request, deadline) = BufferedRequest::new(parts, body);
 
         let claimant = ClaimantId::random();
         let mut waited = false;
@@ -84,8 +55,7 @@ impl<St: Store> Call<St> {
                 Err(e) => {
                     // Boxed: a rare path whose future holds the service's own, which
                     // would otherwise enlarge every protected call's future.
-                    return Box::pin(self.store_failed(e, inner, parts, body, inbound, permit))
-                        .await;
+                    return Box::pin(self.store_failed(e, inner, request, permit)).await;
                 }
             };
             match claim {
@@ -99,8 +69,7 @@ impl<St: Store> Call<St> {
                     if takeover {
                         tracing::warn!(fence, "took over an in-flight record whose lease ended");
                     }
-                    return handler::execute(self, inner, parts, body, fence, inbound, permit)
-                        .await;
+                    return handler::execute(self, inner, request, fence, permit).await;
                 }
                 Claim::Completed(StoredOutcome::Response(bytes)) => {
                     return Ok(self.replay(bytes, waited));
@@ -119,7 +88,7 @@ impl<St: Store> Call<St> {
                         // A body that came in one frame may be a slice of the
                         // connection's read buffer; a duplicate waiting for another run
                         // keeps only its own bytes.
-                        body = Bytes::copy_from_slice(&body);
+                        request.body = Bytes::copy_from_slice(&request.body);
                     }
                     let first_wait = !waited;
                     waited = true;
@@ -165,14 +134,12 @@ impl<St: Store> Call<St> {
         self,
         e: StoreError,
         mut inner: S,
-        parts: http::request::Parts,
-        body: Bytes,
-        inbound: InboundScope,
+        request: BufferedRequest,
         permit: Option<OwnedSemaphorePermit>,
     ) -> Result<Response<Body>, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
-        ResBody: ResponseBody,
+        ResBody: HandlerBody,
     {
         let stats = &self.shared.stats;
         if let StoreError::Full(cause) = &e {
@@ -191,7 +158,7 @@ impl<St: Store> Call<St> {
         stats.inc(Counter::fail_open_runs);
         self.outcome("fail_open");
         tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed; method is fail-open: running without a record");
-        let req = Request::from_parts(parts, Body::new(Full::new(body)));
+        let (req, inbound) = request.into_request();
         let resp = scope_inbound_deadline(inbound, inner.call(req)).await;
         drop(permit);
         resp.map(|r| r.map(Body::new))
@@ -273,7 +240,7 @@ impl<St: Store> Call<St> {
 
     /// Claimed, but no handler run is free: give the record back and refuse.
     async fn overloaded_after_claim(&self, fence: idem_store::Fence) -> Response<Body> {
-        let lease = Lease::start(self, fence);
+        let lease = self.lease(fence);
         lease.release(oneshot::channel().0).await;
         self.overloaded()
     }
@@ -283,26 +250,5 @@ impl<St: Store> Call<St> {
         let limit = self.shared.max_handlers;
         tracing::warn!(limit, scope = %self.short_scope(), "too many idempotent handlers running: refusing the call");
         self.answer("overloaded", status::overloaded(limit))
-    }
-
-    /// A call refused before it reached the store (counted as rejected).
-    fn refuse(&self, name: &'static str, status: Status) -> Response<Body> {
-        self.shared.stats.inc(Counter::rejected);
-        tracing::info!(code = ?status.code(), "{}", status.message());
-        self.answer(name, status)
-    }
-
-    fn answer(&self, name: &'static str, status: Status) -> Response<Body> {
-        self.outcome(name);
-        status.into_http()
-    }
-
-    /// Notes what the call came to, in its span and its trace.
-    fn outcome(&self, name: &'static str) {
-        crate::metrics::outcome_of(self.trace.as_deref(), name);
-    }
-
-    fn short_scope(&self) -> String {
-        self.scope.short_hex()
     }
 }

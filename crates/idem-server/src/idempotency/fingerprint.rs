@@ -16,16 +16,16 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use idem_core::config::{Compression, IdempotencyPolicy};
 use idem_core::headers::reason;
+use prost::encoding::{DecodeContext, decode_key, skip_field};
 use tonic::{Code, Status};
 
 use super::digest::{Fingerprinter, fingerprint_custom};
-use super::inflate::Inflater;
+use super::inflate::{FrameError, Inflater};
 use super::layer::FingerprintHook;
-use super::request::check_protobuf;
 use super::status::{idem_status, request_malformed};
 use idem_store::Fingerprint;
 
@@ -34,26 +34,6 @@ use idem_store::Fingerprint;
 pub(crate) const INLINE_WORK: usize = 256 * 1024;
 /// Most bytes one compressed byte can decode to (DEFLATE's bound is about 1032:1).
 const MAX_INFLATE_RATIO: usize = 1032;
-
-/// Why a buffered request body could not be read as gRPC messages.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum FrameError {
-    /// The body ends inside a frame.
-    Truncated,
-    /// A frame is marked compressed but the request names no encoding (or `identity`).
-    CompressedWithoutEncoding,
-    /// Message `.0` is not well-formed protobuf (`.1` says why).
-    Malformed(usize, String),
-    /// The compressed bytes do not decode, or a frame's flag is neither 0 nor 1.
-    Corrupt(String),
-    /// Decompressed, the messages exceed the buffering limit.
-    TooLarge,
-    /// The body holds more messages than the method allows.
-    TooManyFrames,
-    /// Compressed messages far larger than what they decode to (empty DEFLATE blocks);
-    /// see [`inflate`](super::inflate).
-    Padded,
-}
 
 /// The method's bounds on a request.
 #[derive(Debug, Clone, Copy)]
@@ -284,6 +264,17 @@ fn each_message(
             check_protobuf(message).map_err(|e| FrameError::Malformed(i, e.to_string()))?;
         }
         sink(message);
+    }
+    Ok(())
+}
+
+/// Checks that `msg` is well-formed protobuf wire format (keys, wire types, varints,
+/// lengths, balanced groups) without knowing its type. Every encoding of any message
+/// passes; bytes no protobuf decoder would accept do not. Linear in the message's size.
+fn check_protobuf(mut msg: &[u8]) -> Result<(), prost::DecodeError> {
+    while msg.has_remaining() {
+        let (tag, wire_type) = decode_key(&mut msg)?;
+        skip_field(wire_type, tag, &mut msg, DecodeContext::default())?;
     }
     Ok(())
 }

@@ -12,9 +12,8 @@ use pin_project_lite::pin_project;
 use tonic::Code;
 use tonic::body::Body;
 
+use super::BoxError;
 use crate::metrics::{self, CallTrace};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The boxed future of a protected call (it awaits the store).
 pub(crate) type Protected<E> =

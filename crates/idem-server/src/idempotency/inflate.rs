@@ -25,8 +25,6 @@
 use flate2::{Crc, Decompress, FlushDecompress, Status};
 use idem_core::config::Compression;
 
-use super::fingerprint::FrameError;
-
 /// First size of the output buffer; it doubles as a message needs, up to the limit.
 const FIRST_BUFFER: usize = 64 * 1024;
 /// Longest gzip `FNAME` / `FCOMMENT` field `flate2` accepts.
@@ -45,6 +43,26 @@ const FEXTRA: u8 = 1 << 2;
 const FNAME: u8 = 1 << 3;
 const FCOMMENT: u8 = 1 << 4;
 const FRESERVED: u8 = 0xe0;
+
+/// Why a buffered request body could not be read as gRPC messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FrameError {
+    /// The body ends inside a frame.
+    Truncated,
+    /// A frame is marked compressed but the request names no encoding (or `identity`).
+    CompressedWithoutEncoding,
+    /// Message `.0` is not well-formed protobuf (`.1` says why).
+    Malformed(usize, String),
+    /// The compressed bytes do not decode, or a frame's flag is neither 0 nor 1.
+    Corrupt(String),
+    /// Decompressed, the messages exceed the buffering limit.
+    TooLarge,
+    /// The body holds more messages than the method allows.
+    TooManyFrames,
+    /// Compressed messages far larger than what they decode to (empty DEFLATE blocks);
+    /// see the [module docs](self).
+    Padded,
+}
 
 /// One reusable decoder; see the [module docs](self).
 pub(crate) struct Inflater {

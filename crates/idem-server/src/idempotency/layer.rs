@@ -16,6 +16,7 @@ use super::Idempotency;
 use super::error::NoTenantSource;
 use super::stats::IdempotencyStats;
 use super::tenant::{FromHeader, SingleTenant, TenantResolver};
+use crate::metrics::ServerObserver;
 
 /// A per-method fingerprint hook: maps the request's (decompressed) messages to the
 /// canonical bytes that are digested instead of the messages themselves, e.g. the
@@ -84,7 +85,7 @@ pub(crate) struct Shared<St> {
     /// call was refused for it (once each, so a misconfigured server does not flood).
     logged_at_layer: AtomicBool,
     logged_at_call: AtomicBool,
-    pub(crate) observer: Option<crate::metrics::SharedObserver>,
+    pub(crate) observer: Option<Arc<dyn ServerObserver>>,
     /// Tenants' store names, computed once each.
     pub(crate) tenant_ids: Arc<super::digest::TenantIds>,
     /// The leases of records this layer's handlers hold, renewed by one task.
@@ -274,6 +275,12 @@ impl<St: Store> IdempotencyLayer<St> {
         })
     }
 
+    /// Tells `observer` about every call (default none).
+    pub fn observer(self, observer: impl ServerObserver) -> Self {
+        let o: Arc<dyn ServerObserver> = Arc::new(observer);
+        self.edit(|s| s.observer = Some(o))
+    }
+
     /// Checks that the layer can serve the methods it protects, and returns it: call it
     /// after the builder methods, before serving.
     ///
@@ -321,6 +328,15 @@ impl<St: Store> IdempotencyLayer<St> {
     /// The layer's counters (shared by every service it makes).
     pub fn stats(&self) -> IdempotencyStats {
         self.shared.stats.clone()
+    }
+
+    /// Handler runs in progress now: from their claim until their outcome is recorded,
+    /// runs whose caller went away included (at most
+    /// [`max_handlers_in_flight`](Self::max_handlers_in_flight)).
+    pub fn handlers_in_flight(&self) -> usize {
+        let s = &self.shared;
+        s.max_handlers
+            .saturating_sub(s.handlers.available_permits())
     }
 
     /// The store.

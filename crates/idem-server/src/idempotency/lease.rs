@@ -12,13 +12,16 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_store::{CompleteRequest, Fence, Scope, Store, StoreError, StoredOutcome};
+use std::sync::Arc;
+
+use idem_store::{CompleteRequest, RecordRef, Store, StoreError, StoredOutcome};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::call::Call;
+use super::layer::Shared;
 use super::renewal::Registration;
 use super::stats::{Counter, IdempotencyStats};
+use crate::metrics::CallTrace;
 
 /// Backoff between attempts to record an outcome: 20 ms doubling to 1 s, ±20 % jitter.
 const FIRST_RETRY: Duration = Duration::from_millis(20);
@@ -28,13 +31,14 @@ const MAX_RETRY: Duration = Duration::from_secs(1);
 /// [`complete`](Self::complete) or [`release`](Self::release), or dropped.
 pub(crate) struct Lease<St> {
     store: St,
-    scope: Scope,
-    fence: Fence,
+    /// The record, held with its fence; the handler gets a clone.
+    record: RecordRef,
     stats: IdempotencyStats,
+    /// How long a completion or release the store refuses transiently is retried.
     retry_for: Duration,
     renewal: Registration,
     /// The call's trace, told what became of the record.
-    trace: Option<std::sync::Arc<crate::metrics::CallTrace>>,
+    trace: Option<Arc<CallTrace>>,
 }
 
 /// Why an outcome could not be recorded.
@@ -47,31 +51,35 @@ enum Unrecorded {
 }
 
 impl<St: Store> Lease<St> {
-    /// Starts renewing the lease held with `fence` every `leaseTtl / 3`.
-    pub(crate) fn start(call: &Call<St>, fence: Fence) -> Self {
-        let Call {
-            shared,
-            policy,
-            scope,
-            trace,
-            ..
-        } = call;
-        let renewal = shared.renewals.register(
-            &shared.store,
-            &shared.stats,
-            *scope,
-            fence,
-            policy.lease_ttl,
+    /// Starts renewing the lease on `record` every `leaseTtl / 3`, with the layer's
+    /// renewal task; an outcome is then retried for up to `retry_for` and told to
+    /// `trace`.
+    pub(crate) fn start(
+        layer: &Shared<St>,
+        record: RecordRef,
+        retry_for: Duration,
+        trace: Option<Arc<CallTrace>>,
+    ) -> Self {
+        let renewal = layer.renewals.register(
+            &layer.store,
+            &layer.stats,
+            *record.scope(),
+            record.fence(),
+            record.lease_ttl(),
         );
         Lease {
-            store: shared.store.clone(),
-            scope: *scope,
-            fence,
-            stats: shared.stats.clone(),
-            retry_for: policy.completion_retry_timeout,
+            store: layer.store.clone(),
+            record,
+            stats: layer.stats.clone(),
+            retry_for,
             renewal,
-            trace: trace.clone(),
+            trace,
         }
+    }
+
+    /// The record this lease holds.
+    pub(crate) fn record(&self) -> &RecordRef {
+        &self.record
     }
 
     /// This lease started or woke the layer's renewal task. The task then sits in this
@@ -96,8 +104,8 @@ impl<St: Store> Lease<St> {
     ) {
         let store = &self.store;
         let request = |outcome| CompleteRequest {
-            scope: &self.scope,
-            fence: self.fence,
+            scope: self.record.scope(),
+            fence: self.record.fence(),
             outcome,
             ttl,
         };
@@ -129,7 +137,7 @@ impl<St: Store> Lease<St> {
     /// Gives the record up (nothing was done), so the next claim runs the handler.
     /// `attempted` as for [`complete`](Self::complete).
     pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {
-        let (store, scope, fence) = (&self.store, &self.scope, self.fence);
+        let (store, scope, fence) = (&self.store, self.record.scope(), self.record.fence());
         let r = self.settle(attempted, || store.release(scope, fence)).await;
         self.report(r, "release", Counter::released);
     }
@@ -191,7 +199,7 @@ impl<St: Store> Lease<St> {
             Err(Unrecorded::Fenced) => {
                 self.stats.inc(Counter::stale_fence);
                 tracing::warn!(
-                    fence = self.fence,
+                    fence = self.record.fence(),
                     "{what} refused: the lease was taken over"
                 );
             }
@@ -203,7 +211,7 @@ impl<St: Store> Lease<St> {
                 tracing::warn!(
                     error = %e,
                     scope = %self.short_scope(),
-                    fence = self.fence,
+                    fence = self.record.fence(),
                     "{what} could not be recorded within {:?}: the record stays in flight until its lease ends",
                     self.retry_for,
                 );
@@ -212,7 +220,7 @@ impl<St: Store> Lease<St> {
     }
 
     fn short_scope(&self) -> String {
-        self.scope.short_hex()
+        self.record.scope().short_hex()
     }
 }
 

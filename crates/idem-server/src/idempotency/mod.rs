@@ -238,12 +238,20 @@
 //! [`IdempotencyLayer::observer`] ([`crate::metrics`]; `idem-otel` records them through
 //! OpenTelemetry).
 
+use bytes::Bytes;
+use http::{Request, Response};
+use tonic::body::Body;
+use tower_service::Service;
+
 mod body;
 mod call;
+mod collect;
+mod context;
 mod decision;
 mod digest;
 mod error;
 mod fingerprint;
+mod forward;
 mod future;
 mod handler;
 mod inflate;
@@ -254,41 +262,6 @@ mod request;
 mod service;
 mod stats;
 mod status;
-/// What a protected call needs of the wrapped service, in one name: its futures and
-/// errors cross the handler's task.
-pub(crate) trait Inner<B>:
-    tower_service::Service<
-        http::Request<tonic::body::Body>,
-        Response = http::Response<B>,
-        Future: Send + 'static,
-        Error: Send + 'static,
-    > + Send
-    + 'static
-{
-}
-
-impl<S, B> Inner<B> for S where
-    S: tower_service::Service<
-            http::Request<tonic::body::Body>,
-            Response = http::Response<B>,
-            Future: Send + 'static,
-            Error: Send + 'static,
-        > + Send
-        + 'static
-{
-}
-
-/// What a protected call needs of the wrapped service's response body.
-pub(crate) trait ResponseBody:
-    http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + 'static
-{
-}
-
-impl<B> ResponseBody for B where
-    B: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + 'static
-{
-}
-
 pub mod tenant;
 #[cfg(test)]
 mod tests;
@@ -303,3 +276,31 @@ pub use service::Idempotency;
 pub use stats::{IdempotencyStats, StatsSnapshot};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a protected call needs of the wrapped service, in one name: its futures and
+/// errors cross the handler's task.
+pub(crate) trait HandlerService<B>:
+    Service<Request<Body>, Response = Response<B>, Future: Send + 'static, Error: Send + 'static>
+    + Send
+    + 'static
+{
+}
+
+impl<S, B> HandlerService<B> for S
+where
+    S: Service<Request<Body>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+}
+
+/// What a protected call needs of the wrapped service's response body.
+pub(crate) trait HandlerBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B> HandlerBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}

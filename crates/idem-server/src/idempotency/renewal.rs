@@ -33,14 +33,15 @@ use super::stats::{Counter, IdempotencyStats};
 /// The leases one layer holds (shared by its clones).
 #[derive(Debug, Default)]
 pub(crate) struct Renewals {
-    state: Mutex<State>,
+    state: Mutex<Registry>,
     /// Wakes the task: a lease due earlier than its next wake-up was registered.
     wake: Notify,
 }
 
+/// The registered leases and the task that renews them, under one lock.
 #[derive(Debug, Default)]
-struct State {
-    leases: Slab<Entry>,
+struct Registry {
+    leases: Slab<Registered>,
     /// Tells a registration from a later one that reuses its slab slot.
     next_ticket: u64,
     task: Option<JoinHandle<()>>,
@@ -49,8 +50,9 @@ struct State {
     wake_at: Option<Instant>,
 }
 
+/// One registered lease: which record, under which fence, and when it is due.
 #[derive(Debug)]
-struct Entry {
+struct Registered {
     ticket: u64,
     scope: Scope,
     fence: Fence,
@@ -91,7 +93,7 @@ fn period(lease: Duration) -> Duration {
 }
 
 impl Renewals {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -112,7 +114,7 @@ impl Renewals {
         let mut state = self.lock();
         let ticket = state.next_ticket;
         state.next_ticket += 1;
-        let key = state.leases.insert(Entry {
+        let key = state.leases.insert(Registered {
             ticket,
             scope,
             fence,

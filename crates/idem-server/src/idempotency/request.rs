@@ -2,11 +2,10 @@
 //! reading anything, buffer the body, check that the service will be able to decode it,
 //! and fingerprint its messages (see [`fingerprint`](super::fingerprint)).
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use idem_core::config::IdempotencyPolicy;
 use idem_store::Fingerprint;
-use prost::encoding::{DecodeContext, decode_key, skip_field};
 use tonic::Status;
 use tonic::body::Body;
 
@@ -75,70 +74,9 @@ fn is_protobuf(headers: &http::HeaderMap) -> bool {
         || ct.eq_ignore_ascii_case(b"application/grpc+proto")
 }
 
-/// Checks that `msg` is well-formed protobuf wire format (keys, wire types, varints,
-/// lengths, balanced groups) without knowing its type. Every encoding of any message
-/// passes; bytes no protobuf decoder would accept do not. Linear in the message's size.
-pub(crate) fn check_protobuf(mut msg: &[u8]) -> Result<(), prost::DecodeError> {
-    while msg.has_remaining() {
-        let (tag, wire_type) = decode_key(&mut msg)?;
-        skip_field(wire_type, tag, &mut msg, DecodeContext::default())?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
-    use prost::Message;
-
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct Sample {
-        #[prost(string, tag = "1")]
-        name: String,
-        #[prost(uint64, tag = "2")]
-        n: u64,
-        #[prost(fixed32, tag = "3")]
-        f: u32,
-        #[prost(double, tag = "4")]
-        d: f64,
-        #[prost(bytes = "vec", repeated, tag = "536870911")]
-        blobs: Vec<Vec<u8>>,
-    }
-
-    #[test]
-    fn wire_format_is_checked_without_the_schema() {
-        let m = Sample {
-            name: "x".into(),
-            n: u64::MAX,
-            f: 7,
-            d: 1.5,
-            blobs: vec![vec![1, 2, 3], vec![]],
-        };
-        let bytes = m.encode_to_vec();
-        assert!(check_protobuf(&bytes).is_ok());
-        assert!(check_protobuf(&[]).is_ok(), "an empty message is valid");
-        for n in 1..bytes.len() {
-            let cut = &bytes[..n];
-            assert_eq!(
-                check_protobuf(cut).is_ok(),
-                Sample::decode(cut).is_ok(),
-                "prefix {n}"
-            );
-        }
-        for bad in [
-            &b"\xff\xff\xff"[..],
-            b"\x00",
-            b"\x0f",
-            b"\x0a\x05ab",
-            b"\x0b",
-            b"\x0c",
-        ] {
-            assert!(check_protobuf(bad).is_err(), "{bad:?}");
-        }
-        // Groups are balanced (proto2).
-        assert!(check_protobuf(b"\x0b\x10\x01\x0c").is_ok());
-    }
 
     /// A body of `frames`, as the transport hands it over.
     fn body_of(frames: &[&'static [u8]]) -> Body {
@@ -178,19 +116,6 @@ mod tests {
                 .err()
                 .expect("over the limit");
             assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn never_panics_and_accepts_whatever_prost_accepts(
-            bytes in proptest::collection::vec(any::<u8>(), 0..128)
-        ) {
-            let ok = check_protobuf(&bytes).is_ok();
-            // A message made only of unknown fields decodes iff the wire format is valid.
-            #[derive(Clone, PartialEq, prost::Message)]
-            struct Empty {}
-            prop_assert_eq!(ok, Empty::decode(&bytes[..]).is_ok());
         }
     }
 }

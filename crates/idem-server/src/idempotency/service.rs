@@ -15,7 +15,7 @@ use tower_service::Service;
 use tracing::{Instrument, field};
 
 use super::BoxError;
-use super::call::Call;
+use super::context::Call;
 use super::digest::scope_for;
 use super::future::ResponseFuture;
 use super::layer::{Current, IdempotencyLayer, Shared};

@@ -7,6 +7,7 @@ use http::HeaderValue;
 use idem_core::config::CompressionSet;
 use idem_test_support::deflate::empty_fixed_blocks;
 use proptest::prelude::*;
+use prost::Message;
 
 use super::*;
 use crate::idempotency::digest::fingerprint_messages;
@@ -582,5 +583,66 @@ proptest! {
         // Reused after any outcome, it still decodes a valid message.
         let ok = compress(c, b"after");
         prop_assert_eq!(inflater.message(c, &ok, 100).unwrap(), b"after");
+    }
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Sample {
+    #[prost(string, tag = "1")]
+    name: String,
+    #[prost(uint64, tag = "2")]
+    n: u64,
+    #[prost(fixed32, tag = "3")]
+    f: u32,
+    #[prost(double, tag = "4")]
+    d: f64,
+    #[prost(bytes = "vec", repeated, tag = "536870911")]
+    blobs: Vec<Vec<u8>>,
+}
+
+#[test]
+fn wire_format_is_checked_without_the_schema() {
+    let m = Sample {
+        name: "x".into(),
+        n: u64::MAX,
+        f: 7,
+        d: 1.5,
+        blobs: vec![vec![1, 2, 3], vec![]],
+    };
+    let bytes = m.encode_to_vec();
+    assert!(check_protobuf(&bytes).is_ok());
+    assert!(check_protobuf(&[]).is_ok(), "an empty message is valid");
+    for n in 1..bytes.len() {
+        let cut = &bytes[..n];
+        assert_eq!(
+            check_protobuf(cut).is_ok(),
+            Sample::decode(cut).is_ok(),
+            "prefix {n}"
+        );
+    }
+    for bad in [
+        &b"\xff\xff\xff"[..],
+        b"\x00",
+        b"\x0f",
+        b"\x0a\x05ab",
+        b"\x0b",
+        b"\x0c",
+    ] {
+        assert!(check_protobuf(bad).is_err(), "{bad:?}");
+    }
+    // Groups are balanced (proto2).
+    assert!(check_protobuf(b"\x0b\x10\x01\x0c").is_ok());
+}
+
+proptest! {
+    #[test]
+    fn never_panics_and_accepts_whatever_prost_accepts(
+        bytes in proptest::collection::vec(any::<u8>(), 0..128)
+    ) {
+        let ok = check_protobuf(&bytes).is_ok();
+        // A message made only of unknown fields decodes iff the wire format is valid.
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct Empty {}
+        prop_assert_eq!(ok, Empty::decode(&bytes[..]).is_ok());
     }
 }
