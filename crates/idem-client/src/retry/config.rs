@@ -5,8 +5,8 @@
 //! and [`RetryLayer::reload`] both go through [`Shared::new`] / [`Shared::reload`], which
 //! call it, so a setting cannot be honoured at build time and dropped on reload.
 //!
-//! [`RetryLayerBuilder::build`]: super::RetryLayerBuilder::build
-//! [`RetryLayer::reload`]: super::RetryLayer::reload
+//! [`RetryLayerBuilder::build`]: crate::retry::RetryLayerBuilder::build
+//! [`RetryLayer::reload`]: crate::retry::RetryLayer::reload
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -18,17 +18,17 @@ use idem_core::config::{
 };
 use idem_core::deadline::InboundScope;
 
-use super::backoff::Jitter;
-use super::body::ReplayBudget;
-use super::outcome::{CallReport, OutcomeHook, RetryStats};
-use super::throttle::RetryThrottle;
 use crate::metrics::SharedObserver;
+use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
+use crate::retry::policy::backoff::Jitter;
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::request::body::ReplayBudget;
 
-/// The default of [`RetryLayerBuilder::max_retry_delay`](super::RetryLayerBuilder::max_retry_delay).
+/// The default of [`RetryLayerBuilder::max_retry_delay`](crate::retry::RetryLayerBuilder::max_retry_delay).
 pub(crate) const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
 /// The default of
-/// [`RetryLayerBuilder::wait_for_ready_limit`](super::RetryLayerBuilder::wait_for_ready_limit).
+/// [`RetryLayerBuilder::wait_for_ready_limit`](crate::retry::RetryLayerBuilder::wait_for_ready_limit).
 pub(crate) const DEFAULT_WAIT_FOR_READY_LIMIT: Duration = Duration::from_secs(30);
 
 /// Where per-method policies come from.
@@ -293,7 +293,7 @@ impl Shared {
         }
     }
 
-    /// Swaps in `config` (see [`RetryLayer::reload`](super::RetryLayer::reload)).
+    /// Swaps in `config` (see [`RetryLayer::reload`](crate::retry::RetryLayer::reload)).
     pub(crate) fn reload(&self, config: &ServiceConfig) {
         let idem = config.settings();
         let total = self.overrides.client(&idem.client).max_replay_bytes_total;

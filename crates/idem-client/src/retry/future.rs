@@ -1,4 +1,4 @@
-//! [`ResponseFuture`]: the future of a [`Retry`](super::Retry) call.
+//! [`ResponseFuture`]: the future of a [`Retry`](crate::retry::Retry) call.
 //!
 //! The layer sends one attempt itself, on the service it was handed ready, and the future
 //! awaits it by hand: every call of a method without a retry policy (nor `waitForReady`),
@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -21,18 +21,21 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
-use super::call::{Next, Req, Run};
-use super::context::{Attempt, CallContext};
-use super::outcome::{CallOutcome, CallReport};
-use super::peek::Resp;
-use super::service::Spare;
-use super::timed::{Cut, Timed};
 use crate::BoxError;
+use crate::retry::Req;
+use crate::retry::Resp;
+use crate::retry::engine::attempts::{Next, Run};
+use crate::retry::engine::context::{Attempt, CallContext};
+use crate::retry::engine::timed::{Cut, Timed};
+use crate::retry::outcome::{CallOutcome, CallReport};
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// Where retries get their service: see [`Retry`](crate::retry::Retry)'s `spare`.
+pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
+
 pin_project! {
-    /// The response future of [`Retry`](super::Retry) over the inner service `S`.
+    /// The response future of [`Retry`](crate::retry::Retry) over the inner service `S`.
     ///
     /// # Panics
     /// When polled again after it returned `Ready`, like tower's futures.

@@ -10,11 +10,11 @@ use idem_core::config::{
     InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig,
 };
 
-use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
-use super::config::{self, Overrides, PolicySource, Shared};
-use super::outcome::{CallReport, OutcomeHook, RetryStats};
-use super::service::Retry;
-use super::throttle::RetryThrottle;
+use crate::retry::config::{self, Overrides, PolicySource, Shared};
+use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
+use crate::retry::policy::backoff::{Jitter, SeededJitter, ThreadRngJitter};
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::service::Retry;
 
 /// A tower [`Layer`](tower_layer::Layer) that retries gRPC calls as gRFC A6 says. See the
 /// [crate docs](crate) for the behaviour and an example.
@@ -253,7 +253,7 @@ impl RetryLayerBuilder {
     }
     /// How long a `waitForReady` call that has no deadline waits for a channel that
     /// cannot connect before it fails with UNAVAILABLE and
-    /// [`CallOutcome::NotReady`](super::CallOutcome::NotReady) (default 30 s; counted
+    /// [`CallOutcome::NotReady`](crate::retry::CallOutcome::NotReady) (default 30 s; counted
     /// from each attempt the channel could not send, so at most `maxAttempts` times per
     /// call). A call with a deadline waits until its deadline.
     pub fn wait_for_ready_limit(mut self, d: Duration) -> Self {
@@ -340,7 +340,7 @@ impl RetryLayerBuilder {
     /// `grpc-retry-pushback-ms` or `google.rpc.RetryInfo` (default 30 s). A server that
     /// asks for more (a call with no deadline could otherwise be parked for hours) gets
     /// no retry: the call ends at once with the attempt's status and
-    /// [`CallOutcome::PushbackStop`](super::CallOutcome::PushbackStop). Retrying *sooner*
+    /// [`CallOutcome::PushbackStop`](crate::retry::CallOutcome::PushbackStop). Retrying *sooner*
     /// than the server asked would defeat the pushback, so the wait is never shortened.
     /// The policy's own backoff is bounded by its `maxBackoff` instead.
     pub fn max_retry_delay(mut self, d: Duration) -> Self {

@@ -1,7 +1,7 @@
 //! [`Retry`]: the service the [`RetryLayer`] wraps around a channel.
 
 use std::mem;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -16,20 +16,17 @@ use tower_service::Service;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use super::call::{Call, Run};
-use super::config::Shared;
-use super::context::{Attempt, CallContext, CallPath};
-use super::future::ResponseFuture;
-use super::hedge;
-use super::layer::RetryLayer;
-use super::limit::{CheckedBody, RequestCheck, RequestFault};
-use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
 use crate::key::place_request_key;
 use crate::metrics::Started;
-
-/// Where retries get their service: see [`Retry`]'s `spare`.
-pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
+use crate::retry::config::Shared;
+use crate::retry::engine::attempts::{Call, Run};
+use crate::retry::engine::context::{Attempt, CallContext, CallPath};
+use crate::retry::engine::race;
+use crate::retry::future::{ResponseFuture, Spare};
+use crate::retry::layer::RetryLayer;
+use crate::retry::outcome::{CallOutcome, CallReport};
+use crate::retry::response::limit::{CheckedBody, RequestCheck, RequestFault};
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].
@@ -169,7 +166,7 @@ where
         let body = tonic::body::Body::new(body);
         if let Some(hedging) = call.hedging.clone() {
             let svc = self.take_ready();
-            let fut = hedge::run(svc, parts, body, call, hedging).instrument(span);
+            let fut = race::run(svc, parts, body, call, hedging).instrument(span);
             return ResponseFuture::looping(Box::pin(fut));
         }
         let _enter = span.enter();

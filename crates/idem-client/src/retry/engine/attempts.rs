@@ -1,7 +1,7 @@
 //! The mechanism of a retrying call: read what is ready of the body, send an attempt,
-//! ask [`policy::decide`](super::policy::decide), wait, repeat; then answer the caller.
+//! ask [`policy::decide`](crate::retry::policy::decide), wait, repeat; then answer the caller.
 //!
-//! Everything A6 decides lives in [`policy`](super::policy); this file does the I/O,
+//! Everything A6 decides lives in [`policy`](crate::retry::policy); this file does the I/O,
 //! the clock, the counters and the tracing around it.
 
 use std::future::{Future, poll_fn};
@@ -17,32 +17,30 @@ use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::body::{self, Lease, Overflow, Partial, Read};
-use super::context::{Attempt, CallContext};
-use super::limit::RequestCheck;
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
-use super::peek::{self, Resp, early_code};
-use super::policy::{self, Attempted, CallState, Decision, Limits, decide};
-use super::replay::StreamReplay;
-use super::throttle::RetryThrottle;
-use super::timed::{Cut, Timed};
 use crate::BoxError;
-
-/// The inner request: what the layer sends its inner service.
-pub(crate) type Req = http::Request<tonic::body::Body>;
+use crate::retry::engine::context::{Attempt, CallContext};
+use crate::retry::engine::timed::{Cut, Timed};
+use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::policy::{self, Attempted, CallState, Decision, Limits, decide};
+use crate::retry::request::body::{self, Lease, Overflow, Partial, Read};
+use crate::retry::request::replay::StreamReplay;
+use crate::retry::response::limit::RequestCheck;
+use crate::retry::response::peek::{self, early_code};
+use crate::retry::{Req, Resp};
 
 /// What one call through the loop needs.
 pub(crate) struct Call {
     pub(crate) cx: CallContext,
     /// `None`: one attempt (a method without a retry policy, here for `waitForReady`).
     pub(crate) policy: Option<RetryPolicy>,
-    /// `Some`: the call is hedged ([`hedge::run`](super::hedge::run)), not retried.
+    /// `Some`: the call is hedged ([`race::run`](crate::retry::engine::race::run)), not retried.
     pub(crate) hedging: Option<HedgingPolicy>,
     pub(crate) wait_for_ready: bool,
 }
 
 /// The request body each attempt sends.
-pub(super) enum AttemptBody {
+pub(crate) enum AttemptBody {
     /// Complete before the first attempt (every unary call): each attempt gets a copy;
     /// its bytes stay in the budget until the call ends.
     Replay { replay: body::Replay, _lease: Lease },
@@ -53,15 +51,15 @@ pub(super) enum AttemptBody {
 
 /// What the layer read of a request before its first attempt, and what reading the rest
 /// needs: the budget lease, the request message check, the per-call replay cap.
-pub(super) struct Start {
-    pub(super) read: Begun,
-    pub(super) lease: Lease,
-    pub(super) check: Option<RequestCheck>,
-    pub(super) cap: usize,
+pub(crate) struct Start {
+    pub(crate) read: Begun,
+    pub(crate) lease: Lease,
+    pub(crate) check: Option<RequestCheck>,
+    pub(crate) cap: usize,
 }
 
 /// A request read up to where the caller has not produced more (or to its end).
-pub(super) enum Begun {
+pub(crate) enum Begun {
     /// The whole request: every attempt gets a copy.
     Complete(body::Replay),
     /// The start of a request that streams.
@@ -72,7 +70,7 @@ impl Start {
     /// Reads what the caller has ready of `source`, without waiting for more. `Err` with
     /// the status when a request message is over `maxRequestMessageBytes`: nothing is
     /// sent.
-    pub(super) fn read(
+    pub(crate) fn read(
         source: &mut tonic::body::Body,
         call: &Call,
         cx: &mut Context<'_>,
@@ -106,7 +104,7 @@ impl Start {
 impl AttemptBody {
     /// Reads what the caller has ready, without waiting for more. `Err` with the status
     /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
-    pub(super) fn read(
+    pub(crate) fn read(
         mut source: tonic::body::Body,
         call: &Call,
         cx: &mut Context<'_>,
@@ -127,7 +125,7 @@ impl AttemptBody {
         })
     }
 
-    pub(super) fn next(&self) -> tonic::body::Body {
+    pub(crate) fn next(&self) -> tonic::body::Body {
         match self {
             AttemptBody::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
             AttemptBody::Stream(stream) => tonic::body::Body::new(stream.body()),
@@ -135,7 +133,7 @@ impl AttemptBody {
     }
 
     /// The attempt got response headers: the call is committed.
-    pub(super) fn commit(&self) {
+    pub(crate) fn commit(&self) {
         if let AttemptBody::Stream(stream) = self {
             stream.commit();
         }
@@ -158,7 +156,7 @@ impl AttemptBody {
 
     /// Set when the request was not kept for replay: the outcome if a retry would
     /// otherwise be made.
-    pub(super) fn sent_once(&self) -> Option<CallOutcome> {
+    pub(crate) fn sent_once(&self) -> Option<CallOutcome> {
         let AttemptBody::Stream(stream) = self else {
             return None;
         };
@@ -171,7 +169,7 @@ impl AttemptBody {
 }
 
 /// What `waitForReady` does after an attempt the channel could not send.
-pub(super) enum NotReady {
+pub(crate) enum NotReady {
     /// Send it again after this wait.
     Wait(Duration),
     /// Stop waiting: the caller gets this, with this outcome.
@@ -181,7 +179,7 @@ pub(super) enum NotReady {
 /// `waitForReady`: the waits since the channel failed to connect (reset once an attempt
 /// is sent), and when a call without a deadline stops waiting for it.
 #[derive(Debug, Default)]
-pub(super) struct ReadyWait {
+pub(crate) struct ReadyWait {
     waits: u32,
     until: Option<Instant>,
 }
@@ -189,7 +187,7 @@ pub(super) struct ReadyWait {
 impl Call {
     /// The request of attempt number `attempts` (1-based): `grpc-previous-rpc-attempts`
     /// on retries, `grpc-timeout` rewritten to the time left.
-    pub(super) fn request(
+    pub(crate) fn request(
         &self,
         parts: &Parts,
         body: tonic::body::Body,
@@ -211,7 +209,7 @@ impl Call {
 
     /// When an attempt sent now is cut short: at the call's deadline, or at
     /// `perAttemptRecvTimeout` from now.
-    pub(super) fn cut(&self) -> Option<Cut> {
+    pub(crate) fn cut(&self) -> Option<Cut> {
         let recv_timeout = self
             .policy
             .as_ref()
@@ -222,7 +220,7 @@ impl Call {
 
     /// Awaits one attempt's response headers (and, with `peek`, its first body frame),
     /// cut short by the deadline or the receive timeout.
-    pub(super) async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
+    pub(crate) async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
     where
         F: Future<Output = Result<http::Response<RB>, E>>,
         RB: http_body::Body<Data = Bytes> + Send + 'static,
@@ -259,7 +257,7 @@ impl Call {
     /// `waitForReady` after an attempt the channel could not send: the wait before sending
     /// it again, or how the call ends (at its deadline, or after the layer's limit
     /// without one).
-    pub(super) fn not_ready(&self, ready: &mut ReadyWait, attempt: &Attempt) -> NotReady {
+    pub(crate) fn not_ready(&self, ready: &mut ReadyWait, attempt: &Attempt) -> NotReady {
         let now = Instant::now();
         let limit = self.cx.settings.wait_for_ready_limit();
         let end = match self.cx.deadline {

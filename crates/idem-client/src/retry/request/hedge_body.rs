@@ -35,10 +35,10 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame};
 
-use super::body::{self, Lease, Overflow, Partial};
-use super::limit::RequestCheck;
-use super::outcome::CallOutcome;
 use crate::BoxError;
+use crate::retry::outcome::CallOutcome;
+use crate::retry::request::body::{self, Lease, Overflow, Partial};
+use crate::retry::response::limit::RequestCheck;
 
 /// What every hedge of one call sends.
 pub(crate) enum HedgeRequest {
@@ -231,7 +231,7 @@ impl Wake for Wakers {
 }
 
 impl HedgeStream {
-    /// Goes on from what [`read_ready`](super::body::read_ready) read of `source`, kept
+    /// Goes on from what [`read_ready`](crate::retry::request::body::read_ready) read of `source`, kept
     /// whole (`start.overflow` is `None`); `lease` holds its bytes.
     pub(crate) fn new(
         start: Partial,
@@ -570,7 +570,7 @@ impl Drop for HedgeBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::body::fixtures::{Call, counter, ok, started};
+    use crate::retry::request::body::fixtures::{Call, counter, ok, started};
     use http_body_util::BodyExt;
     use std::sync::atomic::Ordering;
 

@@ -8,7 +8,7 @@ use idem_core::deadline::earliest;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
-use super::context::Attempt;
+use crate::retry::engine::context::Attempt;
 
 /// When an attempt is cut short, and how it then ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,8 +14,8 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame};
 
-use super::limit::RequestCheck;
 use crate::BoxError;
+use crate::retry::response::limit::RequestCheck;
 
 /// Bytes held for replay across all calls of one layer (and its clones).
 #[derive(Debug)]
@@ -172,7 +172,7 @@ pub(crate) enum Read {
     /// The whole body, within the limits: every attempt gets a copy of it.
     Complete(Replay),
     /// The caller has more to send (or the body did not fit, or failed): the attempt
-    /// streams it ([`StreamReplay`](super::replay::StreamReplay)).
+    /// streams it ([`StreamReplay`](crate::retry::request::replay::StreamReplay)).
     Partial(Partial),
     /// A request message over `maxRequestMessageBytes`: nothing is sent.
     TooLarge,
@@ -292,7 +292,7 @@ pub(crate) fn read_ready(
 /// The start of a streamed request, for the tests of the bodies that replay it to
 /// every attempt (`replay`) or hedge (`hedge_body`).
 #[cfg(test)]
-pub(super) mod fixtures {
+pub(crate) mod fixtures {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::task::{Wake, Waker};
 
@@ -411,7 +411,7 @@ pub(super) mod fixtures {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::limit::RequestFault;
+    use crate::retry::response::limit::RequestFault;
     use http_body_util::{BodyExt, Full};
     use std::task::Waker;
 

@@ -2,18 +2,28 @@
 //!
 //! [`decide`] looks at how one attempt ended and at the call so far, and says whether
 //! the call is done (and why) or retries after a wait. It does no I/O and reads no
-//! clock: the loop in [`call`](super::call) measures the time left, asks the throttle
-//! through a closure, and does what the decision says. That keeps every A6 rule in one
+//! clock: the attempt loop (`engine/attempts.rs`) measures the time left, asks the
+//! throttle through a closure, and does what the decision says. That keeps every A6 rule in one
 //! place, testable without a network (see the property tests below).
+//!
+//! The other pure decisions sit beside it: [`hedge`] (the hedging decision), [`backoff`],
+//! [`pushback`] (what the server asked) and [`throttle`] (the token bucket).
+
+pub mod backoff;
+pub(crate) mod hedge;
+pub(crate) mod pushback;
+#[cfg(test)]
+mod strategies;
+pub(crate) mod throttle;
 
 use std::time::Duration;
 
 use idem_core::config::RetryPolicy;
 use tonic::Code;
 
-use super::backoff::{self, Jitter};
-use super::outcome::{AttemptEnd, CallOutcome};
-use super::pushback::Pushback;
+use crate::retry::outcome::{AttemptEnd, CallOutcome};
+use crate::retry::policy::backoff::Jitter;
+use crate::retry::policy::pushback::Pushback;
 
 /// What an attempt told the client, as far as the decision cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,9 +167,9 @@ pub(crate) fn ready_wait(waits: u32, left: Duration, jitter: &dyn Jitter) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::backoff::FixedJitter;
-    use crate::retry::strategies::{durations, ends, pushbacks};
-    use crate::retry::test_util::unavailable_policy;
+    use crate::retry::policy::backoff::FixedJitter;
+    use crate::retry::policy::strategies::{durations, ends, pushbacks};
+    use crate::retry::tests::unavailable_policy;
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
 

@@ -15,8 +15,8 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
-use super::outcome::{CallOutcome, CallReport};
-use super::peek::Resp;
+use crate::retry::Resp;
+use crate::retry::outcome::{CallOutcome, CallReport};
 
 pin_project! {
     /// A response body cut at the call's deadline.
@@ -86,7 +86,7 @@ impl Body for DeadlineBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::test_util::{deadline_report, next_trailers};
+    use crate::retry::tests::{deadline_report, next_trailers};
     use http_body_util::BodyExt;
     use std::time::Duration;
 

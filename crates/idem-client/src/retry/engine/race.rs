@@ -2,12 +2,12 @@
 //! while no hedge has answered, race the hedges, give the caller the first answer that
 //! ends the call, and drop the others (their streams are reset).
 //!
-//! Everything A6 decides lives in [`hedge_policy`](super::hedge_policy); this file does
+//! Everything A6 decides lives in [`policy::hedge`](crate::retry::policy::hedge); this file does
 //! the I/O, the clock, the counters and the tracing around it. Every hedge carries the
 //! same request: the headers the call was given (so the same idempotency key, placed
 //! once before the first hedge), `grpc-previous-rpc-attempts` set to the hedge's index,
 //! `grpc-timeout` set to the time left, and the same body
-//! ([`hedge_body`](super::hedge_body): a copy of a request complete at the start, or the
+//! ([`hedge_body`](crate::retry::request::hedge_body): a copy of a request complete at the start, or the
 //! messages of a streaming request so far, then the live stream).
 //!
 //! With `waitForReady`, a hedge the channel could not send (it could not connect) is not
@@ -28,15 +28,17 @@ use idem_core::config::HedgingPolicy;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use super::call::{AttemptBody, Begun, Call, NotReady, ReadyWait, Start};
-use super::context::Attempt;
-use super::hedge_body::{HedgeRequest, HedgeStream};
-use super::hedge_policy::{self, HedgeDecision, HedgeLimits, HedgeState, Next};
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
-use super::peek::Resp;
-use super::replay::StreamReplay;
-use super::throttle::RetryThrottle;
 use crate::BoxError;
+use crate::retry::Resp;
+use crate::retry::engine::attempts::{AttemptBody, Begun, Call, NotReady, ReadyWait, Start};
+use crate::retry::engine::context::Attempt;
+use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::hedge::{
+    self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, Next,
+};
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::request::hedge_body::{HedgeRequest, HedgeStream};
+use crate::retry::request::replay::StreamReplay;
 
 type AttemptFuture<'a> = Pin<Box<dyn Future<Output = Attempt> + Send + 'a>>;
 
@@ -534,7 +536,7 @@ mod tests {
     use tower::{Layer, Service, ServiceExt};
 
     use crate::BoxError;
-    use crate::retry::backoff::FixedJitter;
+    use crate::retry::policy::backoff::FixedJitter;
     use crate::retry::{CallOutcome, CallReport, RetryLayer, RetryLayerBuilder};
 
     const PATH: &str = "/shop.v1.Orders/CreateOrder";

@@ -10,17 +10,18 @@ use idem_core::headers::DOWNSTREAM_EXHAUSTED;
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::config::Settings;
-use super::config::{MessageLimits, Shared};
-use super::deadline;
-use super::limit::{self, RequestFault};
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
-use super::peek::{Resp, early_code};
-use super::policy::Attempted;
-use super::pushback::{Pushback, pushback, retry_info_delay};
-use super::transport::TransportBody;
 use crate::BoxError;
 use crate::metrics::{self, Started};
+use crate::retry::Resp;
+use crate::retry::config::Settings;
+use crate::retry::config::{MessageLimits, Shared};
+use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::Attempted;
+use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
+use crate::retry::response::deadline;
+use crate::retry::response::limit::{self, RequestFault};
+use crate::retry::response::peek::early_code;
+use crate::retry::response::transport::TransportBody;
 
 /// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
 /// (static for generated tonic clients), so cloning it out of the request is free.

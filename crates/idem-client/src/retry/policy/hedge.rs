@@ -3,8 +3,8 @@
 //! [`decide`] looks at how one hedge ended and at the call so far, and says whether the
 //! call ends with that hedge's result (the others are cancelled) or goes on, and when
 //! the next hedge goes out. [`after_send`] and [`may_send`] schedule and gate the next
-//! hedge. Like [`policy`](super::policy), nothing here does I/O or reads a clock: the
-//! loop in [`hedge`](super::hedge) measures the time left and asks the throttle.
+//! hedge. Like [`policy`](crate::retry::policy), nothing here does I/O or reads a clock: the
+//! loop in [`hedge`](crate::retry::engine::race) measures the time left and asks the throttle.
 //!
 //! A6's rules, as applied here:
 //! - the first request goes out at once, each next hedge `hedgingDelay` after the
@@ -29,9 +29,9 @@ use std::time::Duration;
 use idem_core::config::HedgingPolicy;
 use tonic::Code;
 
-use super::outcome::{AttemptEnd, CallOutcome};
-use super::policy::Attempted;
-use super::pushback::Pushback;
+use crate::retry::outcome::{AttemptEnd, CallOutcome};
+use crate::retry::policy::Attempted;
+use crate::retry::policy::pushback::Pushback;
 
 /// What a hedged call has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -196,7 +196,7 @@ fn settle(state: &HedgeState, next: Next) -> HedgeDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::strategies::{durations, ends, pushbacks};
+    use crate::retry::policy::strategies::{durations, ends, pushbacks};
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
 

@@ -15,9 +15,9 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
-use super::outcome::{CallOutcome, CallReport};
-use super::peek::Resp;
 use crate::BoxError;
+use crate::retry::Resp;
+use crate::retry::outcome::{CallOutcome, CallReport};
 
 /// Reads gRPC message headers (a flag byte, then a 4-byte big-endian length) from bytes
 /// cut into chunks anywhere.

@@ -22,9 +22,9 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame};
 
-use super::body::{Lease, Overflow, Partial};
-use super::limit::RequestCheck;
 use crate::BoxError;
+use crate::retry::request::body::{Lease, Overflow, Partial};
+use crate::retry::response::limit::RequestCheck;
 
 /// The call loop's handle on a streaming request. Dropping it before the call committed
 /// ends the request: the caller's body is dropped, the copy is freed, the bytes go back to
@@ -105,7 +105,7 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl StreamReplay {
-    /// Goes on from what [`read_ready`](super::body::read_ready) read of `source`;
+    /// Goes on from what [`read_ready`](crate::retry::request::body::read_ready) read of `source`;
     /// `lease` holds the bytes of `start.read` that are kept.
     pub(crate) fn new(
         start: Partial,
@@ -357,8 +357,8 @@ impl Body for StreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::body::fixtures::{Call, Feed, counter, ok, started};
-    use crate::retry::body::{Read, ReplayBudget, read_ready};
+    use crate::retry::request::body::fixtures::{Call, Feed, counter, ok, started};
+    use crate::retry::request::body::{Read, ReplayBudget, read_ready};
     use http_body_util::BodyExt;
     use std::sync::atomic::Ordering;
     use tokio::sync::mpsc;

@@ -1,0 +1,12 @@
+//! What an attempt's response says, and the bounds on the body the caller gets.
+//!
+//! - [`peek`]: how an attempt ended, from its response head (Trailers-Only detection,
+//!   and the opt-in peek at the first body frame);
+//! - [`transport`]: connection failures in a response body read as UNAVAILABLE;
+//! - [`deadline`]: the call's deadline over the response body;
+//! - [`limit`]: `maxRequestMessageBytes` and `maxResponseMessageBytes`.
+
+pub(crate) mod deadline;
+pub(crate) mod limit;
+pub(crate) mod peek;
+pub(crate) mod transport;
