@@ -22,7 +22,7 @@ use crate::metrics::SharedObserver;
 use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
 use crate::retry::policy::backoff::Jitter;
 use crate::retry::policy::throttle::RetryThrottle;
-use crate::retry::request::body::ReplayBudget;
+use crate::retry::request::budget::ReplayBudget;
 
 /// The default of [`RetryLayerBuilder::max_retry_delay`](crate::retry::RetryLayerBuilder::max_retry_delay).
 pub(crate) const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(30);

@@ -26,7 +26,7 @@ use crate::retry::engine::race;
 use crate::retry::future::{ResponseFuture, Spare};
 use crate::retry::layer::RetryLayer;
 use crate::retry::outcome::{CallOutcome, CallReport};
-use crate::retry::response::limit::{CheckedBody, RequestCheck, RequestFault};
+use crate::retry::request::check::{CheckedBody, RequestCheck, RequestFault};
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].

@@ -23,9 +23,8 @@ use crate::retry::engine::timed::{Cut, Timed};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::policy::{self, Attempted, CallState, Decision, Limits, decide};
-use crate::retry::request::body::{self, Lease, Overflow, Partial, Read};
-use crate::retry::request::replay::StreamReplay;
-use crate::retry::response::limit::RequestCheck;
+use crate::retry::request::RequestCopy;
+use crate::retry::request::check::RequestCheck;
 use crate::retry::response::peek::{self, early_code};
 use crate::retry::{Req, Resp};
 
@@ -37,135 +36,6 @@ pub(crate) struct Call {
     /// `Some`: the call is hedged ([`race::run`](crate::retry::engine::race::run)), not retried.
     pub(crate) hedging: Option<HedgingPolicy>,
     pub(crate) wait_for_ready: bool,
-}
-
-/// The request body each attempt sends.
-pub(crate) enum AttemptBody {
-    /// Complete before the first attempt (every unary call): each attempt gets a copy;
-    /// its bytes stay in the budget until the call ends.
-    Replay { replay: body::Replay, _lease: Lease },
-    /// Still coming from the caller: each message goes out as it comes, and a copy is
-    /// kept until the call commits.
-    Stream(StreamReplay),
-}
-
-/// What the layer read of a request before its first attempt, and what reading the rest
-/// needs: the budget lease, the request message check, the per-call replay cap.
-pub(crate) struct Start {
-    pub(crate) read: Begun,
-    pub(crate) lease: Lease,
-    pub(crate) check: Option<RequestCheck>,
-    pub(crate) cap: usize,
-}
-
-/// A request read up to where the caller has not produced more (or to its end).
-pub(crate) enum Begun {
-    /// The whole request: every attempt gets a copy.
-    Complete(body::Replay),
-    /// The start of a request that streams.
-    Partial(Partial),
-}
-
-impl Start {
-    /// Reads what the caller has ready of `source`, without waiting for more. `Err` with
-    /// the status when a request message is over `maxRequestMessageBytes`: nothing is
-    /// sent.
-    pub(crate) fn read(
-        source: &mut tonic::body::Body,
-        call: &Call,
-        cx: &mut Context<'_>,
-    ) -> Result<Self, tonic::Status> {
-        let mut lease = Lease::new(call.cx.shared.budget.clone());
-        let mut check = call
-            .cx
-            .limits
-            .request
-            .zip(call.cx.fault.clone())
-            .map(|(limit, fault)| RequestCheck::new(limit, fault));
-        let cap = call.cx.settings.max_replay_bytes_per_call();
-        let read = match body::read_ready(source, cap, &mut lease, check.as_mut(), cx) {
-            Read::TooLarge => {
-                return Err(call.cx.request_fault().unwrap_or_else(|| {
-                    tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
-                }));
-            }
-            Read::Complete(replay) => Begun::Complete(replay),
-            Read::Partial(partial) => Begun::Partial(partial),
-        };
-        Ok(Start {
-            read,
-            lease,
-            check,
-            cap,
-        })
-    }
-}
-
-impl AttemptBody {
-    /// Reads what the caller has ready, without waiting for more. `Err` with the status
-    /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
-    pub(crate) fn read(
-        mut source: tonic::body::Body,
-        call: &Call,
-        cx: &mut Context<'_>,
-    ) -> Result<Self, tonic::Status> {
-        let start = Start::read(&mut source, call, cx)?;
-        Ok(match start.read {
-            Begun::Complete(replay) => AttemptBody::Replay {
-                replay,
-                _lease: start.lease,
-            },
-            Begun::Partial(partial) => AttemptBody::Stream(StreamReplay::new(
-                partial,
-                source,
-                start.lease,
-                start.cap,
-                start.check,
-            )),
-        })
-    }
-
-    pub(crate) fn next(&self) -> tonic::body::Body {
-        match self {
-            AttemptBody::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
-            AttemptBody::Stream(stream) => tonic::body::Body::new(stream.body()),
-        }
-    }
-
-    /// The attempt got response headers: the call is committed.
-    pub(crate) fn commit(&self) {
-        if let AttemptBody::Stream(stream) = self {
-            stream.commit();
-        }
-    }
-
-    /// The attempt failed: a streaming body stops feeding it.
-    fn retire(&self) {
-        if let AttemptBody::Stream(stream) = self {
-            stream.retire();
-        }
-    }
-
-    /// Whether the next attempt would send the whole request.
-    fn can_resend(&self) -> bool {
-        match self {
-            AttemptBody::Replay { .. } => true,
-            AttemptBody::Stream(stream) => stream.can_resend(),
-        }
-    }
-
-    /// Set when the request was not kept for replay: the outcome if a retry would
-    /// otherwise be made.
-    pub(crate) fn sent_once(&self) -> Option<CallOutcome> {
-        let AttemptBody::Stream(stream) = self else {
-            return None;
-        };
-        Some(match stream.overflow()? {
-            Overflow::PerCall => CallOutcome::BodyTooLarge,
-            Overflow::Budget => CallOutcome::ReplayBudgetExhausted,
-            Overflow::Error => CallOutcome::BodyError,
-        })
-    }
 }
 
 /// What `waitForReady` does after an attempt the channel could not send.
@@ -185,6 +55,30 @@ pub(crate) struct ReadyWait {
 }
 
 impl Call {
+    /// Reads what the caller has ready of `source`, without waiting for more (see
+    /// [`RequestCopy::read`]). `Err` with the status when a request message is over
+    /// `maxRequestMessageBytes`: nothing is sent.
+    pub(crate) fn read_request(
+        &self,
+        source: tonic::body::Body,
+        cx: &mut Context<'_>,
+    ) -> Result<RequestCopy, tonic::Status> {
+        let check = self
+            .cx
+            .limits
+            .request
+            .zip(self.cx.fault.clone())
+            .map(|(limit, fault)| RequestCheck::new(limit, fault));
+        let budget = self.cx.shared.budget.clone();
+        let cap = self.cx.settings.max_replay_bytes_per_call();
+        let hedged = self.hedging.is_some();
+        RequestCopy::read(source, budget, cap, check, hedged, cx).ok_or_else(|| {
+            self.cx.request_fault().unwrap_or_else(|| {
+                tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
+            })
+        })
+    }
+
     /// The request of attempt number `attempts` (1-based): `grpc-previous-rpc-attempts`
     /// on retries, `grpc-timeout` rewritten to the time left.
     pub(crate) fn request(
@@ -293,7 +187,7 @@ impl Call {
         &self,
         state: &mut CallState,
         attempted: &Attempted,
-        body: &AttemptBody,
+        copy: &RequestCopy,
         throttle: Option<&RetryThrottle>,
     ) -> Decision {
         let Some(policy) = &self.policy else {
@@ -301,7 +195,7 @@ impl Call {
         };
         let limits = Limits {
             policy,
-            sent_once: body.sent_once(),
+            sent_once: copy.sent_once(),
             time_left: self
                 .cx
                 .deadline
@@ -326,7 +220,7 @@ impl Call {
 /// early-trailers peek).
 pub(crate) struct Run {
     parts: Parts,
-    body: AttemptBody,
+    copy: RequestCopy,
     call: Call,
     /// Peeking at the response for a streaming request would hold its headers back from
     /// a caller that may wait for them before it sends more.
@@ -359,18 +253,17 @@ impl Run {
         call: Call,
         cx: &mut Context<'_>,
     ) -> Result<Self, Resp> {
-        let body = match AttemptBody::read(source, &call, cx) {
-            Ok(body) => body,
+        let copy = match call.read_request(source, cx) {
+            Ok(copy) => copy,
             Err(status) => {
                 let report = CallReport::new(CallOutcome::MessageTooLarge);
                 return Err(call.cx.finish(Attempt::Local(status), report));
             }
         };
         Ok(Run {
-            peek: call.cx.settings.peek_early_trailers()
-                && matches!(body, AttemptBody::Replay { .. }),
+            peek: call.cx.settings.peek_early_trailers() && copy.is_whole(),
             parts,
-            body,
+            copy,
             call,
             state: CallState::default(),
             ready: ReadyWait::default(),
@@ -417,7 +310,7 @@ impl Run {
         let started = Instant::now();
         let req = self
             .call
-            .request(&self.parts, self.body.next(), self.state.attempts);
+            .request(&self.parts, self.copy.body(0), self.state.attempts);
         (svc.call(req), started)
     }
 
@@ -463,11 +356,12 @@ impl Run {
         if call.cx.request_fault().is_some() {
             // A request message was over its limit: the stream was reset, and the rest of
             // the request must never be replayed as if it were complete.
+            self.copy.retire(0);
             self.report.record(attempt.observe().end, started.elapsed());
             return Next::Answer(self.answer(attempt, self.report.outcome));
         }
-        if call.wait_for_ready && attempt.never_sent() && self.body.can_resend() {
-            self.body.retire();
+        if call.wait_for_ready && attempt.never_sent() && self.copy.can_resend() {
+            self.copy.retire(0);
             return match call.not_ready(&mut self.ready, &attempt) {
                 NotReady::Wait(wait) => {
                     tracing::debug!(
@@ -483,11 +377,15 @@ impl Run {
         let attempted = attempt.observe();
         self.report.record(attempted.end, started.elapsed());
         if attempted.end == AttemptEnd::Committed {
-            self.body.commit();
+            self.copy.commit(0);
         }
         let throttle = call.cx.settings.throttle();
-        match call.decide(&mut self.state, &attempted, &self.body, throttle) {
+        match call.decide(&mut self.state, &attempted, &self.copy, throttle) {
             Decision::Done(outcome) => {
+                if attempted.end != AttemptEnd::Committed {
+                    // Only a committed attempt goes on with the request.
+                    self.copy.retire(0);
+                }
                 if let Some(t) = throttle.filter(|_| attempted.end.is_success()) {
                     t.record_success();
                 }
@@ -502,7 +400,7 @@ impl Run {
                     "retrying"
                 );
                 drop(attempt);
-                self.body.retire();
+                self.copy.retire(0);
                 Next::After(wait)
             }
         }

@@ -18,8 +18,9 @@ use crate::retry::config::{MessageLimits, Shared};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::Attempted;
 use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
+use crate::retry::request::check::RequestFault;
 use crate::retry::response::deadline;
-use crate::retry::response::limit::{self, RequestFault};
+use crate::retry::response::limit;
 use crate::retry::response::peek::early_code;
 use crate::retry::response::transport::TransportBody;
 

@@ -7,8 +7,8 @@
 //! same request: the headers the call was given (so the same idempotency key, placed
 //! once before the first hedge), `grpc-previous-rpc-attempts` set to the hedge's index,
 //! `grpc-timeout` set to the time left, and the same body
-//! ([`hedge_body`](crate::retry::request::hedge_body): a copy of a request complete at the start, or the
-//! messages of a streaming request so far, then the live stream).
+//! ([`RequestCopy`]: a copy of a request complete at the start, or the messages of a
+//! streaming request so far, then the live stream).
 //!
 //! With `waitForReady`, a hedge the channel could not send (it could not connect) is not
 //! a hedge: it counts for neither `maxAttempts` nor the throttle, and goes out again after
@@ -30,15 +30,14 @@ use tower_service::Service;
 
 use crate::BoxError;
 use crate::retry::Resp;
-use crate::retry::engine::attempts::{AttemptBody, Begun, Call, NotReady, ReadyWait, Start};
+use crate::retry::engine::attempts::{Call, NotReady, ReadyWait};
 use crate::retry::engine::context::Attempt;
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::hedge::{
     self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, Next,
 };
 use crate::retry::policy::throttle::RetryThrottle;
-use crate::retry::request::hedge_body::{HedgeRequest, HedgeStream};
-use crate::retry::request::replay::StreamReplay;
+use crate::retry::request::RequestCopy;
 
 type AttemptFuture<'a> = Pin<Box<dyn Future<Output = Attempt> + Send + 'a>>;
 
@@ -67,7 +66,7 @@ enum Event {
 struct Race<'a> {
     call: &'a Call,
     parts: &'a Parts,
-    body: &'a HedgeRequest,
+    body: &'a RequestCopy,
     policy: &'a HedgingPolicy,
     throttle: Option<&'a RetryThrottle>,
     peek: bool,
@@ -88,35 +87,6 @@ struct Race<'a> {
     report: CallReport,
 }
 
-/// How a hedged call starts, from what the caller had ready of its request.
-enum Begin {
-    /// Hedged: the whole request, or the start of a stream kept whole so far.
-    Hedged(HedgeRequest),
-    /// Over a replay limit before the first hedge (or unreadable): sent once.
-    Once(AttemptBody),
-}
-
-/// Reads what the caller has ready of the request, without waiting for more.
-async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, tonic::Status> {
-    let start = poll_fn(|cx| Poll::Ready(Start::read(&mut source, call, cx))).await?;
-    Ok(match start.read {
-        Begun::Complete(replay) => Begin::Hedged(HedgeRequest::Replay {
-            replay,
-            _lease: start.lease,
-        }),
-        Begun::Partial(partial) if partial.overflow.is_some() => Begin::Once(AttemptBody::Stream(
-            StreamReplay::new(partial, source, start.lease, start.cap, start.check),
-        )),
-        Begun::Partial(partial) => Begin::Hedged(HedgeRequest::Stream(HedgeStream::new(
-            partial,
-            source,
-            start.lease,
-            start.cap,
-            start.check,
-        ))),
-    })
-}
-
 /// The hedging loop.
 pub(crate) async fn run<S, RB>(
     mut svc: S,
@@ -132,9 +102,15 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let body = match begin(body, &call).await {
-        Ok(Begin::Hedged(body)) => body,
-        Ok(Begin::Once(body)) => return Ok(once(&mut svc, &parts, &body, &call).await),
+    // What the caller has ready of the request is read now, with this task's waker.
+    let mut source = Some(body);
+    let read = poll_fn(|cx| Poll::Ready(source.take().map(|b| call.read_request(b, cx))));
+    let body = match read.await.expect("read once") {
+        // Over a replay limit before the first hedge (or unreadable): sent once.
+        Ok(body) if body.sent_once().is_some() => {
+            return Ok(once(&mut svc, &parts, &body, &call).await);
+        }
+        Ok(body) => body,
         Err(status) => {
             let report = CallReport::new(CallOutcome::MessageTooLarge);
             return Ok(call.cx.finish(Attempt::Local(status), report));
@@ -150,7 +126,7 @@ where
         body: &body,
         policy: &policy,
         throttle: call.cx.settings.throttle(),
-        peek: call.cx.settings.peek_early_trailers() && body.may_peek(),
+        peek: call.cx.settings.peek_early_trailers() && body.is_whole(),
         state: HedgeState::default(),
         running: Vec::new(),
         timer: None,
@@ -493,7 +469,7 @@ impl<'a> Race<'a> {
 
 /// A request over a replay limit before its first hedge: sent once, as a call without a
 /// policy (hedging needs the whole request to send it again).
-async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &AttemptBody, call: &Call) -> Resp
+async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &RequestCopy, call: &Call) -> Resp
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
     S::Error: Into<BoxError>,
@@ -503,11 +479,13 @@ where
     call.cx.shared.stats.attempt(true);
     let started = Instant::now();
     let attempt = call
-        .send(svc.call(call.request(parts, body.next(), 1)), false)
+        .send(svc.call(call.request(parts, body.body(0), 1)), false)
         .await;
     let end = attempt.observe().end;
-    if end == AttemptEnd::Committed {
-        body.commit();
+    match end {
+        AttemptEnd::Committed => body.commit(0),
+        // Only a committed attempt goes on with the request.
+        _ => body.retire(0),
     }
     let outcome = match end {
         AttemptEnd::Deadline => CallOutcome::Deadline,
