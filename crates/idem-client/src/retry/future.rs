@@ -26,7 +26,7 @@ use crate::retry::Req;
 use crate::retry::Resp;
 use crate::retry::engine::attempts::{Next, Run};
 use crate::retry::engine::context::{Attempt, CallContext};
-use crate::retry::engine::timed::{Cut, Timed};
+use crate::retry::engine::timed::{self, Cut, Timed};
 use crate::retry::outcome::{CallOutcome, CallReport};
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -169,10 +169,7 @@ where
                     span,
                 } => {
                     let _enter = span.enter();
-                    let attempt = match std::task::ready!(attempt.poll(cx)) {
-                        Ok(result) => Attempt::of(result, call.deadline),
-                        Err(cut) => cut.attempt(),
-                    };
+                    let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), call.deadline);
                     Step::Answer(pass_through(call, attempt, started.elapsed()))
                 }
                 KindProj::First {
@@ -183,10 +180,8 @@ where
                     span,
                 } => {
                     let _enter = span.enter();
-                    let attempt = match std::task::ready!(attempt.poll(cx)) {
-                        Ok(result) => Attempt::of(result, run.as_deref().and_then(Run::deadline)),
-                        Err(cut) => cut.attempt(),
-                    };
+                    let deadline = run.as_deref().and_then(Run::deadline);
+                    let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), deadline);
                     let mut run = run.take().expect("ResponseFuture polled after completion");
                     match run.settle(attempt, *started) {
                         Next::Answer(answer) => Step::Answer(answer),

@@ -184,7 +184,7 @@ where
             drop(_enter);
             return ResponseFuture::looping(Box::pin(run.run(svc, None).instrument(span)));
         }
-        let (attempt, started) = match run.first(&mut self.inner) {
+        let (attempt, started) = match run.attempt(&mut self.inner) {
             Ok(sent) => sent,
             Err(answer) => return ResponseFuture::ready(answer),
         };

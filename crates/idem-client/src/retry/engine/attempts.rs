@@ -19,7 +19,7 @@ use tower_service::Service;
 
 use crate::BoxError;
 use crate::retry::engine::context::{Attempt, CallContext};
-use crate::retry::engine::timed::{Cut, Timed};
+use crate::retry::engine::timed::{self, Cut, Timed};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::policy::{self, Attempted, CallState, Decision, Limits, decide};
@@ -101,38 +101,34 @@ impl Call {
         req
     }
 
-    /// When an attempt sent now is cut short: at the call's deadline, or at
+    /// An attempt's response future, sent now: cut short at the call's deadline, or at
     /// `perAttemptRecvTimeout` from now.
-    pub(crate) fn cut(&self) -> Option<Cut> {
+    pub(crate) fn timed<F>(&self, fut: F) -> Timed<F> {
         let recv_timeout = self
             .policy
             .as_ref()
             .and_then(RetryPolicy::per_attempt_recv_timeout)
             .and_then(|t| Instant::now().checked_add(t));
-        Cut::earliest(self.cx.deadline, recv_timeout)
+        Timed::new(fut, Cut::earliest(self.cx.deadline, recv_timeout))
     }
 
-    /// Awaits one attempt's response headers (and, with `peek`, its first body frame),
-    /// cut short by the deadline or the receive timeout.
-    pub(crate) async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
+    /// Awaits one attempt's response headers (and, with `peek`, its first body frame,
+    /// under the same cut).
+    pub(crate) async fn receive<F, RB, E>(&self, attempt: Timed<F>, peek: bool) -> Attempt
     where
         F: Future<Output = Result<http::Response<RB>, E>>,
         RB: http_body::Body<Data = Bytes> + Send + 'static,
         RB::Error: Into<BoxError>,
         E: Into<BoxError>,
     {
-        let deadline = self.cx.deadline;
-        let response = async {
-            match Attempt::of(fut.await, deadline) {
-                Attempt::Response(r) if peek && early_code(&r).is_none() => {
-                    Attempt::Response(peek::peek_early_trailers(r).await)
-                }
-                other => other,
+        let cut = attempt.cut();
+        match timed::ended(attempt.await, self.cx.deadline) {
+            Attempt::Response(r) if peek && early_code(&r).is_none() => {
+                let peeked = Timed::new(peek::peek_early_trailers(r), cut).await;
+                peeked.map_or_else(Cut::attempt, Attempt::Response)
             }
-        };
-        Timed::new(response, self.cut())
-            .await
-            .unwrap_or_else(Cut::attempt)
+            other => other,
+        }
     }
 
     /// Before an attempt: a passed deadline ends the call.
@@ -282,26 +278,24 @@ impl Run {
         self.call.cx.deadline
     }
 
-    /// Sends the first attempt on `svc`, which is ready: `Err` with the caller's answer
-    /// when the deadline has already passed.
+    /// Sends the next attempt (or, while `waitForReady` waits, the same one again) on
+    /// `svc`, which is ready: its response future, cut at the deadline or the receive
+    /// timeout, and when it was sent; `Err` with the caller's answer when the deadline
+    /// has passed. The one way an attempt goes out: the first attempt's fast path (the
+    /// layer's `call`, then [`ResponseFuture`](crate::retry::future::ResponseFuture)) and
+    /// the loop ([`Run::run`]) both send through it, and hand what came back to
+    /// [`Run::settle`].
     #[expect(
         clippy::result_large_err,
         reason = "the answer is smaller than the attempt it replaces, and rare"
     )]
-    pub(crate) fn first<S: Service<Req>>(
+    pub(crate) fn attempt<S: Service<Req>>(
         &mut self,
         svc: &mut S,
     ) -> Result<(Timed<S::Future>, Instant), Resp> {
         if let Some(attempt) = self.call.expired(&self.ready) {
             return Err(self.answer(attempt, CallOutcome::Deadline));
         }
-        let (fut, started) = self.dispatch(svc);
-        Ok((Timed::new(fut, self.call.cut()), started))
-    }
-
-    /// Sends the next attempt (or, while `waitForReady` waits, the same one again) on
-    /// `svc`, which is ready: its response future, and when it was sent.
-    fn dispatch<S: Service<Req>>(&mut self, svc: &mut S) -> (S::Future, Instant) {
         if self.ready.waits == 0 {
             self.state.attempts += 1;
             self.call.cx.shared.stats.attempt(self.state.attempts == 1);
@@ -311,7 +305,7 @@ impl Run {
         let req = self
             .call
             .request(&self.parts, self.copy.body(0), self.state.attempts);
-        (svc.call(req), started)
+        Ok((self.call.timed(svc.call(req)), started))
     }
 
     /// The loop on `svc`, from before an attempt (after `wait`, if any): wait, attempt,
@@ -332,16 +326,16 @@ impl Run {
             if let Some(wait) = wait.take() {
                 sleep(wait).await;
             }
-            if let Some(attempt) = self.call.expired(&self.ready) {
-                return Ok(self.answer(attempt, CallOutcome::Deadline));
-            }
             if self.state.attempts > 0
                 && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await
             {
                 return Ok(self.answer(Attempt::Error(e.into()), CallOutcome::ServiceError));
             }
-            let (fut, started) = self.dispatch(&mut svc);
-            let attempt = self.call.send(fut, self.peek).await;
+            let (sent, started) = match self.attempt(&mut svc) {
+                Ok(sent) => sent,
+                Err(answer) => return Ok(answer),
+            };
+            let attempt = self.call.receive(sent, self.peek).await;
             match self.settle(attempt, started) {
                 Next::Answer(answer) => return Ok(answer),
                 Next::After(next) => wait = Some(next),

@@ -208,7 +208,7 @@ impl<'a> Race<'a> {
         let req = self
             .call
             .request(self.parts, self.body.body(index), index + 1);
-        let response = self.call.send(svc.call(req), self.peek);
+        let response = self.call.receive(self.call.timed(svc.call(req)), self.peek);
         self.running.push(Running {
             index,
             started: now,
@@ -479,7 +479,10 @@ where
     call.cx.shared.stats.attempt(true);
     let started = Instant::now();
     let attempt = call
-        .send(svc.call(call.request(parts, body.body(0), 1)), false)
+        .receive(
+            call.timed(svc.call(call.request(parts, body.body(0), 1))),
+            false,
+        )
         .await;
     let end = attempt.observe().end;
     match end {

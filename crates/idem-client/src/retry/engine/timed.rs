@@ -8,6 +8,9 @@ use idem_core::deadline::earliest;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
+use bytes::Bytes;
+
+use crate::BoxError;
 use crate::retry::engine::context::Attempt;
 
 /// When an attempt is cut short, and how it then ends.
@@ -64,6 +67,28 @@ impl<F> Timed<F> {
             timer: None,
             cut,
         }
+    }
+
+    /// When it is cut short.
+    pub(crate) fn cut(&self) -> Option<Cut> {
+        self.cut
+    }
+}
+
+/// How a timed attempt ended: the inner service's result as of the call's `deadline`
+/// ([`Attempt::of`]), or the cut that came first.
+pub(crate) fn ended<RB, E>(
+    result: Result<Result<http::Response<RB>, E>, Cut>,
+    deadline: Option<Instant>,
+) -> Attempt
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+    E: Into<BoxError>,
+{
+    match result {
+        Ok(result) => Attempt::of(result, deadline),
+        Err(cut) => cut.attempt(),
     }
 }
 
