@@ -24,7 +24,7 @@ use tracing::{Instrument, Span};
 use crate::BoxError;
 use crate::retry::Req;
 use crate::retry::Resp;
-use crate::retry::engine::attempts::{Next, Run};
+use crate::retry::engine::attempts::{AfterAttempt, Run};
 use crate::retry::engine::context::{Attempt, CallContext};
 use crate::retry::engine::timed::{self, Cut, Timed};
 use crate::retry::outcome::{CallOutcome, CallReport};
@@ -44,13 +44,13 @@ pin_project! {
         S: Service<Req>,
     {
         #[pin]
-        kind: Kind<S>,
+        kind: Phase<S>,
     }
 }
 
 pin_project! {
-    #[project = KindProj]
-    enum Kind<S>
+    #[project = PhaseProj]
+    enum Phase<S>
     where
         S: Service<Req>,
     {
@@ -87,11 +87,11 @@ pin_project! {
 impl<S: Service<Req>> std::fmt::Debug for ResponseFuture<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.kind {
-            Kind::Passthrough { .. } => "Passthrough",
-            Kind::First { .. } => "First",
-            Kind::Looping { .. } => "Looping",
-            Kind::Ready { .. } => "Ready",
-            Kind::Done => "Done",
+            Phase::Passthrough { .. } => "Passthrough",
+            Phase::First { .. } => "First",
+            Phase::Looping { .. } => "Looping",
+            Phase::Ready { .. } => "Ready",
+            Phase::Done => "Done",
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)
@@ -104,7 +104,7 @@ impl<S: Service<Req>> ResponseFuture<S> {
     pub(crate) fn passthrough(fut: S::Future, cx: CallContext, span: Span) -> Self {
         let cut = Cut::earliest(cx.deadline, None);
         ResponseFuture {
-            kind: Kind::Passthrough {
+            kind: Phase::Passthrough {
                 attempt: Timed::new(fut, cut),
                 cx,
                 started: Instant::now(),
@@ -122,7 +122,7 @@ impl<S: Service<Req>> ResponseFuture<S> {
         span: Span,
     ) -> Self {
         ResponseFuture {
-            kind: Kind::First {
+            kind: Phase::First {
                 attempt,
                 run: Some(run),
                 spare,
@@ -135,13 +135,13 @@ impl<S: Service<Req>> ResponseFuture<S> {
     /// A call the boxed loop (or hedging) drives.
     pub(crate) fn looping(fut: BoxFuture<Result<Resp, S::Error>>) -> Self {
         ResponseFuture {
-            kind: Kind::Looping { fut },
+            kind: Phase::Looping { fut },
         }
     }
 
     pub(crate) fn ready(response: Resp) -> Self {
         ResponseFuture {
-            kind: Kind::Ready {
+            kind: Phase::Ready {
                 response: Some(response),
             },
         }
@@ -162,7 +162,7 @@ where
         let mut kind = self.project().kind;
         loop {
             let next = match kind.as_mut().project() {
-                KindProj::Passthrough {
+                PhaseProj::Passthrough {
                     attempt,
                     cx: call,
                     started,
@@ -170,9 +170,9 @@ where
                 } => {
                     let _enter = span.enter();
                     let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), call.deadline);
-                    Step::Answer(pass_through(call, attempt, started.elapsed()))
+                    Polled::Answer(pass_through(call, attempt, started.elapsed()))
                 }
-                KindProj::First {
+                PhaseProj::First {
                     attempt,
                     run,
                     spare,
@@ -184,8 +184,8 @@ where
                     let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), deadline);
                     let mut run = run.take().expect("ResponseFuture polled after completion");
                     match run.settle(attempt, *started) {
-                        Next::Answer(answer) => Step::Answer(answer),
-                        Next::After(wait) => {
+                        AfterAttempt::Answer(answer) => Polled::Answer(answer),
+                        AfterAttempt::After(wait) => {
                             drop(_enter);
                             let svc = spare
                                 .get()
@@ -194,39 +194,39 @@ where
                                 .unwrap_or_else(PoisonError::into_inner)
                                 .clone();
                             let span = std::mem::replace(span, Span::none());
-                            Step::Then(Kind::Looping {
+                            Polled::Then(Phase::Looping {
                                 fut: Box::pin((*run).run(svc, Some(wait)).instrument(span)),
                             })
                         }
                     }
                 }
-                KindProj::Looping { fut } => {
+                PhaseProj::Looping { fut } => {
                     let output = std::task::ready!(fut.as_mut().poll(cx));
-                    kind.set(Kind::Done);
+                    kind.set(Phase::Done);
                     return Poll::Ready(output);
                 }
-                KindProj::Ready { response } => {
+                PhaseProj::Ready { response } => {
                     let response = response
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    kind.set(Kind::Done);
+                    kind.set(Phase::Done);
                     return Poll::Ready(Ok(response));
                 }
-                KindProj::Done => panic!("ResponseFuture polled after completion"),
+                PhaseProj::Done => panic!("ResponseFuture polled after completion"),
             };
             match next {
-                Step::Answer(response) => {
-                    kind.set(Kind::Done);
+                Polled::Answer(response) => {
+                    kind.set(Phase::Done);
                     return Poll::Ready(Ok(response));
                 }
-                Step::Then(next) => kind.set(next),
+                Polled::Then(next) => kind.set(next),
             }
         }
     }
 }
 
 /// What a poll of one state leads to: the answer, or the next state.
-enum Step<K> {
+enum Polled<K> {
     Answer(Resp),
     Then(K),
 }

@@ -10,7 +10,7 @@ use idem_core::config::{
     InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig,
 };
 
-use crate::retry::config::{self, Overrides, PolicySource, Shared};
+use crate::retry::config::{self, LayerShared, Overrides, PolicySource};
 use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
 use crate::retry::policy::backoff::{Jitter, SeededJitter, ThreadRngJitter};
 use crate::retry::policy::throttle::RetryThrottle;
@@ -23,7 +23,7 @@ use crate::retry::service::Retry;
 /// the counters.
 #[derive(Debug, Clone)]
 pub struct RetryLayer {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<LayerShared>,
 }
 
 impl<S> tower_layer::Layer<S> for RetryLayer {
@@ -416,7 +416,7 @@ impl RetryLayerBuilder {
             (None, None) => PolicySource::Config(Box::default()),
         };
         RetryLayer {
-            shared: Arc::new(Shared::new(config::Parts {
+            shared: Arc::new(LayerShared::new(config::BuilderParts {
                 source,
                 idem,
                 overrides: self.overrides,

@@ -19,8 +19,8 @@ use tracing::field::Empty;
 use crate::BoxError;
 use crate::key::place_request_key;
 use crate::metrics::Started;
-use crate::retry::config::Shared;
-use crate::retry::engine::attempts::{Call, Run};
+use crate::retry::config::LayerShared;
+use crate::retry::engine::attempts::{CallPlan, Run};
 use crate::retry::engine::context::{Attempt, CallContext, CallPath};
 use crate::retry::engine::race;
 use crate::retry::future::{ResponseFuture, Spare};
@@ -50,7 +50,7 @@ use crate::retry::request::check::{CheckedBody, RequestCheck, RequestFault};
 #[derive(Debug, Clone)]
 pub struct Retry<S> {
     inner: S,
-    shared: Arc<Shared>,
+    shared: Arc<LayerShared>,
     /// A clone of `inner` that retries clone again (the first attempt goes out on
     /// `inner` itself): made at the first retrying call, and shared by the clones of
     /// this service, which clients often make per call.
@@ -63,7 +63,7 @@ impl<S> Retry<S> {
         Self::from_shared(inner, layer.shared.clone())
     }
 
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
+    pub(crate) fn from_shared(inner: S, shared: Arc<LayerShared>) -> Self {
         Retry {
             inner,
             shared,
@@ -155,7 +155,7 @@ where
             return self.pass_through(req, cx, span);
         }
         let (parts, body) = req.into_parts();
-        let call = Call {
+        let call = CallPlan {
             cx,
             policy: policy.retry,
             hedging: policy.hedging,

@@ -22,14 +22,15 @@ use crate::retry::engine::context::{Attempt, CallContext};
 use crate::retry::engine::timed::{self, Cut, Timed};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::throttle::RetryThrottle;
-use crate::retry::policy::{self, Attempted, CallState, Decision, Limits, decide};
+use crate::retry::policy::{self, Attempted, CallState, Decision, RetryLimits, decide};
 use crate::retry::request::RequestCopy;
 use crate::retry::request::check::RequestCheck;
 use crate::retry::response::peek::{self, early_code};
 use crate::retry::{Req, Resp};
 
-/// What one call through the loop needs.
-pub(crate) struct Call {
+/// A call that may send more than one attempt: its context, and its plan (the retry or
+/// hedging policy, `waitForReady`).
+pub(crate) struct CallPlan {
     pub(crate) cx: CallContext,
     /// `None`: one attempt (a method without a retry policy, here for `waitForReady`).
     pub(crate) policy: Option<RetryPolicy>,
@@ -54,7 +55,7 @@ pub(crate) struct ReadyWait {
     until: Option<Instant>,
 }
 
-impl Call {
+impl CallPlan {
     /// Reads what the caller has ready of `source`, without waiting for more (see
     /// [`RequestCopy::read`]). `Err` with the status when a request message is over
     /// `maxRequestMessageBytes`: nothing is sent.
@@ -189,7 +190,7 @@ impl Call {
         let Some(policy) = &self.policy else {
             return Decision::Done(CallOutcome::without_policy(attempted.end));
         };
-        let limits = Limits {
+        let limits = RetryLimits {
             policy,
             sent_once: copy.sent_once(),
             time_left: self
@@ -217,7 +218,7 @@ impl Call {
 pub(crate) struct Run {
     parts: Parts,
     copy: RequestCopy,
-    call: Call,
+    call: CallPlan,
     /// Peeking at the response for a streaming request would hold its headers back from
     /// a caller that may wait for them before it sends more.
     peek: bool,
@@ -227,7 +228,7 @@ pub(crate) struct Run {
 }
 
 /// What follows an attempt.
-pub(crate) enum Next {
+pub(crate) enum AfterAttempt {
     /// The caller's answer.
     Answer(Resp),
     /// Another attempt after this wait (or the same one again, while `waitForReady`
@@ -246,7 +247,7 @@ impl Run {
     pub(crate) fn start(
         parts: Parts,
         source: tonic::body::Body,
-        call: Call,
+        call: CallPlan,
         cx: &mut Context<'_>,
     ) -> Result<Self, Resp> {
         let copy = match call.read_request(source, cx) {
@@ -337,22 +338,22 @@ impl Run {
             };
             let attempt = self.call.receive(sent, self.peek).await;
             match self.settle(attempt, started) {
-                Next::Answer(answer) => return Ok(answer),
-                Next::After(next) => wait = Some(next),
+                AfterAttempt::Answer(answer) => return Ok(answer),
+                AfterAttempt::After(next) => wait = Some(next),
             }
         }
     }
 
     /// What follows an attempt sent at `started`: the caller's answer, or another
     /// attempt after a wait.
-    pub(crate) fn settle(&mut self, attempt: Attempt, started: Instant) -> Next {
+    pub(crate) fn settle(&mut self, attempt: Attempt, started: Instant) -> AfterAttempt {
         let call = &self.call;
         if call.cx.request_fault().is_some() {
             // A request message was over its limit: the stream was reset, and the rest of
             // the request must never be replayed as if it were complete.
             self.copy.retire(0);
             self.report.record(attempt.observe().end, started.elapsed());
-            return Next::Answer(self.answer(attempt, self.report.outcome));
+            return AfterAttempt::Answer(self.answer(attempt, self.report.outcome));
         }
         if call.wait_for_ready && attempt.never_sent() && self.copy.can_resend() {
             self.copy.retire(0);
@@ -362,9 +363,11 @@ impl Run {
                         wait_ms = millis(wait),
                         "waiting for the channel to be ready"
                     );
-                    Next::After(wait)
+                    AfterAttempt::After(wait)
                 }
-                NotReady::GiveUp(answer, outcome) => Next::Answer(self.answer(answer, outcome)),
+                NotReady::GiveUp(answer, outcome) => {
+                    AfterAttempt::Answer(self.answer(answer, outcome))
+                }
             };
         }
         self.ready = ReadyWait::default();
@@ -383,7 +386,7 @@ impl Run {
                 if let Some(t) = throttle.filter(|_| attempted.end.is_success()) {
                     t.record_success();
                 }
-                Next::Answer(self.answer(attempt, outcome))
+                AfterAttempt::Answer(self.answer(attempt, outcome))
             }
             Decision::RetryAfter(wait) => {
                 self.report.waited(wait);
@@ -395,7 +398,7 @@ impl Run {
                 );
                 drop(attempt);
                 self.copy.retire(0);
-                Next::After(wait)
+                AfterAttempt::After(wait)
             }
         }
     }

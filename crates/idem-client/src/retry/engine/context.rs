@@ -14,7 +14,7 @@ use crate::BoxError;
 use crate::metrics::{self, Started};
 use crate::retry::Resp;
 use crate::retry::config::Settings;
-use crate::retry::config::{MessageLimits, Shared};
+use crate::retry::config::{LayerShared, MessageLimits};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::Attempted;
 use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
@@ -47,7 +47,7 @@ impl std::fmt::Display for CallPath {
 /// What every call needs to answer its caller, with or without retries.
 #[derive(Debug)]
 pub(crate) struct CallContext {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<LayerShared>,
     pub(crate) path: CallPath,
     pub(crate) deadline: Option<Instant>,
     /// The inbound call's marker, when this call is made while serving one.

@@ -12,7 +12,7 @@
 //!
 //! With `waitForReady`, a hedge the channel could not send (it could not connect) is not
 //! a hedge: it counts for neither `maxAttempts` nor the throttle, and goes out again after
-//! the same waits as a retried call's ([`Call::not_ready`]), in place of the next hedge:
+//! the same waits as a retried call's ([`CallPlan::not_ready`]), in place of the next hedge:
 //! while the channel cannot connect, one request at a time probes it. The call waits so
 //! until its deadline (DEADLINE_EXCEEDED) or, without one, the layer's
 //! `wait_for_ready_limit` (UNAVAILABLE), unless a hedge that was sent answers first.
@@ -30,11 +30,11 @@ use tower_service::Service;
 
 use crate::BoxError;
 use crate::retry::Resp;
-use crate::retry::engine::attempts::{Call, NotReady, ReadyWait};
+use crate::retry::engine::attempts::{CallPlan, NotReady, ReadyWait};
 use crate::retry::engine::context::Attempt;
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::hedge::{
-    self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, Next,
+    self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, NextHedge,
 };
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::request::RequestCopy;
@@ -64,7 +64,7 @@ enum Event {
 
 /// The hedges of one call, and what the caller gets when the race ends.
 struct Race<'a> {
-    call: &'a Call,
+    call: &'a CallPlan,
     parts: &'a Parts,
     body: &'a RequestCopy,
     policy: &'a HedgingPolicy,
@@ -92,7 +92,7 @@ pub(crate) async fn run<S, RB>(
     mut svc: S,
     parts: Parts,
     body: tonic::body::Body,
-    call: Call,
+    call: CallPlan,
     policy: HedgingPolicy,
 ) -> Result<Resp, S::Error>
 where
@@ -217,8 +217,8 @@ impl<'a> Race<'a> {
         let limits = self.limits();
         let next = match hedge_policy::after_send(&mut self.state, &limits) {
             // Hedges the channel could not send still go, one hedging delay apart.
-            Next::Never if !self.unsent.is_empty() && self.may_resend() => {
-                Next::After(self.policy.hedging_delay)
+            NextHedge::Never if !self.unsent.is_empty() && self.may_resend() => {
+                NextHedge::After(self.policy.hedging_delay)
             }
             next => next,
         };
@@ -364,7 +364,7 @@ impl<'a> Race<'a> {
                 );
                 self.unsent.push_back(done.index);
                 self.last_failure = Some(attempt);
-                self.plan(Next::After(wait));
+                self.plan(NextHedge::After(wait));
                 None
             }
             NotReady::GiveUp(answer, outcome) => self.give_up(answer, outcome),
@@ -376,7 +376,7 @@ impl<'a> Race<'a> {
     fn give_up(&mut self, answer: Attempt, outcome: CallOutcome) -> Option<Resp> {
         self.unsent.clear();
         self.state.frozen = Some(outcome);
-        self.plan(Next::Never);
+        self.plan(NextHedge::Never);
         if self.running.is_empty() {
             return Some(self.finish(answer, outcome));
         }
@@ -395,7 +395,7 @@ impl<'a> Race<'a> {
         );
         self.state.frozen.get_or_insert(outcome);
         self.unsent.clear();
-        self.plan(Next::Never);
+        self.plan(NextHedge::Never);
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].index == hedge {
@@ -424,16 +424,16 @@ impl<'a> Race<'a> {
         self.due = false;
         self.unsent.clear();
         self.state.frozen = Some(CallOutcome::ServiceError);
-        self.plan(Next::Never);
+        self.plan(NextHedge::Never);
         self.running
             .is_empty()
             .then(|| self.finish(Attempt::Error(e), CallOutcome::ServiceError))
     }
 
-    fn plan(&mut self, next: Next) {
+    fn plan(&mut self, next: NextHedge) {
         self.timer = match next {
-            Next::After(wait) => Some(Box::pin(tokio::time::sleep(wait))),
-            Next::Never => {
+            NextHedge::After(wait) => Some(Box::pin(tokio::time::sleep(wait))),
+            NextHedge::Never => {
                 self.due = false;
                 None
             }
@@ -469,7 +469,7 @@ impl<'a> Race<'a> {
 
 /// A request over a replay limit before its first hedge: sent once, as a call without a
 /// policy (hedging needs the whole request to send it again).
-async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &RequestCopy, call: &Call) -> Resp
+async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &RequestCopy, call: &CallPlan) -> Resp
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
     S::Error: Into<BoxError>,

@@ -61,7 +61,7 @@ pub(crate) struct HedgeLimits<'a> {
 
 /// When the next hedge goes out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Next {
+pub(crate) enum NextHedge {
     /// This long from now (replacing any earlier plan).
     After(Duration),
     /// Never: no more hedges (the state is frozen, with the reason).
@@ -74,21 +74,21 @@ pub(crate) enum HedgeDecision {
     /// The call ends with this hedge's result; the others are cancelled.
     Done(CallOutcome),
     /// The other hedges go on; the next one goes out as said.
-    Continue(Next),
+    Continue(NextHedge),
 }
 
 /// When the hedge after the one just sent goes out: `hedgingDelay` later, unless that
 /// was the last one or the deadline comes first. The deadline only stops this timer: a
 /// non-fatal status may still send the next hedge at once (A6: it "shortcuts" the delay).
-pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Next {
+pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> NextHedge {
     let delay = limits.policy.hedging_delay;
     match state.frozen {
-        Some(_) => Next::Never,
+        Some(_) => NextHedge::Never,
         None if state.sent >= limits.policy.max_attempts => {
             freeze(state, CallOutcome::AttemptsExhausted)
         }
-        None if too_late(delay, limits) => Next::Never,
-        None => Next::After(delay),
+        None if too_late(delay, limits) => NextHedge::Never,
+        None => NextHedge::After(delay),
     }
 }
 
@@ -158,9 +158,9 @@ pub(crate) fn decide(
 }
 
 /// The next hedge `wait` from now, if one may still go out.
-fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) -> Next {
+fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) -> NextHedge {
     if state.frozen.is_some() {
-        return Next::Never;
+        return NextHedge::Never;
     }
     if state.sent >= limits.policy.max_attempts {
         return freeze(state, CallOutcome::AttemptsExhausted);
@@ -168,7 +168,7 @@ fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) ->
     if too_late(wait, limits) {
         return freeze(state, CallOutcome::Deadline);
     }
-    Next::After(wait)
+    NextHedge::After(wait)
 }
 
 /// Whether a hedge `wait` from now would start past the deadline, or with less than the
@@ -180,15 +180,15 @@ fn too_late(wait: Duration, limits: &HedgeLimits<'_>) -> bool {
 }
 
 /// No more hedges; the first reason given is kept.
-fn freeze(state: &mut HedgeState, why: CallOutcome) -> Next {
+fn freeze(state: &mut HedgeState, why: CallOutcome) -> NextHedge {
     state.frozen.get_or_insert(why);
-    Next::Never
+    NextHedge::Never
 }
 
 /// With no more hedges to come and none running, the call ends.
-fn settle(state: &HedgeState, next: Next) -> HedgeDecision {
+fn settle(state: &HedgeState, next: NextHedge) -> HedgeDecision {
     match (next, state.frozen) {
-        (Next::Never, Some(why)) if state.running == 0 => HedgeDecision::Done(why),
+        (NextHedge::Never, Some(why)) if state.running == 0 => HedgeDecision::Done(why),
         _ => HedgeDecision::Continue(next),
     }
 }
@@ -293,7 +293,7 @@ mod tests {
             }
             if let Some(why) = sent_once {
                 // No hedge can follow a request no longer kept whole.
-                prop_assert!(!matches!(decision, HedgeDecision::Continue(Next::After(_))));
+                prop_assert!(!matches!(decision, HedgeDecision::Continue(NextHedge::After(_))));
                 prop_assert_eq!(state.frozen, Some(frozen.unwrap_or(why)));
             }
             match decision {
@@ -302,11 +302,11 @@ mod tests {
                     prop_assert!(GAVE_UP.contains(&outcome));
                     prop_assert_eq!(state.frozen, Some(outcome));
                 }
-                HedgeDecision::Continue(Next::Never) => {
+                HedgeDecision::Continue(NextHedge::Never) => {
                     prop_assert!(running > 0);
                     prop_assert!(state.frozen.is_some());
                 }
-                HedgeDecision::Continue(Next::After(wait)) => {
+                HedgeDecision::Continue(NextHedge::After(wait)) => {
                     prop_assert!(frozen.is_none() && state.frozen.is_none());
                     prop_assert!(allowed && pushback != Pushback::Stop);
                     prop_assert!(sent < max_attempts, "never more than maxAttempts hedges");
@@ -343,15 +343,15 @@ mod tests {
             let mut state = HedgeState { sent, running: sent, frozen: None };
             let late = time_left.is_some_and(|left| delay >= left || left - delay < min_attempt_time);
             match after_send(&mut state, &limits) {
-                Next::After(wait) => {
+                NextHedge::After(wait) => {
                     prop_assert_eq!(wait, delay);
                     prop_assert!(sent < max_attempts);
                     prop_assert!(!late);
                 }
-                Next::Never if sent >= max_attempts => {
+                NextHedge::Never if sent >= max_attempts => {
                     prop_assert_eq!(state.frozen, Some(CallOutcome::AttemptsExhausted));
                 }
-                Next::Never => {
+                NextHedge::Never => {
                     // The deadline stops the timer, not the hedges a failure sends at once.
                     prop_assert!(late);
                     prop_assert_eq!(state.frozen, None);
@@ -370,7 +370,7 @@ mod tests {
         assert_eq!(may_send(&mut state, true), None);
         assert_eq!(
             may_send(&mut state, false),
-            Some(HedgeDecision::Continue(Next::Never))
+            Some(HedgeDecision::Continue(NextHedge::Never))
         );
         assert_eq!(state.frozen, Some(CallOutcome::Throttled));
         // Frozen stays frozen, even when the bucket refills.

@@ -46,7 +46,7 @@ pub(crate) struct CallState {
 
 /// The limits a retry must fit in.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits<'a> {
+pub(crate) struct RetryLimits<'a> {
     pub(crate) policy: &'a RetryPolicy,
     /// Set when the request body could not be buffered: the body is sent once, and this
     /// is the outcome when a retry would otherwise be made.
@@ -82,7 +82,7 @@ pub(crate) enum Decision {
 pub(crate) fn decide(
     state: &mut CallState,
     attempted: &Attempted,
-    limits: &Limits<'_>,
+    limits: &RetryLimits<'_>,
     throttle: impl FnOnce() -> bool,
 ) -> Decision {
     let (code, timed_out) = match attempted.end {
@@ -128,7 +128,7 @@ pub(crate) fn decide(
 /// The wait before the next attempt and the exponent after it: exactly a valid pushback
 /// (resetting the exponent), else the jittered backoff; at least RetryInfo. `None` when
 /// the server asks for more than the maximum retry delay.
-fn wait(exponent: u32, attempted: &Attempted, limits: &Limits<'_>) -> (Option<Duration>, u32) {
+fn wait(exponent: u32, attempted: &Attempted, limits: &RetryLimits<'_>) -> (Option<Duration>, u32) {
     let (base, exponent, asked) = match attempted.pushback {
         Pushback::Wait(d) => (d, 0, Some(d)),
         _ => {
@@ -203,7 +203,7 @@ mod tests {
                 codes,
             ).unwrap();
             let jitter = FixedJitter(u);
-            let limits = Limits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay, jitter: &jitter };
+            let limits = RetryLimits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay, jitter: &jitter };
             let attempted = Attempted { end, pushback, retry_info };
             let mut state = CallState { attempts, exponent };
             let mut asked = 0;
@@ -272,8 +272,8 @@ mod tests {
         }
     }
 
-    fn limits<'a>(policy: &'a RetryPolicy, jitter: &'a FixedJitter) -> Limits<'a> {
-        Limits {
+    fn limits<'a>(policy: &'a RetryPolicy, jitter: &'a FixedJitter) -> RetryLimits<'a> {
+        RetryLimits {
             policy,
             sent_once: None,
             time_left: None,
