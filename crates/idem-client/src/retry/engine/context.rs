@@ -19,8 +19,7 @@ use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::Attempted;
 use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
 use crate::retry::request::check::RequestFault;
-use crate::retry::response::deadline;
-use crate::retry::response::limit;
+use crate::retry::response::bound::{self, Bounds};
 use crate::retry::response::peek::early_code;
 use crate::retry::response::transport::TransportBody;
 
@@ -202,8 +201,12 @@ impl CallContext {
             *extensions = spare;
         }
         extensions.insert(report);
-        let resp = limit::bound(resp, self.limits.response, self.fault.clone(), report);
-        let resp = deadline::bound(resp, self.deadline, report);
+        let bounds = Bounds {
+            deadline: self.deadline,
+            limit: self.limits.response,
+            fault: self.fault.clone(),
+        };
+        let resp = bound::bound(resp, bounds, report);
         let observer = self.shared.observer.as_ref();
         metrics::observe(resp, observer, &self.path, report, self.started)
     }

@@ -2,7 +2,7 @@
 //! as the request's bytes stream past (no message is held to check it). A request message
 //! over its limit fails the call on the client with RESOURCE_EXHAUSTED ([`RequestFault`]
 //! says so to whoever answers the caller). The response side
-//! ([`limit`](crate::retry::response::limit)) reads frames with the same [`FrameScanner`].
+//! ([`bound`](crate::retry::response::bound)) reads frames with the same [`FrameScanner`].
 
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};

@@ -3,10 +3,9 @@
 //! - [`peek`]: how an attempt ended, from its response head (Trailers-Only detection,
 //!   and the opt-in peek at the first body frame);
 //! - [`transport`]: connection failures in a response body read as UNAVAILABLE;
-//! - [`deadline`]: the call's deadline over the response body;
-//! - [`limit`]: `maxRequestMessageBytes` and `maxResponseMessageBytes`.
+//! - [`bound`]: the call's deadline and `maxResponseMessageBytes` over the response
+//!   body.
 
-pub(crate) mod deadline;
-pub(crate) mod limit;
+pub(crate) mod bound;
 pub(crate) mod peek;
 pub(crate) mod transport;
