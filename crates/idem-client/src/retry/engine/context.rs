@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use idem_core::deadline::ExhaustedMarker;
 use idem_core::headers::DOWNSTREAM_EXHAUSTED;
 use tokio::time::Instant;
@@ -21,7 +20,6 @@ use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
 use crate::retry::request::check::RequestFault;
 use crate::retry::response::bound::{self, Bounds};
 use crate::retry::response::peek::early_code;
-use crate::retry::response::transport::TransportBody;
 
 /// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
 /// (static for generated tonic clients), so cloning it out of the request is free.
@@ -74,29 +72,6 @@ pub(crate) enum Attempt {
 }
 
 impl Attempt {
-    /// The inner service's result, as of `now`: an error once the deadline has passed is
-    /// the deadline's doing (tonic's channel timeout fires at the `grpc-timeout` the layer
-    /// wrote), not a transport failure.
-    pub(crate) fn of<RB, E>(
-        result: Result<http::Response<RB>, E>,
-        deadline: Option<Instant>,
-    ) -> Self
-    where
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<BoxError>,
-        E: Into<BoxError>,
-    {
-        match result {
-            // A body still to come reads its transport failures as UNAVAILABLE.
-            Ok(resp) if !resp.body().is_end_stream() => {
-                Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
-            }
-            Ok(resp) => Attempt::Response(resp.map(tonic::body::Body::new)),
-            Err(_) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
-            Err(e) => Attempt::Error(e.into()),
-        }
-    }
-
     /// What the decision needs to know about this attempt.
     pub(crate) fn observe(&self) -> Attempted {
         let (end, headers) = match self {

@@ -12,6 +12,7 @@ use bytes::Bytes;
 
 use crate::BoxError;
 use crate::retry::engine::context::Attempt;
+use crate::retry::response::transport::TransportBody;
 
 /// When an attempt is cut short, and how it then ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,8 +76,10 @@ impl<F> Timed<F> {
     }
 }
 
-/// How a timed attempt ended: the inner service's result as of the call's `deadline`
-/// ([`Attempt::of`]), or the cut that came first.
+/// How a timed attempt ended: the cut that came first, or the inner service's result as
+/// of now. An error once the call's `deadline` has passed is the deadline's doing
+/// (tonic's channel timeout fires at the `grpc-timeout` the layer wrote), not a
+/// transport failure.
 pub(crate) fn ended<RB, E>(
     result: Result<Result<http::Response<RB>, E>, Cut>,
     deadline: Option<Instant>,
@@ -87,8 +90,14 @@ where
     E: Into<BoxError>,
 {
     match result {
-        Ok(result) => Attempt::of(result, deadline),
         Err(cut) => cut.attempt(),
+        // A body still to come reads its transport failures as UNAVAILABLE.
+        Ok(Ok(resp)) if !resp.body().is_end_stream() => {
+            Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
+        }
+        Ok(Ok(resp)) => Attempt::Response(resp.map(tonic::body::Body::new)),
+        Ok(Err(_)) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
+        Ok(Err(e)) => Attempt::Error(e.into()),
     }
 }
 

@@ -89,16 +89,10 @@ impl Body for BoundedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         let mut this = self.project();
-        if let Some(trailers) = this.end.take() {
-            return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-        }
-        if let Some(status) = this.fault.as_ref().and_then(|f| f.status()) {
-            let trailers = cut(
-                this.inner,
-                this.report,
-                CallOutcome::MessageTooLarge,
-                &status,
-            );
+        let fault = this.fault.as_ref();
+        if let Some(trailers) =
+            (this.end.take()).or_else(|| request_fault(fault, this.inner, this.report))
+        {
             return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
         }
         let Some(inner) = this.inner.as_mut() else {
@@ -128,13 +122,7 @@ impl Body for BoundedBody {
                 if other.is_none() {
                     *this.inner = None;
                 }
-                if let Some(status) = this.fault.as_ref().and_then(|f| f.status()) {
-                    let trailers = cut(
-                        this.inner,
-                        this.report,
-                        CallOutcome::MessageTooLarge,
-                        &status,
-                    );
+                if let Some(trailers) = request_fault(fault, this.inner, this.report) {
                     return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
                 }
                 return Poll::Ready(other);
@@ -173,6 +161,16 @@ impl Body for BoundedBody {
             None => SizeHint::with_exact(0),
         }
     }
+}
+
+/// Once a request message was over its limit: the trailers that end the response.
+fn request_fault(
+    fault: Option<&Arc<RequestFault>>,
+    inner: &mut Option<tonic::body::Body>,
+    report: &CallReport,
+) -> Option<HeaderMap> {
+    let status = fault?.status()?;
+    Some(cut(inner, report, CallOutcome::MessageTooLarge, &status))
 }
 
 /// Stops reading the response (dropping it resets the stream): the trailers it ends
