@@ -22,7 +22,9 @@ use crate::retry::engine::context::{Attempt, CallContext};
 use crate::retry::engine::timed::{self, Cut, Timed};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::throttle::RetryThrottle;
-use crate::retry::policy::{self, Attempted, CallState, Decision, RetryLimits, decide};
+use crate::retry::policy::{
+    self, AttemptBounds, Attempted, CallState, Decision, RetryLimits, decide,
+};
 use crate::retry::request::RequestCopy;
 use crate::retry::request::check::RequestCheck;
 use crate::retry::response::peek::{self, early_code};
@@ -178,6 +180,19 @@ impl CallPlan {
         NotReady::GiveUp(Attempt::Local(status), CallOutcome::NotReady)
     }
 
+    /// What bounds the next attempt (or hedge), as of now.
+    pub(crate) fn bounds(&self, copy: &RequestCopy) -> AttemptBounds {
+        AttemptBounds {
+            sent_once: copy.sent_once(),
+            time_left: self
+                .cx
+                .deadline
+                .map(|d| d.saturating_duration_since(Instant::now())),
+            min_attempt_time: self.cx.settings.min_attempt_time(),
+            max_retry_delay: self.cx.settings.max_retry_delay(),
+        }
+    }
+
     /// What follows an attempt: A6's decision for a call with a retry policy, one
     /// attempt without.
     fn decide(
@@ -192,13 +207,7 @@ impl CallPlan {
         };
         let limits = RetryLimits {
             policy,
-            sent_once: copy.sent_once(),
-            time_left: self
-                .cx
-                .deadline
-                .map(|d| d.saturating_duration_since(Instant::now())),
-            min_attempt_time: self.cx.settings.min_attempt_time(),
-            max_retry_delay: self.cx.settings.max_retry_delay(),
+            bounds: self.bounds(copy),
             jitter: self.cx.shared.jitter.as_ref(),
         };
         decide(state, attempted, &limits, || {

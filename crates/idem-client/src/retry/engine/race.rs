@@ -443,14 +443,7 @@ impl<'a> Race<'a> {
     fn limits(&self) -> HedgeLimits<'a> {
         HedgeLimits {
             policy: self.policy,
-            sent_once: self.body.sent_once(),
-            time_left: self
-                .call
-                .cx
-                .deadline
-                .map(|d| d.saturating_duration_since(Instant::now())),
-            min_attempt_time: self.call.cx.settings.min_attempt_time(),
-            max_retry_delay: self.call.cx.settings.max_retry_delay(),
+            bounds: self.call.bounds(self.body),
         }
     }
 

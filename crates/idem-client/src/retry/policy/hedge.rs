@@ -30,8 +30,8 @@ use idem_core::config::HedgingPolicy;
 use tonic::Code;
 
 use crate::retry::outcome::{AttemptEnd, CallOutcome};
-use crate::retry::policy::Attempted;
 use crate::retry::policy::pushback::Pushback;
+use crate::retry::policy::{AttemptBounds, Attempted};
 
 /// What a hedged call has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -48,15 +48,7 @@ pub(crate) struct HedgeState {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HedgeLimits<'a> {
     pub(crate) policy: &'a HedgingPolicy,
-    /// Set when the request is not kept whole any more: no hedge can follow, and this is
-    /// the outcome when one would otherwise be sent.
-    pub(crate) sent_once: Option<CallOutcome>,
-    /// Time left before the call's deadline; `None` without a deadline.
-    pub(crate) time_left: Option<Duration>,
-    /// A hedge must start with at least this much time left.
-    pub(crate) min_attempt_time: Duration,
-    /// The longest wait a server may ask for (pushback or RetryInfo); longer stops.
-    pub(crate) max_retry_delay: Duration,
+    pub(crate) bounds: AttemptBounds,
 }
 
 /// When the next hedge goes out.
@@ -87,7 +79,7 @@ pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Ne
         None if state.sent >= limits.policy.max_attempts => {
             freeze(state, CallOutcome::AttemptsExhausted)
         }
-        None if too_late(delay, limits) => NextHedge::Never,
+        None if limits.bounds.too_late(delay) => NextHedge::Never,
         None => NextHedge::After(delay),
     }
 }
@@ -135,7 +127,7 @@ pub(crate) fn decide(
         }
         return HedgeDecision::Done(CallOutcome::NonRetryableCode);
     }
-    if let Some(outcome) = limits.sent_once {
+    if let Some(outcome) = limits.bounds.sent_once {
         let next = freeze(state, outcome);
         return settle(state, next);
     }
@@ -150,7 +142,9 @@ pub(crate) fn decide(
         };
         let wait = asked.max(attempted.retry_info);
         match wait {
-            Some(w) if w > limits.max_retry_delay => freeze(state, CallOutcome::PushbackStop),
+            Some(w) if w > limits.bounds.max_retry_delay => {
+                freeze(state, CallOutcome::PushbackStop)
+            }
             _ => schedule(state, wait.unwrap_or(Duration::ZERO), limits),
         }
     };
@@ -165,18 +159,10 @@ fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) ->
     if state.sent >= limits.policy.max_attempts {
         return freeze(state, CallOutcome::AttemptsExhausted);
     }
-    if too_late(wait, limits) {
+    if limits.bounds.too_late(wait) {
         return freeze(state, CallOutcome::Deadline);
     }
     NextHedge::After(wait)
-}
-
-/// Whether a hedge `wait` from now would start past the deadline, or with less than the
-/// minimum attempt time left.
-fn too_late(wait: Duration, limits: &HedgeLimits<'_>) -> bool {
-    limits
-        .time_left
-        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
 }
 
 /// No more hedges; the first reason given is kept.
@@ -252,7 +238,8 @@ mod tests {
             let sent = sent.min(max_attempts);
             let non_fatal: CodeSet = ALL_CODES.iter().copied().filter(|c| codes & (1 << *c as u32) != 0).collect();
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: non_fatal };
-            let limits = HedgeLimits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay };
+            let bounds = AttemptBounds { sent_once, time_left, min_attempt_time, max_retry_delay };
+            let limits = HedgeLimits { policy: &policy, bounds };
             let attempted = Attempted { end, pushback, retry_info };
             let mut state = HedgeState { sent, running, frozen };
             let mut asked = 0;
@@ -339,7 +326,8 @@ mod tests {
         ) {
             let sent = sent.min(max_attempts);
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: CodeSet::of(Code::Unavailable) };
-            let limits = HedgeLimits { policy: &policy, sent_once: None, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
+            let bounds = AttemptBounds { sent_once: None, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
+            let limits = HedgeLimits { policy: &policy, bounds };
             let mut state = HedgeState { sent, running: sent, frozen: None };
             let late = time_left.is_some_and(|left| delay >= left || left - delay < min_attempt_time);
             match after_send(&mut state, &limits) {

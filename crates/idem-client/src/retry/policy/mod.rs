@@ -44,19 +44,35 @@ pub(crate) struct CallState {
     pub(crate) exponent: u32,
 }
 
+/// What bounds the next attempt of a call, retried or hedged.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttemptBounds {
+    /// Set when the request is not kept whole any more (it passed a replay limit, or the
+    /// caller's body failed): the body is sent once, and this is the outcome when another
+    /// attempt would otherwise be made.
+    pub(crate) sent_once: Option<CallOutcome>,
+    /// Time left before the call's deadline; `None` without a deadline.
+    pub(crate) time_left: Option<Duration>,
+    /// An attempt must start with at least this much time left.
+    pub(crate) min_attempt_time: Duration,
+    /// The longest wait a server may ask for (pushback or RetryInfo); longer stops.
+    pub(crate) max_retry_delay: Duration,
+}
+
+impl AttemptBounds {
+    /// Whether an attempt `wait` from now would start past the deadline, or with less
+    /// than the minimum attempt time left.
+    pub(crate) fn too_late(&self, wait: Duration) -> bool {
+        self.time_left
+            .is_some_and(|left| wait >= left || left - wait < self.min_attempt_time)
+    }
+}
+
 /// The limits a retry must fit in.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RetryLimits<'a> {
     pub(crate) policy: &'a RetryPolicy,
-    /// Set when the request body could not be buffered: the body is sent once, and this
-    /// is the outcome when a retry would otherwise be made.
-    pub(crate) sent_once: Option<CallOutcome>,
-    /// Time left before the call's deadline; `None` without a deadline.
-    pub(crate) time_left: Option<Duration>,
-    /// A retry must start with at least this much time left.
-    pub(crate) min_attempt_time: Duration,
-    /// The longest wait a server may ask for (pushback or RetryInfo); longer stops.
-    pub(crate) max_retry_delay: Duration,
+    pub(crate) bounds: AttemptBounds,
     pub(crate) jitter: &'a dyn Jitter,
 }
 
@@ -99,7 +115,7 @@ pub(crate) fn decide(
     if !timed_out && !limits.policy.retryable_status_codes().contains(code) {
         return Decision::Done(CallOutcome::NonRetryableCode);
     }
-    if let Some(outcome) = limits.sent_once {
+    if let Some(outcome) = limits.bounds.sent_once {
         return Decision::Done(outcome);
     }
     if !throttle() {
@@ -115,10 +131,7 @@ pub(crate) fn decide(
     let Some(wait) = wait else {
         return Decision::Done(CallOutcome::PushbackStop);
     };
-    if limits
-        .time_left
-        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
-    {
+    if limits.bounds.too_late(wait) {
         return Decision::Done(CallOutcome::Deadline);
     }
     state.exponent = exponent;
@@ -137,7 +150,7 @@ fn wait(exponent: u32, attempted: &Attempted, limits: &RetryLimits<'_>) -> (Opti
         }
     };
     let asked = asked.max(attempted.retry_info);
-    if asked.is_some_and(|d| d > limits.max_retry_delay) {
+    if asked.is_some_and(|d| d > limits.bounds.max_retry_delay) {
         return (None, exponent);
     }
     let wait = attempted.retry_info.map_or(base, |min| base.max(min));
@@ -203,7 +216,8 @@ mod tests {
                 codes,
             ).unwrap();
             let jitter = FixedJitter(u);
-            let limits = RetryLimits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay, jitter: &jitter };
+            let bounds = AttemptBounds { sent_once, time_left, min_attempt_time, max_retry_delay };
+            let limits = RetryLimits { policy: &policy, bounds, jitter: &jitter };
             let attempted = Attempted { end, pushback, retry_info };
             let mut state = CallState { attempts, exponent };
             let mut asked = 0;
@@ -275,10 +289,12 @@ mod tests {
     fn limits<'a>(policy: &'a RetryPolicy, jitter: &'a FixedJitter) -> RetryLimits<'a> {
         RetryLimits {
             policy,
-            sent_once: None,
-            time_left: None,
-            min_attempt_time: Duration::ZERO,
-            max_retry_delay: Duration::from_secs(30),
+            bounds: AttemptBounds {
+                sent_once: None,
+                time_left: None,
+                min_attempt_time: Duration::ZERO,
+                max_retry_delay: Duration::from_secs(30),
+            },
             jitter,
         }
     }
