@@ -27,11 +27,10 @@
 use std::time::Duration;
 
 use idem_core::config::HedgingPolicy;
-use tonic::Code;
 
-use crate::retry::outcome::{AttemptEnd, CallOutcome};
+use crate::retry::outcome::CallOutcome;
 use crate::retry::policy::pushback::Pushback;
-use crate::retry::policy::{AttemptBounds, Attempted};
+use crate::retry::policy::{AttemptBounds, Attempted, failure_code};
 
 /// What a hedged call has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -110,14 +109,9 @@ pub(crate) fn decide(
     limits: &HedgeLimits<'_>,
     throttle: impl FnOnce() -> bool,
 ) -> HedgeDecision {
-    let code = match attempted.end {
-        AttemptEnd::Committed => return HedgeDecision::Done(CallOutcome::Committed),
-        AttemptEnd::Status(Code::Ok) => return HedgeDecision::Done(CallOutcome::Ok),
-        AttemptEnd::Deadline => return HedgeDecision::Done(CallOutcome::Deadline),
-        AttemptEnd::Status(code) => code,
-        // Nothing came back: UNAVAILABLE, as tonic reports a refused connection.
-        AttemptEnd::TransportError => Code::Unavailable,
-        AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Code::Cancelled,
+    let code = match failure_code(attempted.end) {
+        Ok(code) => code,
+        Err(outcome) => return HedgeDecision::Done(outcome),
     };
     let fatal = !limits.policy.non_fatal_status_codes.contains(code);
     let stop = attempted.pushback == Pushback::Stop;
@@ -182,9 +176,11 @@ fn settle(state: &HedgeState, next: NextHedge) -> HedgeDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::retry::AttemptEnd;
     use crate::retry::policy::strategies::{durations, ends, pushbacks};
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
+    use tonic::Code;
 
     fn frozen() -> impl Strategy<Value = Option<CallOutcome>> {
         prop_oneof![

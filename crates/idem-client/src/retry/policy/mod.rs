@@ -12,8 +12,6 @@
 pub mod backoff;
 pub(crate) mod hedge;
 pub(crate) mod pushback;
-#[cfg(test)]
-mod strategies;
 pub(crate) mod throttle;
 
 use std::time::Duration;
@@ -85,6 +83,21 @@ pub(crate) enum Decision {
     RetryAfter(Duration),
 }
 
+/// A6's first rule, for retries and hedges alike: response headers (a commit), an OK
+/// status or the deadline end the call, with this outcome; any other end is a failure
+/// with its code (nothing came back: UNAVAILABLE, as tonic reports a refused connection;
+/// a receive timeout, or a hedge cancelled: CANCELLED).
+pub(crate) fn failure_code(end: AttemptEnd) -> Result<Code, CallOutcome> {
+    match end {
+        AttemptEnd::Committed => Err(CallOutcome::Committed),
+        AttemptEnd::Status(Code::Ok) => Err(CallOutcome::Ok),
+        AttemptEnd::Deadline => Err(CallOutcome::Deadline),
+        AttemptEnd::Status(code) => Ok(code),
+        AttemptEnd::TransportError => Ok(Code::Unavailable),
+        AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Ok(Code::Cancelled),
+    }
+}
+
 /// Decides what follows an attempt, in A6's order: success or commit ends the call; a
 /// code outside `retryableStatusCodes` ends it (a receive timeout is retried whatever the
 /// codes say, as C-core); a body sent once ends it; the throttle counts the failure and
@@ -101,17 +114,11 @@ pub(crate) fn decide(
     limits: &RetryLimits<'_>,
     throttle: impl FnOnce() -> bool,
 ) -> Decision {
-    let (code, timed_out) = match attempted.end {
-        AttemptEnd::Committed => return Decision::Done(CallOutcome::Committed),
-        AttemptEnd::Status(Code::Ok) => return Decision::Done(CallOutcome::Ok),
-        AttemptEnd::Deadline => return Decision::Done(CallOutcome::Deadline),
-        AttemptEnd::Status(code) => (code, false),
-        // Nothing came back: UNAVAILABLE, as tonic reports a refused connection.
-        AttemptEnd::TransportError => (Code::Unavailable, false),
-        AttemptEnd::RecvTimeout => (Code::Cancelled, true),
-        // Only the hedging loop cancels attempts, and it never asks this policy.
-        AttemptEnd::Cancelled => (Code::Cancelled, false),
+    let code = match failure_code(attempted.end) {
+        Ok(code) => code,
+        Err(outcome) => return Decision::Done(outcome),
     };
+    let timed_out = attempted.end == AttemptEnd::RecvTimeout;
     if !timed_out && !limits.policy.retryable_status_codes().contains(code) {
         return Decision::Done(CallOutcome::NonRetryableCode);
     }
@@ -176,6 +183,9 @@ pub(crate) fn ready_wait(waits: u32, left: Duration, jitter: &dyn Jitter) -> Opt
     let base = backoff::base_backoff(READY_INITIAL, READY_MULTIPLIER, READY_MAX, n);
     Some(backoff::jittered(base, jitter.unit()).min(left))
 }
+
+#[cfg(test)]
+mod strategies;
 
 #[cfg(test)]
 mod tests {
