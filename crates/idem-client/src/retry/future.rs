@@ -2,10 +2,10 @@
 //!
 //! The layer sends one attempt itself, on the service it was handed ready, and the future
 //! awaits it by hand: every call of a method without a retry policy (nor `waitForReady`),
-//! without allocating, and the first attempt of a retrying call, whose state between
-//! attempts ([`Run`]) waits in a box so that the future stays small. When a retry is due,
-//! the `async` loop of the call module ([`Run::run`]) takes over in a box, on a clone of
-//! the service: it awaits the service's readiness for each retry, backoff sleeps and
+//! without allocating, and the first attempt of a retrying call (sent by `Run::attempt`,
+//! the one attempt function), whose state between attempts (`Run`) waits in a box so
+//! that the future stays small. When a retry is due, the `async` attempt loop
+//! (`Run::run`, in `engine/attempts.rs`) takes over in a box, on a clone of the service: it awaits the service's readiness for each retry, backoff sleeps and
 //! per-attempt timers, and reads like A6's prose instead of a six-state machine. Hedged
 //! calls, and those that need the loop for their first attempt (`waitForReady`, the
 //! early-trailers peek), run in the box from the start.

@@ -1,7 +1,7 @@
 //! The mechanism of a retrying call: read what is ready of the body, send an attempt,
-//! ask [`policy::decide`](crate::retry::policy::decide), wait, repeat; then answer the caller.
+//! ask [`policy::decide`], wait, repeat; then answer the caller.
 //!
-//! Everything A6 decides lives in [`policy`](crate::retry::policy); this file does the I/O,
+//! Everything A6 decides lives in [`policy`]; this file does the I/O,
 //! the clock, the counters and the tracing around it.
 
 use std::future::{Future, poll_fn};
