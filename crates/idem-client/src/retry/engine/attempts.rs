@@ -1,8 +1,10 @@
-//! The mechanism of a retrying call: read what is ready of the body, send an attempt,
-//! ask [`policy::decide`], wait, repeat; then answer the caller.
+//! The attempt loop of a retried call: read what the caller has ready of the request
+//! into its [`RequestCopy`], send an attempt ([`Run::attempt`], the one way an attempt
+//! goes out, for the first attempt's fast path and the loop alike), ask
+//! [`policy::decide`] ([`Run::settle`]), wait, repeat; then answer the caller.
 //!
-//! Everything A6 decides lives in [`policy`]; this file does the I/O,
-//! the clock, the counters and the tracing around it.
+//! Everything A6 decides lives in [`policy`]; this file does the I/O, the clock, the
+//! counters and the tracing around it.
 
 use std::future::{Future, poll_fn};
 use std::task::Context;
