@@ -1,12 +1,12 @@
 //! The runtime configuration model: what the builder and the service config say, merged
-//! once into [`Settings`], and the [`Shared`] state every clone of a layer reads.
+//! once into [`Settings`], and the [`LayerShared`] state every clone of a layer reads.
 //!
 //! [`Settings::new`] is the only place settings are merged: [`RetryLayerBuilder::build`]
-//! and [`RetryLayer::reload`] both go through [`Shared::new`] / [`Shared::reload`], which
+//! and [`RetryLayer::reload`] both go through [`LayerShared::new`] / [`LayerShared::reload`], which
 //! call it, so a setting cannot be honoured at build time and dropped on reload.
 //!
-//! [`RetryLayerBuilder::build`]: super::RetryLayerBuilder::build
-//! [`RetryLayer::reload`]: super::RetryLayer::reload
+//! [`RetryLayerBuilder::build`]: crate::retry::RetryLayerBuilder::build
+//! [`RetryLayer::reload`]: crate::retry::RetryLayer::reload
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -18,17 +18,17 @@ use idem_core::config::{
 };
 use idem_core::deadline::InboundScope;
 
-use super::backoff::Jitter;
-use super::body::ReplayBudget;
-use super::outcome::{CallReport, OutcomeHook, RetryStats};
-use super::throttle::RetryThrottle;
 use crate::metrics::SharedObserver;
+use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
+use crate::retry::policy::backoff::Jitter;
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::request::budget::ReplayBudget;
 
-/// The default of [`RetryLayerBuilder::max_retry_delay`](super::RetryLayerBuilder::max_retry_delay).
+/// The default of [`RetryLayerBuilder::max_retry_delay`](crate::retry::RetryLayerBuilder::max_retry_delay).
 pub(crate) const DEFAULT_MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
 /// The default of
-/// [`RetryLayerBuilder::wait_for_ready_limit`](super::RetryLayerBuilder::wait_for_ready_limit).
+/// [`RetryLayerBuilder::wait_for_ready_limit`](crate::retry::RetryLayerBuilder::wait_for_ready_limit).
 pub(crate) const DEFAULT_WAIT_FOR_READY_LIMIT: Duration = Duration::from_secs(30);
 
 /// Where per-method policies come from.
@@ -228,7 +228,7 @@ impl Settings {
 }
 
 /// State shared by a layer, its clones and every service they made.
-pub(crate) struct Shared {
+pub(crate) struct LayerShared {
     /// Read once per call: one lock and one count for all of a call's settings.
     settings: RwLock<Arc<Settings>>,
     /// One reload at a time: the throttle bucket goes from a generation to the next.
@@ -243,9 +243,9 @@ pub(crate) struct Shared {
     pub(crate) observer: Option<SharedObserver>,
 }
 
-impl fmt::Debug for Shared {
+impl fmt::Debug for LayerShared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shared")
+        f.debug_struct("LayerShared")
             .field("settings", &self.settings())
             .field("budget", &self.budget)
             .field("stats", &self.stats)
@@ -256,8 +256,8 @@ impl fmt::Debug for Shared {
     }
 }
 
-/// What only the builder gives [`Shared::new`].
-pub(crate) struct Parts {
+/// What only the builder gives [`LayerShared::new`].
+pub(crate) struct BuilderParts {
     pub(crate) source: PolicySource,
     pub(crate) idem: IdemSettings,
     pub(crate) overrides: Overrides,
@@ -268,8 +268,8 @@ pub(crate) struct Parts {
     pub(crate) observer: Option<SharedObserver>,
 }
 
-impl Shared {
-    pub(crate) fn new(parts: Parts) -> Self {
+impl LayerShared {
+    pub(crate) fn new(parts: BuilderParts) -> Self {
         let settings = Settings::new(
             parts.source,
             &parts.idem,
@@ -280,7 +280,7 @@ impl Shared {
             .overrides
             .client(&parts.idem.client)
             .max_replay_bytes_total;
-        Shared {
+        LayerShared {
             settings: RwLock::new(Arc::new(settings)),
             reloading: Mutex::new(()),
             throttle_pinned: parts.throttle.1,
@@ -293,7 +293,7 @@ impl Shared {
         }
     }
 
-    /// Swaps in `config` (see [`RetryLayer::reload`](super::RetryLayer::reload)).
+    /// Swaps in `config` (see [`RetryLayer::reload`](crate::retry::RetryLayer::reload)).
     pub(crate) fn reload(&self, config: &ServiceConfig) {
         let idem = config.settings();
         let total = self.overrides.client(&idem.client).max_replay_bytes_total;

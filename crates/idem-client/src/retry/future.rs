@@ -1,18 +1,18 @@
-//! [`ResponseFuture`]: the future of a [`Retry`](super::Retry) call.
+//! [`ResponseFuture`]: the future of a [`Retry`](crate::retry::Retry) call.
 //!
 //! The layer sends one attempt itself, on the service it was handed ready, and the future
 //! awaits it by hand: every call of a method without a retry policy (nor `waitForReady`),
-//! without allocating, and the first attempt of a retrying call, whose state between
-//! attempts ([`Run`]) waits in a box so that the future stays small. When a retry is due,
-//! the `async` loop of the call module ([`Run::run`]) takes over in a box, on a clone of
-//! the service: it awaits the service's readiness for each retry, backoff sleeps and
+//! without allocating, and the first attempt of a retrying call (sent by `Run::attempt`,
+//! the one attempt function), whose state between attempts (`Run`) waits in a box so
+//! that the future stays small. When a retry is due, the `async` attempt loop
+//! (`Run::run`, in `engine/attempts.rs`) takes over in a box, on a clone of the service: it awaits the service's readiness for each retry, backoff sleeps and
 //! per-attempt timers, and reads like A6's prose instead of a six-state machine. Hedged
 //! calls, and those that need the loop for their first attempt (`waitForReady`, the
 //! early-trailers peek), run in the box from the start.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -21,18 +21,21 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
-use super::call::{Next, Req, Run};
-use super::context::{Attempt, CallContext};
-use super::outcome::{CallOutcome, CallReport};
-use super::peek::Resp;
-use super::service::Spare;
-use super::timed::{Cut, Timed};
 use crate::BoxError;
+use crate::retry::Req;
+use crate::retry::Resp;
+use crate::retry::engine::attempts::{AfterAttempt, Run};
+use crate::retry::engine::context::{Attempt, CallContext};
+use crate::retry::engine::timed::{self, Cut, Timed};
+use crate::retry::outcome::{CallOutcome, CallReport};
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// Where retries get their service: see [`Retry`](crate::retry::Retry)'s `spare`.
+pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
+
 pin_project! {
-    /// The response future of [`Retry`](super::Retry) over the inner service `S`.
+    /// The response future of [`Retry`](crate::retry::Retry) over the inner service `S`.
     ///
     /// # Panics
     /// When polled again after it returned `Ready`, like tower's futures.
@@ -41,13 +44,13 @@ pin_project! {
         S: Service<Req>,
     {
         #[pin]
-        kind: Kind<S>,
+        kind: Phase<S>,
     }
 }
 
 pin_project! {
-    #[project = KindProj]
-    enum Kind<S>
+    #[project = PhaseProj]
+    enum Phase<S>
     where
         S: Service<Req>,
     {
@@ -84,11 +87,11 @@ pin_project! {
 impl<S: Service<Req>> std::fmt::Debug for ResponseFuture<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.kind {
-            Kind::Passthrough { .. } => "Passthrough",
-            Kind::First { .. } => "First",
-            Kind::Looping { .. } => "Looping",
-            Kind::Ready { .. } => "Ready",
-            Kind::Done => "Done",
+            Phase::Passthrough { .. } => "Passthrough",
+            Phase::First { .. } => "First",
+            Phase::Looping { .. } => "Looping",
+            Phase::Ready { .. } => "Ready",
+            Phase::Done => "Done",
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)
@@ -101,7 +104,7 @@ impl<S: Service<Req>> ResponseFuture<S> {
     pub(crate) fn passthrough(fut: S::Future, cx: CallContext, span: Span) -> Self {
         let cut = Cut::earliest(cx.deadline, None);
         ResponseFuture {
-            kind: Kind::Passthrough {
+            kind: Phase::Passthrough {
                 attempt: Timed::new(fut, cut),
                 cx,
                 started: Instant::now(),
@@ -119,7 +122,7 @@ impl<S: Service<Req>> ResponseFuture<S> {
         span: Span,
     ) -> Self {
         ResponseFuture {
-            kind: Kind::First {
+            kind: Phase::First {
                 attempt,
                 run: Some(run),
                 spare,
@@ -132,13 +135,13 @@ impl<S: Service<Req>> ResponseFuture<S> {
     /// A call the boxed loop (or hedging) drives.
     pub(crate) fn looping(fut: BoxFuture<Result<Resp, S::Error>>) -> Self {
         ResponseFuture {
-            kind: Kind::Looping { fut },
+            kind: Phase::Looping { fut },
         }
     }
 
     pub(crate) fn ready(response: Resp) -> Self {
         ResponseFuture {
-            kind: Kind::Ready {
+            kind: Phase::Ready {
                 response: Some(response),
             },
         }
@@ -159,20 +162,17 @@ where
         let mut kind = self.project().kind;
         loop {
             let next = match kind.as_mut().project() {
-                KindProj::Passthrough {
+                PhaseProj::Passthrough {
                     attempt,
                     cx: call,
                     started,
                     span,
                 } => {
                     let _enter = span.enter();
-                    let attempt = match std::task::ready!(attempt.poll(cx)) {
-                        Ok(result) => Attempt::of(result, call.deadline),
-                        Err(cut) => cut.attempt(),
-                    };
-                    Step::Answer(pass_through(call, attempt, started.elapsed()))
+                    let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), call.deadline);
+                    Polled::Answer(pass_through(call, attempt, started.elapsed()))
                 }
-                KindProj::First {
+                PhaseProj::First {
                     attempt,
                     run,
                     spare,
@@ -180,14 +180,12 @@ where
                     span,
                 } => {
                     let _enter = span.enter();
-                    let attempt = match std::task::ready!(attempt.poll(cx)) {
-                        Ok(result) => Attempt::of(result, run.as_deref().and_then(Run::deadline)),
-                        Err(cut) => cut.attempt(),
-                    };
+                    let deadline = run.as_deref().and_then(Run::deadline);
+                    let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), deadline);
                     let mut run = run.take().expect("ResponseFuture polled after completion");
                     match run.settle(attempt, *started) {
-                        Next::Answer(answer) => Step::Answer(answer),
-                        Next::After(wait) => {
+                        AfterAttempt::Answer(answer) => Polled::Answer(answer),
+                        AfterAttempt::After(wait) => {
                             drop(_enter);
                             let svc = spare
                                 .get()
@@ -196,39 +194,39 @@ where
                                 .unwrap_or_else(PoisonError::into_inner)
                                 .clone();
                             let span = std::mem::replace(span, Span::none());
-                            Step::Then(Kind::Looping {
+                            Polled::Then(Phase::Looping {
                                 fut: Box::pin((*run).run(svc, Some(wait)).instrument(span)),
                             })
                         }
                     }
                 }
-                KindProj::Looping { fut } => {
+                PhaseProj::Looping { fut } => {
                     let output = std::task::ready!(fut.as_mut().poll(cx));
-                    kind.set(Kind::Done);
+                    kind.set(Phase::Done);
                     return Poll::Ready(output);
                 }
-                KindProj::Ready { response } => {
+                PhaseProj::Ready { response } => {
                     let response = response
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    kind.set(Kind::Done);
+                    kind.set(Phase::Done);
                     return Poll::Ready(Ok(response));
                 }
-                KindProj::Done => panic!("ResponseFuture polled after completion"),
+                PhaseProj::Done => panic!("ResponseFuture polled after completion"),
             };
             match next {
-                Step::Answer(response) => {
-                    kind.set(Kind::Done);
+                Polled::Answer(response) => {
+                    kind.set(Phase::Done);
                     return Poll::Ready(Ok(response));
                 }
-                Step::Then(next) => kind.set(next),
+                Polled::Then(next) => kind.set(next),
             }
         }
     }
 }
 
 /// What a poll of one state leads to: the answer, or the next state.
-enum Step<K> {
+enum Polled<K> {
     Answer(Resp),
     Then(K),
 }

@@ -10,11 +10,11 @@ use idem_core::config::{
     InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig,
 };
 
-use super::backoff::{Jitter, SeededJitter, ThreadRngJitter};
-use super::config::{self, Overrides, PolicySource, Shared};
-use super::outcome::{CallReport, OutcomeHook, RetryStats};
-use super::service::Retry;
-use super::throttle::RetryThrottle;
+use crate::retry::config::{self, LayerShared, Overrides, PolicySource};
+use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
+use crate::retry::policy::backoff::{Jitter, SeededJitter, ThreadRngJitter};
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::service::Retry;
 
 /// A tower [`Layer`](tower_layer::Layer) that retries gRPC calls as gRFC A6 says. See the
 /// [crate docs](crate) for the behaviour and an example.
@@ -23,7 +23,7 @@ use super::throttle::RetryThrottle;
 /// the counters.
 #[derive(Debug, Clone)]
 pub struct RetryLayer {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<LayerShared>,
 }
 
 impl<S> tower_layer::Layer<S> for RetryLayer {
@@ -179,185 +179,126 @@ impl Default for RetryLayerBuilder {
     }
 }
 
+/// Builder methods that set one field each: `name(arg: Type) => field = value;`, with
+/// their docs.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($arg:ident: $ty:ty) => $($field:ident).+ = $value:expr;)+) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $arg: $ty) -> Self {
+                self.$($field).+ = $value;
+                self
+            }
+        )+
+    };
+}
+
 impl RetryLayerBuilder {
-    /// Take per-method policies, timeouts, throttling and client settings from a service
-    /// config. The builder's per-method options (the retry policy, `timeout`,
-    /// `wait_for_ready`, the message limits) are then ignored: the config's method
-    /// entries say them.
-    pub fn service_config(mut self, config: ServiceConfig) -> Self {
-        self.config = Some(config);
-        self
+    setters! {
+        /// Take per-method policies, timeouts, throttling and client settings from a service
+        /// config. The builder's per-method options (the retry policy, `timeout`,
+        /// `wait_for_ready`, the message limits) are then ignored: the config's method
+        /// entries say them.
+        service_config(config: ServiceConfig) => config = Some(config);
+        /// Attempts including the first (default 3; clamped to 5; must be ≥ 2).
+        max_attempts(n: u32) => max_attempts = n;
+        /// Backoff before the first retry (default 20 ms).
+        initial_backoff(d: Duration) => initial_backoff = d;
+        /// Cap on the backoff before jitter (default 1 s).
+        max_backoff(d: Duration) => max_backoff = d;
+        /// Growth of the backoff per retry (default 2.0).
+        backoff_multiplier(m: f64) => backoff_multiplier = m;
+        /// Codes that are retried (default `[UNAVAILABLE]`).
+        retryable_status_codes(codes: CodeSet) => codes = codes;
+        /// Cancel an attempt that has no response headers after this long and retry it
+        /// (default none). With a config, its `perAttemptRecvTimeout` is used instead.
+        per_attempt_recv_timeout(d: Duration) => per_attempt_recv_timeout = Some(d);
+        /// Per-call deadline when the caller sets none (default none; with a config, the
+        /// method's `timeout`).
+        timeout(d: Duration) => timeout = Some(d);
+        /// Wait for a channel that cannot connect instead of failing at once, as gRPC's
+        /// `waitForReady` (default false; with a config, the method's `waitForReady`). A call
+        /// whose attempt fails to connect (nothing was sent) sends the same attempt again
+        /// after a short backoff (100 ms growing ×1.6 to 2 s, ±20 %), until its deadline, or
+        /// for [`wait_for_ready_limit`](Self::wait_for_ready_limit) without one. These waits
+        /// use no attempt of `maxAttempts` and no throttle token.
+        wait_for_ready(yes: bool) => wait_for_ready = yes;
+        /// Fail a call whose request message is larger than this with RESOURCE_EXHAUSTED,
+        /// on the client (default none; with a config, the method's
+        /// `maxRequestMessageBytes`). The length is read from each message's gRPC frame
+        /// header (the compressed length for a compressed message).
+        max_request_message_bytes(bytes: u32) => max_request_message_bytes = Some(bytes);
+        /// End a call whose response carries a message larger than this with
+        /// RESOURCE_EXHAUSTED (default none; with a config, the method's
+        /// `maxResponseMessageBytes`). Checked on each message's gRPC frame header as the
+        /// response streams; the messages before it are delivered.
+        max_response_message_bytes(bytes: u32) => max_response_message_bytes = Some(bytes);
+        /// How long a `waitForReady` call that has no deadline waits for a channel that
+        /// cannot connect before it fails with UNAVAILABLE and
+        /// [`CallOutcome::NotReady`](crate::retry::CallOutcome::NotReady) (default 30 s; counted
+        /// from each attempt the channel could not send, so at most `maxAttempts` times per
+        /// call). A call with a deadline waits until its deadline.
+        wait_for_ready_limit(d: Duration) => overrides.wait_for_ready_limit = d;
+        /// Request bytes one call keeps for replay (default 256 KiB). A call that sends more
+        /// before it commits is committed there: it goes on, but is not retried.
+        max_replay_bytes_per_call(n: usize) => overrides.max_replay_bytes_per_call = Some(n);
+        /// Request bytes kept for replay by all calls of this layer together (default 16 MiB);
+        /// a call that would pass it is committed, as over the per-call limit.
+        max_replay_bytes_total(n: usize) => overrides.max_replay_bytes_total = Some(n);
+        /// Do not start a retry that would have less than this before the deadline (default 0).
+        min_attempt_time(d: Duration) => overrides.min_attempt_time = Some(d);
+        /// Add a key to every method, not only protected ones (default: true without a
+        /// service config, whose one policy retries every method; with a config, its
+        /// `idem.client.keyAllMethods`, false by default, so only methods with an
+        /// `idempotency` object get one). Set false to send no key without a config: an
+        /// idem server then answers calls to its protected methods with `KEY_MISSING`.
+        key_all_methods(yes: bool) => overrides.key_all_methods = Some(yes);
+        /// Tag a failure this layer gives up on (retries exhausted, throttled, pushback stop)
+        /// while serving an inbound call, so the server's `InboundLayer` sends it upstream with
+        /// `grpc-retry-pushback-ms: -1` (default true): retry at one layer only.
+        retry_exhausted_pushback(yes: bool) => overrides.retry_exhausted_pushback = Some(yes);
+        /// Make no retries for calls made while serving an inbound call that is itself a retry
+        /// (`grpc-previous-rpc-attempts` > 0), since the caller upstream retries already
+        /// (default false).
+        no_retry_under_retried_inbound(yes: bool) => overrides.no_retry_under_retried_inbound = Some(yes);
+        /// Header carrying the key (default `x-idempotency-key`, or the config's
+        /// `idem.keyHeader`).
+        key_header(name: HeaderName) => overrides.key_header = Some(name);
+        /// Use this throttle bucket (shared with other layers, e.g. other channels to the same
+        /// target). It stays across reloads and wins over the config's `retryThrottling`.
+        throttle(bucket: RetryThrottle) => throttle = Some(bucket);
+        /// Throttle with a new bucket of these settings (when no config gives one).
+        retry_throttling(t: RetryThrottling) => throttling = Some(t);
+        /// Random source for the backoff jitter (default: thread RNG).
+        jitter(jitter: impl Jitter) => jitter = Arc::new(jitter);
+        /// Opt-in (default false): also retry an attempt whose response has real headers and
+        /// then, before any message, error trailers, for servers that never answer
+        /// Trailers-Only. The layer then reads the first body frame of every response before
+        /// handing it on (under the deadline and `perAttemptRecvTimeout`): response headers
+        /// reach the caller with the first message instead of before it. A response whose
+        /// first frame is a message is committed as usual.
+        retry_headers_then_error(yes: bool) => overrides.peek_early_trailers = yes;
+        /// The longest wait before a retry that a server may ask for, with
+        /// `grpc-retry-pushback-ms` or `google.rpc.RetryInfo` (default 30 s). A server that
+        /// asks for more (a call with no deadline could otherwise be parked for hours) gets
+        /// no retry: the call ends at once with the attempt's status and
+        /// [`CallOutcome::PushbackStop`](crate::retry::CallOutcome::PushbackStop). Retrying *sooner*
+        /// than the server asked would defeat the pushback, so the wait is never shortened.
+        /// The policy's own backoff is bounded by its `maxBackoff` instead.
+        max_retry_delay(d: Duration) => overrides.max_retry_delay = d;
+        /// Tells `observer` about every attempt and call, for metrics
+        /// ([`metrics`](crate::metrics); default none: no clock reads, no wrapping).
+        /// `idem-otel` has one that records gRPC's standard client metrics.
+        observer(observer: impl crate::metrics::CallObserver) => observer = Some(Arc::new(observer));
     }
-    /// Attempts including the first (default 3; clamped to 5; must be ≥ 2).
-    pub fn max_attempts(mut self, n: u32) -> Self {
-        self.max_attempts = n;
-        self
-    }
-    /// Backoff before the first retry (default 20 ms).
-    pub fn initial_backoff(mut self, d: Duration) -> Self {
-        self.initial_backoff = d;
-        self
-    }
-    /// Cap on the backoff before jitter (default 1 s).
-    pub fn max_backoff(mut self, d: Duration) -> Self {
-        self.max_backoff = d;
-        self
-    }
-    /// Growth of the backoff per retry (default 2.0).
-    pub fn backoff_multiplier(mut self, m: f64) -> Self {
-        self.backoff_multiplier = m;
-        self
-    }
-    /// Codes that are retried (default `[UNAVAILABLE]`).
-    pub fn retryable_status_codes(mut self, codes: CodeSet) -> Self {
-        self.codes = codes;
-        self
-    }
-    /// Cancel an attempt that has no response headers after this long and retry it
-    /// (default none). With a config, its `perAttemptRecvTimeout` is used instead.
-    pub fn per_attempt_recv_timeout(mut self, d: Duration) -> Self {
-        self.per_attempt_recv_timeout = Some(d);
-        self
-    }
-    /// Per-call deadline when the caller sets none (default none; with a config, the
-    /// method's `timeout`).
-    pub fn timeout(mut self, d: Duration) -> Self {
-        self.timeout = Some(d);
-        self
-    }
-    /// Wait for a channel that cannot connect instead of failing at once, as gRPC's
-    /// `waitForReady` (default false; with a config, the method's `waitForReady`). A call
-    /// whose attempt fails to connect (nothing was sent) sends the same attempt again
-    /// after a short backoff (100 ms growing ×1.6 to 2 s, ±20 %), until its deadline, or
-    /// for [`wait_for_ready_limit`](Self::wait_for_ready_limit) without one. These waits
-    /// use no attempt of `maxAttempts` and no throttle token.
-    pub fn wait_for_ready(mut self, yes: bool) -> Self {
-        self.wait_for_ready = yes;
-        self
-    }
-    /// Fail a call whose request message is larger than this with RESOURCE_EXHAUSTED,
-    /// on the client (default none; with a config, the method's
-    /// `maxRequestMessageBytes`). The length is read from each message's gRPC frame
-    /// header (the compressed length for a compressed message).
-    pub fn max_request_message_bytes(mut self, bytes: u32) -> Self {
-        self.max_request_message_bytes = Some(bytes);
-        self
-    }
-    /// End a call whose response carries a message larger than this with
-    /// RESOURCE_EXHAUSTED (default none; with a config, the method's
-    /// `maxResponseMessageBytes`). Checked on each message's gRPC frame header as the
-    /// response streams; the messages before it are delivered.
-    pub fn max_response_message_bytes(mut self, bytes: u32) -> Self {
-        self.max_response_message_bytes = Some(bytes);
-        self
-    }
-    /// How long a `waitForReady` call that has no deadline waits for a channel that
-    /// cannot connect before it fails with UNAVAILABLE and
-    /// [`CallOutcome::NotReady`](super::CallOutcome::NotReady) (default 30 s; counted
-    /// from each attempt the channel could not send, so at most `maxAttempts` times per
-    /// call). A call with a deadline waits until its deadline.
-    pub fn wait_for_ready_limit(mut self, d: Duration) -> Self {
-        self.overrides.wait_for_ready_limit = d;
-        self
-    }
-    /// Request bytes one call keeps for replay (default 256 KiB). A call that sends more
-    /// before it commits is committed there: it goes on, but is not retried.
-    pub fn max_replay_bytes_per_call(mut self, n: usize) -> Self {
-        self.overrides.max_replay_bytes_per_call = Some(n);
-        self
-    }
-    /// Request bytes kept for replay by all calls of this layer together (default 16 MiB);
-    /// a call that would pass it is committed, as over the per-call limit.
-    pub fn max_replay_bytes_total(mut self, n: usize) -> Self {
-        self.overrides.max_replay_bytes_total = Some(n);
-        self
-    }
-    /// Do not start a retry that would have less than this before the deadline (default 0).
-    pub fn min_attempt_time(mut self, d: Duration) -> Self {
-        self.overrides.min_attempt_time = Some(d);
-        self
-    }
-    /// Add a key to every method, not only protected ones (default: true without a
-    /// service config, whose one policy retries every method; with a config, its
-    /// `idem.client.keyAllMethods`, false by default, so only methods with an
-    /// `idempotency` object get one). Set false to send no key without a config: an
-    /// idem server then answers calls to its protected methods with `KEY_MISSING`.
-    pub fn key_all_methods(mut self, yes: bool) -> Self {
-        self.overrides.key_all_methods = Some(yes);
-        self
-    }
-    /// Tag a failure this layer gives up on (retries exhausted, throttled, pushback stop)
-    /// while serving an inbound call, so the server's `InboundLayer` sends it upstream with
-    /// `grpc-retry-pushback-ms: -1` (default true): retry at one layer only.
-    pub fn retry_exhausted_pushback(mut self, yes: bool) -> Self {
-        self.overrides.retry_exhausted_pushback = Some(yes);
-        self
-    }
-    /// Make no retries for calls made while serving an inbound call that is itself a retry
-    /// (`grpc-previous-rpc-attempts` > 0), since the caller upstream retries already
-    /// (default false).
-    pub fn no_retry_under_retried_inbound(mut self, yes: bool) -> Self {
-        self.overrides.no_retry_under_retried_inbound = Some(yes);
-        self
-    }
-    /// Header carrying the key (default `x-idempotency-key`, or the config's
-    /// `idem.keyHeader`).
-    pub fn key_header(mut self, name: HeaderName) -> Self {
-        self.overrides.key_header = Some(name);
-        self
-    }
-    /// Use this throttle bucket (shared with other layers, e.g. other channels to the same
-    /// target). It stays across reloads and wins over the config's `retryThrottling`.
-    pub fn throttle(mut self, bucket: RetryThrottle) -> Self {
-        self.throttle = Some(bucket);
-        self
-    }
-    /// Throttle with a new bucket of these settings (when no config gives one).
-    pub fn retry_throttling(mut self, t: RetryThrottling) -> Self {
-        self.throttling = Some(t);
-        self
-    }
-    /// Random source for the backoff jitter (default: thread RNG).
-    pub fn jitter(mut self, jitter: impl Jitter) -> Self {
-        self.jitter = Arc::new(jitter);
-        self
-    }
+
     /// Seeded jitter: the same seed gives the same backoff waits.
     pub fn seed(self, seed: u64) -> Self {
         self.jitter(SeededJitter::new(seed))
     }
-    /// Opt-in (default false): also retry an attempt whose response has real headers and
-    /// then, before any message, error trailers, for servers that never answer
-    /// Trailers-Only. The layer then reads the first body frame of every response before
-    /// handing it on (under the deadline and `perAttemptRecvTimeout`): response headers
-    /// reach the caller with the first message instead of before it. A response whose
-    /// first frame is a message is committed as usual.
-    pub fn retry_headers_then_error(mut self, yes: bool) -> Self {
-        self.overrides.peek_early_trailers = yes;
-        self
-    }
-    /// The longest wait before a retry that a server may ask for, with
-    /// `grpc-retry-pushback-ms` or `google.rpc.RetryInfo` (default 30 s). A server that
-    /// asks for more (a call with no deadline could otherwise be parked for hours) gets
-    /// no retry: the call ends at once with the attempt's status and
-    /// [`CallOutcome::PushbackStop`](super::CallOutcome::PushbackStop). Retrying *sooner*
-    /// than the server asked would defeat the pushback, so the wait is never shortened.
-    /// The policy's own backoff is bounded by its `maxBackoff` instead.
-    pub fn max_retry_delay(mut self, d: Duration) -> Self {
-        self.overrides.max_retry_delay = d;
-        self
-    }
     /// Called with `(method path, report)` when each call ends.
     pub fn on_outcome(mut self, hook: impl Fn(&str, &CallReport) + Send + Sync + 'static) -> Self {
         self.hook = Some(Arc::new(hook));
-        self
-    }
-
-    /// Tells `observer` about every attempt and call, for metrics
-    /// ([`metrics`](crate::metrics); default none: no clock reads, no wrapping).
-    /// `idem-otel` has one that records gRPC's standard client metrics.
-    pub fn observer(mut self, observer: impl crate::metrics::CallObserver) -> Self {
-        self.observer = Some(Arc::new(observer));
         self
     }
 
@@ -416,7 +357,7 @@ impl RetryLayerBuilder {
             (None, None) => PolicySource::Config(Box::default()),
         };
         RetryLayer {
-            shared: Arc::new(Shared::new(config::Parts {
+            shared: Arc::new(LayerShared::new(config::BuilderParts {
                 source,
                 idem,
                 overrides: self.overrides,

@@ -1,7 +1,7 @@
 //! [`Retry`]: the service the [`RetryLayer`] wraps around a channel.
 
 use std::mem;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -16,20 +16,17 @@ use tower_service::Service;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use super::call::{Call, Run};
-use super::config::Shared;
-use super::context::{Attempt, CallContext, CallPath};
-use super::future::ResponseFuture;
-use super::hedge;
-use super::layer::RetryLayer;
-use super::limit::{CheckedBody, RequestCheck, RequestFault};
-use super::outcome::{CallOutcome, CallReport};
 use crate::BoxError;
 use crate::key::place_request_key;
 use crate::metrics::Started;
-
-/// Where retries get their service: see [`Retry`]'s `spare`.
-pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
+use crate::retry::config::LayerShared;
+use crate::retry::engine::attempts::{CallPlan, Run};
+use crate::retry::engine::context::{Attempt, CallContext, CallPath};
+use crate::retry::engine::race;
+use crate::retry::future::{ResponseFuture, Spare};
+use crate::retry::layer::RetryLayer;
+use crate::retry::outcome::{CallOutcome, CallReport};
+use crate::retry::request::check::{CheckedBody, RequestCheck, RequestFault};
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
 /// by [`RetryLayer`].
@@ -53,7 +50,7 @@ pub(crate) type Spare<S> = OnceLock<Mutex<S>>;
 #[derive(Debug, Clone)]
 pub struct Retry<S> {
     inner: S,
-    shared: Arc<Shared>,
+    shared: Arc<LayerShared>,
     /// A clone of `inner` that retries clone again (the first attempt goes out on
     /// `inner` itself): made at the first retrying call, and shared by the clones of
     /// this service, which clients often make per call.
@@ -66,7 +63,7 @@ impl<S> Retry<S> {
         Self::from_shared(inner, layer.shared.clone())
     }
 
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared>) -> Self {
+    pub(crate) fn from_shared(inner: S, shared: Arc<LayerShared>) -> Self {
         Retry {
             inner,
             shared,
@@ -158,7 +155,7 @@ where
             return self.pass_through(req, cx, span);
         }
         let (parts, body) = req.into_parts();
-        let call = Call {
+        let call = CallPlan {
             cx,
             policy: policy.retry,
             hedging: policy.hedging,
@@ -169,7 +166,7 @@ where
         let body = tonic::body::Body::new(body);
         if let Some(hedging) = call.hedging.clone() {
             let svc = self.take_ready();
-            let fut = hedge::run(svc, parts, body, call, hedging).instrument(span);
+            let fut = race::run(svc, parts, body, call, hedging).instrument(span);
             return ResponseFuture::looping(Box::pin(fut));
         }
         let _enter = span.enter();
@@ -187,7 +184,7 @@ where
             drop(_enter);
             return ResponseFuture::looping(Box::pin(run.run(svc, None).instrument(span)));
         }
-        let (attempt, started) = match run.first(&mut self.inner) {
+        let (attempt, started) = match run.attempt(&mut self.inner) {
             Ok(sent) => sent,
             Err(answer) => return ResponseFuture::ready(answer),
         };

@@ -14,10 +14,38 @@ use tokio::time::Instant;
 use tonic::body::Body;
 use tower::{Layer, Service, ServiceExt};
 
-use super::backoff::FixedJitter;
-use super::test_util::{deadline_report, next_trailers, unavailable_policy};
 use super::*;
 use crate::BoxError;
+use crate::retry::policy::backoff::FixedJitter;
+
+// Helpers shared by the retry module's tests.
+/// A valid retry policy that retries `UNAVAILABLE` only (the one the end-to-end tests
+/// use too).
+pub(crate) use idem_test_support::unavailable_policy;
+
+/// The body's next frame, which must be its trailers.
+pub(crate) async fn next_trailers<B>(body: &mut B) -> HeaderMap
+where
+    B: http_body::Body + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    body.frame()
+        .await
+        .unwrap()
+        .unwrap()
+        .into_trailers()
+        .unwrap_or_else(|_| panic!("not trailers"))
+}
+
+/// The report of a call that ran out of time, whose status must be DEADLINE_EXCEEDED
+/// with a report of [`CallOutcome::Deadline`].
+#[track_caller]
+pub(crate) fn deadline_report(status: &tonic::Status) -> CallReport {
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    let r = CallReport::from_status(status).unwrap();
+    assert_eq!(r.outcome, CallOutcome::Deadline);
+    r
+}
 
 /// A scripted service below the layer.
 type Inner = tower::util::BoxCloneService<http::Request<Body>, http::Response<Body>, BoxError>;
@@ -1308,6 +1336,7 @@ async fn a_retry_whose_service_clone_panics_fails_that_call_only() {
 /// at every move: the retrying call's state (about 870 bytes) is boxed, not held in it.
 #[test]
 fn the_response_future_over_a_channel_stays_small() {
-    let size = std::mem::size_of::<super::future::ResponseFuture<tonic::transport::Channel>>();
+    let size =
+        std::mem::size_of::<crate::retry::future::ResponseFuture<tonic::transport::Channel>>();
     assert!(size <= 512, "ResponseFuture<Channel> is {size} bytes");
 }

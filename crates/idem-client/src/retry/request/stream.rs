@@ -1,30 +1,32 @@
-//! The request of a hedged call, handed to every hedge: a copy of a request that was
-//! complete when the call started, or, for a request the caller is still producing
-//! (client-streaming and bidi calls, or a body not fully read yet), one stream read once
-//! from the caller and fanned out to the hedges.
+//! The copy of a request that streams (client-streaming and bidi calls, or any body the
+//! caller is still producing when the first attempt starts), read once from the caller
+//! and handed to every attempt: the retries of a retried call, one after the other, and
+//! the hedges of a hedged call, side by side. A retry is slot 0 sent again; a hedge is
+//! its own slot.
 //!
-//! Each hedge's body ([`HedgeBody`]) sends the messages read so far, then follows the
-//! live stream: whichever hedge is furthest along reads the next message from the
-//! caller, keeps a copy and wakes the others, so a hedge that starts later (or is sent
-//! on a slower path) sends the same bytes, in the same frames. As gRFC A6 says for
-//! hedged RPCs, the call commits
-//! - when response headers arrive: the race gives that hedge the request
-//!   ([`HedgeRequest::commit`]); the others are cancelled;
+//! Each slot's body ([`SlotBody`]) sends the messages read so far, then follows the live
+//! stream: whichever body is furthest along reads the next message from the caller, keeps
+//! a copy and wakes the others, so a body that starts later (or is sent on a slower path)
+//! sends the same bytes, in the same frames. As gRFC A6 says, the call commits
+//! - when response headers arrive: the attempt or hedge gets the request
+//!   ([`StreamCopy::commit`]); the bodies of other slots fail;
 //! - when the copy would pass `maxReplayBytesPerCall` or what is left of the layer's
-//!   `maxReplayBytesTotal`: to the hedge that read the message that did not fit, one of
-//!   those that sent the most messages (A6: "the currently in-flight attempt on which the
-//!   maximum number of messages have already been sent"). The race learns it from
-//!   [`HedgeRequest::poll_overflow`], cancels the other hedges and sends no more.
+//!   `maxReplayBytesTotal` ([`BudgetLease::keep`]): to the slot that read the message that
+//!   did not fit, one of those that sent the most messages (A6: "the currently in-flight
+//!   attempt on which the maximum number of messages have already been sent"). A hedge
+//!   race learns it from [`StreamCopy::poll_overflow`], cancels the other hedges and
+//!   sends no more; a retried call from [`StreamCopy::overflow`].
 //!
-//! Once committed nothing more is kept: the messages the committed hedge has sent are
-//! freed and their bytes go back to the budget; the committed hedge goes on after the
-//! race has answered the caller.
+//! Once committed nothing more is kept: the messages the committed slot has sent are
+//! freed and their bytes go back to the budget; the committed attempt goes on after the
+//! call loop has answered the caller.
 //!
-//! A hedge that is cancelled or has ended ([`HedgeRequest::retire`]) has its body fail
-//! on its next poll (a task waiting on the caller is woken), so the transport resets its
-//! stream instead of ending it as if the request were complete. When the caller's body
-//! fails (or a message is over `maxRequestMessageBytes`), every hedge's body fails after
-//! the messages before it, and no hedge can be sent again.
+//! A slot that is retired ([`StreamCopy::retire`]: the attempt failed, the hedge was
+//! cancelled) or whose body is replaced by a new one has its old body fail on its next
+//! poll (a task waiting on the caller is woken), so the transport resets its stream
+//! instead of ending it as if the request were complete. When the caller's body fails
+//! (or a message is over `maxRequestMessageBytes`), every body fails after the messages
+//! before it, and the request cannot be sent again.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -35,107 +37,57 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame};
 
-use super::body::{self, Lease, Overflow, Partial};
-use super::limit::RequestCheck;
-use super::outcome::CallOutcome;
 use crate::BoxError;
+use crate::retry::request::budget::{BudgetLease, Overflow};
+use crate::retry::request::check::RequestCheck;
+use crate::retry::request::read::Partial;
 
-/// What every hedge of one call sends.
-pub(crate) enum HedgeRequest {
-    /// Complete before the first hedge (every unary call): each hedge gets a copy; its
-    /// bytes stay in the budget until the call ends.
-    Replay { replay: body::Replay, _lease: Lease },
-    /// Still coming from the caller: read once, fanned out.
-    Stream(HedgeStream),
-}
-
-impl HedgeRequest {
-    /// The body of hedge `hedge`.
-    pub(crate) fn body(&self, hedge: u32) -> tonic::body::Body {
-        match self {
-            HedgeRequest::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
-            HedgeRequest::Stream(s) => tonic::body::Body::new(s.body(hedge)),
-        }
-    }
-
-    /// Hedge `hedge` ended (or is cancelled): its body stops reading.
-    pub(crate) fn retire(&self, hedge: u32) {
-        if let HedgeRequest::Stream(s) = self {
-            s.retire(hedge);
-        }
-    }
-
-    /// Hedge `hedge` won: the request is its own from now on, and goes on after the race.
-    pub(crate) fn commit(&self, hedge: u32) {
-        if let HedgeRequest::Stream(s) = self {
-            s.commit(hedge);
-        }
-    }
-
-    /// The hedge the request committed to because it passed a replay limit, once.
-    pub(crate) fn poll_overflow(&self, cx: &mut Context<'_>) -> Poll<u32> {
-        match self {
-            HedgeRequest::Replay { .. } => Poll::Pending,
-            HedgeRequest::Stream(s) => s.poll_overflow(cx),
-        }
-    }
-
-    /// Set when no more hedges may go out because the request is not kept whole: the
-    /// outcome of the call if a hedge would otherwise be sent.
-    pub(crate) fn sent_once(&self) -> Option<CallOutcome> {
-        match self {
-            HedgeRequest::Replay { .. } => None,
-            HedgeRequest::Stream(s) => s.sent_once(),
-        }
-    }
-
-    /// Whether a hedge's response may be peeked at before the caller gets it: not for a
-    /// streaming request, whose caller may wait for the headers before it sends more.
-    pub(crate) fn may_peek(&self) -> bool {
-        matches!(self, HedgeRequest::Replay { .. })
-    }
-}
-
-/// The race's handle on a streaming request. Dropping it before the call committed ends
-/// the request for every hedge: the caller's body is dropped, the copy is freed, and
-/// hedge bodies still held by the transport fail.
-pub(crate) struct HedgeStream {
-    state: Arc<Mutex<State>>,
+/// The call loop's handle on a streaming request. Dropping it ends the request unless
+/// the call committed to a slot whose body is still out: the caller's body is dropped,
+/// the copy is freed, and the bodies still held by the transport fail.
+pub(crate) struct StreamCopy {
+    fanout: Arc<Mutex<Fanout>>,
     wakers: Arc<Wakers>,
 }
 
-/// One hedge's request body.
-pub(crate) struct HedgeBody {
-    state: Arc<Mutex<State>>,
+/// One slot's request body.
+pub(crate) struct SlotBody {
+    fanout: Arc<Mutex<Fanout>>,
     wakers: Arc<Wakers>,
-    /// This body's reader (a hedge sent again gets a new one).
+    /// This body's reader (a slot sent again gets a new one).
     id: u64,
 }
 
-/// The error a hedge's body fails with once it no longer has the request (cancelled,
-/// ended, or the request committed to another hedge).
-#[derive(Debug, thiserror::Error)]
-#[error("hedge cancelled: the request went to another hedge or the call ended")]
-pub(crate) struct Retired;
+/// The error a body fails with once its slot no longer has the request.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+pub(crate) enum Retired {
+    /// A retried call: a newer attempt took the request over, or the call ended.
+    #[error("request stream taken over by a newer attempt")]
+    Retry,
+    /// A hedged call: the hedge was cancelled, the request went to another hedge, or the
+    /// call ended.
+    #[error("hedge cancelled: the request went to another hedge or the call ended")]
+    Hedge,
+}
 
-/// The error the other hedges' bodies fail with when the caller's body failed.
+/// The error the other slots' bodies fail with when the caller's body failed.
 #[derive(Debug, thiserror::Error)]
 #[error("the request stream failed: {0}")]
 pub(crate) struct SourceFailed(Arc<str>);
 
-/// Why the request commits to one hedge.
+/// Why the request commits to one slot.
 #[derive(Debug, Clone, Copy)]
 struct Commit {
-    hedge: u32,
+    slot: u32,
     /// `None`: response headers came; else the limit it passed.
     overflow: Option<Overflow>,
 }
 
-/// Where one hedge's body is in the request.
+/// Where one body is in the request.
 #[derive(Debug)]
 struct Reader {
     id: u64,
-    hedge: u32,
+    slot: u32,
     /// How many messages of the request it has sent.
     pos: usize,
     trailers_sent: bool,
@@ -143,18 +95,22 @@ struct Reader {
     done: bool,
 }
 
-struct State {
+/// The request as read from the caller, shared by the call loop and every body.
+struct Fanout {
     /// The caller's body, until it ends, fails, or the call is abandoned.
     source: Option<tonic::body::Body>,
-    /// Polls the caller's body: wakes every hedge waiting for its next message.
+    /// Polls the caller's body: wakes every body waiting for its next message.
     source_waker: Waker,
     ended: bool,
     trailers: Option<HeaderMap>,
+    /// The caller's body failed before the first attempt: the first body to reach the
+    /// end of what was read gets this.
+    error: Option<BoxError>,
     /// The caller's body failed (or a message was over its limit), as text for the
-    /// hedges that did not read the error themselves.
+    /// bodies that did not read the error themselves.
     failed: Option<Arc<str>>,
     /// Messages kept: every one read while uncommitted; afterwards, those the committed
-    /// hedge has not sent yet.
+    /// slot has not sent yet.
     chunks: VecDeque<Bytes>,
     /// Messages read from the caller in all: `chunks` are the last of them.
     read: usize,
@@ -167,17 +123,19 @@ struct State {
     race: Option<Waker>,
     kept: usize,
     cap: usize,
-    lease: Lease,
+    lease: BudgetLease,
     check: Option<RequestCheck>,
+    /// What a stale body fails with.
+    retired: Retired,
 }
 
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock(fanout: &Mutex<Fanout>) -> MutexGuard<'_, Fanout> {
+    fanout.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The tasks of the hedge bodies waiting for the caller's next message, by reader. The
-/// caller's body is polled with a waker that wakes them all, so the next message reaches
-/// every hedge whichever of them polled last, and a hedge that goes away strands no one.
+/// The tasks of the bodies waiting for the caller's next message, by reader. The caller's
+/// body is polled with a waker that wakes them all, so the next message reaches every
+/// body whichever of them polled last, and a body that goes away strands no one.
 #[derive(Default)]
 struct Wakers(Mutex<Vec<(u64, Waker)>>);
 
@@ -230,52 +188,66 @@ impl Wake for Wakers {
     }
 }
 
-impl HedgeStream {
-    /// Goes on from what [`read_ready`](super::body::read_ready) read of `source`, kept
-    /// whole (`start.overflow` is `None`); `lease` holds its bytes.
+impl StreamCopy {
+    /// Goes on from what [`read_ready`](crate::retry::request::read::read_ready) read of
+    /// `source`; `lease` holds the bytes of `start.read` that are kept. A start that
+    /// passed a limit (or failed) is committed to slot 0 already: it can be sent once.
+    /// `hedged` says which [`Retired`] error stale bodies fail with.
     pub(crate) fn new(
         start: Partial,
         source: tonic::body::Body,
-        lease: Lease,
+        lease: BudgetLease,
         cap: usize,
         check: Option<RequestCheck>,
+        hedged: bool,
     ) -> Self {
         let wakers = Arc::new(Wakers::default());
-        let state = State {
-            source: Some(source),
+        let failed = start.error.as_ref().map(|e| Arc::from(e.to_string()));
+        let fanout = Fanout {
+            ended: start.error.is_some(),
+            source: start.error.is_none().then_some(source),
             source_waker: Waker::from(wakers.clone()),
-            ended: false,
             trailers: start.trailers,
-            failed: None,
+            error: start.error,
+            failed,
             read: start.read.len(),
             chunks: start.read,
             readers: Vec::new(),
             next_id: 0,
-            commit: None,
+            commit: start.overflow.map(|why| Commit {
+                slot: 0,
+                overflow: Some(why),
+            }),
             announce: false,
             race: None,
             kept: start.kept,
             cap,
             lease,
             check,
+            retired: if hedged {
+                Retired::Hedge
+            } else {
+                Retired::Retry
+            },
         };
-        HedgeStream {
-            state: Arc::new(Mutex::new(state)),
+        StreamCopy {
+            fanout: Arc::new(Mutex::new(fanout)),
             wakers,
         }
     }
 
-    /// The body of a new hedge (or of a hedge sent again): the whole request so far,
-    /// then the live stream. After a commit it fails at once: no hedge starts then.
-    fn body(&self, hedge: u32) -> HedgeBody {
-        let mut s = lock(&self.state);
+    /// The body of `slot`, new or sent again (its earlier body fails): the whole request
+    /// so far, then the live stream. Once the request committed to another slot, or
+    /// freed what it sent, it fails at once.
+    pub(crate) fn body(&self, slot: u32) -> SlotBody {
+        let mut s = lock(&self.fanout);
         let id = s.next_id;
         s.next_id += 1;
-        let stale: Vec<u64> = s.take_readers(|r| r.hedge == hedge);
-        if s.commit.is_none() {
+        let stale: Vec<u64> = s.take_readers(|r| r.slot == slot);
+        if s.may_send_whole(slot) {
             s.readers.push(Reader {
                 id,
-                hedge,
+                slot,
                 pos: 0,
                 trailers_sent: false,
                 done: false,
@@ -283,31 +255,35 @@ impl HedgeStream {
         }
         drop(s);
         stale.into_iter().for_each(|id| self.wakers.wake_one(id));
-        HedgeBody {
-            state: self.state.clone(),
+        SlotBody {
+            fanout: self.fanout.clone(),
             wakers: self.wakers.clone(),
             id,
         }
     }
 
-    fn retire(&self, hedge: u32) {
-        let stale = lock(&self.state).take_readers(|r| r.hedge == hedge);
+    /// `slot`'s attempt ended (or is cancelled): its body stops reading.
+    pub(crate) fn retire(&self, slot: u32) {
+        let stale = lock(&self.fanout).take_readers(|r| r.slot == slot);
         stale.into_iter().for_each(|id| self.wakers.wake_one(id));
     }
 
-    fn commit(&self, hedge: u32) {
-        let mut s = lock(&self.state);
+    /// `slot`'s response headers came: the request is its own from now on, and goes on
+    /// after the call loop.
+    pub(crate) fn commit(&self, slot: u32) {
+        let mut s = lock(&self.fanout);
         if s.commit.is_none() {
-            s.commit_to(hedge, None, &self.wakers);
+            s.commit_to(slot, None, &self.wakers);
         }
     }
 
-    fn poll_overflow(&self, cx: &mut Context<'_>) -> Poll<u32> {
-        let mut s = lock(&self.state);
+    /// The slot the request committed to because it passed a replay limit, once.
+    pub(crate) fn poll_overflow(&self, cx: &mut Context<'_>) -> Poll<u32> {
+        let mut s = lock(&self.fanout);
         match s.commit {
             Some(c) if s.announce => {
                 s.announce = false;
-                Poll::Ready(c.hedge)
+                Poll::Ready(c.slot)
             }
             _ => {
                 s.race = Some(cx.waker().clone());
@@ -316,29 +292,35 @@ impl HedgeStream {
         }
     }
 
-    fn sent_once(&self) -> Option<CallOutcome> {
-        let s = lock(&self.state);
-        if s.failed.is_some() {
-            return Some(CallOutcome::BodyError);
-        }
-        Some(match s.commit?.overflow? {
-            Overflow::PerCall => CallOutcome::BodyTooLarge,
-            Overflow::Budget => CallOutcome::ReplayBudgetExhausted,
-            Overflow::Error => CallOutcome::BodyError,
-        })
+    /// Why the request cannot be sent again, if it cannot: it passed a replay limit, or
+    /// the caller's body failed.
+    pub(crate) fn overflow(&self) -> Option<Overflow> {
+        let s = lock(&self.fanout);
+        let failed = s.failed.as_ref().map(|_| Overflow::Error);
+        s.commit.and_then(|c| c.overflow).or(failed)
+    }
+
+    /// Whether a new body would send the whole request so far: while uncommitted, and
+    /// after an overflow as long as nothing was freed (an attempt whose channel never
+    /// connected).
+    pub(crate) fn can_resend(&self) -> bool {
+        let s = lock(&self.fanout);
+        // A failure read before the first attempt is still to be sent.
+        let whole = s.failed.is_none() || s.error.is_some();
+        whole && s.commit.is_none_or(|c| s.may_send_whole(c.slot))
     }
 }
 
-impl Drop for HedgeStream {
+impl Drop for StreamCopy {
     fn drop(&mut self) {
-        let mut s = lock(&self.state);
+        let mut s = lock(&self.fanout);
         if let Some(c) = s.commit
-            && s.readers.iter().any(|r| r.hedge == c.hedge)
+            && s.readers.iter().any(|r| r.slot == c.slot)
         {
-            // The committed hedge goes on with the request.
+            // The committed attempt goes on with the request.
             return;
         }
-        // The call ended without a hedge to go on: every hedge's body fails.
+        // The call ended without an attempt to go on: every body fails.
         s.readers.clear();
         s.source = None;
         s.ended = true;
@@ -350,9 +332,18 @@ impl Drop for HedgeStream {
     }
 }
 
-impl State {
+impl Fanout {
     fn position(&self, id: u64) -> Option<usize> {
         self.readers.iter().position(|r| r.id == id)
+    }
+
+    /// Whether a new body for `slot` can send the whole request: while uncommitted, and
+    /// for the committed slot while nothing it sent was freed.
+    fn may_send_whole(&self, slot: u32) -> bool {
+        match self.commit {
+            None => true,
+            Some(c) => c.slot == slot && self.read == self.chunks.len(),
+        }
     }
 
     /// Removes the readers `f` picks; their ids, to wake them.
@@ -368,21 +359,21 @@ impl State {
         taken
     }
 
-    /// The request is `hedge`'s: the messages it has sent are freed, nothing more is
-    /// kept, and the other hedges' bodies fail.
-    fn commit_to(&mut self, hedge: u32, overflow: Option<Overflow>, wakers: &Wakers) {
-        self.commit = Some(Commit { hedge, overflow });
+    /// The request is `slot`'s: the messages it has sent are freed, nothing more is
+    /// kept, and the other slots' bodies fail.
+    fn commit_to(&mut self, slot: u32, overflow: Option<Overflow>, wakers: &Wakers) {
+        self.commit = Some(Commit { slot, overflow });
         let sent = self
             .readers
             .iter()
-            .find(|r| r.hedge == hedge)
+            .find(|r| r.slot == slot)
             .map_or(self.read, |r| r.pos);
         let base = self.read - self.chunks.len();
         let freed = sent.saturating_sub(base).min(self.chunks.len());
         self.chunks.drain(..freed);
         self.kept = 0;
         self.lease.release_all();
-        let others = self.take_readers(|r| r.hedge != hedge);
+        let others = self.take_readers(|r| r.slot != slot);
         others.into_iter().for_each(|id| wakers.wake_one(id));
     }
 
@@ -394,7 +385,7 @@ impl State {
         }
         let base = self.read - self.chunks.len();
         let chunk = if self.commit.is_some() {
-            // Only the committed hedge reads: what it has sent is freed.
+            // Only the committed slot reads: what it has sent is freed.
             self.chunks.pop_front()
         } else {
             self.chunks.get(pos.checked_sub(base)?).cloned()
@@ -458,29 +449,21 @@ impl State {
         self.trailers.clone().map(|t| Ok(Frame::trailers(t)))
     }
 
-    /// The message reader `id` just read: kept for the other hedges while it fits, else
-    /// the request commits to this hedge, the one furthest along (A6).
+    /// The message reader `id` just read: kept for the other slots while A6's limits
+    /// allow, else the request commits to this slot, the one furthest along.
     fn keep(&mut self, id: u64, chunk: &Bytes, wakers: &Wakers) {
-        let Some(hedge) = self.readers.iter().find(|r| r.id == id).map(|r| r.hedge) else {
+        let Some(slot) = self.readers.iter().find(|r| r.id == id).map(|r| r.slot) else {
             return;
         };
         if self.commit.is_none() {
-            let len = chunk.len();
-            let why = if self.kept.saturating_add(len) > self.cap {
-                Some(Overflow::PerCall)
-            } else if !self.lease.reserve(len) {
-                Some(Overflow::Budget)
-            } else {
-                None
-            };
-            match why {
-                None => {
-                    self.kept += len;
+            match self.lease.keep(self.kept, chunk.len(), self.cap) {
+                Ok(()) => {
+                    self.kept += chunk.len();
                     self.chunks.push_back(chunk.clone());
                     wakers.wake_all_but(Some(id));
                 }
-                Some(why) => {
-                    self.commit_to(hedge, Some(why), wakers);
+                Err(why) => {
+                    self.commit_to(slot, Some(why), wakers);
                     self.announce = true;
                     if let Some(w) = self.race.take() {
                         w.wake();
@@ -495,7 +478,7 @@ impl State {
     }
 
     /// The caller's body failed (or a message was over its limit) under reader `i`: it
-    /// gets the error, every other hedge gets it as text after the messages before it.
+    /// gets the error, every other body gets it as text after the messages before it.
     fn fail(&mut self, i: usize, e: BoxError, wakers: &Wakers) -> BoxError {
         // The caller's body is a tonic body: its errors are statuses.
         let message = match e.downcast_ref::<tonic::Status>() {
@@ -515,7 +498,7 @@ impl State {
     }
 }
 
-impl Body for HedgeBody {
+impl Body for SlotBody {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -523,15 +506,19 @@ impl Body for HedgeBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut s = lock(&self.state);
+        let mut s = lock(&self.fanout);
         let Some(i) = s.position(self.id) else {
-            return Poll::Ready(Some(Err(Retired.into())));
+            return Poll::Ready(Some(Err(s.retired.into())));
         };
         if let Some(chunk) = s.unsent(i) {
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
         if s.readers[i].done {
             return Poll::Ready(None);
+        }
+        if let Some(e) = s.error.take() {
+            s.readers[i].done = true;
+            return Poll::Ready(Some(Err(e)));
         }
         if let Some(message) = s.failed.clone() {
             s.readers[i].done = true;
@@ -541,13 +528,13 @@ impl Body for HedgeBody {
             return Poll::Ready(s.end(i));
         }
         // At the front: register before polling, so a message that comes in between
-        // wakes this hedge too.
+        // wakes this body too.
         self.wakers.register(self.id, cx.waker());
         s.poll_source(i, &self.wakers)
     }
 
     fn is_end_stream(&self) -> bool {
-        let s = lock(&self.state);
+        let s = lock(&self.fanout);
         s.readers.iter().find(|r| r.id == self.id).is_some_and(|r| {
             s.ended
                 && s.failed.is_none()
@@ -556,25 +543,204 @@ impl Body for HedgeBody {
         })
     }
 
-    // No `size_hint`: unknown, so hyper adds no `content-length` (see `ReplayBody`).
+    // No `size_hint`: unknown, so hyper adds no `content-length` (see `WholeBody`).
 }
 
-impl Drop for HedgeBody {
+impl Drop for SlotBody {
     fn drop(&mut self) {
-        // Forget this body's task; its reader stays until the race retires the hedge.
+        // Forget this body's task; its reader stays until the call loop retires the slot.
         let mut list = self.wakers.list();
         list.retain(|(id, _)| *id != self.id);
     }
 }
 
 #[cfg(test)]
-mod tests {
+mod retry_tests {
     use super::*;
-    use crate::retry::body::fixtures::{Call, counter, ok, started};
+    use crate::retry::request::budget::ReplayBudget;
+    use crate::retry::request::fixtures::{Feed, StreamedCall, counter, ok, started};
+    use crate::retry::request::read::{Ready, read_ready};
+    use http_body_util::BodyExt;
+    use std::sync::atomic::Ordering;
+    use tokio::sync::mpsc;
+
+    /// A retried call's view of the copy: every attempt is slot 0.
+    struct Retried(StreamCopy);
+
+    impl Retried {
+        fn body(&self) -> SlotBody {
+            self.0.body(0)
+        }
+        fn retire(&self) {
+            self.0.retire(0);
+        }
+        fn commit(&self) {
+            self.0.commit(0);
+        }
+        fn overflow(&self) -> Option<Overflow> {
+            self.0.overflow()
+        }
+        fn can_resend(&self) -> bool {
+            self.0.can_resend()
+        }
+    }
+
+    fn call(cap: usize, total: usize) -> StreamedCall<Retried> {
+        started(cap, total).call(|start, source, lease| {
+            Retried(StreamCopy::new(start, source, lease, cap, None, false))
+        })
+    }
+
+    async fn next(body: &mut SlotBody) -> Option<Result<String, String>> {
+        let frame = body.frame().await?;
+        Some(match frame {
+            Ok(f) => Ok(String::from_utf8(f.into_data().unwrap().to_vec()).unwrap()),
+            Err(e) => Err(e.to_string()),
+        })
+    }
+
+    const SUPERSEDED: &str = "request stream taken over by a newer attempt";
+
+    #[tokio::test]
+    async fn a_retry_replays_what_was_sent_then_goes_on_live() {
+        let mut c = call(100, 100);
+        let mut first = c.stream.body();
+        c.send("a");
+        assert_eq!(next(&mut first).await, ok("a"));
+        c.send("bc");
+        assert_eq!(next(&mut first).await, ok("bc"));
+        assert_eq!(c.budget.held(), 3);
+        c.stream.retire();
+        assert_eq!(next(&mut first).await, Some(Err(SUPERSEDED.into())));
+        let mut second = c.stream.body();
+        assert_eq!(next(&mut second).await, ok("a"));
+        assert_eq!(next(&mut second).await, ok("bc"));
+        c.send("d");
+        assert_eq!(next(&mut second).await, ok("d"));
+        c.tx = None;
+        assert_eq!(next(&mut second).await, None);
+        assert!(second.is_end_stream());
+        // A third attempt sends the whole request, which has ended.
+        let third = c.stream.body();
+        assert_eq!(&third.collect().await.unwrap().to_bytes()[..], b"abcd");
+        assert_eq!(c.budget.held(), 4);
+        drop(c.stream);
+        assert_eq!(
+            c.budget.held(),
+            0,
+            "an uncommitted call frees its copy when it ends"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_commit_frees_the_copy_and_the_attempt_goes_on() {
+        let mut c = call(100, 100);
+        let mut first = c.stream.body();
+        c.send("a");
+        c.send("b");
+        assert_eq!(next(&mut first).await, ok("a"));
+        c.stream.retire();
+        // The retry has sent "a" of "a", "b" when its response headers come.
+        let mut second = c.stream.body();
+        assert_eq!(next(&mut second).await, ok("a"));
+        c.stream.commit();
+        assert_eq!(c.budget.held(), 0);
+        assert_eq!(c.stream.overflow(), None);
+        assert_eq!(next(&mut second).await, ok("b"));
+        c.send("c");
+        assert_eq!(next(&mut second).await, ok("c"));
+        assert_eq!(c.budget.held(), 0, "nothing is kept after the commit");
+        let tx = c.tx.take().unwrap();
+        drop(c);
+        tx.send(Ok(Bytes::from_static(b"d"))).unwrap();
+        assert_eq!(
+            next(&mut second).await,
+            ok("d"),
+            "the committed attempt outlives the call loop"
+        );
+        drop(tx);
+        assert_eq!(next(&mut second).await, None);
+    }
+
+    #[tokio::test]
+    async fn past_a_limit_the_call_commits_and_the_attempt_goes_on() {
+        for (cap, total, why) in [(3, 100, Overflow::PerCall), (100, 3, Overflow::Budget)] {
+            let c = call(cap, total);
+            let mut first = c.stream.body();
+            c.send("ab");
+            c.send("cd");
+            c.send("ef");
+            assert_eq!(next(&mut first).await, ok("ab"));
+            assert_eq!(c.budget.held(), 2);
+            assert_eq!(next(&mut first).await, ok("cd"));
+            assert_eq!(c.stream.overflow(), Some(why));
+            assert!(!c.stream.can_resend());
+            assert_eq!(c.budget.held(), 0);
+            assert_eq!(next(&mut first).await, ok("ef"));
+            assert_eq!(c.budget.held(), 0);
+            // Its response headers come, and the call loop ends: the attempt goes on.
+            c.stream.commit();
+            drop(c.stream);
+            c.tx.as_ref()
+                .unwrap()
+                .send(Ok(Bytes::from_static(b"gh")))
+                .unwrap();
+            assert_eq!(next(&mut first).await, ok("gh"));
+        }
+    }
+
+    #[test]
+    fn a_stale_body_waiting_on_the_caller_is_woken_and_fails() {
+        let c = call(100, 100);
+        let (count, waker) = counter();
+        let mut cx = Context::from_waker(&waker);
+        let mut first = c.stream.body();
+        assert!(Pin::new(&mut first).poll_frame(&mut cx).is_pending());
+        let _second = c.stream.body();
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            1,
+            "woken, so the transport resets it"
+        );
+        let Poll::Ready(Some(Err(e))) = Pin::new(&mut first).poll_frame(&mut cx) else {
+            panic!("a superseded body fails");
+        };
+        assert_eq!(e.to_string(), SUPERSEDED);
+    }
+
+    #[tokio::test]
+    async fn an_attempt_never_sent_can_be_sent_again_even_over_the_limit() {
+        // Over the limit before the first attempt: nothing kept, but nothing sent either.
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(Ok(Bytes::from_static(b"abcdef"))).unwrap();
+        let budget = Arc::new(ReplayBudget::new(100));
+        let mut lease = BudgetLease::new(budget.clone());
+        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Ready::Partial(start) = read_ready(&mut source, 3, &mut lease, None, &mut cx) else {
+            panic!("over the limit");
+        };
+        let replay = Retried(StreamCopy::new(start, source, lease, 3, None, false));
+        let _never_polled = replay.body();
+        assert!(replay.can_resend());
+        let mut again = replay.body();
+        assert_eq!(next(&mut again).await, ok("abcdef"));
+        assert!(!replay.can_resend());
+        drop(tx);
+        assert_eq!(next(&mut again).await, None);
+    }
+}
+
+#[cfg(test)]
+mod hedge_tests {
+    use super::*;
+    use crate::retry::CallOutcome;
+    use crate::retry::request::RequestCopy;
+    use crate::retry::request::fixtures::{StreamedCall, counter, ok, started};
     use http_body_util::BodyExt;
     use std::sync::atomic::Ordering;
 
-    impl Call<HedgeRequest> {
+    impl StreamedCall<RequestCopy> {
         fn body(&self, hedge: u32) -> tonic::body::Body {
             self.stream.body(hedge)
         }
@@ -582,9 +748,9 @@ mod tests {
 
     /// A hedged call whose caller has produced nothing yet; `cap` per call, `total` in
     /// the layer's budget.
-    fn call(cap: usize, total: usize) -> Call<HedgeRequest> {
+    fn call(cap: usize, total: usize) -> StreamedCall<RequestCopy> {
         started(cap, total).call(|start, source, lease| {
-            HedgeRequest::Stream(HedgeStream::new(start, source, lease, cap, None))
+            RequestCopy::Stream(StreamCopy::new(start, source, lease, cap, None, true))
         })
     }
 

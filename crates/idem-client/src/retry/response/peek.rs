@@ -11,8 +11,7 @@ use http_body_util::BodyExt;
 use idem_core::code::grpc_status_code;
 use tonic::Code;
 
-/// What the layer answers: a response whose body is a [`tonic::body::Body`].
-pub(crate) type Resp = http::Response<tonic::body::Body>;
+use crate::retry::Resp;
 
 /// The status of an attempt that ended before the call committed: a Trailers-Only
 /// response (`grpc-status` among the headers; an unparseable value is UNKNOWN), or a

@@ -8,7 +8,11 @@ use idem_core::deadline::earliest;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
-use super::context::Attempt;
+use bytes::Bytes;
+
+use crate::BoxError;
+use crate::retry::engine::context::Attempt;
+use crate::retry::response::transport::TransportBody;
 
 /// When an attempt is cut short, and how it then ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +68,36 @@ impl<F> Timed<F> {
             timer: None,
             cut,
         }
+    }
+
+    /// When it is cut short.
+    pub(crate) fn cut(&self) -> Option<Cut> {
+        self.cut
+    }
+}
+
+/// How a timed attempt ended: the cut that came first, or the inner service's result as
+/// of now. An error once the call's `deadline` has passed is the deadline's doing
+/// (tonic's channel timeout fires at the `grpc-timeout` the layer wrote), not a
+/// transport failure.
+pub(crate) fn ended<RB, E>(
+    result: Result<Result<http::Response<RB>, E>, Cut>,
+    deadline: Option<Instant>,
+) -> Attempt
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+    E: Into<BoxError>,
+{
+    match result {
+        Err(cut) => cut.attempt(),
+        // A body still to come reads its transport failures as UNAVAILABLE.
+        Ok(Ok(resp)) if !resp.body().is_end_stream() => {
+            Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
+        }
+        Ok(Ok(resp)) => Attempt::Response(resp.map(tonic::body::Body::new)),
+        Ok(Err(_)) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
+        Ok(Err(e)) => Attempt::Error(e.into()),
     }
 }
 

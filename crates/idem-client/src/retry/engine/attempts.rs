@@ -1,8 +1,10 @@
-//! The mechanism of a retrying call: read what is ready of the body, send an attempt,
-//! ask [`policy::decide`](super::policy::decide), wait, repeat; then answer the caller.
+//! The attempt loop of a retried call: read what the caller has ready of the request
+//! into its [`RequestCopy`], send an attempt ([`Run::attempt`], the one way an attempt
+//! goes out, for the first attempt's fast path and the loop alike), ask
+//! [`policy::decide`] ([`Run::settle`]), wait, repeat; then answer the caller.
 //!
-//! Everything A6 decides lives in [`policy`](super::policy); this file does the I/O,
-//! the clock, the counters and the tracing around it.
+//! Everything A6 decides lives in [`policy`]; this file does the I/O, the clock, the
+//! counters and the tracing around it.
 
 use std::future::{Future, poll_fn};
 use std::task::Context;
@@ -17,161 +19,32 @@ use idem_core::headers::{GRPC_TIMEOUT, PREVIOUS_RPC_ATTEMPTS};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::body::{self, Lease, Overflow, Partial, Read};
-use super::context::{Attempt, CallContext};
-use super::limit::RequestCheck;
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
-use super::peek::{self, Resp, early_code};
-use super::policy::{self, Attempted, CallState, Decision, Limits, decide};
-use super::replay::StreamReplay;
-use super::throttle::RetryThrottle;
-use super::timed::{Cut, Timed};
 use crate::BoxError;
+use crate::retry::engine::context::{Attempt, CallContext};
+use crate::retry::engine::timed::{self, Cut, Timed};
+use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::policy::{
+    self, AttemptBounds, Attempted, CallState, Decision, RetryLimits, decide,
+};
+use crate::retry::request::RequestCopy;
+use crate::retry::request::check::RequestCheck;
+use crate::retry::response::peek::{self, early_code};
+use crate::retry::{Req, Resp};
 
-/// The inner request: what the layer sends its inner service.
-pub(crate) type Req = http::Request<tonic::body::Body>;
-
-/// What one call through the loop needs.
-pub(crate) struct Call {
+/// A call that may send more than one attempt: its context, and its plan (the retry or
+/// hedging policy, `waitForReady`).
+pub(crate) struct CallPlan {
     pub(crate) cx: CallContext,
     /// `None`: one attempt (a method without a retry policy, here for `waitForReady`).
     pub(crate) policy: Option<RetryPolicy>,
-    /// `Some`: the call is hedged ([`hedge::run`](super::hedge::run)), not retried.
+    /// `Some`: the call is hedged ([`race::run`](crate::retry::engine::race::run)), not retried.
     pub(crate) hedging: Option<HedgingPolicy>,
     pub(crate) wait_for_ready: bool,
 }
 
-/// The request body each attempt sends.
-pub(super) enum AttemptBody {
-    /// Complete before the first attempt (every unary call): each attempt gets a copy;
-    /// its bytes stay in the budget until the call ends.
-    Replay { replay: body::Replay, _lease: Lease },
-    /// Still coming from the caller: each message goes out as it comes, and a copy is
-    /// kept until the call commits.
-    Stream(StreamReplay),
-}
-
-/// What the layer read of a request before its first attempt, and what reading the rest
-/// needs: the budget lease, the request message check, the per-call replay cap.
-pub(super) struct Start {
-    pub(super) read: Begun,
-    pub(super) lease: Lease,
-    pub(super) check: Option<RequestCheck>,
-    pub(super) cap: usize,
-}
-
-/// A request read up to where the caller has not produced more (or to its end).
-pub(super) enum Begun {
-    /// The whole request: every attempt gets a copy.
-    Complete(body::Replay),
-    /// The start of a request that streams.
-    Partial(Partial),
-}
-
-impl Start {
-    /// Reads what the caller has ready of `source`, without waiting for more. `Err` with
-    /// the status when a request message is over `maxRequestMessageBytes`: nothing is
-    /// sent.
-    pub(super) fn read(
-        source: &mut tonic::body::Body,
-        call: &Call,
-        cx: &mut Context<'_>,
-    ) -> Result<Self, tonic::Status> {
-        let mut lease = Lease::new(call.cx.shared.budget.clone());
-        let mut check = call
-            .cx
-            .limits
-            .request
-            .zip(call.cx.fault.clone())
-            .map(|(limit, fault)| RequestCheck::new(limit, fault));
-        let cap = call.cx.settings.max_replay_bytes_per_call();
-        let read = match body::read_ready(source, cap, &mut lease, check.as_mut(), cx) {
-            Read::TooLarge => {
-                return Err(call.cx.request_fault().unwrap_or_else(|| {
-                    tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
-                }));
-            }
-            Read::Complete(replay) => Begun::Complete(replay),
-            Read::Partial(partial) => Begun::Partial(partial),
-        };
-        Ok(Start {
-            read,
-            lease,
-            check,
-            cap,
-        })
-    }
-}
-
-impl AttemptBody {
-    /// Reads what the caller has ready, without waiting for more. `Err` with the status
-    /// when a request message is over `maxRequestMessageBytes`: nothing is sent.
-    pub(super) fn read(
-        mut source: tonic::body::Body,
-        call: &Call,
-        cx: &mut Context<'_>,
-    ) -> Result<Self, tonic::Status> {
-        let start = Start::read(&mut source, call, cx)?;
-        Ok(match start.read {
-            Begun::Complete(replay) => AttemptBody::Replay {
-                replay,
-                _lease: start.lease,
-            },
-            Begun::Partial(partial) => AttemptBody::Stream(StreamReplay::new(
-                partial,
-                source,
-                start.lease,
-                start.cap,
-                start.check,
-            )),
-        })
-    }
-
-    pub(super) fn next(&self) -> tonic::body::Body {
-        match self {
-            AttemptBody::Replay { replay, .. } => tonic::body::Body::new(replay.body()),
-            AttemptBody::Stream(stream) => tonic::body::Body::new(stream.body()),
-        }
-    }
-
-    /// The attempt got response headers: the call is committed.
-    pub(super) fn commit(&self) {
-        if let AttemptBody::Stream(stream) = self {
-            stream.commit();
-        }
-    }
-
-    /// The attempt failed: a streaming body stops feeding it.
-    fn retire(&self) {
-        if let AttemptBody::Stream(stream) = self {
-            stream.retire();
-        }
-    }
-
-    /// Whether the next attempt would send the whole request.
-    fn can_resend(&self) -> bool {
-        match self {
-            AttemptBody::Replay { .. } => true,
-            AttemptBody::Stream(stream) => stream.can_resend(),
-        }
-    }
-
-    /// Set when the request was not kept for replay: the outcome if a retry would
-    /// otherwise be made.
-    pub(super) fn sent_once(&self) -> Option<CallOutcome> {
-        let AttemptBody::Stream(stream) = self else {
-            return None;
-        };
-        Some(match stream.overflow()? {
-            Overflow::PerCall => CallOutcome::BodyTooLarge,
-            Overflow::Budget => CallOutcome::ReplayBudgetExhausted,
-            Overflow::Error => CallOutcome::BodyError,
-        })
-    }
-}
-
 /// What `waitForReady` does after an attempt the channel could not send.
-pub(super) enum NotReady {
+pub(crate) enum NotReady {
     /// Send it again after this wait.
     Wait(Duration),
     /// Stop waiting: the caller gets this, with this outcome.
@@ -181,15 +54,39 @@ pub(super) enum NotReady {
 /// `waitForReady`: the waits since the channel failed to connect (reset once an attempt
 /// is sent), and when a call without a deadline stops waiting for it.
 #[derive(Debug, Default)]
-pub(super) struct ReadyWait {
+pub(crate) struct ReadyWait {
     waits: u32,
     until: Option<Instant>,
 }
 
-impl Call {
+impl CallPlan {
+    /// Reads what the caller has ready of `source`, without waiting for more (see
+    /// [`RequestCopy::read`]). `Err` with the status when a request message is over
+    /// `maxRequestMessageBytes`: nothing is sent.
+    pub(crate) fn read_request(
+        &self,
+        source: tonic::body::Body,
+        cx: &mut Context<'_>,
+    ) -> Result<RequestCopy, tonic::Status> {
+        let check = self
+            .cx
+            .limits
+            .request
+            .zip(self.cx.fault.clone())
+            .map(|(limit, fault)| RequestCheck::new(limit, fault));
+        let budget = self.cx.shared.budget.clone();
+        let cap = self.cx.settings.max_replay_bytes_per_call();
+        let hedged = self.hedging.is_some();
+        RequestCopy::read(source, budget, cap, check, hedged, cx).ok_or_else(|| {
+            self.cx.request_fault().unwrap_or_else(|| {
+                tonic::Status::resource_exhausted("request message over maxRequestMessageBytes")
+            })
+        })
+    }
+
     /// The request of attempt number `attempts` (1-based): `grpc-previous-rpc-attempts`
     /// on retries, `grpc-timeout` rewritten to the time left.
-    pub(super) fn request(
+    pub(crate) fn request(
         &self,
         parts: &Parts,
         body: tonic::body::Body,
@@ -209,38 +106,34 @@ impl Call {
         req
     }
 
-    /// When an attempt sent now is cut short: at the call's deadline, or at
+    /// An attempt's response future, sent now: cut short at the call's deadline, or at
     /// `perAttemptRecvTimeout` from now.
-    pub(super) fn cut(&self) -> Option<Cut> {
+    pub(crate) fn timed<F>(&self, fut: F) -> Timed<F> {
         let recv_timeout = self
             .policy
             .as_ref()
             .and_then(RetryPolicy::per_attempt_recv_timeout)
             .and_then(|t| Instant::now().checked_add(t));
-        Cut::earliest(self.cx.deadline, recv_timeout)
+        Timed::new(fut, Cut::earliest(self.cx.deadline, recv_timeout))
     }
 
-    /// Awaits one attempt's response headers (and, with `peek`, its first body frame),
-    /// cut short by the deadline or the receive timeout.
-    pub(super) async fn send<F, RB, E>(&self, fut: F, peek: bool) -> Attempt
+    /// Awaits one attempt's response headers (and, with `peek`, its first body frame,
+    /// under the same cut).
+    pub(crate) async fn receive<F, RB, E>(&self, attempt: Timed<F>, peek: bool) -> Attempt
     where
         F: Future<Output = Result<http::Response<RB>, E>>,
         RB: http_body::Body<Data = Bytes> + Send + 'static,
         RB::Error: Into<BoxError>,
         E: Into<BoxError>,
     {
-        let deadline = self.cx.deadline;
-        let response = async {
-            match Attempt::of(fut.await, deadline) {
-                Attempt::Response(r) if peek && early_code(&r).is_none() => {
-                    Attempt::Response(peek::peek_early_trailers(r).await)
-                }
-                other => other,
+        let cut = attempt.cut();
+        match timed::ended(attempt.await, self.cx.deadline) {
+            Attempt::Response(r) if peek && early_code(&r).is_none() => {
+                let peeked = Timed::new(peek::peek_early_trailers(r), cut).await;
+                peeked.map_or_else(Cut::attempt, Attempt::Response)
             }
-        };
-        Timed::new(response, self.cut())
-            .await
-            .unwrap_or_else(Cut::attempt)
+            other => other,
+        }
     }
 
     /// Before an attempt: a passed deadline ends the call.
@@ -259,7 +152,7 @@ impl Call {
     /// `waitForReady` after an attempt the channel could not send: the wait before sending
     /// it again, or how the call ends (at its deadline, or after the layer's limit
     /// without one).
-    pub(super) fn not_ready(&self, ready: &mut ReadyWait, attempt: &Attempt) -> NotReady {
+    pub(crate) fn not_ready(&self, ready: &mut ReadyWait, attempt: &Attempt) -> NotReady {
         let now = Instant::now();
         let limit = self.cx.settings.wait_for_ready_limit();
         let end = match self.cx.deadline {
@@ -289,27 +182,34 @@ impl Call {
         NotReady::GiveUp(Attempt::Local(status), CallOutcome::NotReady)
     }
 
-    /// What follows an attempt: A6's decision for a call with a retry policy, one
-    /// attempt without.
-    fn decide(
-        &self,
-        state: &mut CallState,
-        attempted: &Attempted,
-        body: &AttemptBody,
-        throttle: Option<&RetryThrottle>,
-    ) -> Decision {
-        let Some(policy) = &self.policy else {
-            return Decision::Done(CallOutcome::without_policy(attempted.end));
-        };
-        let limits = Limits {
-            policy,
-            sent_once: body.sent_once(),
+    /// What bounds the next attempt (or hedge), as of now.
+    pub(crate) fn bounds(&self, copy: &RequestCopy) -> AttemptBounds {
+        AttemptBounds {
+            sent_once: copy.sent_once(),
             time_left: self
                 .cx
                 .deadline
                 .map(|d| d.saturating_duration_since(Instant::now())),
             min_attempt_time: self.cx.settings.min_attempt_time(),
             max_retry_delay: self.cx.settings.max_retry_delay(),
+        }
+    }
+
+    /// What follows an attempt: A6's decision for a call with a retry policy, one
+    /// attempt without.
+    fn decide(
+        &self,
+        state: &mut CallState,
+        attempted: &Attempted,
+        copy: &RequestCopy,
+        throttle: Option<&RetryThrottle>,
+    ) -> Decision {
+        let Some(policy) = &self.policy else {
+            return Decision::Done(CallOutcome::without_policy(attempted.end));
+        };
+        let limits = RetryLimits {
+            policy,
+            bounds: self.bounds(copy),
             jitter: self.cx.shared.jitter.as_ref(),
         };
         decide(state, attempted, &limits, || {
@@ -328,8 +228,8 @@ impl Call {
 /// early-trailers peek).
 pub(crate) struct Run {
     parts: Parts,
-    body: AttemptBody,
-    call: Call,
+    copy: RequestCopy,
+    call: CallPlan,
     /// Peeking at the response for a streaming request would hold its headers back from
     /// a caller that may wait for them before it sends more.
     peek: bool,
@@ -339,7 +239,7 @@ pub(crate) struct Run {
 }
 
 /// What follows an attempt.
-pub(crate) enum Next {
+pub(crate) enum AfterAttempt {
     /// The caller's answer.
     Answer(Resp),
     /// Another attempt after this wait (or the same one again, while `waitForReady`
@@ -358,21 +258,20 @@ impl Run {
     pub(crate) fn start(
         parts: Parts,
         source: tonic::body::Body,
-        call: Call,
+        call: CallPlan,
         cx: &mut Context<'_>,
     ) -> Result<Self, Resp> {
-        let body = match AttemptBody::read(source, &call, cx) {
-            Ok(body) => body,
+        let copy = match call.read_request(source, cx) {
+            Ok(copy) => copy,
             Err(status) => {
                 let report = CallReport::new(CallOutcome::MessageTooLarge);
                 return Err(call.cx.finish(Attempt::Local(status), report));
             }
         };
         Ok(Run {
-            peek: call.cx.settings.peek_early_trailers()
-                && matches!(body, AttemptBody::Replay { .. }),
+            peek: call.cx.settings.peek_early_trailers() && copy.is_whole(),
             parts,
-            body,
+            copy,
             call,
             state: CallState::default(),
             ready: ReadyWait::default(),
@@ -391,26 +290,24 @@ impl Run {
         self.call.cx.deadline
     }
 
-    /// Sends the first attempt on `svc`, which is ready: `Err` with the caller's answer
-    /// when the deadline has already passed.
+    /// Sends the next attempt (or, while `waitForReady` waits, the same one again) on
+    /// `svc`, which is ready: its response future, cut at the deadline or the receive
+    /// timeout, and when it was sent; `Err` with the caller's answer when the deadline
+    /// has passed. The one way an attempt goes out: the first attempt's fast path (the
+    /// layer's `call`, then [`ResponseFuture`](crate::retry::future::ResponseFuture)) and
+    /// the loop ([`Run::run`]) both send through it, and hand what came back to
+    /// [`Run::settle`].
     #[expect(
         clippy::result_large_err,
         reason = "the answer is smaller than the attempt it replaces, and rare"
     )]
-    pub(crate) fn first<S: Service<Req>>(
+    pub(crate) fn attempt<S: Service<Req>>(
         &mut self,
         svc: &mut S,
     ) -> Result<(Timed<S::Future>, Instant), Resp> {
         if let Some(attempt) = self.call.expired(&self.ready) {
             return Err(self.answer(attempt, CallOutcome::Deadline));
         }
-        let (fut, started) = self.dispatch(svc);
-        Ok((Timed::new(fut, self.call.cut()), started))
-    }
-
-    /// Sends the next attempt (or, while `waitForReady` waits, the same one again) on
-    /// `svc`, which is ready: its response future, and when it was sent.
-    fn dispatch<S: Service<Req>>(&mut self, svc: &mut S) -> (S::Future, Instant) {
         if self.ready.waits == 0 {
             self.state.attempts += 1;
             self.call.cx.shared.stats.attempt(self.state.attempts == 1);
@@ -419,8 +316,8 @@ impl Run {
         let started = Instant::now();
         let req = self
             .call
-            .request(&self.parts, self.body.next(), self.state.attempts);
-        (svc.call(req), started)
+            .request(&self.parts, self.copy.body(0), self.state.attempts);
+        Ok((self.call.timed(svc.call(req)), started))
     }
 
     /// The loop on `svc`, from before an attempt (after `wait`, if any): wait, attempt,
@@ -441,59 +338,66 @@ impl Run {
             if let Some(wait) = wait.take() {
                 sleep(wait).await;
             }
-            if let Some(attempt) = self.call.expired(&self.ready) {
-                return Ok(self.answer(attempt, CallOutcome::Deadline));
-            }
             if self.state.attempts > 0
                 && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await
             {
                 return Ok(self.answer(Attempt::Error(e.into()), CallOutcome::ServiceError));
             }
-            let (fut, started) = self.dispatch(&mut svc);
-            let attempt = self.call.send(fut, self.peek).await;
+            let (sent, started) = match self.attempt(&mut svc) {
+                Ok(sent) => sent,
+                Err(answer) => return Ok(answer),
+            };
+            let attempt = self.call.receive(sent, self.peek).await;
             match self.settle(attempt, started) {
-                Next::Answer(answer) => return Ok(answer),
-                Next::After(next) => wait = Some(next),
+                AfterAttempt::Answer(answer) => return Ok(answer),
+                AfterAttempt::After(next) => wait = Some(next),
             }
         }
     }
 
     /// What follows an attempt sent at `started`: the caller's answer, or another
     /// attempt after a wait.
-    pub(crate) fn settle(&mut self, attempt: Attempt, started: Instant) -> Next {
+    pub(crate) fn settle(&mut self, attempt: Attempt, started: Instant) -> AfterAttempt {
         let call = &self.call;
         if call.cx.request_fault().is_some() {
             // A request message was over its limit: the stream was reset, and the rest of
             // the request must never be replayed as if it were complete.
+            self.copy.retire(0);
             self.report.record(attempt.observe().end, started.elapsed());
-            return Next::Answer(self.answer(attempt, self.report.outcome));
+            return AfterAttempt::Answer(self.answer(attempt, self.report.outcome));
         }
-        if call.wait_for_ready && attempt.never_sent() && self.body.can_resend() {
-            self.body.retire();
+        if call.wait_for_ready && attempt.never_sent() && self.copy.can_resend() {
+            self.copy.retire(0);
             return match call.not_ready(&mut self.ready, &attempt) {
                 NotReady::Wait(wait) => {
                     tracing::debug!(
                         wait_ms = millis(wait),
                         "waiting for the channel to be ready"
                     );
-                    Next::After(wait)
+                    AfterAttempt::After(wait)
                 }
-                NotReady::GiveUp(answer, outcome) => Next::Answer(self.answer(answer, outcome)),
+                NotReady::GiveUp(answer, outcome) => {
+                    AfterAttempt::Answer(self.answer(answer, outcome))
+                }
             };
         }
         self.ready = ReadyWait::default();
         let attempted = attempt.observe();
         self.report.record(attempted.end, started.elapsed());
         if attempted.end == AttemptEnd::Committed {
-            self.body.commit();
+            self.copy.commit(0);
         }
         let throttle = call.cx.settings.throttle();
-        match call.decide(&mut self.state, &attempted, &self.body, throttle) {
+        match call.decide(&mut self.state, &attempted, &self.copy, throttle) {
             Decision::Done(outcome) => {
+                if attempted.end != AttemptEnd::Committed {
+                    // Only a committed attempt goes on with the request.
+                    self.copy.retire(0);
+                }
                 if let Some(t) = throttle.filter(|_| attempted.end.is_success()) {
                     t.record_success();
                 }
-                Next::Answer(self.answer(attempt, outcome))
+                AfterAttempt::Answer(self.answer(attempt, outcome))
             }
             Decision::RetryAfter(wait) => {
                 self.report.waited(wait);
@@ -504,8 +408,8 @@ impl Run {
                     "retrying"
                 );
                 drop(attempt);
-                self.body.retire();
-                Next::After(wait)
+                self.copy.retire(0);
+                AfterAttempt::After(wait)
             }
         }
     }

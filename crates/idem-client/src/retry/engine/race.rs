@@ -2,17 +2,17 @@
 //! while no hedge has answered, race the hedges, give the caller the first answer that
 //! ends the call, and drop the others (their streams are reset).
 //!
-//! Everything A6 decides lives in [`hedge_policy`](super::hedge_policy); this file does
+//! Everything A6 decides lives in [`policy::hedge`](crate::retry::policy::hedge); this file does
 //! the I/O, the clock, the counters and the tracing around it. Every hedge carries the
 //! same request: the headers the call was given (so the same idempotency key, placed
 //! once before the first hedge), `grpc-previous-rpc-attempts` set to the hedge's index,
 //! `grpc-timeout` set to the time left, and the same body
-//! ([`hedge_body`](super::hedge_body): a copy of a request complete at the start, or the
-//! messages of a streaming request so far, then the live stream).
+//! ([`RequestCopy`]: a copy of a request complete at the start, or the messages of a
+//! streaming request so far, then the live stream).
 //!
 //! With `waitForReady`, a hedge the channel could not send (it could not connect) is not
 //! a hedge: it counts for neither `maxAttempts` nor the throttle, and goes out again after
-//! the same waits as a retried call's ([`Call::not_ready`]), in place of the next hedge:
+//! the same waits as a retried call's ([`CallPlan::not_ready`]), in place of the next hedge:
 //! while the channel cannot connect, one request at a time probes it. The call waits so
 //! until its deadline (DEADLINE_EXCEEDED) or, without one, the layer's
 //! `wait_for_ready_limit` (UNAVAILABLE), unless a hedge that was sent answers first.
@@ -28,15 +28,16 @@ use idem_core::config::HedgingPolicy;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use super::call::{AttemptBody, Begun, Call, NotReady, ReadyWait, Start};
-use super::context::Attempt;
-use super::hedge_body::{HedgeRequest, HedgeStream};
-use super::hedge_policy::{self, HedgeDecision, HedgeLimits, HedgeState, Next};
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
-use super::peek::Resp;
-use super::replay::StreamReplay;
-use super::throttle::RetryThrottle;
 use crate::BoxError;
+use crate::retry::Resp;
+use crate::retry::engine::attempts::{CallPlan, NotReady, ReadyWait};
+use crate::retry::engine::context::Attempt;
+use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::hedge::{
+    self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, NextHedge,
+};
+use crate::retry::policy::throttle::RetryThrottle;
+use crate::retry::request::RequestCopy;
 
 type AttemptFuture<'a> = Pin<Box<dyn Future<Output = Attempt> + Send + 'a>>;
 
@@ -63,9 +64,9 @@ enum Event {
 
 /// The hedges of one call, and what the caller gets when the race ends.
 struct Race<'a> {
-    call: &'a Call,
+    call: &'a CallPlan,
     parts: &'a Parts,
-    body: &'a HedgeRequest,
+    body: &'a RequestCopy,
     policy: &'a HedgingPolicy,
     throttle: Option<&'a RetryThrottle>,
     peek: bool,
@@ -86,41 +87,12 @@ struct Race<'a> {
     report: CallReport,
 }
 
-/// How a hedged call starts, from what the caller had ready of its request.
-enum Begin {
-    /// Hedged: the whole request, or the start of a stream kept whole so far.
-    Hedged(HedgeRequest),
-    /// Over a replay limit before the first hedge (or unreadable): sent once.
-    Once(AttemptBody),
-}
-
-/// Reads what the caller has ready of the request, without waiting for more.
-async fn begin(mut source: tonic::body::Body, call: &Call) -> Result<Begin, tonic::Status> {
-    let start = poll_fn(|cx| Poll::Ready(Start::read(&mut source, call, cx))).await?;
-    Ok(match start.read {
-        Begun::Complete(replay) => Begin::Hedged(HedgeRequest::Replay {
-            replay,
-            _lease: start.lease,
-        }),
-        Begun::Partial(partial) if partial.overflow.is_some() => Begin::Once(AttemptBody::Stream(
-            StreamReplay::new(partial, source, start.lease, start.cap, start.check),
-        )),
-        Begun::Partial(partial) => Begin::Hedged(HedgeRequest::Stream(HedgeStream::new(
-            partial,
-            source,
-            start.lease,
-            start.cap,
-            start.check,
-        ))),
-    })
-}
-
 /// The hedging loop.
 pub(crate) async fn run<S, RB>(
     mut svc: S,
     parts: Parts,
     body: tonic::body::Body,
-    call: Call,
+    call: CallPlan,
     policy: HedgingPolicy,
 ) -> Result<Resp, S::Error>
 where
@@ -130,9 +102,15 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let body = match begin(body, &call).await {
-        Ok(Begin::Hedged(body)) => body,
-        Ok(Begin::Once(body)) => return Ok(once(&mut svc, &parts, &body, &call).await),
+    // What the caller has ready of the request is read now, with this task's waker.
+    let mut source = Some(body);
+    let read = poll_fn(|cx| Poll::Ready(source.take().map(|b| call.read_request(b, cx))));
+    let body = match read.await.expect("read once") {
+        // Over a replay limit before the first hedge (or unreadable): sent once.
+        Ok(body) if body.sent_once().is_some() => {
+            return Ok(once(&mut svc, &parts, &body, &call).await);
+        }
+        Ok(body) => body,
         Err(status) => {
             let report = CallReport::new(CallOutcome::MessageTooLarge);
             return Ok(call.cx.finish(Attempt::Local(status), report));
@@ -148,7 +126,7 @@ where
         body: &body,
         policy: &policy,
         throttle: call.cx.settings.throttle(),
-        peek: call.cx.settings.peek_early_trailers() && body.may_peek(),
+        peek: call.cx.settings.peek_early_trailers() && body.is_whole(),
         state: HedgeState::default(),
         running: Vec::new(),
         timer: None,
@@ -230,7 +208,7 @@ impl<'a> Race<'a> {
         let req = self
             .call
             .request(self.parts, self.body.body(index), index + 1);
-        let response = self.call.send(svc.call(req), self.peek);
+        let response = self.call.receive(self.call.timed(svc.call(req)), self.peek);
         self.running.push(Running {
             index,
             started: now,
@@ -239,8 +217,8 @@ impl<'a> Race<'a> {
         let limits = self.limits();
         let next = match hedge_policy::after_send(&mut self.state, &limits) {
             // Hedges the channel could not send still go, one hedging delay apart.
-            Next::Never if !self.unsent.is_empty() && self.may_resend() => {
-                Next::After(self.policy.hedging_delay)
+            NextHedge::Never if !self.unsent.is_empty() && self.may_resend() => {
+                NextHedge::After(self.policy.hedging_delay)
             }
             next => next,
         };
@@ -386,7 +364,7 @@ impl<'a> Race<'a> {
                 );
                 self.unsent.push_back(done.index);
                 self.last_failure = Some(attempt);
-                self.plan(Next::After(wait));
+                self.plan(NextHedge::After(wait));
                 None
             }
             NotReady::GiveUp(answer, outcome) => self.give_up(answer, outcome),
@@ -398,7 +376,7 @@ impl<'a> Race<'a> {
     fn give_up(&mut self, answer: Attempt, outcome: CallOutcome) -> Option<Resp> {
         self.unsent.clear();
         self.state.frozen = Some(outcome);
-        self.plan(Next::Never);
+        self.plan(NextHedge::Never);
         if self.running.is_empty() {
             return Some(self.finish(answer, outcome));
         }
@@ -417,7 +395,7 @@ impl<'a> Race<'a> {
         );
         self.state.frozen.get_or_insert(outcome);
         self.unsent.clear();
-        self.plan(Next::Never);
+        self.plan(NextHedge::Never);
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].index == hedge {
@@ -446,16 +424,16 @@ impl<'a> Race<'a> {
         self.due = false;
         self.unsent.clear();
         self.state.frozen = Some(CallOutcome::ServiceError);
-        self.plan(Next::Never);
+        self.plan(NextHedge::Never);
         self.running
             .is_empty()
             .then(|| self.finish(Attempt::Error(e), CallOutcome::ServiceError))
     }
 
-    fn plan(&mut self, next: Next) {
+    fn plan(&mut self, next: NextHedge) {
         self.timer = match next {
-            Next::After(wait) => Some(Box::pin(tokio::time::sleep(wait))),
-            Next::Never => {
+            NextHedge::After(wait) => Some(Box::pin(tokio::time::sleep(wait))),
+            NextHedge::Never => {
                 self.due = false;
                 None
             }
@@ -465,14 +443,7 @@ impl<'a> Race<'a> {
     fn limits(&self) -> HedgeLimits<'a> {
         HedgeLimits {
             policy: self.policy,
-            sent_once: self.body.sent_once(),
-            time_left: self
-                .call
-                .cx
-                .deadline
-                .map(|d| d.saturating_duration_since(Instant::now())),
-            min_attempt_time: self.call.cx.settings.min_attempt_time(),
-            max_retry_delay: self.call.cx.settings.max_retry_delay(),
+            bounds: self.call.bounds(self.body),
         }
     }
 
@@ -491,7 +462,7 @@ impl<'a> Race<'a> {
 
 /// A request over a replay limit before its first hedge: sent once, as a call without a
 /// policy (hedging needs the whole request to send it again).
-async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &AttemptBody, call: &Call) -> Resp
+async fn once<S, RB>(svc: &mut S, parts: &Parts, body: &RequestCopy, call: &CallPlan) -> Resp
 where
     S: Service<http::Request<tonic::body::Body>, Response = http::Response<RB>>,
     S::Error: Into<BoxError>,
@@ -501,11 +472,16 @@ where
     call.cx.shared.stats.attempt(true);
     let started = Instant::now();
     let attempt = call
-        .send(svc.call(call.request(parts, body.next(), 1)), false)
+        .receive(
+            call.timed(svc.call(call.request(parts, body.body(0), 1))),
+            false,
+        )
         .await;
     let end = attempt.observe().end;
-    if end == AttemptEnd::Committed {
-        body.commit();
+    match end {
+        AttemptEnd::Committed => body.commit(0),
+        // Only a committed attempt goes on with the request.
+        _ => body.retire(0),
     }
     let outcome = match end {
         AttemptEnd::Deadline => CallOutcome::Deadline,
@@ -534,7 +510,7 @@ mod tests {
     use tower::{Layer, Service, ServiceExt};
 
     use crate::BoxError;
-    use crate::retry::backoff::FixedJitter;
+    use crate::retry::policy::backoff::FixedJitter;
     use crate::retry::{CallOutcome, CallReport, RetryLayer, RetryLayerBuilder};
 
     const PATH: &str = "/shop.v1.Orders/CreateOrder";

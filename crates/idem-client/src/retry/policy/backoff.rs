@@ -121,7 +121,7 @@ pub fn backoff_bounds(policy: &RetryPolicy, n: u32) -> (Duration, Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::test_util::unavailable_policy;
+    use crate::retry::tests::unavailable_policy;
     use idem_core::code::{Code, CodeSet};
     use proptest::prelude::*;
 

@@ -4,23 +4,22 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use idem_core::deadline::ExhaustedMarker;
 use idem_core::headers::DOWNSTREAM_EXHAUSTED;
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::config::Settings;
-use super::config::{MessageLimits, Shared};
-use super::deadline;
-use super::limit::{self, RequestFault};
-use super::outcome::{AttemptEnd, CallOutcome, CallReport};
-use super::peek::{Resp, early_code};
-use super::policy::Attempted;
-use super::pushback::{Pushback, pushback, retry_info_delay};
-use super::transport::TransportBody;
 use crate::BoxError;
 use crate::metrics::{self, Started};
+use crate::retry::Resp;
+use crate::retry::config::Settings;
+use crate::retry::config::{LayerShared, MessageLimits};
+use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::Attempted;
+use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
+use crate::retry::request::check::RequestFault;
+use crate::retry::response::bound::{self, Bounds};
+use crate::retry::response::peek::early_code;
 
 /// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
 /// (static for generated tonic clients), so cloning it out of the request is free.
@@ -45,7 +44,7 @@ impl std::fmt::Display for CallPath {
 /// What every call needs to answer its caller, with or without retries.
 #[derive(Debug)]
 pub(crate) struct CallContext {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<LayerShared>,
     pub(crate) path: CallPath,
     pub(crate) deadline: Option<Instant>,
     /// The inbound call's marker, when this call is made while serving one.
@@ -73,29 +72,6 @@ pub(crate) enum Attempt {
 }
 
 impl Attempt {
-    /// The inner service's result, as of `now`: an error once the deadline has passed is
-    /// the deadline's doing (tonic's channel timeout fires at the `grpc-timeout` the layer
-    /// wrote), not a transport failure.
-    pub(crate) fn of<RB, E>(
-        result: Result<http::Response<RB>, E>,
-        deadline: Option<Instant>,
-    ) -> Self
-    where
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<BoxError>,
-        E: Into<BoxError>,
-    {
-        match result {
-            // A body still to come reads its transport failures as UNAVAILABLE.
-            Ok(resp) if !resp.body().is_end_stream() => {
-                Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
-            }
-            Ok(resp) => Attempt::Response(resp.map(tonic::body::Body::new)),
-            Err(_) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
-            Err(e) => Attempt::Error(e.into()),
-        }
-    }
-
     /// What the decision needs to know about this attempt.
     pub(crate) fn observe(&self) -> Attempted {
         let (end, headers) = match self {
@@ -200,8 +176,12 @@ impl CallContext {
             *extensions = spare;
         }
         extensions.insert(report);
-        let resp = limit::bound(resp, self.limits.response, self.fault.clone(), report);
-        let resp = deadline::bound(resp, self.deadline, report);
+        let bounds = Bounds {
+            deadline: self.deadline,
+            limit: self.limits.response,
+            fault: self.fault.clone(),
+        };
+        let resp = bound::bound(resp, bounds, report);
         let observer = self.shared.observer.as_ref();
         metrics::observe(resp, observer, &self.path, report, self.started)
     }

@@ -5,11 +5,11 @@ use std::time::Duration;
 use idem_core::code::ALL_CODES;
 use proptest::prelude::*;
 
-use super::AttemptEnd;
-use super::pushback::Pushback;
+use crate::retry::AttemptEnd;
+use crate::retry::policy::pushback::Pushback;
 
 /// How an attempt ended; `cancelled` adds `AttemptEnd::Cancelled` (hedges only).
-pub(super) fn ends(cancelled: bool) -> BoxedStrategy<AttemptEnd> {
+pub(crate) fn ends(cancelled: bool) -> BoxedStrategy<AttemptEnd> {
     let mut ends = vec![
         Just(AttemptEnd::Committed).boxed(),
         Just(AttemptEnd::TransportError).boxed(),
@@ -26,7 +26,7 @@ pub(super) fn ends(cancelled: bool) -> BoxedStrategy<AttemptEnd> {
 }
 
 /// Server pushback: none, stop, any wait, short waits.
-pub(super) fn pushbacks() -> impl Strategy<Value = Pushback> {
+pub(crate) fn pushbacks() -> impl Strategy<Value = Pushback> {
     prop_oneof![
         Just(Pushback::Absent),
         Just(Pushback::Stop),
@@ -36,7 +36,7 @@ pub(super) fn pushbacks() -> impl Strategy<Value = Pushback> {
 }
 
 /// Durations from zero to `Duration::MAX`, most of them short.
-pub(super) fn durations() -> impl Strategy<Value = Duration> {
+pub(crate) fn durations() -> impl Strategy<Value = Duration> {
     prop_oneof![
         (0u64..10_000_000).prop_map(Duration::from_micros),
         (0u64..=u64::MAX).prop_map(Duration::from_secs),

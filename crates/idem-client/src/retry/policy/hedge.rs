@@ -3,8 +3,8 @@
 //! [`decide`] looks at how one hedge ended and at the call so far, and says whether the
 //! call ends with that hedge's result (the others are cancelled) or goes on, and when
 //! the next hedge goes out. [`after_send`] and [`may_send`] schedule and gate the next
-//! hedge. Like [`policy`](super::policy), nothing here does I/O or reads a clock: the
-//! loop in [`hedge`](super::hedge) measures the time left and asks the throttle.
+//! hedge. Like [`policy`](crate::retry::policy), nothing here does I/O or reads a clock: the
+//! loop in [`hedge`](crate::retry::engine::race) measures the time left and asks the throttle.
 //!
 //! A6's rules, as applied here:
 //! - the first request goes out at once, each next hedge `hedgingDelay` after the
@@ -27,11 +27,10 @@
 use std::time::Duration;
 
 use idem_core::config::HedgingPolicy;
-use tonic::Code;
 
-use super::outcome::{AttemptEnd, CallOutcome};
-use super::policy::Attempted;
-use super::pushback::Pushback;
+use crate::retry::outcome::CallOutcome;
+use crate::retry::policy::pushback::Pushback;
+use crate::retry::policy::{AttemptBounds, Attempted, failure_code};
 
 /// What a hedged call has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -48,20 +47,12 @@ pub(crate) struct HedgeState {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HedgeLimits<'a> {
     pub(crate) policy: &'a HedgingPolicy,
-    /// Set when the request is not kept whole any more: no hedge can follow, and this is
-    /// the outcome when one would otherwise be sent.
-    pub(crate) sent_once: Option<CallOutcome>,
-    /// Time left before the call's deadline; `None` without a deadline.
-    pub(crate) time_left: Option<Duration>,
-    /// A hedge must start with at least this much time left.
-    pub(crate) min_attempt_time: Duration,
-    /// The longest wait a server may ask for (pushback or RetryInfo); longer stops.
-    pub(crate) max_retry_delay: Duration,
+    pub(crate) bounds: AttemptBounds,
 }
 
 /// When the next hedge goes out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Next {
+pub(crate) enum NextHedge {
     /// This long from now (replacing any earlier plan).
     After(Duration),
     /// Never: no more hedges (the state is frozen, with the reason).
@@ -74,21 +65,21 @@ pub(crate) enum HedgeDecision {
     /// The call ends with this hedge's result; the others are cancelled.
     Done(CallOutcome),
     /// The other hedges go on; the next one goes out as said.
-    Continue(Next),
+    Continue(NextHedge),
 }
 
 /// When the hedge after the one just sent goes out: `hedgingDelay` later, unless that
 /// was the last one or the deadline comes first. The deadline only stops this timer: a
 /// non-fatal status may still send the next hedge at once (A6: it "shortcuts" the delay).
-pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Next {
+pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> NextHedge {
     let delay = limits.policy.hedging_delay;
     match state.frozen {
-        Some(_) => Next::Never,
+        Some(_) => NextHedge::Never,
         None if state.sent >= limits.policy.max_attempts => {
             freeze(state, CallOutcome::AttemptsExhausted)
         }
-        None if too_late(delay, limits) => Next::Never,
-        None => Next::After(delay),
+        None if limits.bounds.too_late(delay) => NextHedge::Never,
+        None => NextHedge::After(delay),
     }
 }
 
@@ -118,14 +109,9 @@ pub(crate) fn decide(
     limits: &HedgeLimits<'_>,
     throttle: impl FnOnce() -> bool,
 ) -> HedgeDecision {
-    let code = match attempted.end {
-        AttemptEnd::Committed => return HedgeDecision::Done(CallOutcome::Committed),
-        AttemptEnd::Status(Code::Ok) => return HedgeDecision::Done(CallOutcome::Ok),
-        AttemptEnd::Deadline => return HedgeDecision::Done(CallOutcome::Deadline),
-        AttemptEnd::Status(code) => code,
-        // Nothing came back: UNAVAILABLE, as tonic reports a refused connection.
-        AttemptEnd::TransportError => Code::Unavailable,
-        AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Code::Cancelled,
+    let code = match failure_code(attempted.end) {
+        Ok(code) => code,
+        Err(outcome) => return HedgeDecision::Done(outcome),
     };
     let fatal = !limits.policy.non_fatal_status_codes.contains(code);
     let stop = attempted.pushback == Pushback::Stop;
@@ -135,7 +121,7 @@ pub(crate) fn decide(
         }
         return HedgeDecision::Done(CallOutcome::NonRetryableCode);
     }
-    if let Some(outcome) = limits.sent_once {
+    if let Some(outcome) = limits.bounds.sent_once {
         let next = freeze(state, outcome);
         return settle(state, next);
     }
@@ -150,7 +136,9 @@ pub(crate) fn decide(
         };
         let wait = asked.max(attempted.retry_info);
         match wait {
-            Some(w) if w > limits.max_retry_delay => freeze(state, CallOutcome::PushbackStop),
+            Some(w) if w > limits.bounds.max_retry_delay => {
+                freeze(state, CallOutcome::PushbackStop)
+            }
             _ => schedule(state, wait.unwrap_or(Duration::ZERO), limits),
         }
     };
@@ -158,37 +146,29 @@ pub(crate) fn decide(
 }
 
 /// The next hedge `wait` from now, if one may still go out.
-fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) -> Next {
+fn schedule(state: &mut HedgeState, wait: Duration, limits: &HedgeLimits<'_>) -> NextHedge {
     if state.frozen.is_some() {
-        return Next::Never;
+        return NextHedge::Never;
     }
     if state.sent >= limits.policy.max_attempts {
         return freeze(state, CallOutcome::AttemptsExhausted);
     }
-    if too_late(wait, limits) {
+    if limits.bounds.too_late(wait) {
         return freeze(state, CallOutcome::Deadline);
     }
-    Next::After(wait)
-}
-
-/// Whether a hedge `wait` from now would start past the deadline, or with less than the
-/// minimum attempt time left.
-fn too_late(wait: Duration, limits: &HedgeLimits<'_>) -> bool {
-    limits
-        .time_left
-        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
+    NextHedge::After(wait)
 }
 
 /// No more hedges; the first reason given is kept.
-fn freeze(state: &mut HedgeState, why: CallOutcome) -> Next {
+fn freeze(state: &mut HedgeState, why: CallOutcome) -> NextHedge {
     state.frozen.get_or_insert(why);
-    Next::Never
+    NextHedge::Never
 }
 
 /// With no more hedges to come and none running, the call ends.
-fn settle(state: &HedgeState, next: Next) -> HedgeDecision {
+fn settle(state: &HedgeState, next: NextHedge) -> HedgeDecision {
     match (next, state.frozen) {
-        (Next::Never, Some(why)) if state.running == 0 => HedgeDecision::Done(why),
+        (NextHedge::Never, Some(why)) if state.running == 0 => HedgeDecision::Done(why),
         _ => HedgeDecision::Continue(next),
     }
 }
@@ -196,9 +176,11 @@ fn settle(state: &HedgeState, next: Next) -> HedgeDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::strategies::{durations, ends, pushbacks};
+    use crate::retry::AttemptEnd;
+    use crate::retry::policy::strategies::{durations, ends, pushbacks};
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
+    use tonic::Code;
 
     fn frozen() -> impl Strategy<Value = Option<CallOutcome>> {
         prop_oneof![
@@ -252,7 +234,8 @@ mod tests {
             let sent = sent.min(max_attempts);
             let non_fatal: CodeSet = ALL_CODES.iter().copied().filter(|c| codes & (1 << *c as u32) != 0).collect();
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: non_fatal };
-            let limits = HedgeLimits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay };
+            let bounds = AttemptBounds { sent_once, time_left, min_attempt_time, max_retry_delay };
+            let limits = HedgeLimits { policy: &policy, bounds };
             let attempted = Attempted { end, pushback, retry_info };
             let mut state = HedgeState { sent, running, frozen };
             let mut asked = 0;
@@ -293,7 +276,7 @@ mod tests {
             }
             if let Some(why) = sent_once {
                 // No hedge can follow a request no longer kept whole.
-                prop_assert!(!matches!(decision, HedgeDecision::Continue(Next::After(_))));
+                prop_assert!(!matches!(decision, HedgeDecision::Continue(NextHedge::After(_))));
                 prop_assert_eq!(state.frozen, Some(frozen.unwrap_or(why)));
             }
             match decision {
@@ -302,11 +285,11 @@ mod tests {
                     prop_assert!(GAVE_UP.contains(&outcome));
                     prop_assert_eq!(state.frozen, Some(outcome));
                 }
-                HedgeDecision::Continue(Next::Never) => {
+                HedgeDecision::Continue(NextHedge::Never) => {
                     prop_assert!(running > 0);
                     prop_assert!(state.frozen.is_some());
                 }
-                HedgeDecision::Continue(Next::After(wait)) => {
+                HedgeDecision::Continue(NextHedge::After(wait)) => {
                     prop_assert!(frozen.is_none() && state.frozen.is_none());
                     prop_assert!(allowed && pushback != Pushback::Stop);
                     prop_assert!(sent < max_attempts, "never more than maxAttempts hedges");
@@ -339,19 +322,20 @@ mod tests {
         ) {
             let sent = sent.min(max_attempts);
             let policy = HedgingPolicy { max_attempts, hedging_delay: delay, non_fatal_status_codes: CodeSet::of(Code::Unavailable) };
-            let limits = HedgeLimits { policy: &policy, sent_once: None, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
+            let bounds = AttemptBounds { sent_once: None, time_left, min_attempt_time, max_retry_delay: Duration::MAX };
+            let limits = HedgeLimits { policy: &policy, bounds };
             let mut state = HedgeState { sent, running: sent, frozen: None };
             let late = time_left.is_some_and(|left| delay >= left || left - delay < min_attempt_time);
             match after_send(&mut state, &limits) {
-                Next::After(wait) => {
+                NextHedge::After(wait) => {
                     prop_assert_eq!(wait, delay);
                     prop_assert!(sent < max_attempts);
                     prop_assert!(!late);
                 }
-                Next::Never if sent >= max_attempts => {
+                NextHedge::Never if sent >= max_attempts => {
                     prop_assert_eq!(state.frozen, Some(CallOutcome::AttemptsExhausted));
                 }
-                Next::Never => {
+                NextHedge::Never => {
                     // The deadline stops the timer, not the hedges a failure sends at once.
                     prop_assert!(late);
                     prop_assert_eq!(state.frozen, None);
@@ -370,7 +354,7 @@ mod tests {
         assert_eq!(may_send(&mut state, true), None);
         assert_eq!(
             may_send(&mut state, false),
-            Some(HedgeDecision::Continue(Next::Never))
+            Some(HedgeDecision::Continue(NextHedge::Never))
         );
         assert_eq!(state.frozen, Some(CallOutcome::Throttled));
         // Frozen stays frozen, even when the bucket refills.

@@ -1,91 +1,21 @@
-//! The replay buffer of a request that is complete before the first attempt (every unary
-//! call): read once, then handed to every attempt as cheap `Bytes` clones; the per-layer
-//! budget every call's replay bytes are counted in; and the read that tells such a
-//! request from one that streams.
+//! The read of what the caller has ready of a request, without waiting: a request
+//! complete before the first attempt (every unary call) is kept whole ([`WholeCopy`]) and
+//! handed to every attempt as cheap `Bytes` clones; the start of one that streams goes on
+//! in a [`StreamCopy`](crate::retry::request::stream::StreamCopy).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame};
 
-use super::limit::RequestCheck;
 use crate::BoxError;
-
-/// Bytes held for replay across all calls of one layer (and its clones).
-#[derive(Debug)]
-pub(crate) struct ReplayBudget {
-    held: AtomicUsize,
-    limit: AtomicUsize,
-}
-
-impl ReplayBudget {
-    pub(crate) fn new(limit: usize) -> Self {
-        ReplayBudget {
-            held: AtomicUsize::new(0),
-            limit: AtomicUsize::new(limit),
-        }
-    }
-    pub(crate) fn set_limit(&self, limit: usize) {
-        self.limit.store(limit, Ordering::Relaxed);
-    }
-    pub(crate) fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
-    }
-    fn try_reserve(&self, n: usize) -> bool {
-        let limit = self.limit.load(Ordering::Relaxed);
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
-                h.checked_add(n).filter(|t| *t <= limit)
-            })
-            .is_ok()
-    }
-    fn release(&self, n: usize) {
-        let _ = self
-            .held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
-                Some(h.saturating_sub(n))
-            });
-    }
-}
-
-/// Bytes of one call reserved in the budget; released when dropped (the call ended).
-#[derive(Debug)]
-pub(crate) struct Lease {
-    budget: Arc<ReplayBudget>,
-    bytes: usize,
-}
-
-impl Lease {
-    pub(crate) fn new(budget: Arc<ReplayBudget>) -> Self {
-        Lease { budget, bytes: 0 }
-    }
-    pub(crate) fn reserve(&mut self, n: usize) -> bool {
-        if self.budget.try_reserve(n) {
-            self.bytes += n;
-            true
-        } else {
-            false
-        }
-    }
-    pub(crate) fn release_all(&mut self) {
-        if self.bytes > 0 {
-            self.budget.release(self.bytes);
-            self.bytes = 0;
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.release_all();
-    }
-}
+use crate::retry::request::budget::{BudgetLease, Overflow};
+use crate::retry::request::check::RequestCheck;
 
 /// The chunks of a buffered body. A unary call's body is one chunk: held without a
 /// `Vec` or an `Arc` slice (a `Bytes` clone is a refcount), so buffering it allocates
@@ -118,16 +48,16 @@ impl Chunks {
     }
 }
 
-/// A fully read request body; [`Replay::body`] is one attempt's copy (refcount clones).
+/// A fully read request body; [`WholeCopy::body`] is one attempt's copy (refcount clones).
 #[derive(Debug, Clone)]
-pub(crate) struct Replay {
+pub(crate) struct WholeCopy {
     chunks: Chunks,
     trailers: Option<HeaderMap>,
 }
 
-impl Replay {
-    pub(crate) fn body(&self) -> ReplayBody {
-        ReplayBody {
+impl WholeCopy {
+    pub(crate) fn body(&self) -> WholeBody {
+        WholeBody {
             chunks: self.chunks.clone(),
             next: 0,
             trailers: self.trailers.clone(),
@@ -135,15 +65,15 @@ impl Replay {
     }
 }
 
-/// One attempt's request body.
+/// One attempt's copy of a whole request.
 #[derive(Debug)]
-pub(crate) struct ReplayBody {
+pub(crate) struct WholeBody {
     chunks: Chunks,
     next: usize,
     trailers: Option<HeaderMap>,
 }
 
-impl Body for ReplayBody {
+impl Body for WholeBody {
     type Data = Bytes;
     type Error = Infallible;
 
@@ -168,11 +98,11 @@ impl Body for ReplayBody {
 }
 
 /// What the layer could read of a request body without waiting for the caller.
-pub(crate) enum Read {
+pub(crate) enum Ready {
     /// The whole body, within the limits: every attempt gets a copy of it.
-    Complete(Replay),
-    /// The caller has more to send (or the body did not fit, or failed): the attempt
-    /// streams it ([`StreamReplay`](super::replay::StreamReplay)).
+    Complete(WholeCopy),
+    /// The caller has more to send (or the body did not fit, or failed): the attempts
+    /// stream it ([`StreamCopy`](crate::retry::request::stream::StreamCopy)).
     Partial(Partial),
     /// A request message over `maxRequestMessageBytes`: nothing is sent.
     TooLarge,
@@ -190,17 +120,6 @@ pub(crate) struct Partial {
     pub(crate) overflow: Option<Overflow>,
 }
 
-/// Why a call's request is not kept for replay (the call is committed).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Overflow {
-    /// It passed `maxReplayBytesPerCall`.
-    PerCall,
-    /// It passed what is left of `maxReplayBytesTotal`.
-    Budget,
-    /// Reading the caller's body failed.
-    Error,
-}
-
 /// Why [`read_ready`] stopped.
 enum Stop {
     End,
@@ -212,15 +131,15 @@ enum Stop {
 /// Reads `body` while its frames are ready, up to `cap` bytes reserved in `lease`,
 /// without waiting: a unary request (one ready frame, then the end) is read whole here,
 /// so it never pays for streaming; a request whose caller has not produced everything
-/// yet is handed on as [`Read::Partial`] at the first `Pending`, so its first message is
+/// yet is handed on as [`Ready::Partial`] at the first `Pending`, so its first message is
 /// sent at once. `check` applies `maxRequestMessageBytes` to every frame read.
 pub(crate) fn read_ready(
     body: &mut tonic::body::Body,
     cap: usize,
-    lease: &mut Lease,
+    lease: &mut BudgetLease,
     mut check: Option<&mut RequestCheck>,
     cx: &mut Context<'_>,
-) -> Read {
+) -> Ready {
     // The first chunk apart: a one-chunk body (every unary call) needs no `Vec`.
     let mut first: Option<Bytes> = None;
     let mut more: Vec<Bytes> = Vec::new();
@@ -249,7 +168,7 @@ pub(crate) fn read_ready(
             }
         };
         if check.as_mut().is_some_and(|c| c.check(&chunk).is_err()) {
-            return Read::TooLarge;
+            return Ready::TooLarge;
         }
         let len = chunk.len();
         if first.is_none() {
@@ -257,17 +176,14 @@ pub(crate) fn read_ready(
         } else {
             more.push(chunk);
         }
-        if total.saturating_add(len) > cap {
-            break Stop::Overflow(Overflow::PerCall);
-        }
-        if !lease.reserve(len) {
-            break Stop::Overflow(Overflow::Budget);
+        if let Err(why) = lease.keep(total, len, cap) {
+            break Stop::Overflow(why);
         }
         total += len;
     };
     let (overflow, error) = match stop {
         Stop::End => {
-            return Read::Complete(Replay {
+            return Ready::Complete(WholeCopy {
                 chunks: Chunks::new(first, more),
                 trailers,
             });
@@ -280,7 +196,7 @@ pub(crate) fn read_ready(
         lease.release_all();
         total = 0;
     }
-    Read::Partial(Partial {
+    Ready::Partial(Partial {
         read: first.into_iter().chain(more).collect(),
         kept: total,
         trailers,
@@ -289,129 +205,12 @@ pub(crate) fn read_ready(
     })
 }
 
-/// The start of a streamed request, for the tests of the bodies that replay it to
-/// every attempt (`replay`) or hedge (`hedge_body`).
-#[cfg(test)]
-pub(super) mod fixtures {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::task::{Wake, Waker};
-
-    use tokio::sync::mpsc;
-
-    use super::*;
-
-    /// The caller's request stream: chunks (or an error) as they are sent, the end when
-    /// the sender drops.
-    pub(crate) struct Feed(pub(crate) mpsc::UnboundedReceiver<Result<Bytes, String>>);
-
-    impl Body for Feed {
-        type Data = Bytes;
-        type Error = BoxError;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-            self.0
-                .poll_recv(cx)
-                .map(|b| b.map(|b| b.map(Frame::data).map_err(Into::into)))
-        }
-    }
-
-    /// A streamed request whose caller has produced nothing yet, read as far as it goes.
-    pub(crate) struct Started {
-        /// What the first read found (nothing).
-        pub(crate) start: Partial,
-        /// The rest of the caller's stream.
-        pub(crate) source: tonic::body::Body,
-        /// The bytes held for it.
-        pub(crate) lease: Lease,
-        /// Where the test sends the caller's chunks.
-        pub(crate) tx: mpsc::UnboundedSender<Result<Bytes, String>>,
-        /// The layer's budget the lease draws on.
-        pub(crate) budget: Arc<ReplayBudget>,
-    }
-
-    /// A streamed request with nothing sent yet; `cap` per call, `total` in the layer's
-    /// budget.
-    pub(crate) fn started(cap: usize, total: usize) -> Started {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(ReplayBudget::new(total));
-        let mut lease = Lease::new(budget.clone());
-        let mut source = tonic::body::Body::new(Feed(rx));
-        let mut cx = Context::from_waker(Waker::noop());
-        let Read::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
-            panic!("a stream with nothing ready yet is partial");
-        };
-        Started {
-            start,
-            source,
-            lease,
-            tx,
-            budget,
-        }
-    }
-
-    impl Started {
-        /// The call whose request stream `keep` keeps, built on this start.
-        pub(crate) fn call<S>(
-            self,
-            keep: impl FnOnce(Partial, tonic::body::Body, Lease) -> S,
-        ) -> Call<S> {
-            Call {
-                stream: keep(self.start, self.source, self.lease),
-                tx: Some(self.tx),
-                budget: self.budget,
-            }
-        }
-    }
-
-    /// A streamed call under test: what keeps its request stream, the caller's end of
-    /// that stream (`None` once the caller has ended it) and the layer's budget.
-    pub(crate) struct Call<S> {
-        pub(crate) stream: S,
-        pub(crate) tx: Option<mpsc::UnboundedSender<Result<Bytes, String>>>,
-        pub(crate) budget: Arc<ReplayBudget>,
-    }
-
-    impl<S> Call<S> {
-        /// The caller sends `chunk`.
-        pub(crate) fn send(&self, chunk: &'static str) {
-            let tx = self.tx.as_ref().unwrap();
-            tx.send(Ok(Bytes::from(chunk))).unwrap();
-        }
-
-        /// The caller's stream fails with `message`.
-        pub(crate) fn fail(&self, message: &str) {
-            let tx = self.tx.as_ref().unwrap();
-            tx.send(Err(message.to_owned())).unwrap();
-        }
-    }
-
-    /// A message read from a body, as [`ok`] says it.
-    pub(crate) fn ok(s: &str) -> Option<Result<String, String>> {
-        Some(Ok(s.to_owned()))
-    }
-
-    /// Counts its wakes.
-    pub(crate) struct Count(pub(crate) AtomicUsize);
-
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    /// A waker and the count of its wakes.
-    pub(crate) fn counter() -> (Arc<Count>, Waker) {
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        (count.clone(), Waker::from(count))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::limit::RequestFault;
+    use crate::retry::request::budget::ReplayBudget;
+    use crate::retry::request::check::RequestFault;
+
     use http_body_util::{BodyExt, Full};
     use std::task::Waker;
 
@@ -441,7 +240,7 @@ mod tests {
         tonic::body::Body::new(Chunked(parts, more))
     }
 
-    fn read(mut body: tonic::body::Body, cap: usize, lease: &mut Lease) -> Read {
+    fn read(mut body: tonic::body::Body, cap: usize, lease: &mut BudgetLease) -> Ready {
         let mut cx = Context::from_waker(Waker::noop());
         read_ready(&mut body, cap, lease, None, &mut cx)
     }
@@ -453,8 +252,8 @@ mod tests {
     #[tokio::test]
     async fn a_complete_body_replays_the_same_bytes_every_time() {
         let b = budget(1 << 20);
-        let mut lease = Lease::new(b.clone());
-        let Read::Complete(replay) = read(chunked(&[b"ab", b"cd"], false), 10, &mut lease) else {
+        let mut lease = BudgetLease::new(b.clone());
+        let Ready::Complete(replay) = read(chunked(&[b"ab", b"cd"], false), 10, &mut lease) else {
             panic!("should be complete");
         };
         assert_eq!(b.held(), 4);
@@ -469,9 +268,9 @@ mod tests {
     #[tokio::test]
     async fn replay_bodies_give_no_exact_size() {
         // hyper turns an exact size hint into a `content-length` header on every attempt.
-        let mut lease = Lease::new(budget(1 << 20));
+        let mut lease = BudgetLease::new(budget(1 << 20));
         for parts in [&[&b"abcd"[..]][..], &[b"ab", b"cd"]] {
-            let Read::Complete(replay) = read(chunked(parts, false), 10, &mut lease) else {
+            let Ready::Complete(replay) = read(chunked(parts, false), 10, &mut lease) else {
                 panic!("should be complete");
             };
             let body = replay.body();
@@ -484,8 +283,8 @@ mod tests {
     #[test]
     fn a_body_still_coming_is_partial_and_keeps_what_was_read() {
         let b = budget(1 << 20);
-        let mut lease = Lease::new(b.clone());
-        let Read::Partial(p) = read(chunked(&[b"ab"], true), 10, &mut lease) else {
+        let mut lease = BudgetLease::new(b.clone());
+        let Ready::Partial(p) = read(chunked(&[b"ab"], true), 10, &mut lease) else {
             panic!("should be partial");
         };
         assert_eq!(
@@ -493,7 +292,7 @@ mod tests {
             (b"ab".to_vec(), 2, None)
         );
         assert_eq!(b.held(), 2);
-        let Read::Partial(p) = read(chunked(&[], true), 10, &mut lease) else {
+        let Ready::Partial(p) = read(chunked(&[], true), 10, &mut lease) else {
             panic!("nothing ready yet is partial too");
         };
         assert!(p.read.is_empty());
@@ -502,8 +301,8 @@ mod tests {
     #[test]
     fn an_overflow_keeps_every_byte_read_and_frees_the_budget() {
         let b = budget(1 << 20);
-        let mut lease = Lease::new(b.clone());
-        let Read::Partial(p) = read(chunked(&[b"ab", b"cd", b"ef", b"gh"], false), 3, &mut lease)
+        let mut lease = BudgetLease::new(b.clone());
+        let Ready::Partial(p) = read(chunked(&[b"ab", b"cd", b"ef", b"gh"], false), 3, &mut lease)
         else {
             panic!("should overflow");
         };
@@ -515,12 +314,12 @@ mod tests {
     #[test]
     fn the_budget_is_shared() {
         let b = budget(5);
-        let mut first = Lease::new(b.clone());
+        let mut first = BudgetLease::new(b.clone());
         let body = tonic::body::Body::new(Full::new(Bytes::from_static(b"1234")));
-        assert!(matches!(read(body, 10, &mut first), Read::Complete(_)));
-        let mut second = Lease::new(b.clone());
+        assert!(matches!(read(body, 10, &mut first), Ready::Complete(_)));
+        let mut second = BudgetLease::new(b.clone());
         let body = tonic::body::Body::new(Full::new(Bytes::from_static(b"5678")));
-        let Read::Partial(p) = read(body, 10, &mut second) else {
+        let Ready::Partial(p) = read(body, 10, &mut second) else {
             panic!("budget should be full");
         };
         assert_eq!(p.overflow, Some(Overflow::Budget));
@@ -541,24 +340,24 @@ mod tests {
 
     #[test]
     fn a_tonic_unary_request_is_complete_and_a_client_stream_is_partial() {
-        let mut lease = Lease::new(budget(1 << 20));
+        let mut lease = BudgetLease::new(budget(1 << 20));
         // `Grpc::unary` and `Grpc::server_streaming`: one ready message.
         let unary = tonic_body(tokio_stream::once(Ok("hi".to_owned())));
         assert!(matches!(
             read(unary, 1 << 20, &mut lease),
-            Read::Complete(_)
+            Ready::Complete(_)
         ));
         // A client stream whose caller has sent one message so far.
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tx.send(Ok("hi".to_owned())).unwrap();
         let stream = tonic_body(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
-        let Read::Partial(p) = read(stream, 1 << 20, &mut lease) else {
+        let Ready::Partial(p) = read(stream, 1 << 20, &mut lease) else {
             panic!("a stream still open streams");
         };
         assert_eq!(concat(&p.read), b"\0\0\0\0\x04\x0a\x02hi");
         // A client stream whose messages are all there is as good as complete.
         let all = tonic_body(tokio_stream::iter([Ok("a".to_owned()), Ok("b".to_owned())]));
-        assert!(matches!(read(all, 1 << 20, &mut lease), Read::Complete(_)));
+        assert!(matches!(read(all, 1 << 20, &mut lease), Ready::Complete(_)));
     }
 
     #[test]
@@ -567,9 +366,9 @@ mod tests {
         let mut check = RequestCheck::new(3, fault.clone());
         let mut body = chunked(&[b"\0\0\0\0\x02hi", b"\0\0\0\0\x04long"], false);
         let mut cx = Context::from_waker(Waker::noop());
-        let mut lease = Lease::new(budget(1 << 20));
+        let mut lease = BudgetLease::new(budget(1 << 20));
         let read = read_ready(&mut body, 1 << 20, &mut lease, Some(&mut check), &mut cx);
-        assert!(matches!(read, Read::TooLarge));
+        assert!(matches!(read, Ready::TooLarge));
         let status = fault.status().unwrap();
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
         assert_eq!(

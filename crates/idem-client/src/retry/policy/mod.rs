@@ -2,18 +2,26 @@
 //!
 //! [`decide`] looks at how one attempt ended and at the call so far, and says whether
 //! the call is done (and why) or retries after a wait. It does no I/O and reads no
-//! clock: the loop in [`call`](super::call) measures the time left, asks the throttle
-//! through a closure, and does what the decision says. That keeps every A6 rule in one
+//! clock: the attempt loop (`engine/attempts.rs`) measures the time left, asks the
+//! throttle through a closure, and does what the decision says. That keeps every A6 rule in one
 //! place, testable without a network (see the property tests below).
+//!
+//! The other pure decisions sit beside it: [`hedge`] (the hedging decision), [`backoff`],
+//! [`pushback`] (what the server asked) and [`throttle`] (the token bucket).
+
+pub mod backoff;
+pub(crate) mod hedge;
+pub(crate) mod pushback;
+pub(crate) mod throttle;
 
 use std::time::Duration;
 
 use idem_core::config::RetryPolicy;
 use tonic::Code;
 
-use super::backoff::{self, Jitter};
-use super::outcome::{AttemptEnd, CallOutcome};
-use super::pushback::Pushback;
+use crate::retry::outcome::{AttemptEnd, CallOutcome};
+use crate::retry::policy::backoff::Jitter;
+use crate::retry::policy::pushback::Pushback;
 
 /// What an attempt told the client, as far as the decision cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,19 +42,35 @@ pub(crate) struct CallState {
     pub(crate) exponent: u32,
 }
 
-/// The limits a retry must fit in.
+/// What bounds the next attempt of a call, retried or hedged.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits<'a> {
-    pub(crate) policy: &'a RetryPolicy,
-    /// Set when the request body could not be buffered: the body is sent once, and this
-    /// is the outcome when a retry would otherwise be made.
+pub(crate) struct AttemptBounds {
+    /// Set when the request is not kept whole any more (it passed a replay limit, or the
+    /// caller's body failed): the body is sent once, and this is the outcome when another
+    /// attempt would otherwise be made.
     pub(crate) sent_once: Option<CallOutcome>,
     /// Time left before the call's deadline; `None` without a deadline.
     pub(crate) time_left: Option<Duration>,
-    /// A retry must start with at least this much time left.
+    /// An attempt must start with at least this much time left.
     pub(crate) min_attempt_time: Duration,
     /// The longest wait a server may ask for (pushback or RetryInfo); longer stops.
     pub(crate) max_retry_delay: Duration,
+}
+
+impl AttemptBounds {
+    /// Whether an attempt `wait` from now would start past the deadline, or with less
+    /// than the minimum attempt time left.
+    pub(crate) fn too_late(&self, wait: Duration) -> bool {
+        self.time_left
+            .is_some_and(|left| wait >= left || left - wait < self.min_attempt_time)
+    }
+}
+
+/// The limits a retry must fit in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RetryLimits<'a> {
+    pub(crate) policy: &'a RetryPolicy,
+    pub(crate) bounds: AttemptBounds,
     pub(crate) jitter: &'a dyn Jitter,
 }
 
@@ -57,6 +81,21 @@ pub(crate) enum Decision {
     Done(CallOutcome),
     /// Send another attempt after this wait.
     RetryAfter(Duration),
+}
+
+/// A6's first rule, for retries and hedges alike: response headers (a commit), an OK
+/// status or the deadline end the call, with this outcome; any other end is a failure
+/// with its code (nothing came back: UNAVAILABLE, as tonic reports a refused connection;
+/// a receive timeout, or a hedge cancelled: CANCELLED).
+pub(crate) fn failure_code(end: AttemptEnd) -> Result<Code, CallOutcome> {
+    match end {
+        AttemptEnd::Committed => Err(CallOutcome::Committed),
+        AttemptEnd::Status(Code::Ok) => Err(CallOutcome::Ok),
+        AttemptEnd::Deadline => Err(CallOutcome::Deadline),
+        AttemptEnd::Status(code) => Ok(code),
+        AttemptEnd::TransportError => Ok(Code::Unavailable),
+        AttemptEnd::RecvTimeout | AttemptEnd::Cancelled => Ok(Code::Cancelled),
+    }
 }
 
 /// Decides what follows an attempt, in A6's order: success or commit ends the call; a
@@ -72,24 +111,18 @@ pub(crate) enum Decision {
 pub(crate) fn decide(
     state: &mut CallState,
     attempted: &Attempted,
-    limits: &Limits<'_>,
+    limits: &RetryLimits<'_>,
     throttle: impl FnOnce() -> bool,
 ) -> Decision {
-    let (code, timed_out) = match attempted.end {
-        AttemptEnd::Committed => return Decision::Done(CallOutcome::Committed),
-        AttemptEnd::Status(Code::Ok) => return Decision::Done(CallOutcome::Ok),
-        AttemptEnd::Deadline => return Decision::Done(CallOutcome::Deadline),
-        AttemptEnd::Status(code) => (code, false),
-        // Nothing came back: UNAVAILABLE, as tonic reports a refused connection.
-        AttemptEnd::TransportError => (Code::Unavailable, false),
-        AttemptEnd::RecvTimeout => (Code::Cancelled, true),
-        // Only the hedging loop cancels attempts, and it never asks this policy.
-        AttemptEnd::Cancelled => (Code::Cancelled, false),
+    let code = match failure_code(attempted.end) {
+        Ok(code) => code,
+        Err(outcome) => return Decision::Done(outcome),
     };
+    let timed_out = attempted.end == AttemptEnd::RecvTimeout;
     if !timed_out && !limits.policy.retryable_status_codes().contains(code) {
         return Decision::Done(CallOutcome::NonRetryableCode);
     }
-    if let Some(outcome) = limits.sent_once {
+    if let Some(outcome) = limits.bounds.sent_once {
         return Decision::Done(outcome);
     }
     if !throttle() {
@@ -105,10 +138,7 @@ pub(crate) fn decide(
     let Some(wait) = wait else {
         return Decision::Done(CallOutcome::PushbackStop);
     };
-    if limits
-        .time_left
-        .is_some_and(|left| wait >= left || left - wait < limits.min_attempt_time)
-    {
+    if limits.bounds.too_late(wait) {
         return Decision::Done(CallOutcome::Deadline);
     }
     state.exponent = exponent;
@@ -118,7 +148,7 @@ pub(crate) fn decide(
 /// The wait before the next attempt and the exponent after it: exactly a valid pushback
 /// (resetting the exponent), else the jittered backoff; at least RetryInfo. `None` when
 /// the server asks for more than the maximum retry delay.
-fn wait(exponent: u32, attempted: &Attempted, limits: &Limits<'_>) -> (Option<Duration>, u32) {
+fn wait(exponent: u32, attempted: &Attempted, limits: &RetryLimits<'_>) -> (Option<Duration>, u32) {
     let (base, exponent, asked) = match attempted.pushback {
         Pushback::Wait(d) => (d, 0, Some(d)),
         _ => {
@@ -127,7 +157,7 @@ fn wait(exponent: u32, attempted: &Attempted, limits: &Limits<'_>) -> (Option<Du
         }
     };
     let asked = asked.max(attempted.retry_info);
-    if asked.is_some_and(|d| d > limits.max_retry_delay) {
+    if asked.is_some_and(|d| d > limits.bounds.max_retry_delay) {
         return (None, exponent);
     }
     let wait = attempted.retry_info.map_or(base, |min| base.max(min));
@@ -155,11 +185,14 @@ pub(crate) fn ready_wait(waits: u32, left: Duration, jitter: &dyn Jitter) -> Opt
 }
 
 #[cfg(test)]
+mod strategies;
+
+#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retry::backoff::FixedJitter;
-    use crate::retry::strategies::{durations, ends, pushbacks};
-    use crate::retry::test_util::unavailable_policy;
+    use crate::retry::policy::backoff::FixedJitter;
+    use crate::retry::policy::strategies::{durations, ends, pushbacks};
+    use crate::retry::tests::unavailable_policy;
     use idem_core::code::{ALL_CODES, CodeSet};
     use proptest::prelude::*;
 
@@ -193,7 +226,8 @@ mod tests {
                 codes,
             ).unwrap();
             let jitter = FixedJitter(u);
-            let limits = Limits { policy: &policy, sent_once, time_left, min_attempt_time, max_retry_delay, jitter: &jitter };
+            let bounds = AttemptBounds { sent_once, time_left, min_attempt_time, max_retry_delay };
+            let limits = RetryLimits { policy: &policy, bounds, jitter: &jitter };
             let attempted = Attempted { end, pushback, retry_info };
             let mut state = CallState { attempts, exponent };
             let mut asked = 0;
@@ -262,13 +296,15 @@ mod tests {
         }
     }
 
-    fn limits<'a>(policy: &'a RetryPolicy, jitter: &'a FixedJitter) -> Limits<'a> {
-        Limits {
+    fn limits<'a>(policy: &'a RetryPolicy, jitter: &'a FixedJitter) -> RetryLimits<'a> {
+        RetryLimits {
             policy,
-            sent_once: None,
-            time_left: None,
-            min_attempt_time: Duration::ZERO,
-            max_retry_delay: Duration::from_secs(30),
+            bounds: AttemptBounds {
+                sent_once: None,
+                time_left: None,
+                min_attempt_time: Duration::ZERO,
+                max_retry_delay: Duration::from_secs(30),
+            },
             jitter,
         }
     }

@@ -1,0 +1,11 @@
+//! What an attempt's response says, and the bounds on the body the caller gets.
+//!
+//! - [`peek`]: how an attempt ended, from its response head (Trailers-Only detection,
+//!   and the opt-in peek at the first body frame);
+//! - [`transport`]: connection failures in a response body read as UNAVAILABLE;
+//! - [`bound`]: the call's deadline and `maxResponseMessageBytes` over the response
+//!   body.
+
+pub(crate) mod bound;
+pub(crate) mod peek;
+pub(crate) mod transport;
