@@ -38,6 +38,9 @@ struct Channel {
     watchers: usize,
 }
 
+/// Every channel waited on in this process, shared with the dispatch task.
+type Channels = Arc<Mutex<HashMap<String, Channel>>>;
+
 /// Where the subscriber connects.
 pub(crate) enum Target {
     /// One endpoint: `SUBSCRIBE` on a pub/sub connection.
@@ -82,7 +85,7 @@ pub(crate) struct Notifier {
     /// Serialises SUBSCRIBE / UNSUBSCRIBE with the watcher counts, so an unsubscribe
     /// can never overtake a later subscribe of the same channel.
     conn: tokio::sync::Mutex<Option<Conn>>,
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    channels: Channels,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -200,29 +203,15 @@ impl Notifier {
     }
 
     async fn connect_single(&self, client: &redis::Client) -> Option<Conn> {
-        let pubsub = tokio::time::timeout(self.connect_timeout, client.get_async_pubsub())
-            .await
-            .ok()?
-            .map_err(
-                |e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub connect failed"),
-            )
-            .ok()?;
+        let pubsub = self.connect_within(client.get_async_pubsub()).await?;
         let (sink, mut stream) = pubsub.split();
-        let dead = Arc::new(AtomicBool::new(false));
-        let channels = self.channels.clone();
-        let task_dead = dead.clone();
-        tokio::spawn(async move {
+        Some(self.start(Sink::Single(sink), |channels| async move {
             while let Some(msg) = stream.next().await {
                 if let Some(c) = lock(&channels).get(msg.get_channel_name()) {
                     c.notify.notify_waiters();
                 }
             }
-            connection_gone(&channels, &task_dead);
-        });
-        Some(Conn {
-            sink: Sink::Single(sink),
-            dead,
-        })
+        }))
     }
 
     async fn connect_cluster(&self, nodes: &[String]) -> Option<Conn> {
@@ -235,17 +224,8 @@ impl Notifier {
             .build()
             .map_err(|e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub client"))
             .ok()?;
-        let conn = tokio::time::timeout(self.connect_timeout, client.get_async_connection())
-            .await
-            .ok()?
-            .map_err(
-                |e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub connect failed"),
-            )
-            .ok()?;
-        let dead = Arc::new(AtomicBool::new(false));
-        let channels = self.channels.clone();
-        let task_dead = dead.clone();
-        tokio::spawn(async move {
+        let conn = self.connect_within(client.get_async_connection()).await?;
+        Some(self.start(Sink::Cluster(conn), |channels| async move {
             while let Some(push) = rx.recv().await {
                 match push.kind {
                     PushKind::SMessage | PushKind::Message => {
@@ -265,13 +245,39 @@ impl Notifier {
                     _ => {}
                 }
             }
-            // The connection itself is gone (the store was dropped or it failed).
+        }))
+    }
+
+    /// `connect`, within the connect timeout; `None` (logged) when it fails or times out.
+    async fn connect_within<T>(
+        &self,
+        connect: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        tokio::time::timeout(self.connect_timeout, connect)
+            .await
+            .ok()?
+            .map_err(
+                |e| tracing::debug!(target: "idem_redis", error = %e, "pub/sub connect failed"),
+            )
+            .ok()
+    }
+
+    /// The live connection of `sink`, and its dispatch task: `dispatch` wakes the waiters
+    /// of each message until the connection ends (the store was dropped or it failed);
+    /// then the connection is gone.
+    fn start<F>(&self, sink: Sink, dispatch: impl FnOnce(Channels) -> F) -> Conn
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let dead = Arc::new(AtomicBool::new(false));
+        let channels = self.channels.clone();
+        let task_dead = dead.clone();
+        let messages = dispatch(channels.clone());
+        tokio::spawn(async move {
+            messages.await;
             connection_gone(&channels, &task_dead);
         });
-        Some(Conn {
-            sink: Sink::Cluster(conn),
-            dead,
-        })
+        Conn { sink, dead }
     }
 }
 

@@ -65,11 +65,11 @@ impl Bound {
 /// The effective bounds, defaults applied.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Limits {
-    pub(super) tenant_in_flight: usize,
-    pub(super) tenant_entries: usize,
+    tenant_in_flight: usize,
+    tenant_entries: usize,
     pub(super) tenant_bytes: usize,
-    pub(super) entries: usize,
-    pub(super) bytes: usize,
+    entries: usize,
+    bytes: usize,
 }
 
 impl Limits {
