@@ -243,6 +243,12 @@ use http::{Request, Response};
 use tonic::body::Body;
 use tower_service::Service;
 
+// Reading order: `service.rs` routes each call (with what `layer.rs` shares between the
+// layer's clones); `context.rs` is a protected call's context; `call.rs` reads its
+// request (`request.rs`, `fingerprint.rs`, `inflate.rs`), claims its record and answers;
+// `handler.rs` runs the handler under the record's lease (`lease.rs`, `renewal.rs`),
+// forwarding its response (`forward.rs`) and collecting it for the record
+// (`collect.rs`, `decision.rs`); `body.rs` replays; `status.rs` holds the layer's answers.
 mod body;
 mod call;
 mod collect;
