@@ -227,6 +227,19 @@ fn client(
     (OrdersClient::new(svc), target)
 }
 
+/// A metered client of `addr` (see [`client`]) after one `CreateOrder` that succeeds
+/// (`why` it should).
+async fn ordered(
+    otel: &Otel,
+    cfg: &ServiceConfig,
+    addr: SocketAddr,
+    why: &str,
+) -> (OrdersClient<idem_client::retry::Retry<Channel>>, String) {
+    let (mut c, target) = client(otel, cfg, addr);
+    c.create_order(order("a")).await.expect(why);
+    (c, target)
+}
+
 fn server_layer<St: Store>(
     otel: &Otel,
     cfg: &ServiceConfig,
@@ -250,10 +263,7 @@ async fn two_retries_then_ok() {
         .observer(metrics.clone());
     metrics.watch(&layer);
     let addr = serve(layer, 2).await;
-    let (mut c, target) = client(&otel, &cfg, addr);
-    c.create_order(order("a"))
-        .await
-        .expect("ok after two retries");
+    let (_c, target) = ordered(&otel, &cfg, addr, "ok after two retries").await;
 
     let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
     assert_eq!(otel.unit("grpc.client.attempt.started"), "{attempt}");
@@ -560,10 +570,7 @@ async fn a_hedged_call_records_its_hedges_not_retries() {
     )
     .expect("hedging config");
     let addr = serve(IdempotencyLayer::new(MemoryStore::default(), &cfg), 1).await;
-    let (mut c, target) = client(&otel, &cfg, addr);
-    c.create_order(order("a"))
-        .await
-        .expect("the second hedge answers");
+    let (_c, target) = ordered(&otel, &cfg, addr, "the second hedge answers").await;
     let m = [("grpc.method", METHOD), ("grpc.target", target.as_str())];
     assert_eq!(otel.unit("grpc.client.call.hedges"), "{hedge}");
     assert_eq!(
