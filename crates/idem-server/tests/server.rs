@@ -1060,6 +1060,104 @@ async fn a_fingerprint_hook_decides_what_a_different_request_is() {
     assert_eq!(shop.runs(), 1);
 }
 
+/// `CreateOrderRequest` plus a `map<string, string> labels = 15` field, held as its wire
+/// form: repeated entries, in the order they are encoded (the order prost takes from a
+/// `HashMap`'s iteration, which differs between two maps holding the same entries).
+#[derive(Clone, PartialEq, Message)]
+struct LabelledCreate {
+    #[prost(string, tag = "2")]
+    sku: String,
+    #[prost(message, repeated, tag = "15")]
+    labels: Vec<Label>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct Label {
+    #[prost(string, tag = "1")]
+    key: String,
+    #[prost(string, tag = "2")]
+    value: String,
+}
+
+/// The same message decoded with its map as a map (what the application sees).
+#[derive(Clone, PartialEq, Message)]
+struct LabelledCreateMap {
+    #[prost(string, tag = "2")]
+    sku: String,
+    #[prost(btree_map = "string, string", tag = "15")]
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+fn labelled(order: &[(&str, &str)]) -> LabelledCreate {
+    LabelledCreate {
+        sku: "ok".into(),
+        labels: order
+            .iter()
+            .map(|(k, v)| Label {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn map_entries_in_another_order_are_a_different_request() {
+    // docs/semantics.md, "Fingerprints are over bytes": the layer digests bytes, so a
+    // request rebuilt with its map entries in another order is another request.
+    let l = layer(MemoryStore::default(), &config(policy(), None));
+    let (shop, svc) = in_process(&l);
+    let a = labelled(&[("region", "eu"), ("channel", "web")]);
+    let b = labelled(&[("channel", "web"), ("region", "eu")]);
+    let as_map =
+        |m: &LabelledCreate| LabelledCreateMap::decode(m.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(
+        as_map(&a),
+        as_map(&b),
+        "the same message to the application"
+    );
+    assert_ne!(a.encode_to_vec(), b.encode_to_vec(), "not the same bytes");
+
+    let first = call(&svc, raw_request(CREATE, &a, KEY, None)).await;
+    assert_eq!(
+        first.trailers.as_ref().unwrap().get("grpc-status").unwrap(),
+        "0"
+    );
+    let again = call(&svc, raw_request(CREATE, &a, KEY, None)).await;
+    assert!(again.replayed(), "the same bytes replay");
+    let rebuilt = call(&svc, raw_request(CREATE, &b, KEY, None)).await;
+    assert_eq!(
+        rebuilt.headers.get("grpc-status").unwrap(),
+        "9",
+        "FAILED_PRECONDITION (KEY_REUSED)"
+    );
+    assert_eq!(shop.runs(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fingerprint_hook_can_make_map_order_irrelevant() {
+    // The documented remedy when the bytes cannot be kept: a canonical form. Decoding
+    // into a BTreeMap and encoding again sorts the entries.
+    let l = layer(MemoryStore::default(), &config(policy(), None)).fingerprint_with(
+        CREATE,
+        |msgs: &[Bytes]| {
+            let mut out = Vec::new();
+            for m in msgs {
+                let canonical = LabelledCreateMap::decode(m.clone()).unwrap_or_default();
+                out.extend(canonical.encode_to_vec());
+            }
+            out
+        },
+    );
+    let (shop, svc) = in_process(&l);
+    let a = labelled(&[("region", "eu"), ("channel", "web")]);
+    let b = labelled(&[("channel", "web"), ("region", "eu")]);
+    call(&svc, raw_request(CREATE, &a, KEY, None)).await;
+    let rebuilt = call(&svc, raw_request(CREATE, &b, KEY, None)).await;
+    assert!(rebuilt.replayed());
+    assert_eq!(shop.runs(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn unsupported_request_encodings_are_refused_clearly() {
     let l = layer(MemoryStore::default(), &config(policy(), None));
