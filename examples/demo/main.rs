@@ -45,10 +45,9 @@
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
 //! the process exits with status 1 otherwise.
 
-use idem_test_support::demo as harness;
-
-use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
-use idem_test_support::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
+use idem_demo::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
+use idem_demo::store::connect_redis;
+use idem_demo::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
 use std::time::Duration;
 
 use idem::core::config::ServiceConfig;
@@ -99,7 +98,7 @@ fn parse_args() -> Result<Args, String> {
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
             "--redis-cluster" => {
-                // A trailing comma keeps a single seed node a cluster (`connect_store`).
+                // A trailing comma keeps a single seed node a cluster (`connect_redis`).
                 o.redis = Some(if value.contains(',') {
                     value
                 } else {
@@ -319,7 +318,7 @@ async fn demo() {
     let cluster_wanted = store_choice.as_deref() == Some("redis-cluster");
     // A private redis-server when --store redis comes without a URL, a private cluster
     // for --store redis-cluster; a cluster's seed nodes travel as one comma-separated
-    // string (`idem_test_support::redis::connect_store`).
+    // string (`idem_demo::store::connect_redis`).
     let mut private_redis = None;
     let mut private_cluster = None;
     let redis_url = match (&o.redis, redis_wanted) {
@@ -456,9 +455,9 @@ async fn in_process_runs(
     redis: Option<&str>,
 ) -> Vec<RunReport> {
     let store = match redis {
-        None => Store::Memory(MemoryStore::new(config.settings().memory_store.clone())),
-        Some(url) => match idem_test_support::redis::connect_store(url).await {
-            Ok(s) => Store::Redis(s),
+        None => DemoStore::Memory(MemoryStore::new(config.settings().memory_store.clone())),
+        Some(url) => match connect_redis(url).await {
+            Ok(s) => DemoStore::Redis(s),
             Err(e) => {
                 eprintln!("cannot connect to Redis at {url}: {e}");
                 std::process::exit(2);
