@@ -48,6 +48,8 @@
 use idem_demo::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
 use idem_demo::store::connect_redis;
 use idem_demo::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
+use idem_test_support::postgres::PostgresServer;
+use idem_test_support::redis::{RedisCluster, RedisServer};
 use std::time::Duration;
 
 use idem::core::config::ServiceConfig;
@@ -323,58 +325,43 @@ async fn demo() {
     let mut private_cluster = None;
     let redis_url = match (&o.redis, redis_wanted) {
         (Some(url), _) => Some(url.clone()),
-        (None, false) if cluster_wanted => match idem_test_support::redis::RedisCluster::start() {
-            Some(cluster) => {
-                let nodes = cluster.urls().join(",");
-                eprintln!("private Redis Cluster (3 masters, 3 replicas): {nodes}");
-                private_cluster = Some(cluster);
-                Some(nodes)
-            }
-            None => {
-                eprintln!(
-                    "--store redis-cluster needs redis-server and redis-cli: pass --redis-cluster NODES, \
-                     or install them (Debian/Ubuntu: apt-get install redis-server)"
-                );
-                std::process::exit(2);
-            }
-        },
-        (None, true) => match idem_test_support::redis::RedisServer::start() {
-            Some(server) => {
-                let url = server.url();
-                private_redis = Some(server);
-                Some(url)
-            }
-            None => {
-                eprintln!(
-                    "--store redis needs a redis-server: pass --redis URL, or install one (Debian/Ubuntu: apt-get install redis-server)"
-                );
-                std::process::exit(2);
-            }
-        },
+        (None, false) if cluster_wanted => {
+            let (cluster, nodes) = private(
+                RedisCluster::start(),
+                |c| c.urls().join(","),
+                "--store redis-cluster needs redis-server and redis-cli: pass --redis-cluster NODES, \
+                 or install them (Debian/Ubuntu: apt-get install redis-server)",
+            );
+            eprintln!("private Redis Cluster (3 masters, 3 replicas): {nodes}");
+            private_cluster = Some(cluster);
+            Some(nodes)
+        }
+        (None, true) => {
+            let (server, url) = private(
+                RedisServer::start(),
+                RedisServer::url,
+                "--store redis needs a redis-server: pass --redis URL, or install one (Debian/Ubuntu: apt-get install redis-server)",
+            );
+            private_redis = Some(server);
+            Some(url)
+        }
         (None, false) => None,
     };
     // A private PostgreSQL server when --store postgres comes without a URL.
     let mut private_postgres = None;
     let postgres_url = match (postgres, store_choice.as_deref() == Some("postgres")) {
         (Some(url), _) => Some(url),
-        (None, true) => match idem_test_support::postgres::PostgresServer::start_with(&[(
-            "max_connections",
-            "300",
-        )]) {
-            Some(server) => {
-                let url = server.url();
-                private_postgres = Some(server);
-                Some(url)
-            }
-            None => {
-                eprintln!(
-                    "--store postgres needs PostgreSQL: pass --postgres URL, or install its server \
-                     (Debian/Ubuntu: apt-get install postgresql; the demo runs its own private \
-                     server from /usr/lib/postgresql/*/bin, or from $PG_BIN)"
-                );
-                std::process::exit(2);
-            }
-        },
+        (None, true) => {
+            let (server, url) = private(
+                PostgresServer::start_with(&[("max_connections", "300")]),
+                PostgresServer::url,
+                "--store postgres needs PostgreSQL: pass --postgres URL, or install its server \
+                 (Debian/Ubuntu: apt-get install postgresql; the demo runs its own private \
+                 server from /usr/lib/postgresql/*/bin, or from $PG_BIN)",
+            );
+            private_postgres = Some(server);
+            Some(url)
+        }
         (None, false) => None,
     };
     let store_label = if postgres_url.is_some() {
@@ -434,6 +421,17 @@ async fn demo() {
         "OK: with idem every intent took effect exactly once; without it, {} duplicate orders.",
         reports[1].duplicates
     );
+}
+
+/// A private server the demo `started` and its URL; when it could not start, exits with
+/// status 2 after saying `missing`.
+fn private<T>(started: Option<T>, url: impl FnOnce(&T) -> String, missing: &str) -> (T, String) {
+    let Some(server) = started else {
+        eprintln!("{missing}");
+        std::process::exit(2);
+    };
+    let url = url(&server);
+    (server, url)
 }
 
 /// Exits with status 1 (after saying so) when the run `with` let a duplicate order

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 use std::process::{Child, ExitStatus};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// `found`, or `None` after saying that `what` is missing and the `tests` tests skip;
@@ -35,6 +36,17 @@ pub(crate) fn find_tool(name: &str, env: &str) -> Option<PathBuf> {
     dirs.push("/usr/bin".into());
     dirs.push("/usr/local/bin".into());
     dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// A path under the temporary directory for one server's files, `<prefix>-<pid>-<n>`:
+/// unique in this process, and apart from other test processes'.
+pub(crate) fn scratch_dir(prefix: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// Why a started server is not ready.

@@ -22,7 +22,6 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::launch::{self, NotReady};
@@ -231,12 +230,7 @@ impl PostgresServer {
         let template = install
             .template()
             .unwrap_or_else(|e| panic!("initdb failed: {e}"));
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "idem-pg-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        let dir = launch::scratch_dir("idem-pg-test");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the test server's directory");
         install

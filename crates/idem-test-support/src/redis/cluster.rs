@@ -5,11 +5,11 @@ use std::io::BufReader;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::reply::{RedisReply, connect, round_trip};
 use super::{RedisServer, require_tool};
+use crate::launch;
 
 /// A node of a [`RedisCluster`], as `CLUSTER NODES` describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,12 +58,7 @@ impl RedisCluster {
     pub fn start() -> Option<RedisCluster> {
         let binary = require_tool("redis-server", "REDIS_SERVER")?;
         let cli = require_tool("redis-cli", "REDIS_CLI")?;
-        static N: AtomicU32 = AtomicU32::new(0);
-        let base = std::env::temp_dir().join(format!(
-            "idem-redis-cluster-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        let base = launch::scratch_dir("idem-redis-cluster");
         std::fs::create_dir_all(&base).expect("cluster dir");
         let mut cluster = RedisCluster {
             nodes: Vec::new(),

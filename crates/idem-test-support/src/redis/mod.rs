@@ -24,7 +24,6 @@ use std::collections::HashMap;
 use std::io::BufReader;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub use cluster::{ClusterNode, RedisCluster};
@@ -102,12 +101,7 @@ impl RedisServer {
     /// Starts a server with `extra` arguments after the standard ones.
     pub fn start_with(extra: &[&str]) -> Option<RedisServer> {
         let binary = require_tool("redis-server", "REDIS_SERVER")?;
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "idem-redis-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        let dir = launch::scratch_dir("idem-redis-test");
         // A free port can be taken between our probe and redis binding it: try a few.
         for _ in 0..5 {
             let mut server = RedisServer {
