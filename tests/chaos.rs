@@ -6,11 +6,11 @@
 //! shared by three instances, with and without replica confirmation, and when an
 //! instance is redeployed mid-run. The run without idem must show duplicates (the faults are real).
 
-use idem_test_support::demo as harness;
+use idem_demo as harness;
 
 use std::time::Duration;
 
-use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
+use harness::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
 use idem::core::config::ServiceConfig;
 use idem::redis::RedisStore;
 use idem::store::memory::MemoryStore;
@@ -48,7 +48,7 @@ fn assert_exactly_once(r: &RunReport) {
     );
 }
 
-async fn with_and_without(o: &Options, store: &Store) -> (RunReport, RunReport) {
+async fn with_and_without(o: &Options, store: &DemoStore) -> (RunReport, RunReport) {
     let cfg = config();
     let with = tokio::time::timeout(Duration::from_secs(120), run(o, true, &cfg, store))
         .await
@@ -63,7 +63,7 @@ async fn with_and_without(o: &Options, store: &Store) -> (RunReport, RunReport) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_2000_intents_exactly_once() {
-    let store = Store::Memory(MemoryStore::default());
+    let store = DemoStore::Memory(MemoryStore::default());
     let (with, without) = with_and_without(&options(1, 11), &store).await;
     assert_exactly_once(&with);
     assert!(
@@ -77,13 +77,14 @@ async fn memory_store_2000_intents_exactly_once() {
 /// outcome it produced: completions and releases are retried while the lease is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_blips_on_claim_complete_and_release_2000_intents_exactly_once() {
-    use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
+    use idem::store::faulty::{FaultyStore, StoreFault as Fault};
+    use idem::store::instrumented::StoreOp as Op;
     let faulty = FaultyStore::new(MemoryStore::default());
     faulty
         .inject_randomly(Op::Claim, Fault::Unavailable, 0.03, 21)
         .inject_randomly(Op::Complete, Fault::Unavailable, 0.05, 21)
         .inject_randomly(Op::Release, Fault::ReplyLost, 0.05, 21);
-    let store = Store::Faulty(faulty.clone());
+    let store = DemoStore::Faulty(faulty.clone());
     let o = options(1, 14);
     let with = tokio::time::timeout(Duration::from_secs(120), run(&o, true, &config(), &store))
         .await
@@ -106,7 +107,7 @@ async fn redis_three_instances_2000_intents_exactly_once() {
     let Some(redis) = idem_test_support::redis::RedisServer::start() else {
         return;
     };
-    let store = Store::Redis(RedisStore::connect(redis.url()).await.expect("connect"));
+    let store = DemoStore::Redis(RedisStore::connect(redis.url()).await.expect("connect"));
     let (with, without) = with_and_without(&options(3, 12), &store).await;
     assert_exactly_once(&with);
     assert!(without.duplicates > 50, "{without:?}");
@@ -147,8 +148,8 @@ async fn redis_cluster_three_instances_2000_intents_exactly_once() {
     assert_exactly_once(&r);
 }
 
-fn store_of(s: RedisStore) -> Store {
-    Store::Redis(s)
+fn store_of(s: RedisStore) -> DemoStore {
+    DemoStore::Redis(s)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,7 +157,7 @@ async fn redis_instance_restarted_mid_run_still_exactly_once() {
     let Some(redis) = idem_test_support::redis::RedisServer::start() else {
         return;
     };
-    let store = Store::Redis(RedisStore::connect(redis.url()).await.expect("connect"));
+    let store = DemoStore::Redis(RedisStore::connect(redis.url()).await.expect("connect"));
     let o = Options {
         restart_after: Some(700),
         ..options(3, 13)

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use idem::core::config::ServiceConfig;
 use idem::store::memory::MemoryStore;
-use idem_test_support::demo::{DEFAULT_CONFIG, Options, Store, run};
+use idem_demo::{DEFAULT_CONFIG, DemoStore, Options, run};
 
 /// `name{labels} value` lines of a Prometheus text exposition, by name and labels.
 fn parse(text: &str) -> HashMap<String, f64> {
@@ -31,7 +31,7 @@ async fn metrics_out_has_both_sides_of_the_run_with_idem() {
         ..Options::default()
     };
     let config = ServiceConfig::from_json(DEFAULT_CONFIG).unwrap();
-    let store = Store::Memory(MemoryStore::new(config.settings().memory_store.clone()));
+    let store = DemoStore::Memory(MemoryStore::new(config.settings().memory_store.clone()));
     let report = run(&o, true, &config, &store).await.expect("run");
     assert_eq!((report.duplicates, report.lost), (0, 0));
     let text = std::fs::read_to_string(&path).expect("the file was written");

@@ -851,7 +851,7 @@ async fn waiters_survive_a_lost_notification_connection() {
             let killed = redis
                 .cmd(&["CLIENT", "KILL", "TYPE", "pubsub"])
                 .expect("CLIENT KILL");
-            assert_eq!(killed, idem_test_support::redis::Resp::Int(1));
+            assert_eq!(killed, idem_test_support::redis::RedisReply::Int(1));
         }
         complete_not_retained(&a, &scope, fence, "complete").await;
         tokio::time::timeout(PATIENCE, waiter)

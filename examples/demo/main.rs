@@ -45,10 +45,11 @@
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
 //! the process exits with status 1 otherwise.
 
-use idem_test_support::demo as harness;
-
-use harness::{DEFAULT_CONFIG, Options, RunReport, Store, run};
-use idem_test_support::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
+use idem_demo::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
+use idem_demo::store::connect_redis;
+use idem_demo::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
+use idem_test_support::postgres::PostgresServer;
+use idem_test_support::redis::{RedisCluster, RedisServer};
 use std::time::Duration;
 
 use idem::core::config::ServiceConfig;
@@ -99,7 +100,7 @@ fn parse_args() -> Result<Args, String> {
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
             "--redis-cluster" => {
-                // A trailing comma keeps a single seed node a cluster (`connect_store`).
+                // A trailing comma keeps a single seed node a cluster (`connect_redis`).
                 o.redis = Some(if value.contains(',') {
                     value
                 } else {
@@ -319,63 +320,48 @@ async fn demo() {
     let cluster_wanted = store_choice.as_deref() == Some("redis-cluster");
     // A private redis-server when --store redis comes without a URL, a private cluster
     // for --store redis-cluster; a cluster's seed nodes travel as one comma-separated
-    // string (`idem_test_support::redis::connect_store`).
+    // string (`idem_demo::store::connect_redis`).
     let mut private_redis = None;
     let mut private_cluster = None;
     let redis_url = match (&o.redis, redis_wanted) {
         (Some(url), _) => Some(url.clone()),
-        (None, false) if cluster_wanted => match idem_test_support::redis::RedisCluster::start() {
-            Some(cluster) => {
-                let nodes = cluster.urls().join(",");
-                eprintln!("private Redis Cluster (3 masters, 3 replicas): {nodes}");
-                private_cluster = Some(cluster);
-                Some(nodes)
-            }
-            None => {
-                eprintln!(
-                    "--store redis-cluster needs redis-server and redis-cli: pass --redis-cluster NODES, \
-                     or install them (Debian/Ubuntu: apt-get install redis-server)"
-                );
-                std::process::exit(2);
-            }
-        },
-        (None, true) => match idem_test_support::redis::RedisServer::start() {
-            Some(server) => {
-                let url = server.url();
-                private_redis = Some(server);
-                Some(url)
-            }
-            None => {
-                eprintln!(
-                    "--store redis needs a redis-server: pass --redis URL, or install one (Debian/Ubuntu: apt-get install redis-server)"
-                );
-                std::process::exit(2);
-            }
-        },
+        (None, false) if cluster_wanted => {
+            let (cluster, nodes) = private(
+                RedisCluster::start(),
+                |c| c.urls().join(","),
+                "--store redis-cluster needs redis-server and redis-cli: pass --redis-cluster NODES, \
+                 or install them (Debian/Ubuntu: apt-get install redis-server)",
+            );
+            eprintln!("private Redis Cluster (3 masters, 3 replicas): {nodes}");
+            private_cluster = Some(cluster);
+            Some(nodes)
+        }
+        (None, true) => {
+            let (server, url) = private(
+                RedisServer::start(),
+                RedisServer::url,
+                "--store redis needs a redis-server: pass --redis URL, or install one (Debian/Ubuntu: apt-get install redis-server)",
+            );
+            private_redis = Some(server);
+            Some(url)
+        }
         (None, false) => None,
     };
     // A private PostgreSQL server when --store postgres comes without a URL.
     let mut private_postgres = None;
     let postgres_url = match (postgres, store_choice.as_deref() == Some("postgres")) {
         (Some(url), _) => Some(url),
-        (None, true) => match idem_test_support::postgres::PostgresServer::start_with(&[(
-            "max_connections",
-            "300",
-        )]) {
-            Some(server) => {
-                let url = server.url();
-                private_postgres = Some(server);
-                Some(url)
-            }
-            None => {
-                eprintln!(
-                    "--store postgres needs PostgreSQL: pass --postgres URL, or install its server \
-                     (Debian/Ubuntu: apt-get install postgresql; the demo runs its own private \
-                     server from /usr/lib/postgresql/*/bin, or from $PG_BIN)"
-                );
-                std::process::exit(2);
-            }
-        },
+        (None, true) => {
+            let (server, url) = private(
+                PostgresServer::start_with(&[("max_connections", "300")]),
+                PostgresServer::url,
+                "--store postgres needs PostgreSQL: pass --postgres URL, or install its server \
+                 (Debian/Ubuntu: apt-get install postgresql; the demo runs its own private \
+                 server from /usr/lib/postgresql/*/bin, or from $PG_BIN)",
+            );
+            private_postgres = Some(server);
+            Some(url)
+        }
         (None, false) => None,
     };
     let store_label = if postgres_url.is_some() {
@@ -437,6 +423,17 @@ async fn demo() {
     );
 }
 
+/// A private server the demo `started` and its URL; when it could not start, exits with
+/// status 2 after saying `missing`.
+fn private<T>(started: Option<T>, url: impl FnOnce(&T) -> String, missing: &str) -> (T, String) {
+    let Some(server) = started else {
+        eprintln!("{missing}");
+        std::process::exit(2);
+    };
+    let url = url(&server);
+    (server, url)
+}
+
 /// Exits with status 1 (after saying so) when the run `with` let a duplicate order
 /// through or lost an intent; `when` ends the message.
 fn exit_unless_exactly_once(idem: &RunReport, with: &str, when: &str) {
@@ -456,9 +453,9 @@ async fn in_process_runs(
     redis: Option<&str>,
 ) -> Vec<RunReport> {
     let store = match redis {
-        None => Store::Memory(MemoryStore::new(config.settings().memory_store.clone())),
-        Some(url) => match idem_test_support::redis::connect_store(url).await {
-            Ok(s) => Store::Redis(s),
+        None => DemoStore::Memory(MemoryStore::new(config.settings().memory_store.clone())),
+        Some(url) => match connect_redis(url).await {
+            Ok(s) => DemoStore::Redis(s),
             Err(e) => {
                 eprintln!("cannot connect to Redis at {url}: {e}");
                 std::process::exit(2);

@@ -18,7 +18,7 @@ use idem_store::{
     Claim, ClaimRequest, ClaimantId, Fence, Fingerprint, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
 };
-use idem_test_support::redis::{RedisCluster, Resp};
+use idem_test_support::redis::{RedisCluster, RedisReply as Resp};
 use idem_test_support::store::complete_not_retained;
 use tokio::time::Instant;
 

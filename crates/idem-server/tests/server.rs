@@ -5,7 +5,8 @@
 //! Tests that move time (leases, deadlines) drive the layer in-process around the real
 //! generated `OrdersServer` (hand-built gRPC requests) on tokio's paused clock.
 
-use idem_test_support::faulty_store::{Fault, FaultyStore, INTERNAL_DETAIL, Op};
+use idem_store::faulty::{FaultyStore, INTERNAL_DETAIL, StoreFault as Fault};
+use idem_store::instrumented::StoreOp as Op;
 use idem_test_support::net;
 use idem_test_support::shop;
 use idem_test_support::shop_fake::{Shop, create};

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::{Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError};
+use crate::{Store, StoreError};
 
 /// A [`Store`] operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -46,6 +46,23 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
+    /// Every operation, in declaration order (`op as usize` indexes it).
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
+    pub(crate) const ALL: [StoreOp; 6] = [
+        StoreOp::Claim,
+        StoreOp::Renew,
+        StoreOp::Complete,
+        StoreOp::Release,
+        StoreOp::Get,
+        StoreOp::Wait,
+    ];
+
+    /// The operation's place in [`StoreOp::ALL`], for per-operation tables.
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
     /// Lower-case name (`claim`), for labels.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -169,40 +186,77 @@ impl<St> InstrumentedStore<St> {
     }
 }
 
-impl<St: Store> Store for InstrumentedStore<St> {
-    async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.timed(StoreOp::Claim, self.inner.claim(req)).await
-    }
+/// Implements [`Store`] for the wrapper `$ty<St>` by passing each operation of its
+/// `inner` store, with its [`StoreOp`], through the wrapper's method `$around` (`async
+/// fn(&self, StoreOp, impl Future<Output = Result<T, StoreError>>) -> Result<T,
+/// StoreError>`): one forwarding impl for every wrapper of a store. `Store` and
+/// [`StoreOp`] must be in scope where it is used.
+macro_rules! forward_store_ops {
+    ($ty:ident, $around:ident) => {
+        impl<St: Store> Store for $ty<St> {
+            async fn claim(
+                &self,
+                req: $crate::ClaimRequest<'_>,
+            ) -> Result<$crate::Claim, $crate::StoreError> {
+                self.$around(StoreOp::Claim, self.inner.claim(req)).await
+            }
 
-    async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
-        self.timed(StoreOp::Renew, self.inner.renew(scope, fence, lease))
-            .await
-    }
+            async fn renew(
+                &self,
+                scope: &$crate::Scope,
+                fence: $crate::Fence,
+                lease: std::time::Duration,
+            ) -> Result<(), $crate::StoreError> {
+                self.$around(StoreOp::Renew, self.inner.renew(scope, fence, lease))
+                    .await
+            }
 
-    async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
-        self.timed(StoreOp::Complete, self.inner.complete(req))
-            .await
-    }
+            async fn complete(
+                &self,
+                req: $crate::CompleteRequest<'_>,
+            ) -> Result<(), $crate::StoreError> {
+                self.$around(StoreOp::Complete, self.inner.complete(req))
+                    .await
+            }
 
-    async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        self.timed(StoreOp::Release, self.inner.release(scope, fence))
-            .await
-    }
+            async fn release(
+                &self,
+                scope: &$crate::Scope,
+                fence: $crate::Fence,
+            ) -> Result<(), $crate::StoreError> {
+                self.$around(StoreOp::Release, self.inner.release(scope, fence))
+                    .await
+            }
 
-    async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {
-        self.timed(StoreOp::Get, self.inner.get(scope)).await
-    }
+            async fn get(
+                &self,
+                scope: &$crate::Scope,
+            ) -> Result<Option<$crate::RecordState>, $crate::StoreError> {
+                self.$around(StoreOp::Get, self.inner.get(scope)).await
+            }
 
-    async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
-        self.timed(StoreOp::Wait, self.inner.wait(scope, until))
-            .await
-    }
+            async fn wait(
+                &self,
+                scope: &$crate::Scope,
+                until: tokio::time::Instant,
+            ) -> Result<(), $crate::StoreError> {
+                self.$around(StoreOp::Wait, self.inner.wait(scope, until))
+                    .await
+            }
+        }
+    };
 }
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use forward_store_ops;
+
+forward_store_ops!(InstrumentedStore, timed);
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ClaimantId, Fingerprint, TenantId, memory::MemoryStore};
+    use crate::{
+        Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, TenantId, memory::MemoryStore,
+    };
     use std::sync::Mutex;
 
     #[derive(Default)]

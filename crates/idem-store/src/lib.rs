@@ -51,6 +51,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+#[cfg(any(test, feature = "testing"))]
+pub mod faulty;
 pub mod instrumented;
 pub mod memory;
 mod record;

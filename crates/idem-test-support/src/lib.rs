@@ -1,18 +1,25 @@
-//! Shared test code of the idem workspace, one home per concept: the example
-//! `shop.v1.Orders` proto, loopback helpers, a private `redis-server`, store doubles and
-//! the demo harness. Used by the workspace's tests, examples and benchmarks; not
-//! published.
+//! Shared test fixtures of the idem workspace, one home per concept: the example
+//! `shop.v1.Orders` and `stream.v1` protos, loopback helpers ([`net`]), log capture
+//! ([`logs`]), store call shorthands ([`store`]), the scripted `Orders` fakes
+//! ([`shop_fake`], [`create_only_orders!`]), a one-worker server ([`one_worker`]) and
+//! hand-built compressed streams ([`deflate`]). Used by the workspace's tests, examples
+//! and benchmarks; not published.
+//!
+//! Behind features, private servers started from the installed binaries: `redis`
+//! (`redis::RedisServer`, `redis::RedisCluster`) and `postgres`
+//! (`postgres::PostgresServer`). The fault-injecting store double is
+//! `idem_store::faulty::FaultyStore` (idem-store's `testing` feature); the demo
+//! application is the `idem-demo` crate.
 
-pub mod crash;
 pub mod deflate;
-pub mod demo;
-pub mod demo_metrics;
-pub mod faulty_store;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod launch;
 pub mod logs;
 pub mod net;
 pub mod one_worker;
-pub mod pg_orders;
+#[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
 pub mod redis;
 pub mod shop_fake;
 pub mod store;

@@ -1,7 +1,6 @@
 //! Loopback helpers: a listener on a free port and a channel to it.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -27,24 +26,4 @@ pub fn channel(addr: SocketAddr) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .expect("endpoint")
         .connect_lazy()
-}
-
-/// Calls `spawn` until a server starts again on `port` after a stop (the old socket may
-/// linger for a moment); panics with its last error, naming `what`, after `limit`.
-pub(crate) fn respawn(
-    what: &str,
-    port: u16,
-    limit: Duration,
-    mut spawn: impl FnMut() -> Result<(), String>,
-) {
-    let started = Instant::now();
-    loop {
-        match spawn() {
-            Ok(()) => return,
-            Err(e) if started.elapsed() > limit => {
-                panic!("{what} did not restart on port {port}: {e}")
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
 }

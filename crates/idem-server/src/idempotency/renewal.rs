@@ -297,9 +297,10 @@ async fn run<St: Store>(renewals: Arc<Renewals>, store: St, stats: IdempotencySt
 
 #[cfg(test)]
 mod tests {
+    use idem_store::faulty::{FaultyStore, StoreFault as Fault};
+    use idem_store::instrumented::StoreOp as Op;
     use idem_store::memory::MemoryStore;
     use idem_store::{Claim, ClaimRequest, ClaimantId, Fingerprint, TenantId};
-    use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
 
     use super::*;
 

@@ -16,9 +16,10 @@ use tower::{ServiceExt, service_fn};
 use tower_layer::Layer;
 
 use super::IdempotencyLayer;
+use idem_store::faulty::{FaultyStore, StoreFault as Fault};
+use idem_store::instrumented::StoreOp as Op;
 use idem_store::memory::MemoryStore;
 use idem_store::{RecordState, Store};
-use idem_test_support::faulty_store::{Fault, FaultyStore, Op};
 
 /// A body that never yields: buffering it would never finish.
 struct Pending;

@@ -14,9 +14,9 @@ use sqlx::postgres::PgPool;
 use sqlx::{Executor, Row};
 use tonic::{Response, Status};
 
+use idem_test_support::shop::{CreateOrderRequest, Order};
+
 use crate::crash::{Pause, PausePoint};
-use crate::shop;
-use shop::{CreateOrderRequest, Order};
 
 /// The demo's orders table (the intent id travels in the request's `note`).
 pub const TABLE: &str = "idem_demo_orders";
@@ -73,7 +73,7 @@ fn db(e: sqlx::Error) -> Status {
     Status::from(TxError::from(e))
 }
 
-crate::create_only_orders! {
+idem_test_support::create_only_orders! {
     PgOrders, why = "the demo only creates orders";
     create_order(&self, request) {
         let insert =

@@ -40,14 +40,9 @@ impl DemoMetrics {
         self.client.watch(layer);
     }
 
-    /// A server layer on `store` (timed, labelled `kind`), observed and watched.
-    pub fn server<St: Store>(
-        &self,
-        store: St,
-        kind: &'static str,
-        config: &ServiceConfig,
-    ) -> IdempotencyLayer<InstrumentedStore<St>> {
-        self.instance.server(store, kind, config)
+    /// The server side, on the same provider (in-process runs).
+    pub fn server_side(&self) -> &InstanceMetrics {
+        &self.instance
     }
 
     /// The exposition now.

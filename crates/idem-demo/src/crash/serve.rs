@@ -1,0 +1,171 @@
+//! The instance process: serves the demo's `shop.v1.Orders` behind the fault injector
+//! and (with idem) the idempotency layer, until it is killed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_client::retry::{Retry, RetryLayer};
+use idem_core::config::ServiceConfig;
+use idem_postgres::PostgresStore;
+use idem_server::idempotency::tenant::SingleTenant;
+use idem_server::inbound::InboundLayer;
+use idem_store::memory::MemoryStore;
+use idem_test_support::shop::orders_client::OrdersClient;
+use idem_test_support::shop::orders_server::{Orders, OrdersServer};
+use tonic::transport::{Channel, Server};
+use tonic::{Request, Response};
+use tower::ServiceBuilder;
+
+use super::args::{Pause, PausePoint, SERVE_ENV, ServeArgs, StoreKind};
+use crate::faults::Faults;
+use crate::fleet::serve_idem;
+use crate::metrics::InstanceMetrics;
+use crate::orders::{Ledger, LedgerOrders};
+use crate::pg_orders::PgOrders;
+use crate::store::connect_redis;
+use crate::{BoxError, Options};
+
+/// In a test binary started by [`Launch::Test`]: serves the instance its environment
+/// describes until the process is killed. Returns at once (doing nothing) when the
+/// variable is not set, so the test that calls it passes in a normal run.
+pub fn serve_from_env() {
+    let Ok(text) = std::env::var(SERVE_ENV) else {
+        return;
+    };
+    let args: Vec<String> = text.split('\n').map(str::to_owned).collect();
+    let args = ServeArgs::parse(&args).expect("instance arguments");
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    if let Err(e) = runtime.block_on(serve(args)) {
+        eprintln!("instance: {e}");
+        std::process::exit(2);
+    }
+}
+
+/// Connection pool size of an instance's PostgreSQL store: handlers hold one for their
+/// transaction, so it bounds the handlers that can write at once.
+const PG_POOL: u32 = 24;
+
+/// Serves one instance until the process is killed; prints `ready` on standard output
+/// once it listens.
+pub async fn serve(args: ServeArgs) -> Result<(), BoxError> {
+    let config = ServiceConfig::from_file(&args.config)?;
+    let pause = Arc::new(Pause::new(args.pause_at));
+    let name = format!("instance-{}", args.instance);
+    if let Some(port) = args.downstream {
+        let svc = Chained {
+            next: OrdersClient::new(
+                ServiceBuilder::new()
+                    .layer(RetryLayer::from_config(&config))
+                    .service(idem_test_support::net::channel(SocketAddr::from((
+                        [127, 0, 0, 1],
+                        port,
+                    )))),
+            ),
+            pause,
+        };
+        return serve_service(&args, &config, svc, None).await;
+    }
+    if let StoreKind::Postgres(url) = &args.store {
+        let store = PostgresStore::builder(url.clone())
+            .max_connections(PG_POOL)
+            .connect()
+            .await?;
+        let svc = PgOrders::new(
+            store.pool().clone(),
+            args.with_idem.then(|| store.clone()),
+            name,
+            pause,
+        );
+        return serve_service(&args, &config, svc, Some(store)).await;
+    }
+    let ledger = Arc::new(Ledger::append_to(&args.ledger)?);
+    serve_service(&args, &config, LedgerOrders::new(ledger, name), None).await
+}
+
+/// Serves `svc` behind the fault injector, `InboundLayer` and (with idem) the
+/// idempotency layer on the instance's store.
+async fn serve_service<T: Orders>(
+    args: &ServeArgs,
+    config: &ServiceConfig,
+    svc: T,
+    postgres: Option<PostgresStore>,
+) -> Result<(), BoxError> {
+    let o = Options {
+        unavailable: args.unavailable,
+        drop: args.drop,
+        latency: Duration::from_millis(args.latency_ms),
+        ..Options::default()
+    };
+    let faults = Faults::new(&o, args.seed);
+    let listener = bind_with_retries(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let svc = OrdersServer::new(svc);
+    println!("ready");
+    if !args.with_idem {
+        Server::builder()
+            .layer(faults)
+            .layer(InboundLayer::new())
+            .add_service(svc)
+            .serve_with_incoming(incoming)
+            .await?;
+        return Ok(());
+    }
+    let metrics = InstanceMetrics::new(config);
+    if let Some(port) = args.metrics_port {
+        metrics.serve(port).await?;
+    }
+    let tenant = SingleTenant::new("demo");
+    match (&args.store, postgres) {
+        (_, Some(store)) => {
+            let layer = metrics.server(store, "postgres", config).tenant(tenant);
+            serve_idem(faults, layer, svc, incoming).await?;
+        }
+        (StoreKind::Redis(url), None) => {
+            let store = connect_redis(url).await?;
+            let layer = metrics.server(store, "redis", config).tenant(tenant);
+            serve_idem(faults, layer, svc, incoming).await?;
+        }
+        _ => {
+            let store = MemoryStore::new(config.settings().memory_store.clone());
+            let layer = metrics.server(store, "memory", config).tenant(tenant);
+            serve_idem(faults, layer, svc, incoming).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The first hop of a chain: forwards `CreateOrder` downstream (its key derived from
+/// this call's record), then answers with the downstream's order.
+struct Chained {
+    next: OrdersClient<Retry<Channel>>,
+    pause: Arc<Pause>,
+}
+
+idem_test_support::create_only_orders! {
+    Chained, why = "the demo only creates orders";
+    create_order(&self, request) {
+        let order = self
+            .next
+            .clone()
+            .create_order(Request::new(request.into_inner()))
+            .await?
+            .into_inner();
+        self.pause.at(PausePoint::AfterDownstream).await;
+        Ok(Response::new(order))
+    }
+}
+
+async fn bind_with_retries(addr: SocketAddr) -> Result<tokio::net::TcpListener, BoxError> {
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => return Ok(l),
+            Err(_) if tries < 300 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => return Err(format!("cannot bind {addr}: {e}").into()),
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! The demo's workload: `CreateOrder` intents fired at a chosen concurrency, each with
+//! its own key reused by every application retry, and the tally of what they did.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_core::key::IdempotencyKey;
+use idem_test_support::shop::CreateOrderRequest;
+use idem_test_support::shop::orders_client::OrdersClient;
+use tonic::Request;
+
+use crate::{BoxError, Options, RunReport};
+
+/// What the callers saw in one run.
+pub struct Workload {
+    latencies: Vec<Duration>,
+    /// Calls answered with `x-idempotency-replayed: true`.
+    replays: Arc<AtomicU64>,
+    failed: Vec<String>,
+    app_calls: u64,
+    elapsed: Duration,
+}
+
+/// Fires `o.intents` CreateOrder intents through `client` at `o.concurrency`, each with
+/// its own key (with idem) reused by every application retry; `done` counts finished
+/// intents as they finish.
+pub async fn workload<S>(
+    o: &Options,
+    with_idem: bool,
+    label: &'static str,
+    client: &OrdersClient<S>,
+    done: Arc<AtomicU64>,
+) -> Result<Workload, BoxError>
+where
+    S: tonic::client::GrpcService<tonic::body::Body> + Clone + Send + 'static,
+    S::Future: Send,
+    S::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
+    S::Error: Into<BoxError>,
+{
+    let started = Instant::now();
+    let app_calls = Arc::new(AtomicU64::new(0));
+    let replays = Arc::new(AtomicU64::new(0));
+    let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
+    let progress = show_progress(o, label, done.clone());
+    let mut tasks = Vec::with_capacity(o.intents);
+    for n in 0..o.intents {
+        let permit = sem.clone().acquire_owned().await?;
+        let client = client.clone();
+        let done = done.clone();
+        let app_calls = app_calls.clone();
+        let replays = replays.clone();
+        let app_retries = o.app_retries;
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            let intent = format!("intent-{n}");
+            let t0 = Instant::now();
+            let calls = (&*app_calls, &*replays);
+            let ok = one_intent(client, n, &intent, with_idem, app_retries, calls).await;
+            done.fetch_add(1, Ordering::Relaxed);
+            (intent, ok, t0.elapsed())
+        }));
+    }
+    let mut latencies = Vec::with_capacity(o.intents);
+    let mut failed = Vec::new();
+    for t in tasks {
+        let (intent, ok, latency) = t.await?;
+        latencies.push(latency);
+        if !ok {
+            failed.push(intent);
+        }
+    }
+    let _ = progress.await;
+    latencies.sort();
+    Ok(Workload {
+        latencies,
+        replays,
+        failed,
+        app_calls: app_calls.load(Ordering::Relaxed),
+        elapsed: started.elapsed(),
+    })
+}
+
+/// One business intent: one key, created here and reused by every application retry.
+/// Retries codes that say "nothing was decided" or "not yet": UNAVAILABLE, CANCELLED (not
+/// by this caller), DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED.
+async fn one_intent<S>(
+    mut client: OrdersClient<S>,
+    n: usize,
+    intent: &str,
+    with_idem: bool,
+    app_retries: u32,
+    (app_calls, replays): (&AtomicU64, &AtomicU64),
+) -> bool
+where
+    S: tonic::client::GrpcService<tonic::body::Body>,
+    S::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
+    S::Error: Into<BoxError>,
+{
+    let key = IdempotencyKey::generate();
+    for _ in 0..=app_retries {
+        app_calls.fetch_add(1, Ordering::Relaxed);
+        let mut req = Request::new(CreateOrderRequest {
+            customer_id: format!("customer-{}", n % 97),
+            sku: "sku-42".into(),
+            quantity: 1,
+            note: intent.to_owned(),
+        });
+        if with_idem {
+            idem_client::with_key(&mut req, &key);
+        }
+        match client.create_order(req).await {
+            Ok(response) => {
+                if idem_client::is_replayed(&response) {
+                    replays.fetch_add(1, Ordering::Relaxed);
+                }
+                return true;
+            }
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable
+                        // A connection that died mid-call (a killed server) can end
+                        // the call CANCELLED although the caller cancelled nothing.
+                        | tonic::Code::Cancelled
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Aborted
+                        | tonic::Code::ResourceExhausted
+                ) =>
+            {
+                continue;
+            }
+            Err(s) => {
+                if std::env::var_os("IDEM_DEMO_DEBUG").is_some() {
+                    eprintln!("intent {intent} failed: {s:?}");
+                }
+                return false;
+            }
+        }
+    }
+    false
+}
+
+fn show_progress(
+    o: &Options,
+    label: &'static str,
+    done: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    let total = o.intents as u64;
+    let show = o.progress;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            let d = done.load(Ordering::Relaxed);
+            if show {
+                eprint!("\r  {label:<13} {d:>6}/{total} intents");
+            }
+            if d >= total {
+                if show {
+                    eprintln!();
+                }
+                break;
+            }
+        }
+    })
+}
+
+/// Counts orders, duplicates and lost intents of a run from the ledger's orders per
+/// intent and what the callers saw.
+pub fn tally(
+    o: &Options,
+    label: &'static str,
+    by_intent: &HashMap<String, u32>,
+    w: Workload,
+) -> RunReport {
+    let pct = |p: f64| w.latencies[((w.latencies.len() as f64 - 1.0) * p).round() as usize];
+    let orders: u64 = by_intent.values().map(|&c| u64::from(c)).sum();
+    let duplicates: u64 = by_intent
+        .values()
+        .map(|&c| u64::from(c.saturating_sub(1)))
+        .sum();
+    let ok_without_order = (0..o.intents)
+        .map(|n| format!("intent-{n}"))
+        .filter(|i| !w.failed.contains(i) && !by_intent.contains_key(i))
+        .count() as u64;
+    RunReport {
+        label,
+        intents: o.intents,
+        attempts: 0,
+        app_calls: w.app_calls,
+        replays: w.replays.load(Ordering::Relaxed),
+        orders,
+        duplicates,
+        failed: w.failed.len() as u64,
+        ok_without_order,
+        restarted: false,
+        lost: w.failed.len() as u64 + ok_without_order,
+        p50: pct(0.50),
+        p99: pct(0.99),
+        elapsed: w.elapsed,
+        crashes: 0,
+    }
+}
