@@ -13,6 +13,7 @@ use bytes::Bytes;
 use crate::BoxError;
 use crate::retry::engine::context::Attempt;
 use crate::retry::response::transport::TransportBody;
+use crate::retry::response::wire;
 
 /// When an attempt is cut short, and how it then ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,11 +92,15 @@ where
 {
     match result {
         Err(cut) => cut.attempt(),
-        // A body still to come reads its transport failures as UNAVAILABLE.
-        Ok(Ok(resp)) if !resp.body().is_end_stream() => {
+        Ok(Ok(mut resp)) => {
+            // What the server wrote is scrubbed, here and in the trailers.
+            wire::scrub(resp.headers_mut());
+            if resp.body().is_end_stream() {
+                return Attempt::Response(resp.map(tonic::body::Body::new));
+            }
+            // A body still to come reads its transport failures as UNAVAILABLE.
             Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
         }
-        Ok(Ok(resp)) => Attempt::Response(resp.map(tonic::body::Body::new)),
         Ok(Err(_)) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
         Ok(Err(e)) => Attempt::Error(e.into()),
     }
