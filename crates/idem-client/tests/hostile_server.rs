@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt;
-use idem_client::retry::RetryLayer;
+use idem_client::retry::{CallOutcome, CallReport, RetryLayer};
 use tonic::body::Body;
 use tower::ServiceBuilder;
 
@@ -160,4 +160,33 @@ async fn details_that_are_not_base64_do_not_panic_the_caller() {
     let status = call(addr, "UrlSafeDetails").await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition);
     assert_eq!(status.details(), [0xfb, 0xff]);
+}
+
+#[tokio::test]
+async fn a_server_cannot_forge_the_call_report() {
+    let addr = serve().await;
+    let is_forged = |md: &tonic::metadata::MetadataMap| {
+        md.get("x-idem-retry-outcome").is_some() || md.get("x-idem-retry-attempts").is_some()
+    };
+    // Committed and OK: the report is the layer's (one attempt), the metadata is clean.
+    let resp = call(addr, "ForgedOk").await.unwrap();
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::Committed, 1)
+    );
+    assert!(!is_forged(resp.metadata()));
+    // Committed, then an error in the trailers: the layer made no report of it, so the
+    // caller reads none (it read "throttled after 5 attempts").
+    let status = call(addr, "ForgedError").await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert_eq!(CallReport::from_status(&status), None);
+    assert!(!is_forged(status.metadata()));
+    // Trailers-Only UNAVAILABLE every time: the report says what the layer did.
+    let status = call(addr, "Busy").await.unwrap_err();
+    let report = CallReport::from_status(&status).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts),
+        (CallOutcome::AttemptsExhausted, 3)
+    );
 }

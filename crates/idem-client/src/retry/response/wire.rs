@@ -7,9 +7,13 @@
 //! in another form (URL-safe, stray bits) is replaced by its canonical form; one it
 //! cannot decode is dropped. `grpc-status` and `grpc-message` stay as they are, so the
 //! caller still gets the server's code and message.
+//!
+//! Only the layer writes the [`CallReport`](crate::retry::CallReport)'s local headers
+//! (`x-idem-retry-*`): a server's are removed, so they never become the caller's report
+//! (nor its metadata).
 
-use http::{HeaderMap, HeaderValue};
-use idem_core::headers::GRPC_STATUS_DETAILS;
+use http::{HeaderMap, HeaderName, HeaderValue};
+use idem_core::headers::{GRPC_STATUS_DETAILS, RETRY_ATTEMPTS, RETRY_OUTCOME};
 
 use crate::retry::policy::pushback::base64_decode;
 
@@ -17,6 +21,31 @@ use crate::retry::policy::pushback::base64_decode;
 /// hand to tonic.
 pub(crate) fn scrub(headers: &mut HeaderMap) {
     repair_details(headers);
+    strip_report(headers);
+}
+
+/// The prefix of the report's local headers ([`RETRY_OUTCOME`], [`RETRY_ATTEMPTS`]).
+const REPORT_PREFIX: &str = "x-idem-retry-";
+
+/// Removes every `x-idem-retry-*` header: those are the layer's to write.
+fn strip_report(headers: &mut HeaderMap) {
+    // The two the report is read from, without a scan of the map.
+    headers.remove(RETRY_OUTCOME);
+    headers.remove(RETRY_ATTEMPTS);
+    if !headers
+        .keys()
+        .any(|k| k.as_str().starts_with(REPORT_PREFIX))
+    {
+        return;
+    }
+    let names: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with(REPORT_PREFIX))
+        .cloned()
+        .collect();
+    for name in names {
+        headers.remove(name);
+    }
 }
 
 /// Keeps a canonical `grpc-status-details-bin`, re-encodes one the layer can decode,
@@ -99,6 +128,20 @@ mod tests {
         // Not base64 at all: dropped.
         assert_eq!(scrubbed(b"!!not base64!!"), None);
         assert_eq!(scrubbed(b"a"), None);
+    }
+
+    #[test]
+    fn report_headers_are_the_layers_to_write() {
+        let mut h = HeaderMap::new();
+        h.insert("grpc-status", HeaderValue::from_static("14"));
+        h.insert(RETRY_OUTCOME, HeaderValue::from_static("throttled"));
+        h.append(RETRY_ATTEMPTS, HeaderValue::from_static("5"));
+        h.append(RETRY_ATTEMPTS, HeaderValue::from_static("6"));
+        h.insert("x-idem-retry-future", HeaderValue::from_static("1"));
+        h.insert("x-idem-replayed", HeaderValue::from_static("kept"));
+        scrub(&mut h);
+        let names: Vec<_> = h.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["grpc-status", "x-idem-replayed"]);
     }
 
     proptest! {
