@@ -183,7 +183,7 @@ where
                     let deadline = run.as_deref().and_then(Run::deadline);
                     let attempt = timed::ended(std::task::ready!(attempt.poll(cx)), deadline);
                     let mut run = run.take().expect("ResponseFuture polled after completion");
-                    match run.settle(attempt, *started) {
+                    match run.settle(attempt, started.elapsed()) {
                         AfterAttempt::Answer(answer) => Polled::Answer(answer),
                         AfterAttempt::After(wait) => {
                             drop(_enter);

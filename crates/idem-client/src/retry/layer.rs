@@ -276,7 +276,10 @@ impl RetryLayerBuilder {
         /// Trailers-Only. The layer then reads the first body frame of every response before
         /// handing it on (under the deadline and `perAttemptRecvTimeout`): response headers
         /// reach the caller with the first message instead of before it. A response whose
-        /// first frame is a message is committed as usual.
+        /// first frame is a message is committed as usual. The headers still commit the
+        /// call: when the deadline or `perAttemptRecvTimeout` passes before the first
+        /// frame, the response goes on as it came (never retried, nor hedged again), and
+        /// while a hedge's first frame is awaited no other hedge goes out.
         retry_headers_then_error(yes: bool) => overrides.peek_early_trailers = yes;
         /// The longest wait before a retry that a server may ask for, with
         /// `grpc-retry-pushback-ms` or `google.rpc.RetryInfo` (default 30 s). A server that

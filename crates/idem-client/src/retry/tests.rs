@@ -805,6 +805,82 @@ async fn a_message_then_an_error_is_never_retried() {
     assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
 }
 
+/// Real headers at once; `after` them, one empty message (or, with `error`, these
+/// error trailers and no message) then OK trailers.
+pub(crate) fn late_first_frame(
+    after: Duration,
+    error: Option<&'static str>,
+) -> http::Response<Body> {
+    struct Late {
+        sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+        frames: VecDeque<http_body::Frame<Bytes>>,
+    }
+    impl http_body::Body for Late {
+        type Data = Bytes;
+        type Error = tonic::Status;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            std::task::ready!(self.sleep.as_mut().poll(cx));
+            std::task::Poll::Ready(self.frames.pop_front().map(Ok))
+        }
+    }
+    let trailers = |code: &'static str| {
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", code.parse().unwrap());
+        http_body::Frame::trailers(t)
+    };
+    let frames = match error {
+        Some(code) => VecDeque::from([trailers(code)]),
+        None => VecDeque::from([
+            http_body::Frame::data(Bytes::from_static(b"\0\0\0\0\0")),
+            trailers("0"),
+        ]),
+    };
+    let sleep = Box::pin(tokio::time::sleep(after));
+    http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(Body::new(Late { sleep, frames }))
+        .unwrap()
+}
+
+/// Issue 30, item 8: with the opt-in peek and `perAttemptRecvTimeout`, response headers
+/// that came at once and a first message that comes later: the headers committed the
+/// call, so the receive timeout ends the peek (the response goes on) and never retries
+/// it. It was retried (3 handler runs), and the caller got CANCELLED with a report of
+/// "no response headers".
+#[tokio::test(start_paused = true)]
+async fn a_receive_timeout_after_the_headers_never_retries_a_peeked_call() {
+    let (calls, svc) = scripted_responses(
+        (0..3)
+            .map(|_| late_first_frame(Duration::from_secs(1), None))
+            .collect(),
+    );
+    let layer = builder()
+        .retry_headers_then_error(true)
+        .per_attempt_recv_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let resp = send(&mut layer.layer(svc), request(PATH)).await.unwrap();
+    // The peek gave up at the receive timeout; the headers go on, committed.
+    assert_eq!(start.elapsed(), Duration::from_millis(200));
+    assert_summary(&resp, CallOutcome::Committed, 1, None);
+    // The report says when the headers came.
+    let first = *report(&resp).history().next().unwrap();
+    assert_eq!(
+        (first.end, first.took),
+        (AttemptEnd::Committed, Duration::ZERO)
+    );
+    let collected = resp.into_body().collect().await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
+    assert_eq!(*calls.lock().unwrap(), 1);
+    assert_eq!(layer.stats().snapshot().retries, 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn keys_are_sensitive_and_the_same_on_every_attempt() {
     // Generated key.

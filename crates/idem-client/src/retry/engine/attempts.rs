@@ -6,7 +6,7 @@
 //! Everything A6 decides lives in [`policy`]; this file does the I/O, the clock, the
 //! counters and the tracing around it.
 
-use std::future::{Future, poll_fn};
+use std::future::poll_fn;
 use std::task::Context;
 use std::time::Duration;
 
@@ -21,7 +21,7 @@ use tower_service::Service;
 
 use crate::BoxError;
 use crate::retry::engine::context::{Attempt, CallContext};
-use crate::retry::engine::timed::{self, Cut, Timed};
+use crate::retry::engine::timed::{Cut, Receive, Timed};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::policy::{
@@ -29,7 +29,6 @@ use crate::retry::policy::{
 };
 use crate::retry::request::RequestCopy;
 use crate::retry::request::check::RequestCheck;
-use crate::retry::response::peek::{self, early_code};
 use crate::retry::{Req, Resp};
 
 /// A call that may send more than one attempt: its context, and its plan (the retry or
@@ -118,22 +117,10 @@ impl CallPlan {
     }
 
     /// Awaits one attempt's response headers (and, with `peek`, its first body frame,
-    /// under the same cut).
-    pub(crate) async fn receive<F, RB, E>(&self, attempt: Timed<F>, peek: bool) -> Attempt
-    where
-        F: Future<Output = Result<http::Response<RB>, E>>,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<BoxError>,
-        E: Into<BoxError>,
-    {
-        let cut = attempt.cut();
-        match timed::ended(attempt.await, self.cx.deadline) {
-            Attempt::Response(r) if peek && early_code(&r).is_none() => {
-                let peeked = Timed::new(peek::peek_early_trailers(r), cut).await;
-                peeked.map_or_else(Cut::attempt, Attempt::Response)
-            }
-            other => other,
-        }
+    /// under the same cut; headers commit the call, so a cut after them ends only the
+    /// peek).
+    pub(crate) fn receive<F>(&self, attempt: Timed<F>, peek: bool) -> Receive<F> {
+        Receive::new(attempt, self.cx.deadline, peek)
     }
 
     /// Before an attempt: a passed deadline ends the call.
@@ -347,23 +334,24 @@ impl Run {
                 Ok(sent) => sent,
                 Err(answer) => return Ok(answer),
             };
-            let attempt = self.call.receive(sent, self.peek).await;
-            match self.settle(attempt, started) {
+            let received = self.call.receive(sent, self.peek).await;
+            let took = received.at.saturating_duration_since(started);
+            match self.settle(received.attempt, took) {
                 AfterAttempt::Answer(answer) => return Ok(answer),
                 AfterAttempt::After(next) => wait = Some(next),
             }
         }
     }
 
-    /// What follows an attempt sent at `started`: the caller's answer, or another
-    /// attempt after a wait.
-    pub(crate) fn settle(&mut self, attempt: Attempt, started: Instant) -> AfterAttempt {
+    /// What follows an attempt that `took` this long (to its response headers, or its
+    /// end): the caller's answer, or another attempt after a wait.
+    pub(crate) fn settle(&mut self, attempt: Attempt, took: Duration) -> AfterAttempt {
         let call = &self.call;
         if call.cx.request_fault().is_some() {
             // A request message was over its limit: the stream was reset, and the rest of
             // the request must never be replayed as if it were complete.
             self.copy.retire(0);
-            self.report.record(attempt.observe().end, started.elapsed());
+            self.report.record(attempt.observe().end, took);
             return AfterAttempt::Answer(self.answer(attempt, self.report.outcome));
         }
         if call.wait_for_ready && attempt.never_sent() && self.copy.can_resend() {
@@ -383,7 +371,7 @@ impl Run {
         }
         self.ready = ReadyWait::default();
         let attempted = attempt.observe();
-        self.report.record(attempted.end, started.elapsed());
+        self.report.record(attempted.end, took);
         if attempted.end == AttemptEnd::Committed {
             self.copy.commit(0);
         }

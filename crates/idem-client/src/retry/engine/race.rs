@@ -32,6 +32,7 @@ use crate::BoxError;
 use crate::retry::Resp;
 use crate::retry::engine::attempts::{CallPlan, NotReady, ReadyWait};
 use crate::retry::engine::context::Attempt;
+use crate::retry::engine::timed::{Receive, Received};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::hedge::{
     self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, NextHedge,
@@ -39,7 +40,24 @@ use crate::retry::policy::hedge::{
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::request::RequestCopy;
 
-type AttemptFuture<'a> = Pin<Box<dyn Future<Output = Attempt> + Send + 'a>>;
+/// A hedge's [`Receive`], boxed: the race asks whether its headers came.
+trait Receiving: Future<Output = Received> + Send {
+    fn headers_came(&self) -> bool;
+}
+
+impl<F, RB, E> Receiving for Receive<F>
+where
+    F: Future<Output = Result<http::Response<RB>, E>> + Send,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+    E: Into<BoxError>,
+{
+    fn headers_came(&self) -> bool {
+        Receive::headers_came(self)
+    }
+}
+
+type AttemptFuture<'a> = Pin<Box<dyn Receiving + 'a>>;
 
 /// One hedge on its way.
 struct Running<'a> {
@@ -51,7 +69,7 @@ struct Running<'a> {
 /// What the race waits for.
 enum Event {
     /// A hedge ended (its position in `running`).
-    Ended(usize, Attempt),
+    Ended(usize, Received),
     /// The request passed a replay limit and committed to this hedge.
     Overflowed(u32),
     /// The next hedge is due.
@@ -142,7 +160,7 @@ where
     loop {
         let event = poll_fn(|cx| race.poll_event(&mut svc, cx)).await;
         let answer = match event {
-            Event::Ended(pos, attempt) => race.ended(pos, attempt),
+            Event::Ended(pos, received) => race.ended(pos, received),
             Event::Overflowed(hedge) => race.overflowed(hedge),
             Event::Due => race.due(),
             Event::Ready => {
@@ -166,12 +184,18 @@ impl<'a> Race<'a> {
         S::Error: Into<BoxError>,
     {
         for (pos, r) in self.running.iter_mut().enumerate() {
-            if let Poll::Ready(attempt) = r.response.as_mut().poll(cx) {
-                return Poll::Ready(Event::Ended(pos, attempt));
+            if let Poll::Ready(received) = r.response.as_mut().poll(cx) {
+                return Poll::Ready(Event::Ended(pos, received));
             }
         }
         if let Poll::Ready(hedge) = self.body.poll_overflow(cx) {
             return Poll::Ready(Event::Overflowed(hedge));
+        }
+        // A hedge's response headers came (the peek awaits its first frame): they commit
+        // the call, so no hedge goes out unless that frame says the hedge failed (its end
+        // then plans the next one).
+        if self.running.iter().any(|r| r.response.headers_came()) {
+            return Poll::Pending;
         }
         if let Some(timer) = self.timer.as_mut()
             && timer.as_mut().poll(cx).is_ready()
@@ -298,13 +322,14 @@ impl<'a> Race<'a> {
     }
 
     /// A hedge ended: the call ends with it, or the race goes on.
-    fn ended(&mut self, pos: usize, attempt: Attempt) -> Option<Resp> {
+    fn ended(&mut self, pos: usize, received: Received) -> Option<Resp> {
         let done = self.running.remove(pos);
         self.state.running = self.running.len() as u32;
+        let Received { attempt, at } = received;
+        let took = at.saturating_duration_since(done.started);
         if self.call.cx.request_fault().is_some() {
             // A request message was over its limit: no hedge may send the rest.
-            self.report
-                .ended(done.index, attempt.observe().end, done.started.elapsed());
+            self.report.ended(done.index, attempt.observe().end, took);
             return Some(self.finish(attempt, CallOutcome::MessageTooLarge));
         }
         if self.call.wait_for_ready && attempt.never_sent() {
@@ -312,8 +337,7 @@ impl<'a> Race<'a> {
         }
         self.ready = ReadyWait::default();
         let attempted = attempt.observe();
-        self.report
-            .ended(done.index, attempted.end, done.started.elapsed());
+        self.report.ended(done.index, attempted.end, took);
         let limits = self.limits();
         let throttle = self.throttle;
         let decision = hedge_policy::decide(&mut self.state, &attempted, &limits, || {
@@ -476,7 +500,8 @@ where
             call.timed(svc.call(call.request(parts, body.body(0), 1))),
             false,
         )
-        .await;
+        .await
+        .attempt;
     let end = attempt.observe().end;
     match end {
         AttemptEnd::Committed => body.commit(0),
@@ -511,7 +536,8 @@ mod tests {
 
     use crate::BoxError;
     use crate::retry::policy::backoff::FixedJitter;
-    use crate::retry::{CallOutcome, CallReport, RetryLayer, RetryLayerBuilder};
+    use crate::retry::tests::late_first_frame;
+    use crate::retry::{AttemptEnd, CallOutcome, CallReport, RetryLayer, RetryLayerBuilder};
 
     const PATH: &str = "/shop.v1.Orders/CreateOrder";
 
@@ -680,6 +706,67 @@ mod tests {
         seen.windows(2)
             .map(|w| (w[1].0 - w[0].0).as_millis() as u64)
             .collect()
+    }
+
+    /// Answers each request from `responses` (then OK), recording when it came.
+    fn answering(responses: Vec<http::Response<Body>>, seen: Arc<Mutex<Vec<Arrived>>>) -> Inner {
+        let responses = Arc::new(Mutex::new(std::collections::VecDeque::from(responses)));
+        Inner::new(tower::service_fn(move |req: http::Request<Body>| {
+            seen.lock().unwrap().push((Instant::now(), previous(&req)));
+            let next = responses.lock().unwrap().pop_front();
+            async move { Ok::<_, BoxError>(next.unwrap_or_else(|| http::Response::new(Body::empty()))) }
+        }))
+    }
+
+    /// Issue 30, item 8, hedged: with the opt-in peek, the first hedge's headers came at
+    /// once and its first message a second later. The headers committed the call: no
+    /// hedge goes out after them (two more went, one hedging delay apart), and the report
+    /// says when they came.
+    #[tokio::test(start_paused = true)]
+    async fn no_hedge_goes_out_after_a_hedges_headers() {
+        let seen = Arc::default();
+        let layer = hedged_layer("", |b| b.retry_headers_then_error(true));
+        let late = |_| late_first_frame(Duration::from_secs(1), None);
+        let mut svc = layer.layer(answering((0..2).map(late).collect(), Arc::clone(&seen)));
+        let start = Instant::now();
+        let resp = send(&mut svc).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!(report.outcome, CallOutcome::Committed);
+        assert_eq!((report.hedges(), report.winner()), (Some(1), Some(0)));
+        let first = *report.history().next().unwrap();
+        assert_eq!(
+            (first.end, first.took),
+            (AttemptEnd::Committed, Duration::ZERO)
+        );
+        assert_eq!(seen.lock().unwrap().len(), 1);
+        let collected = resp.into_body().collect().await.unwrap();
+        assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
+    }
+
+    /// ... and when the first frame says the hedge failed (headers, then UNAVAILABLE
+    /// trailers), the next hedge goes out then, as after any non-fatal failure.
+    #[tokio::test(start_paused = true)]
+    async fn a_hedge_whose_peek_finds_an_error_sends_the_next_then() {
+        let seen = Arc::default();
+        let layer = hedged_layer("", |b| b.retry_headers_then_error(true));
+        let failing = late_first_frame(Duration::from_millis(300), Some("14"));
+        let mut svc = layer.layer(answering(vec![failing], Arc::clone(&seen)));
+        let resp = send(&mut svc).await;
+        let report = *resp.extensions().get::<CallReport>().unwrap();
+        assert_eq!((report.hedges(), report.winner()), (Some(2), Some(1)));
+        let ends: Vec<_> = report.history().map(|r| (r.end, r.took)).collect();
+        assert_eq!(
+            ends,
+            [
+                (
+                    AttemptEnd::Status(tonic::Code::Unavailable),
+                    Duration::from_millis(300)
+                ),
+                (AttemptEnd::Committed, Duration::ZERO),
+            ]
+        );
+        assert_eq!(gaps(&seen.lock().unwrap()), [300]);
     }
 
     #[tokio::test(start_paused = true)]

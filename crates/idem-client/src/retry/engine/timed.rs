@@ -1,4 +1,6 @@
-//! [`Timed`]: an attempt cut short at the call's deadline or its receive timeout.
+//! [`Timed`]: an attempt cut short at the call's deadline or its receive timeout;
+//! [`Receive`]: its response, with the opt-in peek at the first body frame under the
+//! same cut.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +14,9 @@ use bytes::Bytes;
 
 use crate::BoxError;
 use crate::retry::engine::context::Attempt;
+use crate::retry::response::peek::{Peek, early_code};
 use crate::retry::response::transport::TransportBody;
+use crate::retry::response::wire;
 
 /// When an attempt is cut short, and how it then ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,11 +95,15 @@ where
 {
     match result {
         Err(cut) => cut.attempt(),
-        // A body still to come reads its transport failures as UNAVAILABLE.
-        Ok(Ok(resp)) if !resp.body().is_end_stream() => {
+        Ok(Ok(mut resp)) => {
+            // What the server wrote is scrubbed, here and in the trailers.
+            wire::scrub(resp.headers_mut());
+            if resp.body().is_end_stream() {
+                return Attempt::Response(resp.map(tonic::body::Body::new));
+            }
+            // A body still to come reads its transport failures as UNAVAILABLE.
             Attempt::Response(resp.map(|b| tonic::body::Body::new(TransportBody::new(b))))
         }
-        Ok(Ok(resp)) => Attempt::Response(resp.map(tonic::body::Body::new)),
         Ok(Err(_)) if deadline.is_some_and(|d| d <= Instant::now()) => Attempt::Deadline,
         Ok(Err(e)) => Attempt::Error(e.into()),
     }
@@ -119,6 +127,102 @@ impl<F: Future> Future for Timed<F> {
         match timer.as_pin_mut() {
             Some(timer) => timer.poll(cx).map(|()| Err(cut)),
             None => Poll::Pending,
+        }
+    }
+}
+
+pin_project! {
+    /// Awaits one attempt's response headers and, with `peek`, its first body frame
+    /// (the opt-in "headers, then error" rule), under the attempt's [`Cut`].
+    ///
+    /// Response headers commit the call (gRFC A6), with or without the peek: a cut that
+    /// comes after them ends the peek, not the attempt. The response goes on, committed,
+    /// with its first frame still to come; the deadline then bounds its body as any
+    /// other's. Never a receive timeout (so never a retry or a hedge) after headers.
+    pub(crate) struct Receive<F> {
+        #[pin]
+        attempt: Timed<F>,
+        deadline: Option<Instant>,
+        peek: bool,
+        // Set once headers came and the first frame is awaited.
+        peeking: Option<(Peek, Instant)>,
+        #[pin]
+        timer: Option<Sleep>,
+    }
+}
+
+/// What [`Receive`] gives: how the attempt ended, and when its response headers came
+/// (or, for one that failed, when it ended).
+pub(crate) struct Received {
+    pub(crate) attempt: Attempt,
+    pub(crate) at: Instant,
+}
+
+impl<F> Receive<F> {
+    /// The response of `attempt`, peeked at with `peek`; `deadline` is the call's.
+    pub(crate) fn new(attempt: Timed<F>, deadline: Option<Instant>, peek: bool) -> Self {
+        Receive {
+            attempt,
+            deadline,
+            peek,
+            peeking: None,
+            timer: None,
+        }
+    }
+
+    /// Whether the response headers came and the first frame is awaited: the call is
+    /// committed unless that frame says "error".
+    pub(crate) fn headers_came(&self) -> bool {
+        self.peeking.is_some()
+    }
+}
+
+impl<F, RB, E> Future for Receive<F>
+where
+    F: Future<Output = Result<http::Response<RB>, E>>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+    E: Into<BoxError>,
+{
+    type Output = Received;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Received> {
+        let mut this = self.project();
+        loop {
+            if let Some((mut peek, headers_at)) = this.peeking.take() {
+                if let Poll::Ready(first) = peek.poll_first(cx) {
+                    let resp = peek.finish(first);
+                    // Reshaped as Trailers-Only: the attempt failed when its trailers came.
+                    let at = match early_code(&resp) {
+                        Some(_) => Instant::now(),
+                        None => headers_at,
+                    };
+                    let attempt = Attempt::Response(resp);
+                    return Poll::Ready(Received { attempt, at });
+                }
+                if let Some(timer) = this.timer.as_mut().as_pin_mut()
+                    && timer.poll(cx).is_ready()
+                {
+                    let attempt = Attempt::Response(peek.into_response());
+                    return Poll::Ready(Received {
+                        attempt,
+                        at: headers_at,
+                    });
+                }
+                *this.peeking = Some((peek, headers_at));
+                return Poll::Pending;
+            }
+            let result = std::task::ready!(this.attempt.as_mut().poll(cx));
+            let at = Instant::now();
+            match ended(result, *this.deadline) {
+                Attempt::Response(r) if *this.peek && early_code(&r).is_none() => {
+                    if let Some(cut) = this.attempt.cut() {
+                        this.timer.set(Some(tokio::time::sleep_until(cut.at)));
+                    }
+                    *this.peeking = Some((Peek::new(r), at));
+                }
+                attempt => return Poll::Ready(Received { attempt, at }),
+            }
         }
     }
 }

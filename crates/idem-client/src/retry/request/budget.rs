@@ -6,10 +6,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::retry::CallOutcome;
 
-/// Bytes held for replay across all calls of one layer (and its clones).
+/// Request bytes held across all calls of one layer (and its clones): kept for replay,
+/// or read before a call committed and not yet sent by its committed attempt. Both count
+/// against `maxReplayBytesTotal`.
 #[derive(Debug)]
 pub(crate) struct ReplayBudget {
+    /// Every byte held: kept for replay, or waiting to be sent after a commit.
     held: AtomicUsize,
+    /// Of `held`, the bytes committed attempts have not sent yet.
+    unsent: AtomicUsize,
     limit: AtomicUsize,
 }
 
@@ -17,14 +22,22 @@ impl ReplayBudget {
     pub(crate) fn new(limit: usize) -> Self {
         ReplayBudget {
             held: AtomicUsize::new(0),
+            unsent: AtomicUsize::new(0),
             limit: AtomicUsize::new(limit),
         }
     }
     pub(crate) fn set_limit(&self, limit: usize) {
         self.limit.store(limit, Ordering::Relaxed);
     }
+    /// Bytes kept for replay.
     pub(crate) fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
+        let unsent = self.unsent.load(Ordering::Relaxed);
+        self.held.load(Ordering::Relaxed).saturating_sub(unsent)
+    }
+    /// Bytes read before their call committed that its attempt has not sent yet.
+    #[cfg(test)]
+    pub(crate) fn unsent(&self) -> usize {
+        self.unsent.load(Ordering::Relaxed)
     }
     fn try_reserve(&self, n: usize) -> bool {
         let limit = self.limit.load(Ordering::Relaxed);
@@ -34,12 +47,10 @@ impl ReplayBudget {
             })
             .is_ok()
     }
-    fn release(&self, n: usize) {
-        let _ = self
-            .held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
-                Some(h.saturating_sub(n))
-            });
+    fn release(counter: &AtomicUsize, n: usize) {
+        let _ = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+            Some(h.saturating_sub(n))
+        });
     }
 }
 
@@ -47,12 +58,19 @@ impl ReplayBudget {
 #[derive(Debug)]
 pub(crate) struct BudgetLease {
     budget: Arc<ReplayBudget>,
+    /// Kept for replay.
     bytes: usize,
+    /// Read before the call committed, not yet sent by the committed attempt.
+    unsent: usize,
 }
 
 impl BudgetLease {
     pub(crate) fn new(budget: Arc<ReplayBudget>) -> Self {
-        BudgetLease { budget, bytes: 0 }
+        BudgetLease {
+            budget,
+            bytes: 0,
+            unsent: 0,
+        }
     }
     pub(crate) fn reserve(&mut self, n: usize) -> bool {
         if self.budget.try_reserve(n) {
@@ -63,10 +81,38 @@ impl BudgetLease {
         }
     }
     pub(crate) fn release_all(&mut self) {
-        if self.bytes > 0 {
-            self.budget.release(self.bytes);
+        let all = self.bytes + self.unsent;
+        if all > 0 {
+            ReplayBudget::release(&self.budget.held, all);
+            ReplayBudget::release(&self.budget.unsent, self.unsent);
             self.bytes = 0;
+            self.unsent = 0;
         }
+    }
+
+    /// The call committed: nothing is kept for replay any more, but the `unsent` bytes
+    /// its attempt has still to send stay counted until [`sent`](Self::sent).
+    pub(crate) fn commit(&mut self, unsent: usize) {
+        let unsent = unsent.min(self.bytes + self.unsent);
+        let free = (self.bytes + self.unsent) - unsent;
+        ReplayBudget::release(&self.budget.held, free);
+        if unsent >= self.unsent {
+            self.budget
+                .unsent
+                .fetch_add(unsent - self.unsent, Ordering::AcqRel);
+        } else {
+            ReplayBudget::release(&self.budget.unsent, self.unsent - unsent);
+        }
+        self.bytes = 0;
+        self.unsent = unsent;
+    }
+
+    /// The committed attempt sent `n` of its unsent bytes.
+    pub(crate) fn sent(&mut self, n: usize) {
+        let n = n.min(self.unsent);
+        self.unsent -= n;
+        ReplayBudget::release(&self.budget.held, n);
+        ReplayBudget::release(&self.budget.unsent, n);
     }
 }
 

@@ -83,6 +83,11 @@ impl RequestFault {
         let _ = self.0.set(o);
     }
 
+    /// Whether a message was too large.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.get().is_some()
+    }
+
     /// The status the caller gets, once a message was too large.
     pub(crate) fn status(&self) -> Option<tonic::Status> {
         let o = self.0.get()?;

@@ -178,8 +178,12 @@ pub(crate) mod fixtures {
     /// A streamed request with nothing sent yet; `cap` per call, `total` in the layer's
     /// budget.
     pub(crate) fn started(cap: usize, total: usize) -> StreamStart {
+        started_on(cap, Arc::new(ReplayBudget::new(total)))
+    }
+
+    /// [`started`], on a layer's `budget` that other calls share.
+    pub(crate) fn started_on(cap: usize, budget: Arc<ReplayBudget>) -> StreamStart {
         let (tx, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(ReplayBudget::new(total));
         let mut lease = BudgetLease::new(budget.clone());
         let mut source = tonic::body::Body::new(Feed(rx));
         let mut cx = Context::from_waker(Waker::noop());

@@ -18,8 +18,9 @@
 //!   sends no more; a retried call from [`StreamCopy::overflow`].
 //!
 //! Once committed nothing more is kept: the messages the committed slot has sent are
-//! freed and their bytes go back to the budget; the committed attempt goes on after the
-//! call loop has answered the caller.
+//! freed and their bytes go back to the budget; those it has not sent yet stay counted in
+//! the budget (as unsent, not as replay) until it sends them. The committed attempt goes
+//! on after the call loop has answered the caller.
 //!
 //! A slot that is retired ([`StreamCopy::retire`]: the attempt failed, the hedge was
 //! cancelled) or whose body is replaced by a new one has its old body fail on its next
@@ -371,8 +372,10 @@ impl Fanout {
         let base = self.read - self.chunks.len();
         let freed = sent.saturating_sub(base).min(self.chunks.len());
         self.chunks.drain(..freed);
-        self.kept = 0;
-        self.lease.release_all();
+        // What the slot has not sent yet stays counted until it sends it: request bytes
+        // held after the commit stay within `maxReplayBytesTotal` too.
+        self.kept = self.chunks.iter().map(Bytes::len).sum();
+        self.lease.commit(self.kept);
         let others = self.take_readers(|r| r.slot != slot);
         others.into_iter().for_each(|id| wakers.wake_one(id));
     }
@@ -386,7 +389,12 @@ impl Fanout {
         let base = self.read - self.chunks.len();
         let chunk = if self.commit.is_some() {
             // Only the committed slot reads: what it has sent is freed.
-            self.chunks.pop_front()
+            let chunk = self.chunks.pop_front();
+            if let Some(c) = &chunk {
+                self.kept = self.kept.saturating_sub(c.len());
+                self.lease.sent(c.len());
+            }
+            chunk
         } else {
             self.chunks.get(pos.checked_sub(base)?).cloned()
         };
@@ -558,7 +566,7 @@ impl Drop for SlotBody {
 mod retry_tests {
     use super::*;
     use crate::retry::request::budget::ReplayBudget;
-    use crate::retry::request::fixtures::{Feed, StreamedCall, counter, ok, started};
+    use crate::retry::request::fixtures::{Feed, StreamedCall, counter, ok, started, started_on};
     use crate::retry::request::read::{Ready, read_ready};
     use http_body_util::BodyExt;
     use std::sync::atomic::Ordering;
@@ -660,6 +668,51 @@ mod retry_tests {
         );
         drop(tx);
         assert_eq!(next(&mut second).await, None);
+    }
+
+    /// Issue 30, item 9: the messages read before the commit that the committed attempt
+    /// has not sent (its server reads nothing more) stay counted in
+    /// `maxReplayBytesTotal` until it sends them; the budget reported 0 while they were
+    /// held, so other calls could hold that much again.
+    #[tokio::test]
+    async fn what_a_committed_attempt_has_not_sent_stays_in_the_budget() {
+        let a = call(100, 10);
+        let mut first = a.stream.body();
+        a.send("abc");
+        a.send("def");
+        assert_eq!(next(&mut first).await, ok("abc"));
+        assert_eq!(next(&mut first).await, ok("def"));
+        a.stream.retire();
+        let mut second = a.stream.body();
+        assert_eq!(next(&mut second).await, ok("abc"));
+        // Response headers come with "def" not sent yet.
+        a.stream.commit();
+        assert_eq!(a.budget.held(), 0, "nothing is kept for replay");
+        assert_eq!(a.budget.unsent(), 3);
+        // Another call of the layer has 10 - 3 bytes left.
+        let retried =
+            |start, source, lease| Retried(StreamCopy::new(start, source, lease, 100, None, false));
+        let b = started_on(100, Arc::clone(&a.budget)).call(retried);
+        let mut other = b.stream.body();
+        b.send("1234567");
+        b.send("8");
+        assert_eq!(next(&mut other).await, ok("1234567"));
+        assert_eq!(b.stream.overflow(), None);
+        assert_eq!(next(&mut other).await, ok("8"));
+        assert_eq!(
+            b.stream.overflow(),
+            Some(Overflow::Budget),
+            "3 + 7 + 1 > 10"
+        );
+        drop((other, b));
+        // Once the committed attempt sends "def", its bytes come back.
+        assert_eq!(next(&mut second).await, ok("def"));
+        assert_eq!((a.budget.held(), a.budget.unsent()), (0, 0));
+        let c = started_on(100, Arc::clone(&a.budget)).call(retried);
+        let mut third = c.stream.body();
+        c.send("1234567890");
+        assert_eq!(next(&mut third).await, ok("1234567890"));
+        assert_eq!(c.stream.overflow(), None);
     }
 
     #[tokio::test]

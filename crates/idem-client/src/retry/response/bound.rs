@@ -51,6 +51,9 @@ pin_project! {
         report: CallReport,
         // Trailers to end with, after the data before a message over the limit.
         end: Option<HeaderMap>,
+        // Trailers (or an error) were yielded: the body has ended (http-body's contract:
+        // nothing comes after trailers).
+        done: bool,
     }
 }
 
@@ -76,6 +79,7 @@ pub(crate) fn bound(resp: Resp, bounds: Bounds, report: CallReport) -> Resp {
             fault,
             report,
             end: None,
+            done: false,
         })
     })
 }
@@ -85,6 +89,45 @@ impl Body for BoundedBody {
     type Error = tonic::Status;
 
     fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let polled = self.as_mut().poll_bounded(cx);
+        if let Poll::Ready(Some(frame)) = &polled
+            && !frame.as_ref().is_ok_and(Frame::is_data)
+        {
+            let this = self.project();
+            *this.done = true;
+            *this.inner = None;
+            *this.end = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let fault_pending = self.fault.as_ref().is_some_and(|f| f.is_set());
+        self.done
+            || (self.end.is_none()
+                && !fault_pending
+                && self.inner.as_ref().is_none_or(Body::is_end_stream))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            // Only the deadline bounds it: the size is the inner body's, unless cut.
+            Some(inner) if self.limit.is_none() && self.fault.is_none() => inner.size_hint(),
+            Some(_) => SizeHint::default(),
+            None => SizeHint::with_exact(0),
+        }
+    }
+}
+
+impl BoundedBody {
+    /// The next frame, bounded; [`Body::poll_frame`] ends the body after trailers.
+    fn poll_bounded(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
@@ -115,7 +158,10 @@ impl Body for BoundedBody {
         let data = match frame {
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => data,
-                Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                Err(frame) => {
+                    let fault = request_fault(fault, this.inner, this.report);
+                    return Poll::Ready(Some(Ok(fault.map_or(frame, Frame::trailers))));
+                }
             },
             // The stream ended or failed: when the request side broke it, say why.
             other => {
@@ -147,19 +193,6 @@ impl Body for BoundedBody {
         // The messages before it are the caller's: deliver them, then end.
         *this.end = Some(trailers);
         Poll::Ready(Some(Ok(Frame::data(data.slice(..o.at)))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.end.is_none() && self.inner.as_ref().is_none_or(Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.inner {
-            // Only the deadline bounds it: the size is the inner body's, unless cut.
-            Some(inner) if self.limit.is_none() && self.fault.is_none() => inner.size_hint(),
-            Some(_) => SizeHint::default(),
-            None => SizeHint::with_exact(0),
-        }
     }
 }
 
@@ -210,6 +243,44 @@ mod tests {
         assert!(body.frame().await.is_none());
         let status = tonic::Status::from_header_map(&trailers).unwrap();
         assert_eq!(deadline_report(&status).attempts, 1);
+    }
+
+    /// Issue 30, item 10: a request message over its limit after the response began
+    /// ends the body with RESOURCE_EXHAUSTED trailers, once: then `None` (it returned the
+    /// trailers on every poll, and `collect` spun for ever).
+    #[tokio::test(start_paused = true)]
+    async fn trailers_end_the_body_once_a_request_message_was_too_large() {
+        let fault = Arc::new(RequestFault::default());
+        let resp = http::Response::new(tonic::body::Body::new(Stalled(true)));
+        let bounds = Bounds {
+            fault: Some(Arc::clone(&fault)),
+            ..Bounds::default()
+        };
+        let report = CallReport::new(CallOutcome::Committed);
+        let mut body = bound(resp, bounds, report).into_body();
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+        assert!(!body.is_end_stream());
+        fault.set(crate::retry::request::check::Oversize {
+            at: 0,
+            len: 10,
+            limit: 4,
+        });
+        let trailers = next_trailers(&mut body).await;
+        let status = tonic::Status::from_header_map(&trailers).unwrap();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(body.is_end_stream());
+        for _ in 0..3 {
+            assert!(body.frame().await.is_none());
+        }
+        // The caller's `collect` ends, with the one set of trailers.
+        let resp = http::Response::new(tonic::body::Body::new(Stalled(true)));
+        let bounds = Bounds {
+            fault: Some(fault),
+            ..Bounds::default()
+        };
+        let body = bound(resp, bounds, report).into_body();
+        let collected = body.collect().await.unwrap();
+        assert_eq!(collected.trailers().unwrap()["grpc-status"], "8");
     }
 
     /// One message, then nothing for ever.

@@ -4,8 +4,11 @@
 //!   and the opt-in peek at the first body frame);
 //! - [`transport`]: connection failures in a response body read as UNAVAILABLE;
 //! - [`bound`]: the call's deadline and `maxResponseMessageBytes` over the response
-//!   body.
+//!   body;
+//! - [`wire`]: what a server's status headers may carry to the caller (no panic in
+//!   tonic).
 
 pub(crate) mod bound;
 pub(crate) mod peek;
 pub(crate) mod transport;
+pub(crate) mod wire;

@@ -7,7 +7,6 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
 use idem_core::code::grpc_status_code;
 use tonic::Code;
 
@@ -67,34 +66,63 @@ impl Body for Peeked {
     }
 }
 
-/// The opt-in "headers, then error trailers with no message" rule: reads the first frame
-/// of a response that has real headers. When it is trailers with a non-OK `grpc-status`,
-/// the response is reshaped as Trailers-Only (the trailers join the headers, the body is
-/// empty), so the retry decision (and tonic) treat it as one. Otherwise the response is
-/// rebuilt with the frame put back in front: nothing is lost.
-pub(crate) async fn peek_early_trailers(resp: Resp) -> Resp {
-    let (mut parts, mut body) = resp.into_parts();
-    let rebuilt = |parts, first, error, rest| {
-        let body = tonic::body::Body::new(Peeked { first, error, rest });
-        http::Response::from_parts(parts, body)
-    };
-    match body.frame().await {
-        None => http::Response::from_parts(parts, tonic::body::Body::empty()),
-        Some(Err(e)) => rebuilt(parts, None, Some(e), None),
-        Some(Ok(frame)) => match frame.into_trailers() {
-            Ok(trailers) => {
-                let failed = grpc_status_code(&trailers).is_some_and(|c| c != Code::Ok);
-                if failed {
-                    for (name, value) in &trailers {
-                        parts.headers.append(name.clone(), value.clone());
+/// The opt-in "headers, then error trailers with no message" rule: a response with real
+/// headers whose first body frame the layer reads before handing it on. When that frame
+/// is trailers with a non-OK `grpc-status`, the response is reshaped as Trailers-Only
+/// (the trailers join the headers, the body is empty), so the retry decision (and tonic)
+/// treat it as one. Otherwise the response is rebuilt with the frame put back in front:
+/// nothing is lost. A peek cut short gives the response back as it came.
+pub(crate) struct Peek {
+    parts: http::response::Parts,
+    body: tonic::body::Body,
+}
+
+impl Peek {
+    pub(crate) fn new(resp: Resp) -> Self {
+        let (parts, body) = resp.into_parts();
+        Peek { parts, body }
+    }
+
+    /// Polls the first frame of the body.
+    pub(crate) fn poll_first(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    /// The response, once its first frame (`first`) came: reshaped as Trailers-Only, or
+    /// rebuilt with the frame in front.
+    pub(crate) fn finish(self, first: Option<Result<Frame<Bytes>, tonic::Status>>) -> Resp {
+        let Peek { mut parts, body } = self;
+        let rebuilt = |parts, first, error, rest| {
+            let body = tonic::body::Body::new(Peeked { first, error, rest });
+            http::Response::from_parts(parts, body)
+        };
+        match first {
+            None => http::Response::from_parts(parts, tonic::body::Body::empty()),
+            Some(Err(e)) => rebuilt(parts, None, Some(e), None),
+            Some(Ok(frame)) => match frame.into_trailers() {
+                Ok(trailers) => {
+                    let failed = grpc_status_code(&trailers).is_some_and(|c| c != Code::Ok);
+                    if failed {
+                        for (name, value) in &trailers {
+                            parts.headers.append(name.clone(), value.clone());
+                        }
+                        http::Response::from_parts(parts, tonic::body::Body::empty())
+                    } else {
+                        rebuilt(parts, Some(Frame::trailers(trailers)), None, None)
                     }
-                    http::Response::from_parts(parts, tonic::body::Body::empty())
-                } else {
-                    rebuilt(parts, Some(Frame::trailers(trailers)), None, None)
                 }
-            }
-            Err(frame) => rebuilt(parts, Some(frame), None, Some(body)),
-        },
+                Err(frame) => rebuilt(parts, Some(frame), None, Some(body)),
+            },
+        }
+    }
+
+    /// The response as it came, its first frame still to come: the peek was cut short
+    /// after the headers, which committed the call.
+    pub(crate) fn into_response(self) -> Resp {
+        http::Response::from_parts(self.parts, self.body)
     }
 }
 

@@ -1,4 +1,5 @@
-//! A response body whose connection failures read as UNAVAILABLE.
+//! A response body whose connection failures read as UNAVAILABLE, and whose trailers
+//! are scrubbed ([`wire`]).
 //!
 //! tonic reports a connection that breaks while a response's body is read (a server
 //! killed after its response headers left) as UNKNOWN, "h2 protocol error". gRPC's
@@ -15,9 +16,10 @@ use pin_project_lite::pin_project;
 use tonic::{Code, Status};
 
 use crate::BoxError;
+use crate::retry::response::wire;
 
 pin_project! {
-    /// `inner`, with its transport failures as UNAVAILABLE.
+    /// `inner`, with its transport failures as UNAVAILABLE and its trailers scrubbed.
     pub(crate) struct TransportBody<B> {
         #[pin]
         inner: B,
@@ -42,10 +44,14 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        self.project()
-            .inner
-            .poll_frame(cx)
-            .map(|frame| frame.map(|r| r.map_err(|e| status_of(e.into()))))
+        let frame = std::task::ready!(self.project().inner.poll_frame(cx));
+        Poll::Ready(frame.map(|r| {
+            let mut frame = r.map_err(|e| status_of(e.into()))?;
+            if let Some(trailers) = frame.trailers_mut() {
+                wire::scrub(trailers);
+            }
+            Ok(frame)
+        }))
     }
 
     fn is_end_stream(&self) -> bool {
