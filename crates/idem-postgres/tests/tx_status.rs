@@ -3,32 +3,22 @@
 //! failure, a code that does not invite a retry of a deterministic failure, and none of
 //! the details (constraint, table, SQL, fences): those go to the server's log.
 
+mod support;
+
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use idem_core::config::ServiceConfig;
 use idem_postgres::{PostgresStore, TxError};
-use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
 use idem_store::{Claim, Fence, Store};
 use idem_test_support::logs::Sink;
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop;
-use idem_test_support::{net, store::req};
+use idem_test_support::store::req;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, Order};
 use sqlx::Executor;
-use tonic::transport::Server;
 use tonic::{Code, Request, Response, Status};
 use tonic_types::StatusExt;
-
-const CONFIG: &str = r#"{
-  "methodConfig": [{
-    "name": [{"service": "shop.v1.Orders"}],
-    "idempotency": {"leaseTtl": "10s"}
-  }],
-  "idem": {"tenant": {"single": "t"}}
-}"#;
 
 /// Names a caller must never see: they are the schema's, not the API's.
 const TABLE: &str = "secret_orders";
@@ -131,24 +121,16 @@ async fn start() -> Option<Env> {
     )
     .await
     .unwrap();
-    let config = ServiceConfig::from_json(CONFIG).unwrap();
-    let layer = IdempotencyLayer::new(store.clone(), &config).tenant(SingleTenant::new("t"));
-    let (addr, incoming) = net::bind().await;
     let fences = Fences::default();
-    let svc = OrdersServer::new(Shop {
-        store,
+    let shop = Shop {
+        store: store.clone(),
         fences: fences.clone(),
-    });
-    tokio::spawn(
-        Server::builder()
-            .layer(layer)
-            .add_service(svc)
-            .serve_with_incoming(incoming),
-    );
+    };
+    let client = support::serve(&store, shop).await;
     Some(Env {
         _server: server,
         fences,
-        client: OrdersClient::new(net::channel(addr)),
+        client,
     })
 }
 
@@ -164,7 +146,19 @@ impl Env {
             .insert("x-idempotency-key", key.parse().unwrap());
         self.client.create_order(r).await.map(Response::into_inner)
     }
+
+    /// Writes `note` (as `sku` says) under the key `{tag}-01`, then again under
+    /// `{tag}-02`, and returns the second call's error.
+    async fn write_twice(&mut self, note: &str, sku: &str, tag: &str) -> Status {
+        self.create(note, sku, &format!("{tag}-01")).await.unwrap();
+        let second = self.create(note, sku, &format!("{tag}-02")).await;
+        second.expect_err("the second write violates a constraint")
+    }
 }
+
+/// What a caller reads for every constraint violation.
+const CONSTRAINT_VIOLATED: &str = "the call's writes conflict with data already stored; \
+    nothing was committed; the same request fails the same way until that data changes";
 
 /// Asserts the caller got `code` with exactly `message` and the idem reason `reason`,
 /// and that nothing of `secrets` (nor any long number, such as a fence) is anywhere in
@@ -223,34 +217,30 @@ fn secrets<'a>(more: &[&'a str]) -> Vec<&'a str> {
         .collect()
 }
 
-/// Whether the server's log has a line with every one of `parts`.
-fn logged(parts: &[&str]) -> bool {
-    server_log()
-        .text()
+/// Asserts the server's log has a line with every one of `parts`.
+fn assert_logged(parts: &[&str]) {
+    let log = server_log().text();
+    let found = log
         .lines()
-        .any(|line| parts.iter().all(|p| line.contains(p)))
+        .any(|line| parts.iter().all(|p| line.contains(p)));
+    assert!(found, "no log line with all of {parts:?} in:\n{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unique_violation_is_failed_precondition_with_a_fixed_message() {
     let Some(mut env) = start().await else { return };
-    env.create("unique-1", "", "key-unique-0001").await.unwrap();
-    let err = env
-        .create("unique-1", "", "key-unique-0002")
-        .await
-        .unwrap_err();
+    let err = env.write_twice("unique-1", "", "key-unique").await;
     assert_fixed_answer(
         &err,
         Code::FailedPrecondition,
         "CONSTRAINT_VIOLATED",
-        "the call's writes conflict with data already stored; nothing was committed; \
-         the same request fails the same way until that data changes",
+        CONSTRAINT_VIOLATED,
         &secrets(&[PKEY, "duplicate", "unique", "23505"]),
     );
-    assert!(logged(&["23505", PKEY, TABLE]), "{}", server_log().text());
+    assert_logged(&["23505", PKEY, TABLE]);
     // Not recorded: nothing was committed, and the same request fails the same way.
     let again = env
-        .create("unique-1", "", "key-unique-0002")
+        .create("unique-1", "", "key-unique-02")
         .await
         .unwrap_err();
     assert_eq!(again.code(), Code::FailedPrecondition);
@@ -260,23 +250,18 @@ async fn a_unique_violation_is_failed_precondition_with_a_fixed_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constraint_checked_at_commit_is_failed_precondition_not_an_unknown_commit() {
     let Some(mut env) = start().await else { return };
-    env.create("deferred-1", "deferred", "key-deferred-01")
-        .await
-        .unwrap();
     // The deferred constraint fails at COMMIT: the database answered, nothing committed.
     let err = env
-        .create("deferred-1", "deferred", "key-deferred-02")
-        .await
-        .unwrap_err();
+        .write_twice("deferred-1", "deferred", "key-deferred")
+        .await;
     assert_fixed_answer(
         &err,
         Code::FailedPrecondition,
         "CONSTRAINT_VIOLATED",
-        "the call's writes conflict with data already stored; nothing was committed; \
-         the same request fails the same way until that data changes",
+        CONSTRAINT_VIOLATED,
         &secrets(&[DEFERRED, "secret_ledger", "duplicate", "commit's outcome"]),
     );
-    assert!(logged(&["23505", DEFERRED]), "{}", server_log().text());
+    assert_logged(&["23505", DEFERRED]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,7 +277,7 @@ async fn a_value_the_column_cannot_hold_is_invalid_argument() {
          fix the request before sending it again",
         &secrets(&["varchar", "character varying", "too long", "22001", long]),
     );
-    assert!(logged(&["22001", "too long"]), "{}", server_log().text());
+    assert_logged(&["22001", "too long"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -310,11 +295,7 @@ async fn a_statement_timeout_is_unavailable_with_a_fixed_message() {
          retry the call with the same key",
         &secrets(&["canceling", "statement timeout", "pg_sleep", "57014"]),
     );
-    assert!(
-        logged(&["57014", "statement timeout"]),
-        "{}",
-        server_log().text()
-    );
+    assert_logged(&["57014", "statement timeout"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -336,11 +317,7 @@ async fn a_taken_over_run_is_aborted_without_its_fences() {
     );
     let fence = format!("fence={mine}");
     let current = format!("current_fence={theirs}");
-    assert!(
-        logged(&["LEASE_LOST", &fence, &current]),
-        "{}",
-        server_log().text()
-    );
+    assert_logged(&["LEASE_LOST", &fence, &current]);
 }
 
 /// The answers are fixed: two violations of different constraints, on different tables
@@ -348,16 +325,12 @@ async fn a_taken_over_run_is_aborted_without_its_fences() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_do_not_depend_on_the_details() {
     let Some(mut env) = start().await else { return };
-    env.create("same-a", "", "key-same-00001").await.unwrap();
-    env.create("same-b", "deferred", "key-same-00002")
-        .await
-        .unwrap();
     let mut answers = Vec::new();
-    for (note, sku, key) in [
-        ("same-a", "", "key-same-00003"),
-        ("same-b", "deferred", "key-same-00004"),
+    for (note, sku, tag) in [
+        ("same-a", "", "key-same-a"),
+        ("same-b", "deferred", "key-same-b"),
     ] {
-        let err = env.create(note, sku, key).await.unwrap_err();
+        let err = env.write_twice(note, sku, tag).await;
         answers.push((err.code(), err.message().to_owned(), err.details().to_vec()));
     }
     assert_eq!(answers[0], answers[1]);
