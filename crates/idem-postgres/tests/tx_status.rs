@@ -147,12 +147,17 @@ impl Env {
         self.client.create_order(r).await.map(Response::into_inner)
     }
 
+    /// [`create`](Self::create), which must fail: its error.
+    async fn fail(&mut self, note: &str, sku: &str, key: &str) -> Status {
+        let r = self.create(note, sku, key).await;
+        r.expect_err("the call fails")
+    }
+
     /// Writes `note` (as `sku` says) under the key `{tag}-01`, then again under
     /// `{tag}-02`, and returns the second call's error.
     async fn write_twice(&mut self, note: &str, sku: &str, tag: &str) -> Status {
         self.create(note, sku, &format!("{tag}-01")).await.unwrap();
-        let second = self.create(note, sku, &format!("{tag}-02")).await;
-        second.expect_err("the second write violates a constraint")
+        self.fail(note, sku, &format!("{tag}-02")).await
     }
 }
 
@@ -239,10 +244,7 @@ async fn a_unique_violation_is_failed_precondition_with_a_fixed_message() {
     );
     assert_logged(&["23505", PKEY, TABLE]);
     // Not recorded: nothing was committed, and the same request fails the same way.
-    let again = env
-        .create("unique-1", "", "key-unique-02")
-        .await
-        .unwrap_err();
+    let again = env.fail("unique-1", "", "key-unique-02").await;
     assert_eq!(again.code(), Code::FailedPrecondition);
     assert!(again.metadata().get("x-idempotency-replayed").is_none());
 }
@@ -268,7 +270,7 @@ async fn a_constraint_checked_at_commit_is_failed_precondition_not_an_unknown_co
 async fn a_value_the_column_cannot_hold_is_invalid_argument() {
     let Some(mut env) = start().await else { return };
     let long = "a note longer than its column";
-    let err = env.create(long, "", "key-value-00001").await.unwrap_err();
+    let err = env.fail(long, "", "key-value-00001").await;
     assert_fixed_answer(
         &err,
         Code::InvalidArgument,
@@ -283,10 +285,7 @@ async fn a_value_the_column_cannot_hold_is_invalid_argument() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_timeout_is_unavailable_with_a_fixed_message() {
     let Some(mut env) = start().await else { return };
-    let err = env
-        .create("slow-1", "slow", "key-slow-000001")
-        .await
-        .unwrap_err();
+    let err = env.fail("slow-1", "slow", "key-slow-000001").await;
     assert_fixed_answer(
         &err,
         Code::Unavailable,
@@ -301,10 +300,7 @@ async fn a_statement_timeout_is_unavailable_with_a_fixed_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taken_over_run_is_aborted_without_its_fences() {
     let Some(mut env) = start().await else { return };
-    let err = env
-        .create("taken-1", "taken-over", "key-taken-00001")
-        .await
-        .unwrap_err();
+    let err = env.fail("taken-1", "taken-over", "key-taken-00001").await;
     let (mine, theirs) = env.fences.lock().unwrap().expect("the handler ran");
     let (mine, theirs) = (mine.to_string(), theirs.to_string());
     assert_fixed_answer(
