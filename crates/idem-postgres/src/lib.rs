@@ -198,9 +198,11 @@
 //! - **Fences**: `idem_complete` holds the record's row lock until the `COMMIT`, so a
 //!   takeover cannot slip in between the fence check and the commit: it waits, then
 //!   sees the record completed. A stale run gets [`TxError::Fenced`], its writes are
-//!   rolled back, and `tonic::Status::from` makes it ABORTED (the call is released and
-//!   the client retries).
-//! - **A `COMMIT` whose answer is lost** ([`TxError::CommitUnknown`] → UNAVAILABLE): if
+//!   rolled back, and `tonic::Status::from` makes it ABORTED `LEASE_LOST` (see "What a
+//!   caller sees when a transaction fails").
+//! - **A `COMMIT` whose answer is lost** ([`TxError::CommitUnknown`] → UNAVAILABLE; a
+//!   `COMMIT` the database refuses, as for a deferred constraint, rolled back and is
+//!   [`TxError::Database`]): if
 //!   it committed, the record holds the reply and the layer's release finds it completed
 //!   under its fence and leaves it; if not, the record is released. The retry replays or
 //!   runs once.
@@ -219,10 +221,38 @@
 //!   replay is one (test `a_fresh_call_is_one_statement_outside_the_handlers_transaction`).
 //! - **Tests**: `tests/transactional.rs` (crash before and after the handler's commit, a
 //!   stale fence, a takeover waiting for the transaction, release after commit),
-//!   `tests/record_tx.rs` (through a tonic server), and the workspace's
+//!   `tests/record_tx.rs` (through a tonic server), `tests/tx_status.rs` (what callers
+//!   see when the transaction fails), and the workspace's
 //!   `tests/crash.rs`: server processes killed with SIGKILL before the write, inside the
 //!   transaction while the lease is renewed, and after the commit before the reply, and
 //!   2,000 intents through 9 SIGKILLs: one order per intent every time.
+//!
+//! # What a caller sees when a transaction fails
+//! `tonic::Status::from(TxError)` (what `?` does in a handler returning `Status`) gives
+//! the caller one fixed message per kind of failure, with a `google.rpc.ErrorInfo` of
+//! domain `idem` and a reason from [`reason`]. The details (SQL state, constraint,
+//! table, the driver's message, the fences) go to the log with `tracing`: WARN, ERROR
+//! for INTERNAL. None of them reaches the caller: constraint and table names are the
+//! schema's, not the API's, and fences come from one store-wide sequence, so they would
+//! tell any caller how many calls every tenant made.
+//!
+//! | failure | code | reason | why this code |
+//! |---|---|---|---|
+//! | [`TxError::Fenced`]: another run took the record over | ABORTED | `LEASE_LOST` | a sequencer check failed (gRPC's own example for ABORTED); the other run holds the key now, so a retry with the same key waits for it and gets its outcome |
+//! | serialization failure `40001`, deadlock `40P01`, lock not available `55P03` | ABORTED, retry delay [`CONFLICT_RETRY_DELAY`] | `TX_CONFLICT` | a transaction abort over concurrency (gRPC: ABORTED); the same request can succeed at once, so the delay is short |
+//! | statement timeout (`57014`), a lost or refused connection (`08…`, I/O), too many connections or no memory (`53…`), shutdown or recovery (`57P…`), read-only after a failover (`25006`), no pooled connection in time; the store's own statement timing out | UNAVAILABLE | `STORE_UNAVAILABLE` | transient: nothing was committed and retrying the same call can succeed (gRPC: "retry just the failing call") |
+//! | [`TxError::CommitUnknown`]: the `COMMIT` got no answer | UNAVAILABLE | `STORE_UNAVAILABLE` | the retry replays the reply if the commit landed, or runs once if not |
+//! | integrity constraint violation (`23…`: unique, foreign key, not null, check, exclusion; also at `COMMIT` for a deferred one), `WITH CHECK OPTION` (`44000`) | FAILED_PRECONDITION | `CONSTRAINT_VIOLATED` | deterministic: the same request fails the same way until the data changes, so it must not be retried as is (clients warn about retrying FAILED_PRECONDITION) |
+//! | data exception (`22…`: a value too long or out of range, invalid text, division by zero) | INVALID_ARGUMENT | `VALUE_REJECTED` | deterministic whatever the data stored: gRPC's INVALID_ARGUMENT |
+//! | anything else: SQL the database cannot run (`42…`: syntax, undefined table, privilege), a statement in an aborted transaction (`25P02`), rows that do not decode, a corrupt record, [`TxError::NoRecord`] | INTERNAL | `TX_FAILED` | only the server can fix it |
+//!
+//! Every failure but `CommitUnknown` rolled the transaction back. With the default
+//! `cacheableStatusCodes`, the layer releases the record for ABORTED, UNAVAILABLE,
+//! FAILED_PRECONDITION and INVALID_ARGUMENT (nothing was committed: the key stays free,
+//! and a corrected request with the same key runs) and records INTERNAL, as for any
+//! handler. A deterministic failure is never UNAVAILABLE: clients retry UNAVAILABLE, and
+//! would send it again for ever. A handler that wants another answer matches on the
+//! `TxError` before converting it (its `Display` has the details, for its own logs).
 
 mod builder;
 mod error;
@@ -242,7 +272,7 @@ pub use schema::SCHEMA_VERSION;
 /// The driver this store is built on, so a handler writes through the same `sqlx`.
 pub use sqlx;
 pub use store::PostgresStore;
-pub use tx::{RecordTx, TxError};
+pub use tx::{CONFLICT_RETRY_DELAY, RecordTx, TxError, reason};
 
 /// The schema SQL for `prefix` (the schema in the crate docs with every `idem_` replaced),
 /// for creating it by hand or in a migration. `None` when `prefix` is not a valid table

@@ -5,62 +5,15 @@ use std::ops::{Deref, DerefMut};
 
 use bytes::Bytes;
 use idem_store::response::StoredResponse;
-use idem_store::{Fence, RecordRef, StoreError};
+use idem_store::{RecordRef, StoreError};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Transaction};
 
 use crate::store::PostgresStore;
 
-/// Why a [`RecordTx`] could not be opened or committed. Every variant but
-/// [`CommitUnknown`](TxError::CommitUnknown) means the transaction did not commit.
-///
-/// [`From<TxError> for tonic::Status`](#impl-From<TxError>-for-Status) maps each to the
-/// code a handler should return: the layer then records or releases the call as that
-/// code says, and the client retries where a retry can help.
-#[derive(Debug, thiserror::Error)]
-pub enum TxError {
-    /// The request carries no [`RecordRef`]: the method is not protected, or the
-    /// idempotency layer is not in front of the service.
-    #[error(
-        "the call has no idempotency record: is the method protected and the layer in front of the service?"
-    )]
-    NoRecord,
-    /// The lease ended and another claimant took the record over: this run is stale and
-    /// its transaction was rolled back. Maps to ABORTED.
-    #[error(
-        "the idempotency record was taken over by another run (fence {presented} is stale): rolled back"
-    )]
-    Fenced {
-        /// The fence this run held.
-        presented: Fence,
-        /// The record's current fence, if there is a record.
-        current: Option<Fence>,
-    },
-    /// A statement failed (the handler's own, or the store's); the transaction rolls
-    /// back. Maps to UNAVAILABLE (the call is released and retried).
-    #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
-    /// The store's statement in the transaction failed (timeout, malformed reply).
-    #[error(transparent)]
-    Store(StoreError),
-    /// The `COMMIT` itself failed (a lost connection): it may or may not have committed.
-    /// Maps to UNAVAILABLE: if it did commit, the record holds the reply and the retry
-    /// replays it; if not, the retry runs the handler again. Either way, once.
-    #[error("the commit's outcome is unknown: {0}")]
-    CommitUnknown(#[source] sqlx::Error),
-}
+mod error;
 
-impl From<TxError> for tonic::Status {
-    fn from(e: TxError) -> Self {
-        match &e {
-            TxError::Fenced { .. } => tonic::Status::aborted(e.to_string()),
-            TxError::NoRecord | TxError::Store(StoreError::Corrupt(_)) => {
-                tonic::Status::internal(e.to_string())
-            }
-            _ => tonic::Status::unavailable(e.to_string()),
-        }
-    }
-}
+pub use error::{CONFLICT_RETRY_DELAY, TxError, reason};
 
 /// A transaction on the store's database, opened for a protected call with
 /// [`PostgresStore::begin_for`] (or [`begin_on`](PostgresStore::begin_on)), in which the
@@ -157,9 +110,11 @@ impl RecordTx {
     /// not record it again.
     ///
     /// # Errors
-    /// [`TxError::Fenced`] (rolled back; return it as ABORTED), [`TxError::Database`] /
-    /// [`TxError::Store`] (rolled back), [`TxError::CommitUnknown`]. Convert with
-    /// `tonic::Status::from`.
+    /// [`TxError::Fenced`] (rolled back; return it as ABORTED), [`TxError::Database`]
+    /// (rolled back, also when the database refused the `COMMIT`, e.g. for a deferred
+    /// constraint) / [`TxError::Store`] (rolled back), [`TxError::CommitUnknown`].
+    /// Convert with `tonic::Status::from`: the caller gets a fixed answer, the details
+    /// go to the log.
     pub async fn commit_reply<M: prost::Message>(self, reply: &M) -> Result<(), TxError> {
         let response = StoredResponse::unary_ok(&reply.encode_to_vec()).encode();
         self.commit_response(response).await
@@ -214,12 +169,21 @@ impl RecordTx {
     /// Commits after the store's statement succeeded; rolls back (by dropping) otherwise.
     async fn finish(self, store_step: Result<(), StoreError>) -> Result<(), TxError> {
         match store_step {
-            Ok(()) => self.tx.commit().await.map_err(TxError::CommitUnknown),
+            Ok(()) => self.tx.commit().await.map_err(commit_failed),
             Err(StoreError::Fenced { presented, current }) => {
                 let _ = self.tx.rollback().await;
                 Err(TxError::Fenced { presented, current })
             }
             Err(e) => Err(TxError::Store(e)),
         }
+    }
+}
+
+/// A `COMMIT` the database answered with an error (a deferred constraint, a
+/// serialization failure) rolled back; only one without an answer may have committed.
+fn commit_failed(e: sqlx::Error) -> TxError {
+    match e {
+        sqlx::Error::Database(_) => TxError::Database(e),
+        _ => TxError::CommitUnknown(e),
     }
 }

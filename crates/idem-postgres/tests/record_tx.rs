@@ -3,30 +3,20 @@
 //! have recorded, the layer does not record it again, a stale run is fenced and rolled
 //! back, and a fresh call costs one statement outside the handler's transaction.
 
+mod support;
+
 use std::time::Duration;
 
-use idem_core::config::ServiceConfig;
 use idem_postgres::{PostgresStore, TxError};
-use idem_server::idempotency::{IdempotencyLayer, scope_for, tenant::SingleTenant};
+use idem_server::idempotency::scope_for;
 use idem_store::{RecordRef, RecordState, Scope, Store, StoredOutcome};
-use idem_test_support::net;
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::shop;
 use shop::orders_client::OrdersClient;
-use shop::orders_server::OrdersServer;
 use shop::{CreateOrderRequest, GetOrderRequest, Order};
 use sqlx::postgres::PgPool;
 use sqlx::{Executor, Row};
-use tonic::transport::Server;
 use tonic::{Code, Request, Response, Status};
-
-const CONFIG: &str = r#"{
-  "methodConfig": [{
-    "name": [{"service": "shop.v1.Orders"}],
-    "idempotency": {"leaseTtl": "10s"}
-  }],
-  "idem": {"tenant": {"single": "t"}}
-}"#;
 
 const CREATE: &str = "/shop.v1.Orders/CreateOrder";
 /// The same reply, recorded by the layer (no transaction).
@@ -81,23 +71,18 @@ async fn start(settings: &[(&str, &str)]) -> Option<Env> {
     app.execute("CREATE TABLE orders (note text NOT NULL)")
         .await
         .unwrap();
-    let config = ServiceConfig::from_json(CONFIG).unwrap();
-    let layer = IdempotencyLayer::new(store.clone(), &config).tenant(SingleTenant::new("t"));
-    let (addr, incoming) = net::bind().await;
-    let svc = OrdersServer::new(Shop {
-        store: store.clone(),
-    });
-    tokio::spawn(
-        Server::builder()
-            .layer(layer)
-            .add_service(svc)
-            .serve_with_incoming(incoming),
-    );
+    let client = support::serve(
+        &store,
+        Shop {
+            store: store.clone(),
+        },
+    )
+    .await;
     Some(Env {
         _server: server,
         store,
         app,
-        client: OrdersClient::new(net::channel(addr)),
+        client,
     })
 }
 
