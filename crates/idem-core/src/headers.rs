@@ -71,4 +71,17 @@ pub mod reason {
     pub const REQUEST_MALFORMED: &str = "REQUEST_MALFORMED";
     /// Retries were exhausted downstream (set with `grpc-retry-pushback-ms: -1`).
     pub const RETRIES_EXHAUSTED: &str = "RETRIES_EXHAUSTED";
+    /// PostgreSQL: another run took the call's record over while this one ran; this
+    /// run's writes were rolled back (ABORTED).
+    pub const LEASE_LOST: &str = "LEASE_LOST";
+    /// PostgreSQL: the transaction lost a race with a concurrent one (serialization
+    /// failure, deadlock, lock not available) and was rolled back (ABORTED, with a retry
+    /// delay).
+    pub const TX_CONFLICT: &str = "TX_CONFLICT";
+    /// PostgreSQL: a database constraint rejected the call's writes (FAILED_PRECONDITION).
+    pub const CONSTRAINT_VIOLATED: &str = "CONSTRAINT_VIOLATED";
+    /// PostgreSQL: the database rejected a value in the call's writes (INVALID_ARGUMENT).
+    pub const VALUE_REJECTED: &str = "VALUE_REJECTED";
+    /// PostgreSQL: the transaction failed in a way only the server can fix (INTERNAL).
+    pub const TX_FAILED: &str = "TX_FAILED";
 }

@@ -5,6 +5,8 @@
 
 mod support;
 
+use support::{insert_and_commit, order};
+
 use std::time::Duration;
 
 use idem_postgres::{PostgresStore, TxError};
@@ -26,30 +28,13 @@ struct Shop {
     store: PostgresStore,
 }
 
-fn order(note: &str) -> Order {
-    Order {
-        order_id: format!("ord-{note}"),
-        customer_id: "c".into(),
-        sku: "s".into(),
-        quantity: 1,
-        created_by: "shop".into(),
-    }
-}
-
 idem_test_support::create_only_orders! {
     Shop, why = "not in these tests";
     // Inserts the order and stores the reply in one transaction.
     create_order(&self, request) {
-        let mut tx = self.store.begin_for(&request).await?;
-        let note = request.get_ref().note.clone();
-        sqlx::query("INSERT INTO orders (note) VALUES ($1)")
-            .bind(&note)
-            .execute(&mut *tx)
-            .await
-            .map_err(TxError::from)?;
-        let reply = order(&note);
-        tx.commit_reply(&reply).await?;
-        Ok(Response::new(reply))
+        let tx = self.store.begin_for(&request).await?;
+        let note = &request.get_ref().note;
+        insert_and_commit(tx, "INSERT INTO orders (note) VALUES ($1)", note).await
     }
     // The same reply without a transaction: the layer records it.
     get_order(&self, request) {

@@ -33,13 +33,6 @@ struct Shop {
     fences: Fences,
 }
 
-fn order(note: &str) -> Order {
-    Order {
-        order_id: format!("ord-{note}"),
-        ..Default::default()
-    }
-}
-
 impl Shop {
     /// What another instance does once this run's lease is gone: the record is claimed
     /// anew, under a higher fence. Returns (this run's fence, the new one).
@@ -75,14 +68,7 @@ idem_test_support::create_only_orders! {
             "deferred" => "INSERT INTO secret_ledger (note) VALUES ($1)",
             _ => "INSERT INTO secret_orders (note) VALUES ($1)",
         };
-        sqlx::query(insert)
-            .bind(&note)
-            .execute(&mut *tx)
-            .await
-            .map_err(TxError::from)?;
-        let reply = order(&note);
-        tx.commit_reply(&reply).await?;
-        Ok(Response::new(reply))
+        support::insert_and_commit(tx, insert, &note).await
     }
 }
 

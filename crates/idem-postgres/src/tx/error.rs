@@ -56,25 +56,15 @@ pub enum TxError {
 }
 
 /// The `ErrorInfo.reason` values (domain `idem`) of the statuses a [`TxError`] becomes.
-/// Stable: clients match on them.
+/// Stable: clients match on them. They are re-exports of [`idem_core::headers::reason`],
+/// the one home of every reason idem's layers send. `STORE_UNAVAILABLE`: the database
+/// could not complete the call's transaction now (a statement timeout, a lost or refused
+/// connection, a server shutting down or read-only, a `COMMIT` whose answer was lost),
+/// the same reason as the layer's own when the store cannot answer.
 pub mod reason {
-    /// The database could not complete the call's transaction now: a statement timeout,
-    /// a lost or refused connection, a server shutting down or read-only, or a `COMMIT`
-    /// whose answer was lost (UNAVAILABLE). The same reason as the layer's own when the
-    /// store cannot answer.
-    pub use idem_core::headers::reason::STORE_UNAVAILABLE;
-    /// Another run took the call's record over while this one ran; this run's writes
-    /// were rolled back (ABORTED).
-    pub const LEASE_LOST: &str = "LEASE_LOST";
-    /// The transaction lost a race with a concurrent one (serialization failure,
-    /// deadlock, lock not available) and was rolled back (ABORTED, with a retry delay).
-    pub const TX_CONFLICT: &str = "TX_CONFLICT";
-    /// A database constraint rejected the call's writes (FAILED_PRECONDITION).
-    pub const CONSTRAINT_VIOLATED: &str = "CONSTRAINT_VIOLATED";
-    /// The database rejected a value in the call's writes (INVALID_ARGUMENT).
-    pub const VALUE_REJECTED: &str = "VALUE_REJECTED";
-    /// The transaction failed in a way only the server can fix (INTERNAL).
-    pub const TX_FAILED: &str = "TX_FAILED";
+    pub use idem_core::headers::reason::{
+        CONSTRAINT_VIOLATED, LEASE_LOST, STORE_UNAVAILABLE, TX_CONFLICT, TX_FAILED, VALUE_REJECTED,
+    };
 }
 
 /// The retry delay (`google.rpc.RetryInfo`) sent with [`reason::TX_CONFLICT`]: a

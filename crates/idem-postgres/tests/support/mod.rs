@@ -2,12 +2,14 @@
 //! `IdempotencyLayer` on a `PostgresStore`.
 
 use idem_core::config::ServiceConfig;
-use idem_postgres::PostgresStore;
+use idem_postgres::{PostgresStore, RecordTx, TxError};
 use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
 use idem_test_support::net;
+use idem_test_support::shop::Order;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};
 use tonic::transport::{Channel, Server};
+use tonic::{Response, Status};
 
 /// Every `shop.v1.Orders` method protected, for the single tenant `t`.
 pub(crate) const CONFIG: &str = r#"{
@@ -31,4 +33,32 @@ pub(crate) async fn serve<S: Orders>(store: &PostgresStore, shop: S) -> OrdersCl
             .serve_with_incoming(incoming),
     );
     OrdersClient::new(net::channel(addr))
+}
+
+/// The order a test handler replies with for `note`.
+pub(crate) fn order(note: &str) -> Order {
+    Order {
+        order_id: format!("ord-{note}"),
+        customer_id: "c".into(),
+        sku: "s".into(),
+        quantity: 1,
+        created_by: "shop".into(),
+    }
+}
+
+/// What a transactional handler does once it has begun: `insert` (its one parameter is
+/// the note) in the call's transaction, then the reply committed with it.
+pub(crate) async fn insert_and_commit(
+    mut tx: RecordTx,
+    insert: &str,
+    note: &str,
+) -> Result<Response<Order>, Status> {
+    sqlx::query(insert)
+        .bind(note)
+        .execute(&mut *tx)
+        .await
+        .map_err(TxError::from)?;
+    let reply = order(note);
+    tx.commit_reply(&reply).await?;
+    Ok(Response::new(reply))
 }

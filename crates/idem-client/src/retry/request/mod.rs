@@ -133,12 +133,11 @@ pub(crate) mod fixtures {
 
     use tokio::sync::mpsc;
 
-    use std::pin::Pin;
     use std::sync::Arc;
-    use std::task::{Context, Poll};
+    use std::task::Context;
 
     use bytes::Bytes;
-    use http_body::{Body, Frame};
+    use http_body::Frame;
 
     use super::budget::{BudgetLease, ReplayBudget};
     use super::read::{Partial, Ready, read_ready};
@@ -146,19 +145,11 @@ pub(crate) mod fixtures {
 
     /// The caller's request stream: chunks (or an error) as they are sent, the end when
     /// the sender drops.
-    pub(crate) struct Feed(pub(crate) mpsc::UnboundedReceiver<Result<Bytes, String>>);
-
-    impl Body for Feed {
-        type Data = Bytes;
-        type Error = BoxError;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-            self.0
-                .poll_recv(cx)
-                .map(|b| b.map(|b| b.map(Frame::data).map_err(Into::into)))
-        }
+    pub(crate) fn feed(rx: mpsc::UnboundedReceiver<Result<Bytes, String>>) -> tonic::body::Body {
+        use tokio_stream::StreamExt as _;
+        let frames = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+            .map(|chunk| chunk.map(Frame::data).map_err(BoxError::from));
+        tonic::body::Body::new(http_body_util::StreamBody::new(frames))
     }
 
     /// A streamed request whose caller has produced nothing yet, read as far as it goes.
@@ -185,7 +176,7 @@ pub(crate) mod fixtures {
     pub(crate) fn started_on(cap: usize, budget: Arc<ReplayBudget>) -> StreamStart {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut lease = BudgetLease::new(budget.clone());
-        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut source = feed(rx);
         let mut cx = Context::from_waker(Waker::noop());
         let Ready::Partial(start) = read_ready(&mut source, cap, &mut lease, None, &mut cx) else {
             panic!("a stream with nothing ready yet is partial");

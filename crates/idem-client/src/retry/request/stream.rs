@@ -566,7 +566,7 @@ impl Drop for SlotBody {
 mod retry_tests {
     use super::*;
     use crate::retry::request::budget::ReplayBudget;
-    use crate::retry::request::fixtures::{Feed, StreamedCall, counter, ok, started, started_on};
+    use crate::retry::request::fixtures::{StreamedCall, counter, feed, ok, started, started_on};
     use crate::retry::request::read::{Ready, read_ready};
     use http_body_util::BodyExt;
     use std::sync::atomic::Ordering;
@@ -768,7 +768,7 @@ mod retry_tests {
         tx.send(Ok(Bytes::from_static(b"abcdef"))).unwrap();
         let budget = Arc::new(ReplayBudget::new(100));
         let mut lease = BudgetLease::new(budget.clone());
-        let mut source = tonic::body::Body::new(Feed(rx));
+        let mut source = feed(rx);
         let mut cx = Context::from_waker(Waker::noop());
         let Ready::Partial(start) = read_ready(&mut source, 3, &mut lease, None, &mut cx) else {
             panic!("over the limit");
