@@ -165,8 +165,11 @@
 //!      `google.rpc.RetryInfo` (`abortRetryDelay`) and reason `IN_PROGRESS`.
 //! 8. **Recording the outcome**: a completion or release the store refuses transiently
 //!    is retried with backoff (20 ms doubling to 1 s), the lease still renewed, for up
-//!    to `completionRetryTimeout`; the caller gets its response after the first
-//!    attempt. Past the timeout the record is left to its lease (counted as
+//!    to `completionRetryTimeout`. The caller gets a completed call's response after
+//!    the first attempt; a released call's response waits until the release lands (or
+//!    is given up), so a corrected request sent with the same key right after an error
+//!    such as INVALID_ARGUMENT runs instead of meeting the held key (`KEY_REUSED`).
+//!    Past the timeout the record is left to its lease (counted as
 //!    `unrecorded`, logged at WARN with the scope). A response the store has no room
 //!    for is recorded as not retained.
 //! 9. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
