@@ -1578,3 +1578,43 @@ async fn a_caller_that_never_reads_its_stream_holds_no_handler_run_past_the_stal
         "one run for the stalled key, one for the other"
     );
 }
+
+// ---------------------------------------------------------------- a wait never becomes a second run
+
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_that_waited_answers_unavailable_on_a_store_error_even_when_fail_open() {
+    let store = FaultyStore::new(MemoryStore::default());
+    let fail_open = IdempotencyPolicy {
+        fail_open: true,
+        ..policy()
+    };
+    let l = layer(store.clone(), &config(fail_open, None));
+    let stats = l.stats();
+    let (shop, svc) = in_process(&l);
+    let first = spawn_call(&svc, raw_create("gate", KEY));
+    shop.started().await;
+    let dup = spawn_call(&svc, raw_create("gate", KEY));
+    eventually("the duplicate to wait", || stats.snapshot().waited == 1).await;
+    // The duplicate's claim after its wait fails (and so does its resend).
+    store.inject(Op::Claim, Fault::Unavailable, 2);
+    // Room for a second run, so that one would end (and be counted) rather than hang.
+    shop.open_gate(2);
+    let a = first.await.unwrap();
+    let b = dup.await.unwrap();
+    assert_eq!(store.faulted(Op::Claim), 2, "the re-claim met the fault");
+    assert_eq!(shop.runs(), 1, "the duplicate never ran the handler");
+    let st = status_of(&b);
+    assert_idem_error(&st, Code::Unavailable, reason::STORE_UNAVAILABLE);
+    let retry = st.get_details_retry_info().expect("RetryInfo");
+    assert!(
+        retry.retry_delay.is_some_and(|d| d > Duration::ZERO),
+        "{retry:?}"
+    );
+    assert_eq!(stats.snapshot().fail_open_runs, 0);
+    // Its retry replays the first run's outcome.
+    let c = call(&svc, raw_create("gate", KEY)).await;
+    assert!(c.replayed());
+    assert_eq!(c.frames, a.frames);
+    assert_eq!(decode_orders(&c.frames)[0].order_id, "order-1");
+    assert_eq!(shop.runs(), 1);
+}

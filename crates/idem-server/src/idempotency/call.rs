@@ -55,7 +55,7 @@ impl<St: Store> Call<St> {
                 Err(e) => {
                     // Boxed: a rare path whose future holds the service's own, which
                     // would otherwise enlarge every protected call's future.
-                    return Box::pin(self.store_failed(e, inner, request, permit)).await;
+                    return Box::pin(self.store_failed(e, inner, request, permit, waited)).await;
                 }
             };
             match claim {
@@ -129,13 +129,16 @@ impl<St: Store> Call<St> {
     }
 
     /// The store could not claim: refuse (full, or fail closed), or run without a
-    /// record on a fail-open method.
+    /// record on a fail-open method. A call that `waited` has seen its record in flight:
+    /// another claimant may still be running it, so it is refused (retryable) fail-open
+    /// or not; running it here would be a second run of the key.
     async fn store_failed<S, ResBody>(
         self,
         e: StoreError,
         mut inner: S,
         request: BufferedRequest,
         permit: Option<OwnedSemaphorePermit>,
+        waited: bool,
     ) -> Result<Response<Body>, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
@@ -148,6 +151,10 @@ impl<St: Store> Call<St> {
             return Ok(self.answer("store_full", status::store_full()));
         }
         stats.inc(Counter::store_errors);
+        if waited {
+            tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed after waiting for the call in flight: refusing the call");
+            return Ok(self.store_unavailable_in_flight());
+        }
         if !self.policy.fail_open {
             tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed: refusing the call");
             return Ok(self.answer("store_unavailable", status::store_unavailable()));
@@ -192,7 +199,7 @@ impl<St: Store> Call<St> {
         if let Err(e) = self.shared.store.wait(&self.scope, until).await {
             stats.inc(Counter::store_errors);
             tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed while waiting");
-            return Some(self.answer("store_unavailable", status::store_unavailable()));
+            return Some(self.store_unavailable_in_flight());
         }
         if deadline.is_some_and(|d| d <= Instant::now()) {
             return Some(self.deadline_exceeded());
@@ -231,6 +238,13 @@ impl<St: Store> Call<St> {
         *resp.status_mut() = status;
         *resp.headers_mut() = headers;
         resp
+    }
+
+    /// The store failed after this call saw its record in flight: UNAVAILABLE with a
+    /// retry delay (`abortRetryDelay`, the delay for a call in progress), never a run.
+    fn store_unavailable_in_flight(&self) -> Response<Body> {
+        let status = status::store_unavailable_retry_after(self.policy.abort_retry_delay);
+        self.answer("store_unavailable", status)
     }
 
     fn deadline_exceeded(&self) -> Response<Body> {

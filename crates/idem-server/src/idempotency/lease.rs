@@ -135,10 +135,16 @@ impl<St: Store> Lease<St> {
     }
 
     /// Gives the record up (nothing was done), so the next claim runs the handler.
-    /// `attempted` as for [`complete`](Self::complete).
+    ///
+    /// Unlike a completion's, `attempted` fires once the release has landed (or been
+    /// given up, past `retry_for`), retries included: the caller's answer (often "fix
+    /// your request") waits for it, so a corrected request sent right after it finds the
+    /// key free instead of held (`KEY_REUSED`).
     pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {
         let (store, scope, fence) = (&self.store, self.record.scope(), self.record.fence());
-        let r = self.settle(attempted, || store.release(scope, fence)).await;
+        let (first, _) = oneshot::channel();
+        let r = self.settle(first, || store.release(scope, fence)).await;
+        let _ = attempted.send(());
         self.report(r, "release", Counter::released);
     }
 

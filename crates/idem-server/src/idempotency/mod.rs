@@ -165,12 +165,18 @@
 //!      `google.rpc.RetryInfo` (`abortRetryDelay`) and reason `IN_PROGRESS`.
 //! 8. **Recording the outcome**: a completion or release the store refuses transiently
 //!    is retried with backoff (20 ms doubling to 1 s), the lease still renewed, for up
-//!    to `completionRetryTimeout`; the caller gets its response after the first
-//!    attempt. Past the timeout the record is left to its lease (counted as
+//!    to `completionRetryTimeout`. The caller gets a completed call's response after
+//!    the first attempt; a released call's response waits until the release lands (or
+//!    is given up), so a corrected request sent with the same key right after an error
+//!    such as INVALID_ARGUMENT runs instead of meeting the held key (`KEY_REUSED`).
+//!    Past the timeout the record is left to its lease (counted as
 //!    `unrecorded`, logged at WARN with the scope). A response the store has no room
 //!    for is recorded as not retained.
 //! 9. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
-//!    `failOpen`: then the handler runs without a record (logged, counted). A full store
+//!    `failOpen`: then the handler runs without a record (logged, counted). A call that
+//!    has seen its record in flight never runs on a store error, fail-open or not: it
+//!    answers UNAVAILABLE (`STORE_UNAVAILABLE`) with `google.rpc.RetryInfo`
+//!    (`abortRetryDelay`), and its retry replays the first run's outcome. A full store
 //!    (or tenant share) → RESOURCE_EXHAUSTED (`STORE_FULL`) with a 1 s
 //!    `google.rpc.RetryInfo`, fail-open or not: nothing runs. Messages say what to do;
 //!    what the store said goes to the logs only.
@@ -219,9 +225,10 @@
 //!   completion is refused if another claimant took over (counted as `stale_fence`).
 //! - Replayed responses keep the stored `grpc-encoding`: the response is replayed
 //!   exactly as first sent.
-//! - A store error while *waiting* for an in-flight duplicate answers UNAVAILABLE even
-//!   on a fail-open method: another claimant is running the call, so running it again
-//!   would be a second execution.
+//! - A store error while *waiting* for an in-flight duplicate, or on the claim after the
+//!   wait, answers UNAVAILABLE (with a retry delay) even on a fail-open method: another
+//!   claimant may still be running the call, so running it again would be a second
+//!   execution.
 //! - The layer's own deadline check and tonic's server timeout (which also reads
 //!   `grpc-timeout`) fire at the same moment; whichever answers first wins (tonic's is
 //!   CANCELLED "Timeout expired").

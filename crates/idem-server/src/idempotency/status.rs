@@ -105,6 +105,17 @@ pub(crate) fn store_unavailable() -> Status {
     )
 }
 
+/// [`store_unavailable`] with `google.rpc.RetryInfo`: for a call that saw its record in
+/// flight, which must not run and may succeed (replay) once the store answers.
+pub(crate) fn store_unavailable_retry_after(delay: Duration) -> Status {
+    idem_status_retry_after(
+        Code::Unavailable,
+        "the idempotency store could not answer while a call with this idempotency key was in progress; retry the call with the same key after the delay",
+        reason::STORE_UNAVAILABLE,
+        delay,
+    )
+}
+
 pub(crate) fn store_full() -> Status {
     idem_status_retry_after(
         Code::ResourceExhausted,

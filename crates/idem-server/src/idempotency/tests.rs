@@ -188,3 +188,66 @@ async fn a_run_that_ends_with_the_tasks_budget_spent_still_answers() {
         "the handler's OK, not a lost run: {resp:?}"
     );
 }
+
+/// A protected CreateOrder whose message is `msg`.
+fn create_order_with(msg: &[u8]) -> Request<Body> {
+    let mut framed = vec![0];
+    framed.extend_from_slice(&u32::try_from(msg.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(msg);
+    Request::builder()
+        .uri("http://x/shop.v1.Orders/CreateOrder")
+        .header("x-idempotency-key", "abcdefgh")
+        .body(Body::new(http_body_util::Full::new(Bytes::from(framed))))
+        .unwrap()
+}
+
+/// A handler that answers INVALID_ARGUMENT (Trailers-Only) to the message `bad` and OK
+/// to any other, counting its runs.
+fn refuses(
+    bad: &'static [u8],
+    runs: Arc<AtomicUsize>,
+) -> tower::util::BoxCloneService<Request<Body>, Response<Body>, Infallible> {
+    use http_body_util::BodyExt;
+    tower::util::BoxCloneService::new(service_fn(move |req: Request<Body>| {
+        let runs = runs.clone();
+        async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            runs.fetch_add(1, Ordering::SeqCst);
+            let code = if body[5..] == *bad { "3" } else { "0" };
+            let mut resp = Response::new(Body::empty());
+            resp.headers_mut()
+                .insert("grpc-status", code.parse().unwrap());
+            Ok::<_, Infallible>(resp)
+        }
+    }))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_corrected_request_sent_right_after_a_refusal_runs_even_if_the_release_failed_once() {
+    let store = FaultyStore::new(MemoryStore::default());
+    store.inject(Op::Release, Fault::Unavailable, 1);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let bad = b"\x0a\x03bad";
+    let svc = IdempotencyLayer::new(store.clone(), &config()).layer(refuses(bad, runs.clone()));
+    let refused = svc.clone().oneshot(create_order_with(bad)).await.unwrap();
+    assert_eq!(grpc_status(&refused), Some(&b"3"[..]), "{refused:?}");
+    // Told to fix its request, the caller sends the corrected one with the same key at
+    // once: the record was released before that answer left.
+    let fixed = svc
+        .clone()
+        .oneshot(create_order_with(b"\x0a\x02ok"))
+        .await
+        .unwrap();
+    assert_eq!(
+        grpc_status(&fixed),
+        Some(&b"0"[..]),
+        "the corrected request ran, not KEY_REUSED: {fixed:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(store.faulted(Op::Release), 1);
+    assert_eq!(
+        store.calls(Op::Release),
+        2,
+        "the failed release was sent again"
+    );
+}
