@@ -309,7 +309,7 @@ fn process_wide(s: &idem_core::config::IdemSettings) -> String {
         m.max_bytes,
         format_duration(m.min_retention),
         format_duration(m.sweep_interval),
-        tenant_bounds(m),
+        tenant_bounds(m, &s.tenant),
         c.key_all_methods,
         c.max_replay_bytes_per_call,
         c.max_replay_bytes_total,
@@ -319,11 +319,14 @@ fn process_wide(s: &idem_core::config::IdemSettings) -> String {
     )
 }
 
-/// The memory store's effective per-tenant bounds, saying where each comes from.
-fn tenant_bounds(m: &MemoryStoreSettings) -> String {
-    let origin = |given: Option<usize>, effective: usize, default: &str| match given {
+/// The memory store's effective per-tenant bounds, saying where each comes from. With a
+/// single tenant the config gives it the whole store (`for_single_tenant`).
+fn tenant_bounds(m: &MemoryStoreSettings, tenant: &TenantSource) -> String {
+    let single = matches!(tenant, TenantSource::Single(_));
+    let origin = |given: Option<usize>, effective: usize, store: usize, default: &str| match given {
         None => format!("{effective} (default: {default})"),
         Some(g) if g > effective => format!("{effective} (cut to the store-wide bound)"),
+        Some(g) if single && g == store => format!("{effective} (single tenant: the whole store)"),
         Some(_) => effective.to_string(),
     };
     format!(
@@ -331,16 +334,19 @@ fn tenant_bounds(m: &MemoryStoreSettings) -> String {
         origin(
             m.max_in_flight_per_tenant,
             m.tenant_in_flight_bound(),
+            m.max_entries,
             "maxEntries / 16"
         ),
         origin(
             m.max_entries_per_tenant,
             m.tenant_entries_bound(),
+            m.max_entries,
             "maxEntries / 4"
         ),
         origin(
             m.max_bytes_per_tenant,
             m.tenant_bytes_bound(),
+            m.max_bytes,
             "maxBytes / 4"
         ),
     )

@@ -146,9 +146,9 @@ fn valid_example_prints_the_effective_table() {
     );
     assert!(
         out.contains(
-            "idem.memoryStore per tenant: maxInFlightPerTenant 6250 (default: maxEntries / 16), \
-             maxEntriesPerTenant 25000 (default: maxEntries / 4), maxBytesPerTenant 67108864 \
-             (default: maxBytes / 4)\n"
+            "idem.memoryStore per tenant: maxInFlightPerTenant 100000 (single tenant: the \
+             whole store), maxEntriesPerTenant 100000 (single tenant: the whole store), \
+             maxBytesPerTenant 268435456 (single tenant: the whole store)\n"
         ),
         "{out}"
     );
@@ -188,7 +188,7 @@ fn the_newer_settings_are_printed() {
         "idem.maxHandlersInFlight: 7 (per server layer)",
         "idem.memoryStore: maxEntries 10, maxBytes 268435456, minRetention 600s, sweepInterval 1s",
         "idem.memoryStore per tenant: maxInFlightPerTenant 3, maxEntriesPerTenant 10 (cut to \
-         the store-wide bound), maxBytesPerTenant 67108864 (default: maxBytes / 4)",
+         the store-wide bound), maxBytesPerTenant 268435456 (single tenant: the whole store)",
         "idem.redis: redis://redis:6379/0 (keyPrefix \"idem:\", commandTimeout 0.5s, \
          connectTimeout 2s, maxInFlightPerTenant 50 across instances)",
     ] {

@@ -15,8 +15,10 @@ use super::read::{MIN_TIMER, Obj, Validator, Zero};
 /// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `maxInFlightPerTenant`
 /// `maxEntries / 16`, `maxEntriesPerTenant` `maxEntries / 4`, `maxBytesPerTenant`
 /// `maxBytes / 4`, `sweepInterval` `"1s"`, `minRetention` `"600s"`
-/// ([`DEFAULT_MIN_RETENTION`]). A per-tenant bound above its store-wide bound is cut to
-/// it. The `idem_store::memory` module docs say what happens at each bound.
+/// ([`DEFAULT_MIN_RETENTION`]). With a single tenant (`idem.tenant` `single`) the
+/// per-tenant bounds default to the store-wide ones instead
+/// ([`for_single_tenant`](Self::for_single_tenant)). A per-tenant bound above its
+/// store-wide bound is cut to it. The `idem_store::memory` module docs say what happens at each bound.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryStoreSettings {
     /// Most records kept, all tenants together.
@@ -87,6 +89,30 @@ impl MemoryStoreSettings {
         self.max_bytes_per_tenant
             .unwrap_or(self.max_bytes / 4)
             .min(self.max_bytes)
+    }
+
+    /// These settings for a store that serves one tenant: each per-tenant bound left
+    /// unset becomes the store-wide bound (records and bytes: `maxEntries` and
+    /// `maxBytes`; in-flight records: `maxEntries`), so the one tenant may use the whole
+    /// store. A per-tenant bound given explicitly stays as given.
+    ///
+    /// The config applies it when `idem.tenant` is `single`; a server given a single
+    /// tenant in code applies it to the settings it builds its store with.
+    ///
+    /// ```
+    /// # use idem_core::config::MemoryStoreSettings;
+    /// let s = MemoryStoreSettings::default().for_single_tenant();
+    /// assert_eq!(s.tenant_entries_bound(), s.max_entries);
+    /// assert_eq!(s.tenant_bytes_bound(), s.max_bytes);
+    /// assert_eq!(s.tenant_in_flight_bound(), s.max_entries);
+    /// ```
+    #[must_use]
+    pub fn for_single_tenant(mut self) -> Self {
+        self.max_in_flight_per_tenant
+            .get_or_insert(self.max_entries);
+        self.max_entries_per_tenant.get_or_insert(self.max_entries);
+        self.max_bytes_per_tenant.get_or_insert(self.max_bytes);
+        self
     }
 }
 

@@ -57,9 +57,9 @@
 //!
 //! Replays, waits on in-flight records and takeovers of expired leases add no record
 //! and are never refused. Because each tenant may use only a share of the store (a
-//! quarter by default), one tenant's load cannot use up the whole store. A server with
-//! a single tenant should raise `maxEntriesPerTenant` and `maxBytesPerTenant` to the
-//! store bounds.
+//! quarter by default), one tenant's load cannot use up the whole store. With a single
+//! tenant (`idem.tenant` `single`) the shares default to the whole store
+//! ([`MemoryStoreSettings::for_single_tenant`]).
 //!
 //! # Eviction
 //! The store is a cache of recent outcomes: a full store keeps working by forgetting its
