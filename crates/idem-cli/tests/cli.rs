@@ -186,7 +186,7 @@ fn the_newer_settings_are_printed() {
     );
     for line in [
         "idem.maxHandlersInFlight: 7 (per server layer)",
-        "idem.memoryStore: maxEntries 10, maxBytes 268435456, minRetention 600s, sweepInterval 1s",
+        "idem.memoryStore: maxEntries 10, maxBytes 268435456, minRetention 120s, sweepInterval 1s",
         "idem.memoryStore per tenant: maxInFlightPerTenant 3, maxEntriesPerTenant 10 (cut to \
          the store-wide bound), maxBytesPerTenant 268435456 (single tenant: the whole store)",
         "idem.redis: redis://redis:6379/0 (keyPrefix \"idem:\", commandTimeout 0.5s, \

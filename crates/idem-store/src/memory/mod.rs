@@ -46,8 +46,10 @@
 //! | a tenant's in-flight records | `maxInFlightPerTenant` | `maxEntries / 16` |
 //! | a tenant's records | `maxEntriesPerTenant` | `maxEntries / 4` |
 //! | a tenant's bytes | `maxBytesPerTenant` | `maxBytes / 4` |
-//! | all records | `maxEntries` | 100 000 |
-//! | all bytes | `maxBytes` | 256 MiB |
+//! | all records | `maxEntries` | 2 000 000 ([`DEFAULT_MAX_ENTRIES`]) |
+//! | all bytes | `maxBytes` | 256 MiB ([`DEFAULT_MAX_BYTES`]) |
+//!
+//! With a single tenant the three tenant bounds default to the store's (see below).
 //!
 //! Bytes are stored responses plus [`RECORD_OVERHEAD_BYTES`] per record. A response
 //! that does not fit its tenant's or the store's bytes (after evicting as a claim
@@ -61,10 +63,22 @@
 //! tenant (`idem.tenant` `single`) the shares default to the whole store
 //! ([`MemoryStoreSettings::for_single_tenant`]).
 //!
+//! # Default capacity
+//! With the defaults, bytes bind first: a record of a 200-byte response is charged 440
+//! bytes (with [`RECORD_OVERHEAD_BYTES`]), so 256 MiB hold **610 080 such records**
+//! (the 2 000 000 of `maxEntries` are reached only by records of no response at all,
+//! and not even then: 1 118 481 fit). As records younger than `minRetention` cannot
+//! make room, that is **5 084 new protected calls per second** sustained for one
+//! tenant (the whole store), or 1 271 per tenant when several share it (a quarter
+//! each). Below that rate a full store evicts completed records older than two
+//! minutes and never refuses; above it, new calls are refused (RESOURCE_EXHAUSTED)
+//! until records age. `idem check-config` prints the rate of each bound of a config.
+//!
 //! # Eviction
 //! The store is a cache of recent outcomes: a full store keeps working by forgetting its
 //! oldest outcomes, but never young ones. Every completed record is kept for at least
-//! `minRetention` (default 10 minutes, [`DEFAULT_MIN_RETENTION`]); after that, until
+//! `minRetention` (default 2 minutes, [`DEFAULT_MIN_RETENTION`]: the client's retry
+//! window, which deadlines bound); after that, until
 //! its record TTL, it may be evicted (oldest completion first) to make room for a new
 //! record:
 //!
@@ -104,7 +118,9 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-pub use idem_core::config::{DEFAULT_MIN_RETENTION, MemoryStoreSettings};
+pub use idem_core::config::{
+    DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_MIN_RETENTION, MemoryStoreSettings,
+};
 
 use crate::{
     Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,

@@ -499,7 +499,7 @@ fn per_tenant_bounds_default_to_a_share_of_the_store() {
             d.tenant_entries_bound(),
             d.tenant_bytes_bound()
         ),
-        (6_250, 25_000, 64 * 1024 * 1024)
+        (125_000, 500_000, 64 * 1024 * 1024)
     );
     let tiny = MemoryStoreSettings {
         max_entries: 3,
@@ -516,9 +516,9 @@ fn per_tenant_bounds_default_to_a_share_of_the_store() {
         max_bytes_per_tenant: Some(usize::MAX),
         ..MemoryStoreSettings::default()
     };
-    assert_eq!(explicit.tenant_entries_bound(), 100_000);
+    assert_eq!(explicit.tenant_entries_bound(), 2_000_000);
     assert_eq!(explicit.tenant_bytes_bound(), 256 * 1024 * 1024);
-    assert_eq!(explicit.tenant_in_flight_bound(), 6_250);
+    assert_eq!(explicit.tenant_in_flight_bound(), 125_000);
 }
 
 #[tokio::test(start_paused = true)]
@@ -988,11 +988,77 @@ async fn eviction_is_o1_amortized() {
 }
 
 #[test]
-fn min_retention_defaults_to_ten_minutes() {
+fn min_retention_defaults_to_two_minutes() {
     assert_eq!(
         MemoryStoreSettings::default().min_retention,
-        Duration::from_secs(600)
+        Duration::from_secs(120)
     );
+}
+
+#[test]
+fn by_default_bytes_bind_before_entries() {
+    let d = MemoryStoreSettings::default();
+    let per_record = 200 + RECORD_OVERHEAD_BYTES;
+    assert_eq!(
+        d.max_bytes / per_record,
+        610_080,
+        "records of a 200-byte response"
+    );
+    assert!(d.max_bytes / RECORD_OVERHEAD_BYTES < d.max_entries);
+    assert_eq!(
+        d.max_bytes / per_record / d.min_retention.as_secs() as usize,
+        5_084,
+        "sustained calls/s of one tenant"
+    );
+}
+
+/// Under sustained load below `capacity / minRetention`, a full store (default
+/// `minRetention`, one tenant) evicts old completed records and refuses nothing; above
+/// it, it refuses rather than evict a record younger than `minRetention`.
+#[tokio::test(start_paused = true)]
+async fn sustained_load_evicts_old_records_instead_of_refusing() {
+    const CAPACITY: usize = 1_000;
+    let settings = MemoryStoreSettings {
+        max_bytes: CAPACITY * (200 + RECORD_OVERHEAD_BYTES),
+        sweep_interval: Duration::from_secs(3600),
+        ..MemoryStoreSettings::default()
+    }
+    .for_single_tenant();
+    let retention = settings.min_retention.as_secs() as u32;
+    let st = MemoryStore::new(settings);
+    let body = || StoredOutcome::Response(Bytes::from(vec![0u8; 200]));
+    // Half of what the bound sustains: 4 calls/s for 1000 records over 120 s.
+    let rate = CAPACITY as u32 / retention / 2;
+    let mut n = 0;
+    for _ in 0..4 * retention {
+        for _ in 0..rate {
+            tcomplete_with(&st, &A, n, body(), DAY)
+                .await
+                .expect("never refused below the sustained rate");
+            n += 1;
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let stats = st.stats();
+    assert_eq!(stats.full_rejections, 0, "{stats:?}");
+    assert!(stats.evicted_after_min_retention > 0, "{stats:?}");
+    assert!(stats.entries <= CAPACITY, "{stats:?}");
+    let young = n - rate * (retention - 1)..n;
+    // Far above the sustained rate (all at once): the old records make room, then new
+    // calls are refused; no record younger than minRetention is evicted.
+    let mut refused = 0;
+    for _ in 0..CAPACITY {
+        match tcomplete_with(&st, &A, n, body(), DAY).await {
+            Ok(()) => {}
+            Err(StoreError::Full(_)) => refused += 1,
+            Err(e) => panic!("{e}"),
+        }
+        n += 1;
+    }
+    assert!(refused > 0);
+    for k in young {
+        assert!(kept(&st, &A, k).await, "record {k}");
+    }
 }
 
 // ---- Property test against a simple model ----

@@ -27,10 +27,10 @@ fn idem_memory_store() {
             min_retention: Duration::from_secs(90),
         }
     );
-    // minRetention: 10 minutes by default; zero (evict any completed record at a
+    // minRetention: 2 minutes by default; zero (evict any completed record at a
     // bound) is allowed.
     let (s, _) = settings(json!({"memoryStore": {}})).unwrap();
-    assert_eq!(s.memory_store.min_retention, Duration::from_secs(600));
+    assert_eq!(s.memory_store.min_retention, Duration::from_secs(120));
     let (s, w) = settings(json!({"memoryStore": {"minRetention": "0s"}})).unwrap();
     assert!(w.is_empty(), "{w:?}");
     assert_eq!(s.memory_store.min_retention, Duration::ZERO);
