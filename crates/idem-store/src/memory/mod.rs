@@ -39,7 +39,12 @@
 //! `minRetention`; if none may go, it fails with [`StoreError::Full`] (retryable: the
 //! server layer answers RESOURCE_EXHAUSTED with a retry delay); the refusal is counted
 //! per bound in [`MemoryStoreStats`] and logged (the 1st, 2nd, 4th, 8th… refusal per
-//! bound).
+//! bound). The error names the bound that refused as a [`MemoryBound`]
+//! ([`MemoryBound::refused`]), for the server's `ErrorInfo` and outcome metric.
+//!
+//! Before the cliff: when a tenant or the store passes 80 % of a bound the store logs a
+//! WARN, once (again only after the sweeper saw it back under 70 %), and
+//! [`MemoryStore::usage_ratio`] gives each bound's usage for a gauge.
 //!
 //! | bound | setting | default |
 //! |-------|---------|---------|
@@ -126,7 +131,9 @@ use crate::{
     Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
 };
-use bounds::{Bound, Limits, Usage, sub};
+pub use bounds::MemoryBound;
+
+use bounds::{Limits, Usage, sub};
 use entry::{
     Done, Entry, EntryState, Name, Shard, Tenants, after, epoch, in_flight_expiry, lock, nanos,
 };
@@ -210,7 +217,9 @@ struct Table {
     next_fence: AtomicU64,
     total: Usage,
     expirations: AtomicU64,
-    rejections: [AtomicU64; Bound::ALL],
+    rejections: [AtomicU64; MemoryBound::ALL.len()],
+    /// Whether each bound was seen at 80 % (warned once; the sweeper re-arms it).
+    near_warned: [AtomicBool; MemoryBound::ALL.len()],
     responses_dropped: AtomicU64,
     evictions: AtomicU64,
     evictions_for_others: AtomicU64,
@@ -276,6 +285,7 @@ impl MemoryStore {
                 total: Usage::default(),
                 expirations: AtomicU64::new(0),
                 rejections: Default::default(),
+                near_warned: Default::default(),
                 responses_dropped: AtomicU64::new(0),
                 evictions: AtomicU64::new(0),
                 evictions_for_others: AtomicU64::new(0),
@@ -306,7 +316,7 @@ impl MemoryStore {
     /// Current counters.
     pub fn stats(&self) -> MemoryStoreStats {
         let i = &self.inner;
-        let r = |b: Bound| i.rejections[b as usize].load(Ordering::Relaxed);
+        let r = |b: MemoryBound| i.rejections[b as usize].load(Ordering::Relaxed);
         MemoryStoreStats {
             entries: i.total.entries.load(Ordering::Relaxed),
             in_flight: i.total.in_flight.load(Ordering::Relaxed),
@@ -314,11 +324,11 @@ impl MemoryStore {
             tenants: i.tenant_count.load(Ordering::Relaxed),
             expirations: i.expirations.load(Ordering::Relaxed),
             full_rejections: i.rejections.iter().map(|a| a.load(Ordering::Relaxed)).sum(),
-            rejected_tenant_in_flight: r(Bound::TenantInFlight),
-            rejected_tenant_entries: r(Bound::TenantEntries),
-            rejected_tenant_bytes: r(Bound::TenantBytes),
-            rejected_store_entries: r(Bound::StoreEntries),
-            rejected_store_bytes: r(Bound::StoreBytes),
+            rejected_tenant_in_flight: r(MemoryBound::TenantInFlight),
+            rejected_tenant_entries: r(MemoryBound::TenantEntries),
+            rejected_tenant_bytes: r(MemoryBound::TenantBytes),
+            rejected_store_entries: r(MemoryBound::StoreEntries),
+            rejected_store_bytes: r(MemoryBound::StoreBytes),
             responses_dropped: i.responses_dropped.load(Ordering::Relaxed),
             evicted_after_min_retention: i.evictions.load(Ordering::Relaxed),
             evicted_for_other_tenants: i.evictions_for_others.load(Ordering::Relaxed),
@@ -334,6 +344,13 @@ impl MemoryStore {
             entries: u.entries.load(Ordering::Relaxed),
             bytes: u.bytes.load(Ordering::Relaxed),
         })
+    }
+
+    /// How full `bound` is: usage over the bound, 0.0 to 1.0 (for a tenant bound, the
+    /// fullest tenant's). A gauge reads it; the store logs a WARN when a bound passes
+    /// 0.8. Tenant bounds look at every tenant (O(tenants)); store bounds are O(1).
+    pub fn usage_ratio(&self, bound: MemoryBound) -> f64 {
+        self.inner.usage_ratio(bound)
     }
 
     /// Drops every expired record now (the sweeper does this every `sweep_interval`).
@@ -374,6 +391,7 @@ impl Table {
             let tenant = self.usage(req.tenant);
             match self.admit(&tenant) {
                 Ok(()) => {
+                    self.watch(&tenant);
                     let e = self.new_in_flight(&req, now, tenant);
                     let fence = e.fence();
                     map.insert(*scope, e);
@@ -445,7 +463,10 @@ impl Table {
             let bound = match n {
                 0 => break (map, outcome),
                 _ => match self.admit_bytes(&e.tenant, n) {
-                    Ok(()) => break (map, outcome),
+                    Ok(()) => {
+                        self.watch(&e.tenant);
+                        break (map, outcome);
+                    }
                     Err(bound) => bound,
                 },
             };
