@@ -44,6 +44,9 @@ pub struct MemoryStoreSettings {
     /// Most records of one tenant; `None`: `max_entries / 4` (at least 1).
     pub max_entries_per_tenant: Option<usize>,
     /// Most bytes of one tenant; `None`: `max_bytes / 4`.
+    ///
+    /// For a single tenant, [`for_single_tenant`](Self::for_single_tenant) sets the three
+    /// per-tenant bounds left `None` to the store's.
     pub max_bytes_per_tenant: Option<usize>,
     /// How often expired records are swept.
     pub sweep_interval: Duration,
