@@ -1,5 +1,7 @@
 //! The `idem` command: `idem check-config FILE` validates a service config and prints the
-//! effective policy of every configured name.
+//! effective policy of every configured name, and for each bound of the memory store the
+//! sustained protected calls per second it allows (with a warning below 1000 when the
+//! memory store is the one in use).
 //!
 //! Arguments are parsed by hand: there is one subcommand with one operand, so a
 //! command-line crate would add more build time than it saves.
@@ -9,10 +11,10 @@ use std::process::ExitCode;
 
 use idem_core::code::code_name;
 use idem_core::config::{
-    ConfigError, Diagnostic, InFlightPolicy, MethodConfig, Parsed, ServiceConfig, TenantSource,
-    format_duration,
+    ConfigError, Diagnostic, IdemSettings, InFlightPolicy, MethodConfig, Parsed, ServiceConfig,
+    TenantSource, format_duration,
 };
-use idem_store::memory::MemoryStoreSettings;
+use idem_store::memory::{MemoryStoreSettings, RECORD_OVERHEAD_BYTES};
 
 const USAGE: &str = "\
 idem: effectively-once gRPC writes for tonic
@@ -100,9 +102,11 @@ fn check_config(file: &str) -> ExitCode {
     };
     match ServiceConfig::from_json_with_warnings(&text) {
         Ok(parsed) => {
+            let rate_warning = rate_warning(parsed.config.settings());
             err(&warning_lines(&parsed.warnings));
+            err(rate_warning.as_deref().unwrap_or(""));
             err(&notes(&parsed.config));
-            out(&report(name, &parsed));
+            out(&report(name, &parsed, usize::from(rate_warning.is_some())));
             ExitCode::SUCCESS
         }
         Err(e @ (ConfigError::Json { .. } | ConfigError::Read { .. })) => {
@@ -180,15 +184,16 @@ fn warning_lines(warnings: &[Diagnostic]) -> String {
     warnings.iter().map(|w| format!("warning: {w}\n")).collect()
 }
 
-/// The summary line, the policy table, the idempotency table and the process-wide settings.
-fn report(name: &str, parsed: &Parsed) -> String {
+/// The summary line, the policy table, the idempotency table and the process-wide
+/// settings; `more_warnings`: warnings of this command's own (the memory store's rate).
+fn report(name: &str, parsed: &Parsed, more_warnings: usize) -> String {
     let config = &parsed.config;
     let entries = config.method_configs();
     let names: usize = entries.iter().map(|m| m.names().len()).sum();
     let mut text = format!(
         "{name}: valid: {} method config(s), {names} name(s), {} warning(s)\n\n",
         entries.len(),
-        parsed.warnings.len()
+        parsed.warnings.len() + more_warnings
     );
 
     let throttling = config.retry_throttling().map(|t| {
@@ -261,7 +266,7 @@ fn report(name: &str, parsed: &Parsed) -> String {
 }
 
 /// The `idem` object: process-wide settings, one line per part.
-fn process_wide(s: &idem_core::config::IdemSettings) -> String {
+fn process_wide(s: &IdemSettings) -> String {
     let tenant = match &s.tenant {
         TenantSource::Unset => "set by the server builder".to_owned(),
         TenantSource::Single(t) => format!("single {t:?}"),
@@ -300,7 +305,7 @@ fn process_wide(s: &idem_core::config::IdemSettings) -> String {
         "idem.keyHeader: {}\nidem.tenant: {tenant}\n\
          idem.maxHandlersInFlight: {} (per server layer)\n\
          idem.memoryStore: maxEntries {}, maxBytes {}, minRetention {}, sweepInterval {}\n\
-         idem.memoryStore per tenant: {}\nidem.redis: {redis}\n\
+         idem.memoryStore per tenant: {}\n{}idem.redis: {redis}\n\
          idem.client: keyAllMethods {}, maxReplayBytesPerCall {}, maxReplayBytesTotal {}, \
          minAttemptTime {}, retryExhaustedPushback {}, noRetryUnderRetriedInbound {}\n",
         s.key_header,
@@ -309,7 +314,8 @@ fn process_wide(s: &idem_core::config::IdemSettings) -> String {
         m.max_bytes,
         format_duration(m.min_retention),
         format_duration(m.sweep_interval),
-        tenant_bounds(m),
+        tenant_bounds(m, &s.tenant),
+        rates(m),
         c.key_all_methods,
         c.max_replay_bytes_per_call,
         c.max_replay_bytes_total,
@@ -319,11 +325,14 @@ fn process_wide(s: &idem_core::config::IdemSettings) -> String {
     )
 }
 
-/// The memory store's effective per-tenant bounds, saying where each comes from.
-fn tenant_bounds(m: &MemoryStoreSettings) -> String {
-    let origin = |given: Option<usize>, effective: usize, default: &str| match given {
+/// The memory store's effective per-tenant bounds, saying where each comes from. With a
+/// single tenant the config gives it the whole store (`for_single_tenant`).
+fn tenant_bounds(m: &MemoryStoreSettings, tenant: &TenantSource) -> String {
+    let single = matches!(tenant, TenantSource::Single(_));
+    let origin = |given: Option<usize>, effective: usize, store: usize, default: &str| match given {
         None => format!("{effective} (default: {default})"),
         Some(g) if g > effective => format!("{effective} (cut to the store-wide bound)"),
+        Some(g) if single && g == store => format!("{effective} (single tenant: the whole store)"),
         Some(_) => effective.to_string(),
     };
     format!(
@@ -331,19 +340,129 @@ fn tenant_bounds(m: &MemoryStoreSettings) -> String {
         origin(
             m.max_in_flight_per_tenant,
             m.tenant_in_flight_bound(),
+            m.max_entries,
             "maxEntries / 16"
         ),
         origin(
             m.max_entries_per_tenant,
             m.tenant_entries_bound(),
+            m.max_entries,
             "maxEntries / 4"
         ),
         origin(
             m.max_bytes_per_tenant,
             m.tenant_bytes_bound(),
+            m.max_bytes,
             "maxBytes / 4"
         ),
     )
+}
+
+/// The response size the memory store's rates are given for.
+const RATE_RESPONSE_BYTES: usize = 200;
+
+/// Below this many protected calls per second, a memory store in use gets a warning.
+const MIN_RATE: f64 = 1000.0;
+
+/// One bound of the memory store and the sustained rate it allows.
+struct BoundRate {
+    /// `per tenant, entries` …
+    name: &'static str,
+    /// The bound, defaults applied.
+    limit: usize,
+    /// Records it holds: `limit` for entries, records of a [`RATE_RESPONSE_BYTES`]
+    /// response for bytes.
+    records: usize,
+}
+
+impl BoundRate {
+    /// New protected calls per second at which records reach `minRetention` just as the
+    /// bound fills: above it, the bound is full of records that may not be evicted yet
+    /// and new calls are refused. `None`: no such rate (`minRetention` zero: any
+    /// completed record may be evicted).
+    fn per_second(&self, m: &MemoryStoreSettings) -> Option<f64> {
+        let window = m.min_retention.as_secs_f64();
+        (window > 0.0).then(|| self.records as f64 / window)
+    }
+}
+
+/// The four record bounds of the memory store (per tenant and whole store, entries and
+/// bytes), defaults applied.
+fn bound_rates(m: &MemoryStoreSettings) -> [BoundRate; 4] {
+    let record = RATE_RESPONSE_BYTES + RECORD_OVERHEAD_BYTES;
+    let entries = |name, limit| BoundRate {
+        name,
+        limit,
+        records: limit,
+    };
+    let bytes = |name, limit: usize| BoundRate {
+        name,
+        limit,
+        records: limit / record,
+    };
+    [
+        entries("per tenant, entries", m.tenant_entries_bound()),
+        bytes("per tenant, bytes", m.tenant_bytes_bound()),
+        entries("whole store, entries", m.max_entries),
+        bytes("whole store, bytes", m.max_bytes),
+    ]
+}
+
+/// `5084.3` → `5084`, `41.66` → `41.7`.
+fn rate(r: f64) -> String {
+    if r >= 100.0 {
+        format!("{}", r.floor())
+    } else {
+        format!("{:.1}", (r * 10.0).floor() / 10.0)
+    }
+}
+
+/// The sustained rate of each bound of the memory store, one line each under a heading.
+fn rates(m: &MemoryStoreSettings) -> String {
+    let mut text = format!(
+        "idem.memoryStore sustained rate (new protected calls/s at which records reach \
+         minRetention {} as the bound fills; {RATE_RESPONSE_BYTES}-byte responses, {} bytes a \
+         record):\n",
+        format_duration(m.min_retention),
+        RATE_RESPONSE_BYTES + RECORD_OVERHEAD_BYTES
+    );
+    for b in bound_rates(m) {
+        let r = match b.per_second(m) {
+            Some(r) if b.records == b.limit => format!("{} calls/s", rate(r)),
+            Some(r) => format!("{} calls/s ({} records)", rate(r), b.records),
+            None => {
+                "any rate (minRetention 0s: completed records may be evicted at once)".to_owned()
+            }
+        };
+        text.push_str(&format!("  {} {}: {r}\n", b.name, b.limit));
+    }
+    text
+}
+
+/// A warning when the memory store is the store in use (no `idem.redis`) and one of its
+/// bounds allows fewer than [`MIN_RATE`] protected calls per second.
+fn rate_warning(s: &IdemSettings) -> Option<String> {
+    if s.redis.is_some() {
+        return None;
+    }
+    let m = &s.memory_store;
+    let (b, r) = bound_rates(m)
+        .into_iter()
+        .filter_map(|b| b.per_second(m).map(|r| (b, r)))
+        .min_by(|x, y| x.1.total_cmp(&y.1))?;
+    (r < MIN_RATE).then(|| {
+        format!(
+            "warning: idem.memoryStore ({} {}): allows only {} protected calls/s \
+             ({} records of {RATE_RESPONSE_BYTES}-byte responses kept minRetention {}); at a \
+             higher sustained rate every new call is refused with RESOURCE_EXHAUSTED: raise \
+             the bound or lower minRetention\n",
+            b.name,
+            b.limit,
+            rate(r),
+            b.records,
+            format_duration(m.min_retention),
+        )
+    })
 }
 
 fn policy_row(name: &str, mc: &MethodConfig, throttling: Option<&str>) -> Vec<String> {

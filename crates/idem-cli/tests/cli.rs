@@ -61,10 +61,19 @@ fn valid_example_prints_the_effective_table() {
     let o = idem(&["check-config", "examples/service_config.json"], None);
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
-    assert_eq!(stderr(&o), "", "the example raises no warning");
+    // Its explicit maxEntries 100000 (the former default) holds two minutes of only 833
+    // calls/s: check-config says so (issue 31).
+    assert_eq!(
+        stderr(&o),
+        "warning: idem.memoryStore (per tenant, entries 100000): allows only 833 protected \
+         calls/s (100000 records of 200-byte responses kept minRetention 120s); at a higher \
+         sustained rate every new call is refused with RESOURCE_EXHAUSTED: raise the bound \
+         or lower minRetention\n",
+        "the example raises no other warning"
+    );
     assert!(
         out.starts_with(
-            "examples/service_config.json: valid: 3 method config(s), 3 name(s), 0 warning(s)\n"
+            "examples/service_config.json: valid: 3 method config(s), 3 name(s), 1 warning(s)\n"
         ),
         "{out}"
     );
@@ -146,9 +155,9 @@ fn valid_example_prints_the_effective_table() {
     );
     assert!(
         out.contains(
-            "idem.memoryStore per tenant: maxInFlightPerTenant 6250 (default: maxEntries / 16), \
-             maxEntriesPerTenant 25000 (default: maxEntries / 4), maxBytesPerTenant 67108864 \
-             (default: maxBytes / 4)\n"
+            "idem.memoryStore per tenant: maxInFlightPerTenant 100000 (single tenant: the \
+             whole store), maxEntriesPerTenant 100000 (single tenant: the whole store), \
+             maxBytesPerTenant 268435456 (single tenant: the whole store)\n"
         ),
         "{out}"
     );
@@ -186,9 +195,9 @@ fn the_newer_settings_are_printed() {
     );
     for line in [
         "idem.maxHandlersInFlight: 7 (per server layer)",
-        "idem.memoryStore: maxEntries 10, maxBytes 268435456, minRetention 600s, sweepInterval 1s",
+        "idem.memoryStore: maxEntries 10, maxBytes 268435456, minRetention 120s, sweepInterval 1s",
         "idem.memoryStore per tenant: maxInFlightPerTenant 3, maxEntriesPerTenant 10 (cut to \
-         the store-wide bound), maxBytesPerTenant 67108864 (default: maxBytes / 4)",
+         the store-wide bound), maxBytesPerTenant 268435456 (single tenant: the whole store)",
         "idem.redis: redis://redis:6379/0 (keyPrefix \"idem:\", commandTimeout 0.5s, \
          connectTimeout 2s, maxInFlightPerTenant 50 across instances)",
     ] {
@@ -396,4 +405,64 @@ fn hedged_methods_get_a_note_on_when_hedging_pays() {
         "{err}"
     );
     assert!(err.contains("list ABORTED in nonFatalStatusCodes"), "{err}");
+}
+
+#[test]
+fn the_memory_stores_sustained_rate_is_printed_per_bound() {
+    // Defaults, several tenants: bytes bind first.
+    let o = idem(&["check-config", "-"], Some(b"{}"));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "", "the defaults allow over 1000 calls/s");
+    let out = stdout(&o);
+    let lines: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("idem.memoryStore sustained rate"))
+        .take(5)
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "idem.memoryStore sustained rate (new protected calls/s at which records reach \
+             minRetention 120s as the bound fills; 200-byte responses, 440 bytes a record):",
+            "  per tenant, entries 500000: 4166 calls/s",
+            "  per tenant, bytes 67108864: 1271 calls/s (152520 records)",
+            "  whole store, entries 2000000: 16666 calls/s",
+            "  whole store, bytes 268435456: 5084 calls/s (610080 records)",
+        ],
+        "{out}"
+    );
+    // One tenant: the whole store is its share.
+    let single = br#"{"idem": {"tenant": {"single": "t"}}}"#;
+    let out = stdout(&idem(&["check-config", "-"], Some(single)));
+    assert!(
+        out.contains("  per tenant, bytes 268435456: 5084 calls/s (610080 records)\n"),
+        "{out}"
+    );
+    // The former defaults: about 42 calls/s per tenant; warned (the memory store is in use).
+    let former = br#"{"idem": {"memoryStore": {"maxEntries": 100000, "minRetention": "600s"}}}"#;
+    let o = idem(&["check-config", "-"], Some(former));
+    assert_eq!(o.status.code(), Some(0), "a warning, not an error");
+    assert!(stdout(&o).contains("  per tenant, entries 25000: 41.6 calls/s\n"));
+    assert!(stdout(&o).contains(", 1 warning(s)\n"));
+    assert_eq!(
+        stderr(&o),
+        "warning: idem.memoryStore (per tenant, entries 25000): allows only 41.6 protected \
+         calls/s (25000 records of 200-byte responses kept minRetention 600s); at a higher \
+         sustained rate every new call is refused with RESOURCE_EXHAUSTED: raise the bound \
+         or lower minRetention\n"
+    );
+    // With Redis the memory store is not in use: its rate is printed, not warned about.
+    let redis =
+        br#"{"idem": {"memoryStore": {"maxEntries": 10}, "redis": {"url": "redis://r:1/0"}}}"#;
+    let o = idem(&["check-config", "-"], Some(redis));
+    assert_eq!(stderr(&o), "");
+    assert!(stdout(&o).contains("  whole store, entries 10: 0.0 calls/s\n"));
+    // minRetention zero: no rate bounds the store.
+    let zero = br#"{"idem": {"memoryStore": {"minRetention": "0s", "maxEntries": 1}}}"#;
+    let o = idem(&["check-config", "-"], Some(zero));
+    assert_eq!(stderr(&o), "");
+    assert!(stdout(&o).contains(
+        "  whole store, entries 1: any rate (minRetention 0s: completed records may be \
+         evicted at once)\n"
+    ));
 }

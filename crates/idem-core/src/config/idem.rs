@@ -147,6 +147,10 @@ impl Validator {
         {
             s.client = x;
         }
+        // One tenant: its share is the whole store.
+        if matches!(s.tenant, TenantSource::Single(_)) {
+            s.memory_store = s.memory_store.for_single_tenant();
+        }
         (self.errors.len() == errors_before).then_some(s)
     }
 

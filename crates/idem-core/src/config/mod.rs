@@ -132,4 +132,7 @@ pub use read::{ConfigError, Diagnostic};
 pub use retry::{
     HedgingPolicy, InvalidRetryPolicy, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryThrottling,
 };
-pub use stores::{DEFAULT_MIN_RETENTION, MemoryStoreSettings, RedisSettings};
+pub use stores::{
+    DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_MIN_RETENTION, MemoryStoreSettings,
+    RedisSettings,
+};

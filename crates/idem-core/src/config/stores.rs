@@ -12,11 +12,26 @@ use super::read::{MIN_TIMER, Obj, Validator, Zero};
 /// `idem.memoryStore` in the service config).
 ///
 /// # Defaults
-/// `maxEntries` 100000, `maxBytes` 268435456 (256 MiB), `maxInFlightPerTenant`
-/// `maxEntries / 16`, `maxEntriesPerTenant` `maxEntries / 4`, `maxBytesPerTenant`
-/// `maxBytes / 4`, `sweepInterval` `"1s"`, `minRetention` `"600s"`
-/// ([`DEFAULT_MIN_RETENTION`]). A per-tenant bound above its store-wide bound is cut to
-/// it. The `idem_store::memory` module docs say what happens at each bound.
+/// `maxEntries` 2000000 ([`DEFAULT_MAX_ENTRIES`]), `maxBytes` 268435456 (256 MiB),
+/// `maxInFlightPerTenant` `maxEntries / 16`, `maxEntriesPerTenant` `maxEntries / 4`,
+/// `maxBytesPerTenant` `maxBytes / 4`, `sweepInterval` `"1s"`, `minRetention` `"120s"`
+/// ([`DEFAULT_MIN_RETENTION`]). With a single tenant (`idem.tenant` `single`) the
+/// per-tenant bounds default to the store-wide ones instead
+/// ([`for_single_tenant`](Self::for_single_tenant)). A per-tenant bound above its
+/// store-wide bound is cut to it. The `idem_store::memory` module docs say what happens
+/// at each bound.
+///
+/// # Capacity
+/// The bound that applies first is bytes: a record is charged its response plus the
+/// store's per-record overhead (`idem_store::memory::RECORD_OVERHEAD_BYTES`, 240), so a
+/// record of a 200-byte response costs 440 bytes and 256 MiB hold 610 080 of them
+/// (1 118 481 records of empty responses), well under the 2 000 000 records of
+/// `maxEntries`. Records younger than `minRetention` cannot be evicted, so the store
+/// sustains `capacity / minRetention` new protected calls per second before it refuses
+/// any: 5 084 calls/s of 200-byte responses for one tenant (the whole store), 1 271
+/// calls/s for each of several tenants (a quarter each) and 5 084 for all together.
+/// Below that rate a full store keeps working by evicting completed records older than
+/// `minRetention`. `idem check-config` prints these rates for a config.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryStoreSettings {
     /// Most records kept, all tenants together.
@@ -29,6 +44,9 @@ pub struct MemoryStoreSettings {
     /// Most records of one tenant; `None`: `max_entries / 4` (at least 1).
     pub max_entries_per_tenant: Option<usize>,
     /// Most bytes of one tenant; `None`: `max_bytes / 4`.
+    ///
+    /// For a single tenant, [`for_single_tenant`](Self::for_single_tenant) sets the three
+    /// per-tenant bounds left `None` to the store's.
     pub max_bytes_per_tenant: Option<usize>,
     /// How often expired records are swept.
     pub sweep_interval: Duration,
@@ -44,8 +62,8 @@ pub struct MemoryStoreSettings {
 impl Default for MemoryStoreSettings {
     fn default() -> Self {
         MemoryStoreSettings {
-            max_entries: 100_000,
-            max_bytes: 256 * 1024 * 1024,
+            max_entries: DEFAULT_MAX_ENTRIES,
+            max_bytes: DEFAULT_MAX_BYTES,
             max_in_flight_per_tenant: None,
             max_entries_per_tenant: None,
             max_bytes_per_tenant: None,
@@ -55,17 +73,37 @@ impl Default for MemoryStoreSettings {
     }
 }
 
-/// Default of [`MemoryStoreSettings::min_retention`]: 10 minutes.
+/// Default of [`MemoryStoreSettings::max_bytes`]: 256 MiB, the bound that applies first.
+pub const DEFAULT_MAX_BYTES: usize = 256 * 1024 * 1024;
+
+/// Default of [`MemoryStoreSettings::max_entries`]: 2 000 000 records.
 ///
-/// Longer than any retry schedule a record is meant to answer: gRPC's own retries
-/// (at most 5 attempts; backoffs of seconds), a client library's or an application's
-/// retry loop with exponential backoff capped at a minute or a few, a message
-/// redelivered after a visibility timeout (30 s by default in the usual queues), a
-/// client restarted by its supervisor (a crash-loop backoff caps at 5 minutes). Short
-/// enough that the default bounds keep working: a tenant's default share of 25 000
-/// records holds 10 minutes of about 40 protected calls per second, so below that
-/// rate a tenant at its bound always has records it may evict.
-pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(600);
+/// Above the records [`DEFAULT_MAX_BYTES`] can hold even of empty responses (1 118 481 at
+/// 240 bytes of overhead each), so with the defaults the store is bounded by memory,
+/// never by a count: small records are limited by bytes. The count still bounds the
+/// record table of a store configured with more bytes.
+pub const DEFAULT_MAX_ENTRIES: usize = 2_000_000;
+
+/// Default of [`MemoryStoreSettings::min_retention`]: 2 minutes.
+///
+/// A record must answer every retry of its key, and those come within the client's
+/// retry window, which deadlines bound: gRPC's retries and hedges (at most 5 attempts)
+/// and idem's `RetryLayer` all stop at the call's deadline, typically seconds and at
+/// most a minute or so for a write; an application that retries the whole call after a
+/// deadline with the same key does so within a deadline or two more. Two minutes cover a
+/// one-minute deadline and a retry after it, or a 30-second deadline retried three
+/// times with backoff. Within that window a record is never evicted, so a retry is
+/// always a replay.
+///
+/// It is not longer because records younger than it cannot make room: a store whose
+/// bound is full of them refuses every new call. At 2 minutes the default 256 MiB hold
+/// 5 084 new calls per second of 200-byte responses (one tenant), against 1 016 at the
+/// former 10 minutes; under sustained load the store evicts completed records older
+/// than 2 minutes instead of refusing. Past the window a record is still kept until its
+/// record TTL while there is room. A service whose clients retry later (a queue
+/// redelivering after a long visibility timeout, a client restarted after minutes)
+/// should raise it and size the store for it (`idem check-config` prints the rate).
+pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(120);
 
 impl MemoryStoreSettings {
     /// The in-flight records one tenant may hold, defaults applied.
@@ -87,6 +125,30 @@ impl MemoryStoreSettings {
         self.max_bytes_per_tenant
             .unwrap_or(self.max_bytes / 4)
             .min(self.max_bytes)
+    }
+
+    /// These settings for a store that serves one tenant: each per-tenant bound left
+    /// unset becomes the store-wide bound (records and bytes: `maxEntries` and
+    /// `maxBytes`; in-flight records: `maxEntries`), so the one tenant may use the whole
+    /// store. A per-tenant bound given explicitly stays as given.
+    ///
+    /// The config applies it when `idem.tenant` is `single`; a server given a single
+    /// tenant in code applies it to the settings it builds its store with.
+    ///
+    /// ```
+    /// # use idem_core::config::MemoryStoreSettings;
+    /// let s = MemoryStoreSettings::default().for_single_tenant();
+    /// assert_eq!(s.tenant_entries_bound(), s.max_entries);
+    /// assert_eq!(s.tenant_bytes_bound(), s.max_bytes);
+    /// assert_eq!(s.tenant_in_flight_bound(), s.max_entries);
+    /// ```
+    #[must_use]
+    pub fn for_single_tenant(mut self) -> Self {
+        self.max_in_flight_per_tenant
+            .get_or_insert(self.max_entries);
+        self.max_entries_per_tenant.get_or_insert(self.max_entries);
+        self.max_bytes_per_tenant.get_or_insert(self.max_bytes);
+        self
     }
 }
 

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::bounds::{Bound, Usage};
+use super::bounds::{MemoryBound, Usage};
 use super::entry::{Done, Entry, Tick, lock};
 use super::{SHARDS, Table};
 
@@ -22,18 +22,18 @@ impl Table {
     }
 
     /// `bound`'s measure of `u`: its records or its bytes.
-    fn measure(u: &Usage, bound: Bound) -> usize {
+    fn measure(u: &Usage, bound: MemoryBound) -> usize {
         match bound {
-            Bound::StoreEntries | Bound::TenantEntries | Bound::TenantInFlight => {
-                u.entries.load(Ordering::Acquire)
-            }
-            Bound::StoreBytes | Bound::TenantBytes => u.bytes.load(Ordering::Acquire),
+            MemoryBound::StoreEntries
+            | MemoryBound::TenantEntries
+            | MemoryBound::TenantInFlight => u.entries.load(Ordering::Acquire),
+            MemoryBound::StoreBytes | MemoryBound::TenantBytes => u.bytes.load(Ordering::Acquire),
         }
     }
 
     /// A tenant's fair share of a store-wide bound: the bound divided among the tenants
     /// that hold records or claims.
-    fn fair_share(&self, bound: Bound) -> usize {
+    fn fair_share(&self, bound: MemoryBound) -> usize {
         self.limits.value(bound) / self.tenant_count.load(Ordering::Relaxed).max(1)
     }
 
@@ -41,12 +41,18 @@ impl Table {
     /// bytes) under `bound`; false when no record may go. At its own bound a tenant
     /// evicts its own records; at a store-wide bound a tenant below its fair share
     /// evicts a record of a tenant above its share, and any other tenant its own.
-    pub(super) fn make_room(&self, t: &Arc<Usage>, bound: Bound, need: usize, now: Tick) -> bool {
+    pub(super) fn make_room(
+        &self,
+        t: &Arc<Usage>,
+        bound: MemoryBound,
+        need: usize,
+        now: Tick,
+    ) -> bool {
         match bound {
-            Bound::TenantInFlight => false,
-            Bound::TenantEntries | Bound::TenantBytes => self.evict_own(t, bound, now),
-            Bound::StoreEntries | Bound::StoreBytes => {
-                let need = if bound == Bound::StoreEntries {
+            MemoryBound::TenantInFlight => false,
+            MemoryBound::TenantEntries | MemoryBound::TenantBytes => self.evict_own(t, bound, now),
+            MemoryBound::StoreEntries | MemoryBound::StoreBytes => {
+                let need = if bound == MemoryBound::StoreEntries {
                     1
                 } else {
                     need
@@ -61,7 +67,7 @@ impl Table {
     }
 
     /// Evicts `t`'s oldest completed record if it completed `min_retention` ago or more.
-    fn evict_own(&self, t: &Usage, bound: Bound, tick: Tick) -> bool {
+    fn evict_own(&self, t: &Usage, bound: MemoryBound, tick: Tick) -> bool {
         let mut queue = t.done();
         while let Some(d) = queue.front().copied() {
             self.queue_steps.fetch_add(1, Ordering::Relaxed);
@@ -84,7 +90,7 @@ impl Table {
 
     /// Evicts the oldest evictable record, shard by shard, of a tenant holding more than
     /// its fair share of `bound` (keeping at least its share), or an expired record.
-    fn evict_over_share(&self, claimant: &Arc<Usage>, bound: Bound, tick: Tick) -> bool {
+    fn evict_over_share(&self, claimant: &Arc<Usage>, bound: MemoryBound, tick: Tick) -> bool {
         let fair = self.fair_share(bound);
         let start = self.cursor.fetch_add(1, Ordering::Relaxed);
         for i in 0..SHARDS {
@@ -100,7 +106,7 @@ impl Table {
                     continue;
                 };
                 let over = !Arc::ptr_eq(&e.tenant, claimant) && {
-                    let cost = if bound == Bound::StoreEntries {
+                    let cost = if bound == MemoryBound::StoreEntries {
                         1
                     } else {
                         e.bytes()
@@ -122,7 +128,7 @@ impl Table {
     }
 
     /// Uncharges an evicted record, counts it and logs (the 1st, 2nd, 4th, 8th…).
-    fn evicted(&self, e: &Entry, bound: Bound, for_other: bool, now: Tick) {
+    fn evicted(&self, e: &Entry, bound: MemoryBound, for_other: bool, now: Tick) {
         self.forget(e);
         if Self::is_expired(e, now) {
             self.expirations.fetch_add(1, Ordering::Relaxed);

@@ -39,15 +39,22 @@
 //! `minRetention`; if none may go, it fails with [`StoreError::Full`] (retryable: the
 //! server layer answers RESOURCE_EXHAUSTED with a retry delay); the refusal is counted
 //! per bound in [`MemoryStoreStats`] and logged (the 1st, 2nd, 4th, 8th… refusal per
-//! bound).
+//! bound). The error names the bound that refused as a [`MemoryBound`]
+//! ([`MemoryBound::refused`]), for the server's `ErrorInfo` and outcome metric.
+//!
+//! Before the cliff: when a tenant or the store passes 80 % of a bound the store logs a
+//! WARN, once (again only after the sweeper saw it back under 70 %), and
+//! [`MemoryStore::usage_ratio`] gives each bound's usage for a gauge.
 //!
 //! | bound | setting | default |
 //! |-------|---------|---------|
 //! | a tenant's in-flight records | `maxInFlightPerTenant` | `maxEntries / 16` |
 //! | a tenant's records | `maxEntriesPerTenant` | `maxEntries / 4` |
 //! | a tenant's bytes | `maxBytesPerTenant` | `maxBytes / 4` |
-//! | all records | `maxEntries` | 100 000 |
-//! | all bytes | `maxBytes` | 256 MiB |
+//! | all records | `maxEntries` | 2 000 000 ([`DEFAULT_MAX_ENTRIES`]) |
+//! | all bytes | `maxBytes` | 256 MiB ([`DEFAULT_MAX_BYTES`]) |
+//!
+//! With a single tenant the three tenant bounds default to the store's (see below).
 //!
 //! Bytes are stored responses plus [`RECORD_OVERHEAD_BYTES`] per record. A response
 //! that does not fit its tenant's or the store's bytes (after evicting as a claim
@@ -57,14 +64,26 @@
 //!
 //! Replays, waits on in-flight records and takeovers of expired leases add no record
 //! and are never refused. Because each tenant may use only a share of the store (a
-//! quarter by default), one tenant's load cannot use up the whole store. A server with
-//! a single tenant should raise `maxEntriesPerTenant` and `maxBytesPerTenant` to the
-//! store bounds.
+//! quarter by default), one tenant's load cannot use up the whole store. With a single
+//! tenant (`idem.tenant` `single`) the shares default to the whole store
+//! ([`MemoryStoreSettings::for_single_tenant`]).
+//!
+//! # Default capacity
+//! With the defaults, bytes bind first: a record of a 200-byte response is charged 440
+//! bytes (with [`RECORD_OVERHEAD_BYTES`]), so 256 MiB hold **610 080 such records**
+//! (the 2 000 000 of `maxEntries` are reached only by records of no response at all,
+//! and not even then: 1 118 481 fit). As records younger than `minRetention` cannot
+//! make room, that is **5 084 new protected calls per second** sustained for one
+//! tenant (the whole store), or 1 271 per tenant when several share it (a quarter
+//! each). Below that rate a full store evicts completed records older than two
+//! minutes and never refuses; above it, new calls are refused (RESOURCE_EXHAUSTED)
+//! until records age. `idem check-config` prints the rate of each bound of a config.
 //!
 //! # Eviction
 //! The store is a cache of recent outcomes: a full store keeps working by forgetting its
 //! oldest outcomes, but never young ones. Every completed record is kept for at least
-//! `minRetention` (default 10 minutes, [`DEFAULT_MIN_RETENTION`]); after that, until
+//! `minRetention` (default 2 minutes, [`DEFAULT_MIN_RETENTION`]: the client's retry
+//! window, which deadlines bound); after that, until
 //! its record TTL, it may be evicted (oldest completion first) to make room for a new
 //! record:
 //!
@@ -104,13 +123,17 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-pub use idem_core::config::{DEFAULT_MIN_RETENTION, MemoryStoreSettings};
+pub use idem_core::config::{
+    DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_MIN_RETENTION, MemoryStoreSettings,
+};
 
 use crate::{
     Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
     StoredOutcome, TenantId,
 };
-use bounds::{Bound, Limits, Usage, sub};
+pub use bounds::MemoryBound;
+
+use bounds::{Limits, Usage, sub};
 use entry::{
     Done, Entry, EntryState, Name, Shard, Tenants, after, epoch, in_flight_expiry, lock, nanos,
 };
@@ -194,7 +217,9 @@ struct Table {
     next_fence: AtomicU64,
     total: Usage,
     expirations: AtomicU64,
-    rejections: [AtomicU64; Bound::ALL],
+    rejections: [AtomicU64; MemoryBound::ALL.len()],
+    /// Whether each bound was seen at 80 % (warned once; the sweeper re-arms it).
+    near_warned: [AtomicBool; MemoryBound::ALL.len()],
     responses_dropped: AtomicU64,
     evictions: AtomicU64,
     evictions_for_others: AtomicU64,
@@ -260,6 +285,7 @@ impl MemoryStore {
                 total: Usage::default(),
                 expirations: AtomicU64::new(0),
                 rejections: Default::default(),
+                near_warned: Default::default(),
                 responses_dropped: AtomicU64::new(0),
                 evictions: AtomicU64::new(0),
                 evictions_for_others: AtomicU64::new(0),
@@ -290,7 +316,7 @@ impl MemoryStore {
     /// Current counters.
     pub fn stats(&self) -> MemoryStoreStats {
         let i = &self.inner;
-        let r = |b: Bound| i.rejections[b as usize].load(Ordering::Relaxed);
+        let r = |b: MemoryBound| i.rejections[b as usize].load(Ordering::Relaxed);
         MemoryStoreStats {
             entries: i.total.entries.load(Ordering::Relaxed),
             in_flight: i.total.in_flight.load(Ordering::Relaxed),
@@ -298,11 +324,11 @@ impl MemoryStore {
             tenants: i.tenant_count.load(Ordering::Relaxed),
             expirations: i.expirations.load(Ordering::Relaxed),
             full_rejections: i.rejections.iter().map(|a| a.load(Ordering::Relaxed)).sum(),
-            rejected_tenant_in_flight: r(Bound::TenantInFlight),
-            rejected_tenant_entries: r(Bound::TenantEntries),
-            rejected_tenant_bytes: r(Bound::TenantBytes),
-            rejected_store_entries: r(Bound::StoreEntries),
-            rejected_store_bytes: r(Bound::StoreBytes),
+            rejected_tenant_in_flight: r(MemoryBound::TenantInFlight),
+            rejected_tenant_entries: r(MemoryBound::TenantEntries),
+            rejected_tenant_bytes: r(MemoryBound::TenantBytes),
+            rejected_store_entries: r(MemoryBound::StoreEntries),
+            rejected_store_bytes: r(MemoryBound::StoreBytes),
             responses_dropped: i.responses_dropped.load(Ordering::Relaxed),
             evicted_after_min_retention: i.evictions.load(Ordering::Relaxed),
             evicted_for_other_tenants: i.evictions_for_others.load(Ordering::Relaxed),
@@ -318,6 +344,13 @@ impl MemoryStore {
             entries: u.entries.load(Ordering::Relaxed),
             bytes: u.bytes.load(Ordering::Relaxed),
         })
+    }
+
+    /// How full `bound` is: usage over the bound, 0.0 to 1.0 (for a tenant bound, the
+    /// fullest tenant's). A gauge reads it; the store logs a WARN when a bound passes
+    /// 0.8. Tenant bounds look at every tenant (O(tenants)); store bounds are O(1).
+    pub fn usage_ratio(&self, bound: MemoryBound) -> f64 {
+        self.inner.usage_ratio(bound)
     }
 
     /// Drops every expired record now (the sweeper does this every `sweep_interval`).
@@ -358,6 +391,7 @@ impl Table {
             let tenant = self.usage(req.tenant);
             match self.admit(&tenant) {
                 Ok(()) => {
+                    self.watch(&tenant);
                     let e = self.new_in_flight(&req, now, tenant);
                     let fence = e.fence();
                     map.insert(*scope, e);
@@ -429,7 +463,10 @@ impl Table {
             let bound = match n {
                 0 => break (map, outcome),
                 _ => match self.admit_bytes(&e.tenant, n) {
-                    Ok(()) => break (map, outcome),
+                    Ok(()) => {
+                        self.watch(&e.tenant);
+                        break (map, outcome);
+                    }
                     Err(bound) => bound,
                 },
             };

@@ -83,6 +83,7 @@ impl Table {
                 });
             }
         }
+        self.rearm(&usages);
         drop(usages);
         // Tenants whose usage nobody references (no record, no claim under way) go.
         for shard in self.tenants.iter() {

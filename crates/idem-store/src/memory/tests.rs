@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use super::entry::{Done, Name, lock};
 use super::sweep::QUEUE_SLACK;
@@ -499,7 +500,7 @@ fn per_tenant_bounds_default_to_a_share_of_the_store() {
             d.tenant_entries_bound(),
             d.tenant_bytes_bound()
         ),
-        (6_250, 25_000, 64 * 1024 * 1024)
+        (125_000, 500_000, 64 * 1024 * 1024)
     );
     let tiny = MemoryStoreSettings {
         max_entries: 3,
@@ -516,9 +517,9 @@ fn per_tenant_bounds_default_to_a_share_of_the_store() {
         max_bytes_per_tenant: Some(usize::MAX),
         ..MemoryStoreSettings::default()
     };
-    assert_eq!(explicit.tenant_entries_bound(), 100_000);
+    assert_eq!(explicit.tenant_entries_bound(), 2_000_000);
     assert_eq!(explicit.tenant_bytes_bound(), 256 * 1024 * 1024);
-    assert_eq!(explicit.tenant_in_flight_bound(), 6_250);
+    assert_eq!(explicit.tenant_in_flight_bound(), 125_000);
 }
 
 #[tokio::test(start_paused = true)]
@@ -988,11 +989,77 @@ async fn eviction_is_o1_amortized() {
 }
 
 #[test]
-fn min_retention_defaults_to_ten_minutes() {
+fn min_retention_defaults_to_two_minutes() {
     assert_eq!(
         MemoryStoreSettings::default().min_retention,
-        Duration::from_secs(600)
+        Duration::from_secs(120)
     );
+}
+
+#[test]
+fn by_default_bytes_bind_before_entries() {
+    let d = MemoryStoreSettings::default();
+    let per_record = 200 + RECORD_OVERHEAD_BYTES;
+    assert_eq!(
+        d.max_bytes / per_record,
+        610_080,
+        "records of a 200-byte response"
+    );
+    assert!(d.max_bytes / RECORD_OVERHEAD_BYTES < d.max_entries);
+    assert_eq!(
+        d.max_bytes / per_record / d.min_retention.as_secs() as usize,
+        5_084,
+        "sustained calls/s of one tenant"
+    );
+}
+
+/// Under sustained load below `capacity / minRetention`, a full store (default
+/// `minRetention`, one tenant) evicts old completed records and refuses nothing; above
+/// it, it refuses rather than evict a record younger than `minRetention`.
+#[tokio::test(start_paused = true)]
+async fn sustained_load_evicts_old_records_instead_of_refusing() {
+    const CAPACITY: usize = 1_000;
+    let settings = MemoryStoreSettings {
+        max_bytes: CAPACITY * (200 + RECORD_OVERHEAD_BYTES),
+        sweep_interval: Duration::from_secs(3600),
+        ..MemoryStoreSettings::default()
+    }
+    .for_single_tenant();
+    let retention = settings.min_retention.as_secs() as u32;
+    let st = MemoryStore::new(settings);
+    let body = || StoredOutcome::Response(Bytes::from(vec![0u8; 200]));
+    // Half of what the bound sustains: 4 calls/s for 1000 records over 120 s.
+    let rate = CAPACITY as u32 / retention / 2;
+    let mut n = 0;
+    for _ in 0..4 * retention {
+        for _ in 0..rate {
+            tcomplete_with(&st, &A, n, body(), DAY)
+                .await
+                .expect("never refused below the sustained rate");
+            n += 1;
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let stats = st.stats();
+    assert_eq!(stats.full_rejections, 0, "{stats:?}");
+    assert!(stats.evicted_after_min_retention > 0, "{stats:?}");
+    assert!(stats.entries <= CAPACITY, "{stats:?}");
+    let young = n - rate * (retention - 1)..n;
+    // Far above the sustained rate (all at once): the old records make room, then new
+    // calls are refused; no record younger than minRetention is evicted.
+    let mut refused = 0;
+    for _ in 0..CAPACITY {
+        match tcomplete_with(&st, &A, n, body(), DAY).await {
+            Ok(()) => {}
+            Err(StoreError::Full(_)) => refused += 1,
+            Err(e) => panic!("{e}"),
+        }
+        n += 1;
+    }
+    assert!(refused > 0);
+    for k in young {
+        assert!(kept(&st, &A, k).await, "record {k}");
+    }
 }
 
 // ---- Property test against a simple model ----
@@ -1484,4 +1551,174 @@ async fn durations_at_their_maximum_saturate() {
         st.get(&s).await.unwrap(),
         Some(RecordState::Completed { .. })
     ));
+}
+
+// ---- Which bound refused; warnings before the bound ----
+
+#[tokio::test(start_paused = true)]
+async fn a_full_store_names_the_bound_that_refused() {
+    let o = RECORD_OVERHEAD_BYTES;
+    let settings = |max_entries, max_bytes, in_flight, entries, bytes| MemoryStoreSettings {
+        max_entries,
+        max_bytes,
+        max_in_flight_per_tenant: in_flight,
+        max_entries_per_tenant: entries,
+        max_bytes_per_tenant: bytes,
+        sweep_interval: Duration::from_secs(3600),
+        min_retention: DEFAULT_MIN_RETENTION,
+    };
+    let cases = [
+        (
+            settings(3, 1 << 20, Some(3), Some(3), None),
+            false,
+            MemoryBound::StoreEntries,
+        ),
+        (
+            settings(100, 3 * o, Some(100), Some(100), Some(3 * o)),
+            false,
+            MemoryBound::StoreBytes,
+        ),
+        (
+            settings(100, 1 << 20, Some(3), None, None),
+            false,
+            MemoryBound::TenantInFlight,
+        ),
+        (
+            settings(100, 1 << 20, None, Some(3), None),
+            true,
+            MemoryBound::TenantEntries,
+        ),
+        (
+            settings(160, 1 << 20, None, None, Some(3 * o)),
+            false,
+            MemoryBound::TenantBytes,
+        ),
+    ];
+    for (settings, complete_them, bound) in cases {
+        let st = MemoryStore::new(settings);
+        for n in 0..3 {
+            if complete_them {
+                tcomplete_with(&st, &A, n, StoredOutcome::NotRetained, DAY)
+                    .await
+                    .unwrap();
+            } else {
+                tacquire(&st, &A, n).await.unwrap();
+            }
+        }
+        let e = tacquire(&st, &A, 3).await.unwrap_err();
+        assert_eq!(MemoryBound::refused(&e), Some(bound), "{e}");
+        assert_eq!(bound.is_tenant(), bound.as_str().starts_with("tenant_"));
+        // The message names the bound and its configured size, no usage.
+        assert!(
+            e.to_string().starts_with(&format!("store full: {bound} (")),
+            "{e}"
+        );
+    }
+    assert_eq!(
+        MemoryBound::ALL.map(MemoryBound::as_str),
+        [
+            "tenant_in_flight",
+            "tenant_entries",
+            "tenant_bytes",
+            "store_entries",
+            "store_bytes"
+        ]
+    );
+    // Not a memory store's refusal (another store, another error): no bound.
+    assert_eq!(MemoryBound::refused(&StoreError::Full("x".into())), None);
+    assert_eq!(
+        MemoryBound::refused(&StoreError::Unavailable("x".into())),
+        None
+    );
+}
+
+/// The WARN events logged on this thread, each as `bound`.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+impl Warnings {
+    fn of(&self, bound: MemoryBound) -> usize {
+        let label = format!("\"{}\"", bound.as_str());
+        let seen = self.0.lock().unwrap();
+        seen.iter().filter(|b| **b == label).count()
+    }
+}
+
+/// The `bound` field of an event.
+struct BoundField(Option<String>);
+
+impl tracing::field::Visit for BoundField {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "bound" {
+            self.0 = Some(format!("{value:?}"));
+        }
+    }
+}
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut bound = BoundField(None);
+        event.record(&mut bound);
+        if *event.metadata().level() == tracing::Level::WARN
+            && let Some(b) = bound.0
+            && event.metadata().fields().field("used").is_some()
+        {
+            self.0.lock().unwrap().push(b);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_80_percent_of_a_bound_the_store_warns_once_and_the_ratio_says_it() {
+    let warnings = Warnings::default();
+    let _guard = tracing::subscriber::set_default(warnings.clone());
+    let st = MemoryStore::new(
+        MemoryStoreSettings {
+            max_entries: 10,
+            sweep_interval: Duration::from_secs(3600),
+            ..MemoryStoreSettings::default()
+        }
+        .for_single_tenant(),
+    );
+    let mut fences = Vec::new();
+    for n in 0..7 {
+        fences.push(tacquire(&st, &A, n).await.unwrap());
+    }
+    assert_eq!(st.usage_ratio(MemoryBound::StoreEntries), 0.7);
+    assert_eq!(warnings.of(MemoryBound::StoreEntries), 0);
+    for n in 7..10 {
+        fences.push(tacquire(&st, &A, n).await.unwrap());
+    }
+    // Passed 80 % at the 8th record: one WARN per bound it passed, not one per claim.
+    for bound in [
+        MemoryBound::StoreEntries,
+        MemoryBound::TenantEntries,
+        MemoryBound::TenantInFlight,
+    ] {
+        assert_eq!(warnings.of(bound), 1, "{bound}");
+        assert_eq!(st.usage_ratio(bound), 1.0, "{bound}");
+    }
+    assert_eq!(warnings.of(MemoryBound::StoreBytes), 0);
+    assert!(st.usage_ratio(MemoryBound::StoreBytes) < 0.001);
+    // Back below 70 % (seen by the sweeper), then past 80 % again: a second WARN.
+    for (n, fence) in (0..4).zip(&fences) {
+        st.release(&tscope(&A, n), *fence).await.unwrap();
+    }
+    st.sweep();
+    assert_eq!(st.usage_ratio(MemoryBound::TenantEntries), 0.6);
+    for n in 10..12 {
+        tacquire(&st, &A, n).await.unwrap();
+    }
+    assert_eq!(warnings.of(MemoryBound::StoreEntries), 2);
+    assert_eq!(warnings.of(MemoryBound::TenantEntries), 2);
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::config::fixtures::*;
 use crate::config::*;
@@ -27,10 +27,10 @@ fn idem_memory_store() {
             min_retention: Duration::from_secs(90),
         }
     );
-    // minRetention: 10 minutes by default; zero (evict any completed record at a
+    // minRetention: 2 minutes by default; zero (evict any completed record at a
     // bound) is allowed.
     let (s, _) = settings(json!({"memoryStore": {}})).unwrap();
-    assert_eq!(s.memory_store.min_retention, Duration::from_secs(600));
+    assert_eq!(s.memory_store.min_retention, Duration::from_secs(120));
     let (s, w) = settings(json!({"memoryStore": {"minRetention": "0s"}})).unwrap();
     assert!(w.is_empty(), "{w:?}");
     assert_eq!(s.memory_store.min_retention, Duration::ZERO);
@@ -213,5 +213,47 @@ fn idem_redis() {
     assert_eq!(
         (r.replica_acks, r.replica_ack_timeout),
         (1, Duration::from_millis(50))
+    );
+}
+
+#[test]
+fn a_single_tenant_gets_the_whole_store() {
+    let whole = |s: &MemoryStoreSettings| {
+        (
+            s.tenant_in_flight_bound(),
+            s.tenant_entries_bound(),
+            s.tenant_bytes_bound(),
+        )
+    };
+    let (s, w) = settings(json!({"tenant": {"single": "shop"}})).unwrap();
+    assert!(w.is_empty(), "{w:?}");
+    let m = &s.memory_store;
+    assert_eq!(whole(m), (m.max_entries, m.max_entries, m.max_bytes));
+    // Explicit shares stay; the others are the store's (in-flight within the records).
+    let (s, _) = settings(json!({
+        "tenant": {"single": "shop"},
+        "memoryStore": {"maxEntries": 1000, "maxBytes": 4096, "maxEntriesPerTenant": 10}
+    }))
+    .unwrap();
+    assert_eq!(whole(&s.memory_store), (10, 10, 4096));
+    // Several tenants (a header, or a resolver set in code): a share each.
+    for tenant in [json!({"header": "x-tenant"}), json!(null)] {
+        let doc = match tenant {
+            Value::Null => json!({"memoryStore": {"maxEntries": 1600, "maxBytes": 4096}}),
+            t => json!({"tenant": t, "memoryStore": {"maxEntries": 1600, "maxBytes": 4096}}),
+        };
+        let (s, _) = settings(doc).unwrap();
+        assert_eq!(whole(&s.memory_store), (100, 400, 1024));
+    }
+    // In code: the same widening.
+    let code = MemoryStoreSettings {
+        max_bytes_per_tenant: Some(7),
+        ..MemoryStoreSettings::default()
+    }
+    .for_single_tenant();
+    assert_eq!(
+        whole(&code),
+        (code.max_entries, code.max_entries, 7),
+        "{code:?}"
     );
 }
