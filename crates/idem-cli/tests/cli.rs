@@ -61,19 +61,10 @@ fn valid_example_prints_the_effective_table() {
     let o = idem(&["check-config", "examples/service_config.json"], None);
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
-    // Its explicit maxEntries 100000 (the former default) holds two minutes of only 833
-    // calls/s: check-config says so (issue 31).
-    assert_eq!(
-        stderr(&o),
-        "warning: idem.memoryStore (per tenant, entries 100000): allows only 833 protected \
-         calls/s (100000 records of 200-byte responses kept minRetention 120s); at a higher \
-         sustained rate every new call is refused with RESOURCE_EXHAUSTED: raise the bound \
-         or lower minRetention\n",
-        "the example raises no other warning"
-    );
+    assert_eq!(stderr(&o), "", "the example raises no warning");
     assert!(
         out.starts_with(
-            "examples/service_config.json: valid: 3 method config(s), 3 name(s), 1 warning(s)\n"
+            "examples/service_config.json: valid: 3 method config(s), 3 name(s), 0 warning(s)\n"
         ),
         "{out}"
     );
@@ -155,8 +146,8 @@ fn valid_example_prints_the_effective_table() {
     );
     assert!(
         out.contains(
-            "idem.memoryStore per tenant: maxInFlightPerTenant 100000 (single tenant: the \
-             whole store), maxEntriesPerTenant 100000 (single tenant: the whole store), \
+            "idem.memoryStore per tenant: maxInFlightPerTenant 2000000 (single tenant: the \
+             whole store), maxEntriesPerTenant 2000000 (single tenant: the whole store), \
              maxBytesPerTenant 268435456 (single tenant: the whole store)\n"
         ),
         "{out}"

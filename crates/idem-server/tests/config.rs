@@ -115,7 +115,7 @@ async fn a_memory_store_built_apart_from_the_configs_settings_is_warned_about() 
         let layer = IdempotencyLayer::new(MemoryStore::default(), &config);
         assert_eq!(
             layer.store().settings().max_entries,
-            100_000,
+            idem_store::memory::DEFAULT_MAX_ENTRIES,
             "kept as given"
         );
     });
