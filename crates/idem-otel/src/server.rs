@@ -291,6 +291,24 @@ impl ServerMetrics {
             let observe = move |c: &dyn AsyncInstrument<u64>| c.observe(read(&store.stats()), &[]);
             observed_counter(meter, name, "{record}", description, observe);
         }
+        // How full each bound is (a tenant bound: its fullest tenant), 0 to 1: the store
+        // refuses new calls at 1, so alert well before (the store itself warns at 0.8).
+        let store = store.clone();
+        meter
+            .f64_observable_gauge("idem.store.memory.usage")
+            .with_unit("1")
+            .with_description(
+                "How full each bound of the memory store is, 0 to 1 (tenant bounds: the fullest tenant's); at 1 new protected calls are refused (STORE_FULL).",
+            )
+            .with_callback(move |g| {
+                for bound in idem_store::memory::MemoryBound::ALL {
+                    g.observe(
+                        store.usage_ratio(bound),
+                        &[KeyValue::new("idem.store.bound", bound.as_str())],
+                    );
+                }
+            })
+            .build();
     }
 }
 

@@ -322,6 +322,21 @@ async fn two_retries_then_ok() {
         0.0,
         "the record was completed"
     );
+    // How full each bound is: one record of a store of millions.
+    assert_eq!(otel.unit("idem.store.memory.usage"), "1");
+    for bound in idem_store::memory::MemoryBound::ALL {
+        let usage = otel.gauge(
+            "idem.store.memory.usage",
+            &[("idem.store.bound", bound.as_str())],
+        );
+        assert!((0.0..0.01).contains(&usage), "{bound:?}: {usage}");
+    }
+    assert!(
+        otel.gauge(
+            "idem.store.memory.usage",
+            &[("idem.store.bound", "store_entries")]
+        ) > 0.0
+    );
     let claim = [
         ("idem.store.kind", "memory"),
         ("idem.store.operation", "claim"),

@@ -24,9 +24,9 @@
 //! `executed`, `replayed`, `waited` (replayed after waiting for the call in flight),
 //! `mismatch`, `aborted`, `not_retained`, `rejected` (with the `ErrorInfo` reason:
 //! `KEY_MISSING`, `KEY_INVALID`, `TENANT_MISSING`, `REQUEST_TOO_LARGE`,
-//! `REQUEST_MALFORMED`, `ENCODING_UNSUPPORTED`), `store_unavailable`, `store_full`,
-//! `overloaded`, `fail_open`, `waited_deadline`, and `cancelled` for a caller that went
-//! away before any of them.
+//! `REQUEST_MALFORMED`, `ENCODING_UNSUPPORTED`), `store_unavailable`, `store_full` (with
+//! the bound that refused, when the store names it), `overloaded`, `fail_open`,
+//! `waited_deadline`, and `cancelled` for a caller that went away before any of them.
 //!
 //! The observer also hears of the calls the layer lets through untouched, with the
 //! outcome `passthrough`: calls to methods without an `idempotency` object, and calls
@@ -87,7 +87,10 @@ pub struct ProtectedCallEnded<'a> {
     pub method: &'a str,
     /// What the layer did (see the [module docs](self) for the names).
     pub outcome: &'static str,
-    /// For `rejected`: the `ErrorInfo` reason of the refusal.
+    /// For `rejected`: the `ErrorInfo` reason of the refusal. For `store_full`: the
+    /// bound that refused, when the store names it (the memory store's
+    /// [`MemoryBound`](idem_store::memory::MemoryBound) labels: `tenant_in_flight`,
+    /// `tenant_entries`, `tenant_bytes`, `store_entries`, `store_bytes`).
     pub reason: Option<&'static str>,
     /// For `executed`: what became of the record.
     pub record: Option<&'static str>,
@@ -371,6 +374,14 @@ fn reason_of(headers: &http::HeaderMap) -> Option<&'static str> {
             .find(|k| *k == info.reason)
             .unwrap_or("OTHER"),
     )
+}
+
+/// Notes `reason` as the reason of the outcome of a call traced by `trace` (the bound
+/// that refused a `store_full`).
+pub(crate) fn reason_of_outcome(trace: Option<&CallTrace>, reason: Option<&'static str>) {
+    if let Some(t) = trace {
+        t.update(|s| s.reason = reason);
+    }
 }
 
 /// Notes `name` as the outcome of a call traced by `trace`, in its span too.

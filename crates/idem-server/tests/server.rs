@@ -1471,6 +1471,56 @@ async fn a_full_store_is_resource_exhausted_with_a_retry_delay_and_no_run() {
     assert_eq!(srv.stats.snapshot().store_full, 2);
 }
 
+/// An outcome and its reason, as the observer hears them.
+type Heard = (&'static str, Option<&'static str>);
+
+/// Records what the observer hears of each protected call.
+#[derive(Clone, Default)]
+struct Outcomes(Arc<std::sync::Mutex<Vec<Heard>>>);
+
+impl idem_server::metrics::ServerObserver for Outcomes {
+    fn call_ended(&self, call: &idem_server::metrics::ProtectedCallEnded<'_>) {
+        self.0.lock().unwrap().push((call.outcome, call.reason));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_memory_store_names_the_bound_that_refused() {
+    // A tenant's share of one record, kept (minRetention) when the second key arrives.
+    let store = MemoryStore::new(idem_store::memory::MemoryStoreSettings {
+        max_entries_per_tenant: Some(1),
+        ..Default::default()
+    });
+    let outcomes = Outcomes::default();
+    let l = layer(store, &config(policy(), None)).observer(outcomes.clone());
+    let (shop, svc) = in_process(&l);
+    let first = call(&svc, raw_create("ok", KEY)).await;
+    assert_eq!(status_of(&first).code(), Code::Ok);
+    let refused = call(&svc, raw_create("ok", "order-key-0002")).await;
+    let err = status_of(&refused);
+    assert_idem_error(&err, Code::ResourceExhausted, reason::STORE_FULL);
+    let info = err.get_details_error_info().unwrap();
+    assert_eq!(
+        info.metadata.get("bound").map(String::as_str),
+        Some("tenant_entries"),
+        "{info:?}"
+    );
+    assert_eq!(
+        info.metadata.len(),
+        1,
+        "the bound's name only, no usage: {info:?}"
+    );
+    assert!(
+        !err.message().contains('1'),
+        "no size or usage in the message: {err:?}"
+    );
+    assert_eq!(shop.runs(), 1);
+    assert_eq!(
+        outcomes.0.lock().unwrap().last(),
+        Some(&("store_full", Some("tenant_entries")))
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_response_the_store_has_no_room_for_is_recorded_as_not_retained() {
     let store = faulty(Op::Complete, Fault::Full, 1);

@@ -147,8 +147,10 @@ impl<St: Store> Call<St> {
         let stats = &self.shared.stats;
         if let StoreError::Full(cause) = &e {
             stats.inc(Counter::store_full);
-            tracing::warn!(error = %cause, scope = %self.short_scope(), "idempotency store full: refusing the call");
-            return Ok(self.answer("store_full", status::store_full()));
+            let bound = idem_store::memory::MemoryBound::refused(&e).map(|b| b.as_str());
+            tracing::warn!(error = %cause, bound = bound.unwrap_or("unnamed"), scope = %self.short_scope(), "idempotency store full: refusing the call");
+            self.trace_reason(bound);
+            return Ok(self.answer("store_full", status::store_full(bound)));
         }
         stats.inc(Counter::store_errors);
         if waited {

@@ -95,6 +95,12 @@ impl<St: Store> Call<St> {
         crate::metrics::outcome_of(self.trace.as_deref(), name);
     }
 
+    /// Notes the reason of the call's outcome for its observer (the bound that refused a
+    /// `store_full`).
+    pub(crate) fn trace_reason(&self, reason: Option<&'static str>) {
+        crate::metrics::reason_of_outcome(self.trace.as_deref(), reason);
+    }
+
     /// The scope's first 16 hex digits, for the logs (never the key).
     pub(crate) fn short_scope(&self) -> String {
         self.scope.short_hex()

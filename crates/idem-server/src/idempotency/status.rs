@@ -116,12 +116,24 @@ pub(crate) fn store_unavailable_retry_after(delay: Duration) -> Status {
     )
 }
 
-pub(crate) fn store_full() -> Status {
-    idem_status_retry_after(
+/// The store refused a new record. `bound` names the bound that refused when the store
+/// says (`tenant_entries`, `store_bytes`…: the memory store's `MemoryBound`): it goes in
+/// the `ErrorInfo` metadata as `bound`. It names the caller's own tenant's bound or the
+/// store's, never another tenant's usage.
+pub(crate) fn store_full(bound: Option<&'static str>) -> Status {
+    let mut details = ErrorDetails::with_error_info(
+        reason::STORE_FULL,
+        headers::ERROR_DOMAIN,
+        bound
+            .map(|b| ("bound".to_owned(), b.to_owned()))
+            .into_iter()
+            .collect::<HashMap<_, _>>(),
+    );
+    details.set_retry_info(Some(BUSY_RETRY_DELAY));
+    Status::with_error_details(
         Code::ResourceExhausted,
         "the idempotency store has no room for another call right now; retry the call with the same key after the delay",
-        reason::STORE_FULL,
-        BUSY_RETRY_DELAY,
+        details,
     )
 }
 
