@@ -372,27 +372,52 @@ impl RedisCluster {
         Ok(())
     }
 
-    /// Moves `slots` slots from the master on `from` to the master on `to` with
-    /// `redis-cli --cluster reshard` (MIGRATING/IMPORTING, `MIGRATE` of every key, then
-    /// `SETSLOT NODE`): clients meanwhile get `ASK` and `MOVED`. Returns the keys moved
-    /// (the dots redis-cli prints per migrated key).
+    /// Moves `slots` slots from the master serving slot `from` to the master serving
+    /// slot `to` with `redis-cli --cluster reshard` (MIGRATING/IMPORTING, `MIGRATE` of
+    /// every key, then `SETSLOT NODE`): clients meanwhile get `ASK` and `MOVED`. Returns
+    /// the keys moved (the dots redis-cli prints per migrated key).
+    ///
+    /// The masters are named by a slot they serve, not by port, and looked up at the
+    /// moment redis-cli runs: on a loaded host a replica may take over from a master
+    /// that missed `cluster-node-timeout` of pings, and the slot then names the new
+    /// master. redis-cli moves the source's lowest slots, so a slot at the top of a
+    /// master's range names it before and after. When such a takeover races redis-cli
+    /// ("not known or not a master"), this waits for the cluster to settle and runs it
+    /// again, up to three times.
     pub fn reshard(&self, from: u16, to: u16, slots: usize) -> usize {
-        let topology = self.topology();
-        let id = |port| {
-            topology
-                .iter()
-                .find(|n| n.port == port)
-                .map(|n| n.id.clone())
-                .unwrap_or_else(|| panic!("no node on {port}"))
-        };
-        let out = cluster_cli(
-            Command::new(&self.cli)
-                .args(["--cluster", "reshard", &format!("127.0.0.1:{to}")])
-                .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+        let mut attempt = 0;
+        let out = loop {
+            attempt += 1;
+            self.wait_healthy(Duration::from_secs(30));
+            let (source, target) = (self.master_of_slot(from), self.master_of_slot(to));
+            let out = Command::new(&self.cli)
+                .args([
+                    "--cluster",
+                    "reshard",
+                    &format!("127.0.0.1:{}", target.port),
+                ])
+                .args(["--cluster-from", &source.id, "--cluster-to", &target.id])
                 .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
-                .args(["--cluster-pipeline", "20"]),
-            "reshard",
-        );
+                .args(["--cluster-pipeline", "20"])
+                .stdin(Stdio::null())
+                .output()
+                .unwrap_or_else(|e| panic!("run redis-cli --cluster reshard: {e}"));
+            let printed = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if out.status.success() {
+                break out;
+            }
+            // Refused before any slot moved: the roles changed under redis-cli.
+            let raced =
+                printed.contains("not known or not a master") && !printed.contains("Moving slot");
+            assert!(
+                raced && attempt < 3,
+                "redis-cli --cluster reshard failed (attempt {attempt}): {printed}"
+            );
+        };
         // Until every node knows the slots' new owner, another reshard would refuse.
         self.wait_healthy(Duration::from_secs(30));
         String::from_utf8_lossy(&out.stdout)
