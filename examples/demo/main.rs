@@ -453,7 +453,11 @@ async fn in_process_runs(
     redis: Option<&str>,
 ) -> Vec<RunReport> {
     let store = match redis {
-        None => DemoStore::Memory(MemoryStore::new(config.settings().memory_store.clone())),
+        None => {
+            // Every instance serves the one tenant "demo" (`SingleTenant` in code).
+            let settings = config.settings().memory_store.clone().for_single_tenant();
+            DemoStore::Memory(MemoryStore::new(settings))
+        }
         Some(url) => match connect_redis(url).await {
             Ok(s) => DemoStore::Redis(s),
             Err(e) => {

@@ -11,7 +11,10 @@ use std::net::SocketAddr;
 
 use idem_core::config::ServiceConfig;
 use idem_core::headers::reason;
-use idem_server::idempotency::{IdempotencyLayer, tenant::FromExtension};
+use idem_server::idempotency::{
+    IdempotencyLayer,
+    tenant::{FromExtension, SingleTenant},
+};
 use idem_store::{
     Store,
     memory::{MemoryStore, MemoryStoreSettings},
@@ -132,6 +135,96 @@ async fn a_memory_store_built_apart_from_the_configs_settings_is_warned_about() 
         IdempotencyLayer::new(MemoryStore::new(MemoryStoreSettings::default()), &default);
     });
     assert_eq!(logs, "");
+}
+
+// ---------------------------------------------------------------- one tenant, whole store
+
+/// Protects Orders; `tenant` is the `idem.tenant` member (or none), 8 records at most.
+fn eight_records(tenant: &str) -> ServiceConfig {
+    ServiceConfig::from_json(&format!(
+        r#"{{
+          "methodConfig": [{{"name": [{{"service": "shop.v1.Orders"}}], "idempotency": {{}}}}],
+          "idem": {{{tenant} "memoryStore": {{"maxEntries": 8}}}}
+        }}"#
+    ))
+    .unwrap()
+}
+
+/// Serves `layer` and makes fresh calls until one is refused: how many ran, and the
+/// `bound` the refusal named.
+async fn calls_until_full(layer: IdempotencyLayer<MemoryStore>) -> (usize, String) {
+    let shop = Shop::new();
+    let mut c = client(serve(layer, &shop).await);
+    for i in 0..9 {
+        let key = format!("order-key-{i:04}");
+        if let Err(s) = c.create_order(keyed(create("ok"), &key)).await {
+            assert_idem_error(&s, Code::ResourceExhausted, reason::STORE_FULL);
+            let info = s.get_details_error_info().expect("ErrorInfo");
+            return (shop.runs(), info.metadata["bound"].clone());
+        }
+    }
+    panic!("9 fresh calls fit in a store of 8 records");
+}
+
+#[tokio::test]
+async fn a_single_tenant_in_the_file_gets_the_whole_store() {
+    let config = eight_records(r#""tenant": {"single": "acme"},"#);
+    let mut layer = None;
+    let logs = logs_of(|| layer = Some(IdempotencyLayer::from_config(&config).check().unwrap()));
+    assert_eq!(logs, "", "the store is the config's");
+    let layer = layer.unwrap();
+    let s = layer.store().settings();
+    assert_eq!(
+        (s.tenant_entries_bound(), s.tenant_in_flight_bound()),
+        (8, 8)
+    );
+    assert_eq!(s.tenant_bytes_bound(), s.max_bytes);
+    assert_eq!(calls_until_full(layer).await, (8, "store_entries".into()));
+}
+
+#[tokio::test]
+async fn a_single_tenant_in_code_gets_the_whole_store_without_a_warning() {
+    // No idem.tenant in the file: SingleTenant given to the layer built from it.
+    let config = eight_records("");
+    assert_eq!(config.settings().memory_store.tenant_entries_bound(), 2);
+    let mut layer = None;
+    let logs = logs_of(|| {
+        let l = IdempotencyLayer::from_config(&config)
+            .tenant(SingleTenant::new("acme"))
+            .check()
+            .unwrap();
+        l.reload(&config).unwrap();
+        // A store built apart for one tenant, as the docs say: accepted too.
+        let apart = config.settings().memory_store.clone().for_single_tenant();
+        IdempotencyLayer::new(MemoryStore::new(apart), &config).tenant(SingleTenant::new("a"));
+        layer = Some(l);
+    });
+    assert_eq!(
+        logs, "",
+        "no 'settings differ' warning for the one tenant's store"
+    );
+    let layer = layer.unwrap();
+    let s = layer.store().settings();
+    assert_eq!(
+        s,
+        &config.settings().memory_store.clone().for_single_tenant()
+    );
+    assert_eq!(
+        (s.tenant_entries_bound(), s.tenant_in_flight_bound()),
+        (8, 8)
+    );
+    assert_eq!(calls_until_full(layer).await, (8, "store_entries".into()));
+}
+
+#[tokio::test]
+async fn a_resolver_of_many_tenants_in_code_leaves_each_a_share() {
+    let config = eight_records("");
+    let layer = IdempotencyLayer::from_config(&config)
+        .tenant(|_: &http::request::Parts| Some("acme".to_owned()))
+        .check()
+        .unwrap();
+    assert_eq!(layer.store().settings(), &config.settings().memory_store);
+    assert_eq!(calls_until_full(layer).await, (2, "tenant_entries".into()));
 }
 
 #[tokio::test]

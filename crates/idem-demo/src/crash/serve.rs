@@ -127,7 +127,9 @@ async fn serve_service<T: Orders>(
             serve_idem(faults, layer, svc, incoming).await?;
         }
         _ => {
-            let store = MemoryStore::new(config.settings().memory_store.clone());
+            // The one tenant gets the whole store.
+            let settings = config.settings().memory_store.clone().for_single_tenant();
+            let store = MemoryStore::new(settings);
             let layer = metrics.server(store, "memory", config).tenant(tenant);
             serve_idem(faults, layer, svc, incoming).await?;
         }

@@ -74,6 +74,10 @@ pub(crate) struct Shared<St> {
     current: RwLock<Arc<Current>>,
     /// The resolver set with [`IdempotencyLayer::tenant`]; kept across reloads.
     code_tenant: Option<Arc<dyn TenantResolver>>,
+    /// The store is a `MemoryStore` that [`IdempotencyLayer::from_config`] built from
+    /// the config: [`IdempotencyLayer::tenant`] may rebuild it, still empty, for one
+    /// tenant.
+    store_from_config: bool,
     pub(crate) hooks: HashMap<String, FingerprintHook>,
     pub(crate) stats: IdempotencyStats,
     /// One permit per handler run in progress (including runs whose caller went away).
@@ -100,6 +104,7 @@ impl<St: Clone> Clone for Shared<St> {
             store: self.store.clone(),
             current: RwLock::new(self.current()),
             code_tenant: self.code_tenant.clone(),
+            store_from_config: self.store_from_config,
             hooks: self.hooks.clone(),
             stats: self.stats.clone(),
             handlers: self.handlers.clone(),
@@ -110,6 +115,33 @@ impl<St: Clone> Clone for Shared<St> {
             observer: self.observer.clone(),
             tenant_ids: self.tenant_ids.clone(),
             renewals: self.renewals.clone(),
+        }
+    }
+}
+
+impl<St: Store> Shared<St> {
+    /// Rebuilds the `MemoryStore` that `from_config` built, if it holds no record yet,
+    /// with the per-tenant bounds left unset at the store's own (one tenant).
+    fn give_the_tenant_the_whole_store(&mut self) {
+        if !self.store_from_config {
+            return;
+        }
+        let Some(memory) = (&mut self.store as &mut dyn Any).downcast_mut::<MemoryStore>() else {
+            return;
+        };
+        let whole = memory.settings().clone().for_single_tenant();
+        if &whole == memory.settings() {
+            return;
+        }
+        if memory.is_empty() {
+            *memory = MemoryStore::new(whole);
+        } else {
+            tracing::warn!(
+                records = memory.len(),
+                "IdempotencyLayer::tenant(SingleTenant) after the layer served calls: its \
+                 MemoryStore keeps per-tenant bounds of a share of the store; set the \
+                 tenant before serving (or idem.tenant single in the config)"
+            );
         }
     }
 }
@@ -170,6 +202,11 @@ impl IdempotencyLayer<MemoryStore> {
     /// A layer over a [`MemoryStore`] with the config's `idem.memoryStore` bounds: the
     /// usual start for a single-process server.
     ///
+    /// With a single tenant (`idem.tenant` `single`, or a [`SingleTenant`] given to
+    /// [`tenant`](IdempotencyLayer::tenant)) the tenant gets the whole store: each
+    /// per-tenant bound the config leaves unset is the store's
+    /// ([`MemoryStoreSettings::for_single_tenant`](idem_core::config::MemoryStoreSettings::for_single_tenant)).
+    ///
     /// ```
     /// # use idem_core::config::ServiceConfig;
     /// # use idem_server::idempotency::IdempotencyLayer;
@@ -182,7 +219,9 @@ impl IdempotencyLayer<MemoryStore> {
     /// ```
     pub fn from_config(config: &ServiceConfig) -> Self {
         let store = MemoryStore::new(config.settings().memory_store.clone());
-        Self::new(store, config)
+        let mut layer = Self::new(store, config);
+        Arc::make_mut(&mut layer.shared).store_from_config = true;
+        layer
     }
 }
 
@@ -213,6 +252,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 store,
                 current: RwLock::new(Arc::new(Current::new(config, None))),
                 code_tenant: None,
+                store_from_config: false,
                 hooks: HashMap::new(),
                 stats: IdempotencyStats::default(),
                 handlers: Arc::new(Semaphore::new(max_handlers)),
@@ -235,12 +275,23 @@ impl<St: Store> IdempotencyLayer<St> {
     /// Resolves tenants with `resolver` (replacing the config's source, also across
     /// [`reload`](Self::reload)s), e.g. [`FromExtension`](super::tenant::FromExtension)
     /// after an auth layer.
+    ///
+    /// A [`SingleTenant`] gets the whole memory store: on a layer made by
+    /// [`from_config`](IdempotencyLayer::from_config), whose store holds no record yet,
+    /// the store is rebuilt with the per-tenant bounds the config leaves unset set to
+    /// the store's own (take [`store`](Self::store) after this call). A `MemoryStore`
+    /// you build yourself for one tenant: `MemoryStore::new(config.settings()
+    /// .memory_store.clone().for_single_tenant())`.
     pub fn tenant(self, resolver: impl TenantResolver) -> Self {
+        let single = (&resolver as &dyn Any).is::<SingleTenant>();
         let r: Arc<dyn TenantResolver> = Arc::new(resolver);
         self.edit(|s| {
             let config = s.current().config.clone();
             s.set_current(Current::new(config, Some(&r)));
             s.code_tenant = Some(r);
+            if single {
+                s.give_the_tenant_the_whole_store();
+            }
         })
     }
 
@@ -352,20 +403,24 @@ impl<St: Store> IdempotencyLayer<St> {
 }
 
 /// A `MemoryStore` built with other bounds than the config's `idem.memoryStore` is kept
-/// as given; say so, since the config reads as if it applied.
+/// as given; say so, since the config reads as if it applied. The config's settings
+/// for one tenant (`for_single_tenant`: what `from_config` builds for a [`SingleTenant`]
+/// given in code) are the config's too.
 fn warn_if_memory_store_differs<St: Any>(store: &St, config: &ServiceConfig) {
     let Some(memory) = (store as &dyn Any).downcast_ref::<MemoryStore>() else {
         return;
     };
     let configured = &config.settings().memory_store;
-    if memory.settings() != configured {
+    if memory.settings() != configured
+        && memory.settings() != &configured.clone().for_single_tenant()
+    {
         tracing::warn!(
             store = ?memory.settings(),
             config = ?configured,
             "the MemoryStore's settings differ from the config's idem.memoryStore, which \
              does not apply to a store built apart: build it with \
-             MemoryStore::new(config.settings().memory_store.clone()) or use \
-             IdempotencyLayer::from_config"
+             MemoryStore::new(config.settings().memory_store.clone()) (with \
+             .for_single_tenant() for one tenant) or use IdempotencyLayer::from_config"
         );
     }
 }

@@ -87,6 +87,11 @@ where
 }
 
 /// Every call belongs to one tenant (a single-tenant service).
+///
+/// The one tenant gets the whole memory store: given to
+/// [`IdempotencyLayer::tenant`](super::IdempotencyLayer::tenant) on a layer made by
+/// [`from_config`](super::IdempotencyLayer::from_config) (or as `idem.tenant` `single`),
+/// the per-tenant bounds the config leaves unset are the store's own, not a share.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SingleTenant(pub String);
 
