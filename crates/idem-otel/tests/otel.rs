@@ -779,6 +779,57 @@ async fn memory_store_evictions_and_expirations() {
     assert_eq!(otel.sum("idem.store.memory.evictions", &[]), 1.0);
 }
 
+/// Past 80 % of a bound the usage gauge says so (the store also logs its WARN), and the
+/// refusal at the bound is counted as `store_full` with the bound as its reason.
+#[tokio::test]
+async fn the_usage_gauge_passes_80_percent_and_the_refusal_names_the_bound() {
+    use idem_store::memory::MemoryStoreSettings;
+
+    let otel = Otel::new();
+    let cfg = config(false);
+    // One tenant, the whole store: 10 records.
+    let settings = MemoryStoreSettings {
+        max_entries: 10,
+        ..MemoryStoreSettings::default()
+    };
+    let memory = MemoryStore::new(settings.for_single_tenant());
+    ServerMetrics::new(&otel.meter(), &cfg).watch_memory_store(&memory);
+    let addr = serve(server_layer(&otel, &cfg, memory.clone()), 0).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    let usage = |bound: &str| otel.gauge("idem.store.memory.usage", &[("idem.store.bound", bound)]);
+    for i in 0..8 {
+        c.create_order(keyed("ok", &format!("usage-key-{i:04}")))
+            .await
+            .expect("room");
+    }
+    otel.expect_stored(8.0).await;
+    assert_eq!(usage("store_entries"), 0.8);
+    assert_eq!(
+        usage("tenant_entries"),
+        0.8,
+        "the one tenant may fill the store"
+    );
+    assert_eq!(usage("tenant_in_flight"), 0.0);
+    for i in 8..10 {
+        c.create_order(keyed("ok", &format!("usage-key-{i:04}")))
+            .await
+            .expect("room");
+    }
+    otel.expect_stored(10.0).await;
+    assert_eq!(usage("store_entries"), 1.0);
+    let refused = c
+        .create_order(keyed("ok", "usage-key-0010"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    let full = [
+        ("grpc.method", METHOD),
+        ("idem.outcome", "store_full"),
+        ("idem.reason", "store_entries"),
+    ];
+    otel.expect_outcomes(&full, 1.0).await;
+}
+
 /// A handler whose caller went away goes on in a task of its own: the detached gauge
 /// counts it until its run ends, and its outcome is still recorded.
 #[tokio::test]
