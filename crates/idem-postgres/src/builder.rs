@@ -165,7 +165,7 @@ impl PostgresStoreBuilder {
     }
 
     /// How often expired records are deleted (default 60 s), and how many at most per
-    /// sweep (default 1000; a full batch sweeps again after a second). Expired records
+    /// sweep (default 1000; a full batch sweeps again after 50 ms). Expired records
     /// count as absent before they are swept.
     pub fn sweep_interval(mut self, interval: Duration, batch: u32) -> Self {
         self.sweep_interval = Some(interval);

@@ -102,7 +102,7 @@
 //!   deleted at once (fences come from one sequence, so none is needed for them). An expired row counts
 //!   as absent to every function at once; a background task deletes them every
 //!   [sweep interval](PostgresStoreBuilder::sweep_interval) (60 s), at most 1000 per
-//!   `DELETE`, skipping rows others have locked, again after 1 s while batches come back
+//!   `DELETE`, skipping rows others have locked, again after 50 ms while batches come back
 //!   full. The task holds only a `Weak` reference and stops with the last clone of the
 //!   store.
 //! - **Tenants**: the tenant digest is stored with each record, but this store sets no
