@@ -951,6 +951,32 @@ async fn below_its_fair_share_a_tenant_takes_room_from_one_above_it() {
     );
 }
 
+/// The only tenant, at the store's bound, evicts its own old records even while its
+/// counters lag the store's (another thread's claim charged the store first): it must
+/// not be sent to look for a tenant above its share, find none, and be refused.
+#[tokio::test(start_paused = true)]
+async fn the_only_tenant_at_the_store_bound_evicts_its_own_while_its_counters_lag() {
+    let st = evicting(4, 4, MIN);
+    for n in 0..4 {
+        tcomplete(&st, &A, n).await.unwrap();
+    }
+    tokio::time::advance(MIN).await;
+    // As between another claim's charge of the store and of the tenant: the store holds
+    // 4 records, the tenant's counter 3.
+    let a = st.inner.usage(&A);
+    sub(&a.entries, 1);
+    tacquire(&st, &A, 4)
+        .await
+        .expect("evicts one of its own instead of refusing");
+    a.entries.fetch_add(1, Ordering::AcqRel);
+    let stats = st.stats();
+    assert_eq!(
+        (stats.evicted_after_min_retention, stats.full_rejections),
+        (1, 0)
+    );
+    assert_eq!(st.tenant_usage(&A).map(|u| u.entries), Some(4));
+}
+
 /// Making room looks at O(1) queue entries per claim, amortized: every completion is
 /// queued once per queue and each entry is passed over at most once, stale or not.
 #[tokio::test(start_paused = true)]
