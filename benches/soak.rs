@@ -137,6 +137,8 @@ struct Outcomes {
     ok: AtomicU64,
     store_full: AtomicU64,
     other: AtomicU64,
+    /// The first refused call's index (`u64::MAX`: none).
+    first_full: AtomicU64,
     /// Latency of call i in µs (0: not made).
     micros: Vec<AtomicU64>,
 }
@@ -157,6 +159,7 @@ impl Outcomes {
     fn new(calls: usize) -> Arc<Outcomes> {
         Arc::new(Outcomes {
             micros: (0..calls).map(|_| AtomicU64::new(0)).collect(),
+            first_full: AtomicU64::new(u64::MAX),
             ..Outcomes::default()
         })
     }
@@ -201,7 +204,10 @@ async fn drive_into(
                     out.micros[i].store(t.elapsed().as_micros().max(1) as u64, Ordering::Relaxed);
                     match r {
                         Ok(_) => &out.ok,
-                        Err(s) if s.code() == Code::ResourceExhausted => &out.store_full,
+                        Err(s) if s.code() == Code::ResourceExhausted => {
+                            out.first_full.fetch_min(i as u64, Ordering::Relaxed);
+                            &out.store_full
+                        }
                         Err(_) => &out.other,
                     }
                     .fetch_add(1, Ordering::Relaxed);
@@ -371,14 +377,22 @@ async fn memory(pad: usize) {
     let (filling, evicting) = micros.split_at(fill);
     println!(
         "soak: {calls} calls in {:.1}s = {:.0}/s ({cpu_per_call:.1} µs CPU/call, client and \
-         server); ok {}, refused STORE_FULL {}, other errors {}; store: refusals {}, \
-         evicted after minRetention {}, expirations {}, responses not retained {}",
+         server); ok {}, refused STORE_FULL {} (the first at call {}), other errors {}; \
+         store: refusals {} (store bytes {}, tenant bytes {}, store entries {}, tenant \
+         entries {}, tenant in flight {}), evicted after minRetention {}, expirations {}, \
+         responses not retained {}",
         took.as_secs_f64(),
         calls as f64 / took.as_secs_f64(),
         out.ok.load(Ordering::Relaxed),
         out.store_full.load(Ordering::Relaxed),
+        out.first_full.load(Ordering::Relaxed),
         out.other.load(Ordering::Relaxed),
         st.full_rejections,
+        st.rejected_store_bytes,
+        st.rejected_tenant_bytes,
+        st.rejected_store_entries,
+        st.rejected_tenant_entries,
+        st.rejected_tenant_in_flight,
         st.evicted_after_min_retention,
         st.expirations,
         st.responses_dropped,
