@@ -256,6 +256,7 @@ use tower_service::Service;
 // `handler.rs` runs the handler under the record's lease (`lease.rs`, `renewal.rs`),
 // forwarding its response (`forward.rs`) and collecting it for the record
 // (`collect.rs`, `decision.rs`); `body.rs` replays; `status.rs` holds the layer's answers.
+mod admission;
 mod body;
 mod call;
 mod collect;
