@@ -1880,3 +1880,51 @@ async fn a_waiter_whose_call_is_released_answers_retryably_and_its_retry_runs() 
     assert_eq!(status_of(&retry).code(), Code::Unavailable);
     assert_eq!(shop.runs(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_calls_behind_a_connection_limit_run_at_most_256_handlers_at_once() {
+    // The case: a server with tonic's `concurrency_limit_per_connection(2)`; one
+    // caller sends 300 calls, each cancelled once its handler runs. tonic frees the
+    // connection's slot at each cancel; idem's `maxDetachedHandlers` (default 256) is
+    // what bounds the runs that go on.
+    let l = layer(MemoryStore::default(), &config(policy(), None)).max_handlers_per_tenant(1024);
+    let shop = Shop::new();
+    let (addr, incoming) = net::bind().await;
+    let auth_fn: fn(http::Request<Body>) -> http::Request<Body> = auth;
+    let router = Server::builder()
+        .concurrency_limit_per_connection(2)
+        .layer(tower::util::MapRequestLayer::new(auth_fn))
+        .layer(l.clone())
+        .add_service(OrdersServer::new(shop.clone()));
+    tokio::spawn(async move { router.serve_with_incoming(incoming).await.expect("server") });
+    let client = OrdersClient::new(net::channel(addr));
+    let mut refused = 0;
+    for i in 0..300 {
+        let mut c = client.clone();
+        let runs = shop.runs();
+        let task = tokio::spawn(async move {
+            c.create_order(keyed(create("gate"), &format!("key-cancel-{i:04}"), "t1"))
+                .await
+        });
+        eventually("the call to run or be refused", || {
+            shop.runs() > runs || task.is_finished()
+        })
+        .await;
+        if shop.runs() > runs {
+            task.abort();
+            let _ = task.await;
+            let detached = shop.runs();
+            eventually("the run detached", || l.handlers_detached() == detached).await;
+        } else {
+            let err = task.await.unwrap().unwrap_err();
+            assert_idem_error(&err, Code::ResourceExhausted, reason::OVERLOADED);
+            refused += 1;
+        }
+    }
+    assert_eq!(shop.runs(), 256, "at most maxDetachedHandlers runs at once");
+    assert_eq!(refused, 44);
+    assert_eq!(l.handlers_in_flight(), 256);
+    shop.open_gate(256);
+    eventually("the detached runs ended", || l.handlers_in_flight() == 0).await;
+    assert_eq!(l.handlers_detached(), 0);
+}
