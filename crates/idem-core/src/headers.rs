@@ -64,8 +64,22 @@ pub mod reason {
     /// a retry delay). Nothing ran.
     pub const STORE_FULL: &str = "STORE_FULL";
     /// The server is running as many protected handlers as it allows
-    /// (RESOURCE_EXHAUSTED, with a retry delay). Nothing ran.
+    /// (RESOURCE_EXHAUSTED, with a retry delay). Nothing ran. The `ErrorInfo` metadata
+    /// `bound` says which bound: `handlers` (`idem.maxHandlersInFlight`),
+    /// `tenant_handlers` (`idem.maxHandlersPerTenant`) or `detached_handlers`
+    /// (`idem.maxDetachedHandlers`: runs whose caller went away).
     pub const OVERLOADED: &str = "OVERLOADED";
+    /// Too many duplicates are waiting for calls in progress: the layer's
+    /// `idem.maxWaiters`, or the caller's tenant's `idem.maxWaitersPerTenant`
+    /// (RESOURCE_EXHAUSTED, with a retry delay; the `ErrorInfo` metadata `bound` says
+    /// which: `waiters` or `tenant_waiters`). Nothing ran.
+    pub const TOO_MANY_WAITING: &str = "TOO_MANY_WAITING";
+    /// The call in progress that this duplicate waited for ended without an outcome to
+    /// replay (it was released, or its lease ended). A waiting duplicate keeps the
+    /// request's fingerprint, not its body, so it cannot run in its place: it answers
+    /// UNAVAILABLE with a short retry delay, and the retry (which carries the request)
+    /// runs.
+    pub const IN_PROGRESS_ENDED: &str = "IN_PROGRESS_ENDED";
     /// The request's messages are not well-formed protobuf (INVALID_ARGUMENT). Nothing
     /// ran and the key stays free for a corrected request.
     pub const REQUEST_MALFORMED: &str = "REQUEST_MALFORMED";

@@ -1539,7 +1539,10 @@ async fn a_response_the_store_has_no_room_for_is_recorded_as_not_retained() {
 
 #[tokio::test(start_paused = true)]
 async fn handler_runs_are_bounded_and_cancelled_calls_count_until_their_handlers_end() {
-    let l = layer(MemoryStore::default(), &config(policy(), None)).max_handlers_in_flight(2);
+    // One tenant may take the whole bound here (its share is tested apart).
+    let l = layer(MemoryStore::default(), &config(policy(), None))
+        .max_handlers_in_flight(2)
+        .max_handlers_per_tenant(2);
     let stats = l.stats();
     let (shop, svc) = in_process(&l);
     let a = spawn_call(&svc, raw_create("gate", "key-bounded-a"));
@@ -1667,4 +1670,261 @@ async fn a_duplicate_that_waited_answers_unavailable_on_a_store_error_even_when_
     assert_eq!(c.frames, a.frames);
     assert_eq!(decode_orders(&c.frames)[0].order_id, "order-1");
     assert_eq!(shop.runs(), 1);
+}
+
+// ---------------------------------------------------------------- handler slots and waiters are bounded per tenant
+
+/// CreateOrder and ListOrders protected with `policy()`, under `settings`.
+fn config_with(settings: IdemSettings) -> ServiceConfig {
+    let entries = vec![
+        MethodConfig::empty()
+            .with_name("shop.v1.Orders", "CreateOrder")
+            .with_name("shop.v1.Orders", "ListOrders")
+            .with_idempotency(policy()),
+    ];
+    ServiceConfig::from_parts(entries, None, settings).expect("valid config")
+}
+
+/// `req` as a call of `tenant`.
+fn of_tenant(mut req: http::Request<Body>, tenant: &str) -> http::Request<Body> {
+    req.extensions_mut().insert(Tenant(tenant.into()));
+    req
+}
+
+/// The `bound` of a refusal's `ErrorInfo`, after checking its code, reason and RetryInfo.
+fn refused_by(r: &Raw, code: Code, why: &str) -> String {
+    let st = status_of(r);
+    assert_idem_error(&st, code, why);
+    assert!(st.get_details_retry_info().is_some(), "RetryInfo: {st:?}");
+    let info = st.get_details_error_info().expect("ErrorInfo");
+    info.metadata.get("bound").cloned().expect("a bound")
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_tenant_cannot_take_another_tenants_handler_slots() {
+    // 16 handler runs; each tenant's share is a quarter (4) by default.
+    let settings = IdemSettings {
+        max_handlers_in_flight: 16,
+        ..IdemSettings::default()
+    };
+    let l = layer(MemoryStore::default(), &config_with(settings));
+    let (shop, svc) = in_process(&l);
+    // Tenant "greedy" starts 16 runs and its callers go away: 4 run (and go on,
+    // detached), the other 12 are refused by the tenant's share.
+    let mut greedy = Vec::new();
+    for i in 0..16 {
+        let req = of_tenant(raw_create("gate", &format!("key-greedy-{i}")), "greedy");
+        greedy.push(spawn_call(&svc, req));
+    }
+    eventually("greedy's share running", || shop.runs() == 4).await;
+    let mut refused = 0;
+    for task in greedy.iter_mut() {
+        tokio::task::yield_now().await;
+        if task.is_finished() {
+            let r = task.await.unwrap();
+            assert_eq!(
+                refused_by(&r, Code::ResourceExhausted, reason::OVERLOADED),
+                "tenant_handlers"
+            );
+            assert!(
+                status_of(&r)
+                    .message()
+                    .contains("idem.maxHandlersPerTenant")
+            );
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 12);
+    for task in &greedy {
+        task.abort();
+    }
+    eventually("greedy's runs detached", || l.handlers_detached() == 4).await;
+    // Another tenant still gets its 4.
+    let other: Vec<_> = (0..4)
+        .map(|i| {
+            spawn_call(
+                &svc,
+                of_tenant(raw_create("gate", &format!("key-other-{i}")), "other"),
+            )
+        })
+        .collect();
+    eventually("the other tenant running", || shop.runs() == 8).await;
+    assert_eq!(l.handlers_in_flight(), 8);
+    shop.open_gate(8);
+    for t in other {
+        assert_eq!(status_of(&t.await.unwrap()).code(), Code::Ok);
+    }
+    eventually("every run ended", || l.handlers_in_flight() == 0).await;
+    assert_eq!(l.handlers_detached(), 0);
+    assert_eq!(shop.runs(), 8, "refused calls never ran");
+}
+
+#[tokio::test(start_paused = true)]
+async fn callers_that_cancel_cannot_run_more_handlers_than_max_detached_handlers() {
+    let settings = IdemSettings {
+        max_detached_handlers: 3,
+        ..IdemSettings::default()
+    };
+    let l = layer(MemoryStore::default(), &config_with(settings)).max_handlers_per_tenant(64);
+    let stats = l.stats();
+    let (shop, svc) = in_process(&l);
+    // One caller after another starts a call and goes away, as through a connection
+    // limit of 1: each run goes on, detached.
+    for i in 0..3 {
+        let t = spawn_call(&svc, raw_create("gate", &format!("key-gone-{i}")));
+        eventually("the run to start", || shop.runs() == i + 1).await;
+        t.abort();
+        let _ = t.await;
+        eventually("the run detached", || l.handlers_detached() == i + 1).await;
+    }
+    // The next caller is refused, retryably, and names the bound; nothing more runs.
+    for i in 0..5 {
+        let r = call(&svc, raw_create("gate", &format!("key-more-{i}"))).await;
+        assert_eq!(
+            refused_by(&r, Code::ResourceExhausted, reason::OVERLOADED),
+            "detached_handlers"
+        );
+        assert!(status_of(&r).message().contains("idem.maxDetachedHandlers"));
+    }
+    assert_eq!(shop.runs(), 3);
+    assert_eq!(l.handlers_in_flight(), 3);
+    // A duplicate of a detached run is served at the bound: it waits, then replays.
+    let dup = spawn_call(&svc, raw_create("gate", "key-gone-0"));
+    eventually("the duplicate to wait", || stats.snapshot().waited == 1).await;
+    shop.open_gate(3);
+    assert!(dup.await.unwrap().replayed());
+    eventually("the detached runs ended", || l.handlers_detached() == 0).await;
+    // The refused keys were left free: they run now.
+    shop.open_gate(1);
+    let again = call(&svc, raw_create("gate", "key-more-0")).await;
+    assert_eq!(status_of(&again).code(), Code::Ok);
+    assert_eq!(shop.runs(), 4, "one run per key, never two");
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_duplicates_are_bounded_per_tenant_and_per_layer() {
+    let settings = IdemSettings {
+        max_waiters: 3,
+        max_waiters_per_tenant: Some(2),
+        ..IdemSettings::default()
+    };
+    let l = layer(MemoryStore::default(), &config_with(settings));
+    let stats = l.stats();
+    let (shop, svc) = in_process(&l);
+    let a = spawn_call(&svc, raw_create("gate", "key-waiters-a"));
+    let b = spawn_call(&svc, of_tenant(raw_create("gate", "key-waiters-b"), "t2"));
+    eventually("both running", || shop.runs() == 2).await;
+    // Tenant t1: two wait, the third is refused by the tenant's share.
+    let waiting: Vec<_> = (0..2)
+        .map(|_| spawn_call(&svc, raw_create("gate", "key-waiters-a")))
+        .collect();
+    eventually("two waiting", || l.waiters() == 2).await;
+    let r = call(&svc, raw_create("gate", "key-waiters-a")).await;
+    assert_eq!(
+        refused_by(&r, Code::ResourceExhausted, reason::TOO_MANY_WAITING),
+        "tenant_waiters"
+    );
+    assert!(status_of(&r).message().contains("idem.maxWaitersPerTenant"));
+    // Tenant t2: one waits, the next meets the layer's bound.
+    let w2 = spawn_call(&svc, of_tenant(raw_create("gate", "key-waiters-b"), "t2"));
+    eventually("three waiting", || l.waiters() == 3).await;
+    let r = call(&svc, of_tenant(raw_create("gate", "key-waiters-b"), "t2")).await;
+    assert_eq!(
+        refused_by(&r, Code::ResourceExhausted, reason::TOO_MANY_WAITING),
+        "waiters"
+    );
+    shop.open_gate(2);
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    for w in waiting {
+        assert_eq!(w.await.unwrap().frames, a.frames);
+    }
+    assert_eq!(w2.await.unwrap().frames, b.frames);
+    assert_eq!(l.waiters(), 0);
+    assert_eq!(shop.runs(), 2);
+    assert_eq!(stats.snapshot().waiters_refused, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_call_is_released_answers_retryably_and_its_retry_runs() {
+    let store = MemoryStore::default();
+    let l = layer(store.clone(), &config(policy(), None));
+    let stats = l.stats();
+    let (shop, svc) = in_process(&l);
+    let first = spawn_call(&svc, raw_create("gate-unavailable", KEY));
+    shop.started().await;
+    let dup = spawn_call(&svc, raw_create("gate-unavailable", KEY));
+    eventually("the duplicate to wait", || stats.snapshot().waited == 1).await;
+    shop.open_gate(1);
+    assert_eq!(status_of(&first.await.unwrap()).code(), Code::Unavailable);
+    // The first run was released; the duplicate kept only the fingerprint, so it does
+    // not run in its place: it answers UNAVAILABLE with a short retry delay.
+    let st = status_of(&dup.await.unwrap());
+    assert_idem_error(&st, Code::Unavailable, reason::IN_PROGRESS_ENDED);
+    let delay = st.get_details_retry_info().and_then(|r| r.retry_delay);
+    assert!(
+        delay.is_some_and(|d| d < Duration::from_secs(1)),
+        "{delay:?}"
+    );
+    assert_eq!(shop.runs(), 1);
+    assert_eq!(stats.snapshot().ended_while_waiting, 1);
+    // It gave the record back: its retry (with the request) runs at once.
+    assert!(
+        store
+            .get(&scope_for("t1", CREATE, KEY))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    shop.open_gate(1);
+    let retry = call(&svc, raw_create("gate-unavailable", KEY)).await;
+    assert_eq!(status_of(&retry).code(), Code::Unavailable);
+    assert_eq!(shop.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_calls_behind_a_connection_limit_run_at_most_256_handlers_at_once() {
+    // The case: a server with tonic's `concurrency_limit_per_connection(2)`; one
+    // caller sends 300 calls, each cancelled once its handler runs. tonic frees the
+    // connection's slot at each cancel; idem's `maxDetachedHandlers` (default 256) is
+    // what bounds the runs that go on.
+    let l = layer(MemoryStore::default(), &config(policy(), None)).max_handlers_per_tenant(1024);
+    let shop = Shop::new();
+    let (addr, incoming) = net::bind().await;
+    let auth_fn: fn(http::Request<Body>) -> http::Request<Body> = auth;
+    let router = Server::builder()
+        .concurrency_limit_per_connection(2)
+        .layer(tower::util::MapRequestLayer::new(auth_fn))
+        .layer(l.clone())
+        .add_service(OrdersServer::new(shop.clone()));
+    tokio::spawn(async move { router.serve_with_incoming(incoming).await.expect("server") });
+    let client = OrdersClient::new(net::channel(addr));
+    let mut refused = 0;
+    for i in 0..300 {
+        let mut c = client.clone();
+        let runs = shop.runs();
+        let task = tokio::spawn(async move {
+            c.create_order(keyed(create("gate"), &format!("key-cancel-{i:04}"), "t1"))
+                .await
+        });
+        eventually("the call to run or be refused", || {
+            shop.runs() > runs || task.is_finished()
+        })
+        .await;
+        if shop.runs() > runs {
+            task.abort();
+            let _ = task.await;
+            let detached = shop.runs();
+            eventually("the run detached", || l.handlers_detached() == detached).await;
+        } else {
+            let err = task.await.unwrap().unwrap_err();
+            assert_idem_error(&err, Code::ResourceExhausted, reason::OVERLOADED);
+            refused += 1;
+        }
+    }
+    assert_eq!(shop.runs(), 256, "at most maxDetachedHandlers runs at once");
+    assert_eq!(refused, 44);
+    assert_eq!(l.handlers_in_flight(), 256);
+    shop.open_gate(256);
+    eventually("the detached runs ended", || l.handlers_in_flight() == 0).await;
+    assert_eq!(l.handlers_detached(), 0);
 }

@@ -3,6 +3,7 @@
 //!
 //! `CreateOrder` by `sku`:
 //! - `"gate"`: signals [`Shop::started`], then waits for [`Shop::open_gate`];
+//! - `"gate-unavailable"`: as `"gate"`, then answers UNAVAILABLE (released by default);
 //! - `"panic"`: panics in the handler;
 //! - `"block-<ms>"`: signals [`Shop::started`], then blocks its thread for `<ms>`
 //!   milliseconds (as a synchronous driver would);
@@ -164,11 +165,14 @@ impl Orders for Shop {
         let n = self.record(&request);
         let req = request.into_inner();
         let result = match req.sku.as_str() {
-            "gate" => {
+            "gate" | "gate-unavailable" => {
                 self.0.started.notify_one();
                 let permit = self.0.gate.acquire().await.expect("gate open");
                 permit.forget();
-                Ok(())
+                match req.sku.as_str() {
+                    "gate" => Ok(()),
+                    _ => Err(Status::unavailable("scripted")),
+                }
             }
             "panic" => panic!("scripted panic"),
             sku if sku.starts_with("block-") => {

@@ -65,7 +65,9 @@ impl Default for ClientSettings {
 ///
 /// # Defaults
 /// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `maxHandlersInFlight` 1024,
-/// `memoryStore` see [`MemoryStoreSettings`], `redis` absent, `client` see
+/// `maxHandlersPerTenant` a quarter of `maxHandlersInFlight` (all of it for a single
+/// tenant), `maxDetachedHandlers` 256, `maxWaiters` 4096, `maxWaitersPerTenant` a
+/// quarter of `maxWaiters` (all of it for a single tenant), `memoryStore` see [`MemoryStoreSettings`], `redis` absent, `client` see
 /// [`ClientSettings`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemSettings {
@@ -77,6 +79,23 @@ pub struct IdemSettings {
     /// runs whose caller went away (they keep running to record their outcome). Past
     /// it, new protected calls are refused (RESOURCE_EXHAUSTED) before they run.
     pub max_handlers_in_flight: usize,
+    /// `maxHandlersPerTenant`: the share of `max_handlers_in_flight` one tenant may hold,
+    /// its runs whose caller went away included. `None`: a quarter of
+    /// `max_handlers_in_flight` (at least 1), or all of it when the layer has a single
+    /// tenant ([`effective_max_handlers_per_tenant`](Self::effective_max_handlers_per_tenant)).
+    pub max_handlers_per_tenant: Option<usize>,
+    /// `maxDetachedHandlers`: while this many handler runs whose caller went away are
+    /// still running (they run on to record their outcome), new protected calls are
+    /// refused (RESOURCE_EXHAUSTED, with a retry delay), so callers that cancel cannot
+    /// make more handlers run at once than callers that wait.
+    pub max_detached_handlers: usize,
+    /// `maxWaiters`: duplicates one server layer lets wait at once for a call in
+    /// progress with their key. Past it a duplicate is answered RESOURCE_EXHAUSTED with a
+    /// retry delay instead of waiting.
+    pub max_waiters: usize,
+    /// `maxWaitersPerTenant`: the share of `max_waiters` one tenant may hold. `None`: a
+    /// quarter of `max_waiters` (at least 1), or all of it for a single tenant.
+    pub max_waiters_per_tenant: Option<usize>,
     /// Bounds of the in-memory store.
     pub memory_store: MemoryStoreSettings,
     /// Redis store settings, when configured.
@@ -91,6 +110,10 @@ impl Default for IdemSettings {
             key_header: crate::headers::IDEMPOTENCY_KEY,
             tenant: TenantSource::Unset,
             max_handlers_in_flight: 1024,
+            max_handlers_per_tenant: None,
+            max_detached_handlers: DEFAULT_MAX_DETACHED_HANDLERS,
+            max_waiters: DEFAULT_MAX_WAITERS,
+            max_waiters_per_tenant: None,
             memory_store: MemoryStoreSettings::default(),
             redis: None,
             client: ClientSettings::default(),
@@ -98,10 +121,47 @@ impl Default for IdemSettings {
     }
 }
 
+/// Default of [`IdemSettings::max_detached_handlers`].
+pub const DEFAULT_MAX_DETACHED_HANDLERS: usize = 256;
+/// Default of [`IdemSettings::max_waiters`].
+pub const DEFAULT_MAX_WAITERS: usize = 4096;
+
+impl IdemSettings {
+    /// The handler runs one tenant may hold: `max_handlers_per_tenant`, or its default
+    /// (a quarter of `max_handlers_in_flight`, all of it when `single_tenant`), never
+    /// above `max_handlers_in_flight`.
+    pub fn effective_max_handlers_per_tenant(&self, single_tenant: bool) -> usize {
+        share(
+            self.max_handlers_per_tenant,
+            self.max_handlers_in_flight,
+            single_tenant,
+        )
+    }
+
+    /// The duplicates of one tenant that may wait at once: `max_waiters_per_tenant`, or
+    /// its default (a quarter of `max_waiters`, all of it when `single_tenant`), never
+    /// above `max_waiters`.
+    pub fn effective_max_waiters_per_tenant(&self, single_tenant: bool) -> usize {
+        share(self.max_waiters_per_tenant, self.max_waiters, single_tenant)
+    }
+}
+
+fn share(set: Option<usize>, whole: usize, single_tenant: bool) -> usize {
+    match set {
+        Some(n) => n.min(whole),
+        None if single_tenant => whole,
+        None => (whole / 4).max(1),
+    }
+}
+
 pub(super) const IDEM_FIELDS: &[&str] = &[
     "keyHeader",
     "tenant",
     "maxHandlersInFlight",
+    "maxHandlersPerTenant",
+    "maxDetachedHandlers",
+    "maxWaiters",
+    "maxWaitersPerTenant",
     "memoryStore",
     "redis",
     "client",
@@ -133,6 +193,30 @@ impl Validator {
         }
         if let Some(x) = self.size_field(&o, "maxHandlersInFlight") {
             s.max_handlers_in_flight = x;
+        }
+        if let Some(x) = self.size_field(&o, "maxHandlersPerTenant") {
+            s.max_handlers_per_tenant = Some(x);
+            if x > s.max_handlers_in_flight {
+                self.warn(
+                    o.path("maxHandlersPerTenant"),
+                    "is above maxHandlersInFlight: a tenant gets at most maxHandlersInFlight",
+                );
+            }
+        }
+        if let Some(x) = self.size_field(&o, "maxDetachedHandlers") {
+            s.max_detached_handlers = x;
+        }
+        if let Some(x) = self.size_field(&o, "maxWaiters") {
+            s.max_waiters = x;
+        }
+        if let Some(x) = self.size_field(&o, "maxWaitersPerTenant") {
+            s.max_waiters_per_tenant = Some(x);
+            if x > s.max_waiters {
+                self.warn(
+                    o.path("maxWaitersPerTenant"),
+                    "is above maxWaiters: a tenant gets at most maxWaiters",
+                );
+            }
         }
         if let Some(v) = o.get("memoryStore")
             && let Some(x) = self.memory_store(v, o.path("memoryStore"))

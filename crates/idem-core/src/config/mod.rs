@@ -125,7 +125,9 @@ mod stores;
 
 pub use document::{Parsed, ServiceConfig, split_path};
 pub use duration::{DurationError, MAX_DURATION_SECONDS, format_duration, parse_duration};
-pub use idem::{ClientSettings, IdemSettings, TenantSource};
+pub use idem::{
+    ClientSettings, DEFAULT_MAX_DETACHED_HANDLERS, DEFAULT_MAX_WAITERS, IdemSettings, TenantSource,
+};
 pub use idempotency::{Compression, CompressionSet, IdempotencyPolicy, InFlightPolicy};
 pub use method::{MethodConfig, MethodName};
 pub use read::{ConfigError, Diagnostic};

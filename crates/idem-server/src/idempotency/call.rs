@@ -10,11 +10,12 @@ use idem_core::deadline::scope_inbound_deadline;
 use idem_core::headers;
 use idem_store::response::StoredResponse;
 use idem_store::{Claim, ClaimRequest, ClaimantId, Fingerprint, Store, StoreError, StoredOutcome};
-use tokio::sync::{OwnedSemaphorePermit, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::{Duration, Instant};
 use tonic::body::Body;
 use tower_service::Service;
 
+use super::admission::{Bound, HandlerSlot, WaiterSlot};
 use super::body::ReplayBody;
 use super::context::{BufferedRequest, Call};
 use super::handler;
@@ -46,22 +47,31 @@ impl<St: Store> Call<St> {
         let (mut request, deadline) = BufferedRequest::new(parts, body);
 
         let claimant = ClaimantId::random();
-        let mut waited = false;
+        // Held while this call waits for the call in flight with its key; `Some` once it
+        // has seen its record in flight (and dropped its body).
+        let mut waiter: Option<WaiterSlot> = None;
         loop {
-            // A handler run to be, if the claim is acquired; replays need none.
-            let permit = self.shared.handlers.clone().try_acquire_owned().ok();
+            let waited = waiter.is_some();
+            // A handler run to be, if the claim is acquired (replays need none). A call
+            // that waited has only its fingerprint left, and never runs.
+            let admission = &self.shared.admission;
+            let slot = (!waited).then(|| admission.run(self.tenant, self.single_tenant));
             let claim = match self.claim(&fingerprint, claimant).await {
                 Ok(claim) => claim,
                 Err(e) => {
                     // Boxed: a rare path whose future holds the service's own, which
                     // would otherwise enlarge every protected call's future.
-                    return Box::pin(self.store_failed(e, inner, request, permit, waited)).await;
+                    return Box::pin(self.store_failed(e, inner, request, slot)).await;
                 }
             };
             match claim {
                 Claim::Acquired { fence, takeover } => {
-                    let Some(permit) = permit else {
-                        return Ok(self.overloaded_after_claim(fence).await);
+                    let slot = match slot {
+                        Some(Ok(slot)) => slot,
+                        Some(Err(bound)) => {
+                            return Ok(self.overloaded_after_claim(fence, bound).await);
+                        }
+                        None => return Ok(self.ended_while_waiting(fence).await),
                     };
                     self.shared.stats.inc(Counter::executed);
                     self.outcome("executed");
@@ -69,7 +79,7 @@ impl<St: Store> Call<St> {
                     if takeover {
                         tracing::warn!(fence, "took over an in-flight record whose lease ended");
                     }
-                    return handler::execute(self, inner, request, fence, permit).await;
+                    return handler::execute(self, inner, request, fence, slot).await;
                 }
                 Claim::Completed(StoredOutcome::Response(bytes)) => {
                     return Ok(self.replay(bytes, waited));
@@ -83,15 +93,20 @@ impl<St: Store> Call<St> {
                     return Ok(self.answer("mismatch", status::key_reused()));
                 }
                 Claim::InFlight { lease_remaining } => {
-                    drop(permit);
-                    if !waited {
-                        // A body that came in one frame may be a slice of the
-                        // connection's read buffer; a duplicate waiting for another run
-                        // keeps only its own bytes.
-                        request.body = Bytes::copy_from_slice(&request.body);
+                    drop(slot);
+                    if !waited && self.policy.in_flight == InFlightPolicy::Wait {
+                        match admission.wait(self.tenant, self.single_tenant) {
+                            Ok(w) => waiter = Some(w),
+                            Err(bound) => return Ok(self.too_many_waiting(bound)),
+                        }
+                        // A waiter needs the fingerprint, not the body: it is dropped
+                        // here (a 2 MiB request no longer costs 2 MiB per duplicate, nor
+                        // pins the connection's read buffer it may be a slice of). So a
+                        // waiter never runs: if the call it waits for ends without an
+                        // outcome, it answers with a retry delay and its retry runs.
+                        request.body = Bytes::new();
                     }
                     let first_wait = !waited;
-                    waited = true;
                     // Boxed, as above: only duplicates wait.
                     let wait = Box::pin(self.in_flight(lease_remaining, deadline, first_wait));
                     if let Some(resp) = wait.await {
@@ -129,16 +144,15 @@ impl<St: Store> Call<St> {
     }
 
     /// The store could not claim: refuse (full, or fail closed), or run without a
-    /// record on a fail-open method. A call that `waited` has seen its record in flight:
-    /// another claimant may still be running it, so it is refused (retryable) fail-open
-    /// or not; running it here would be a second run of the key.
+    /// record on a fail-open method. A call that waited (`slot` `None`) has seen its
+    /// record in flight: another claimant may still be running it, so it is refused
+    /// (retryable) fail-open or not; running it here would be a second run of the key.
     async fn store_failed<S, ResBody>(
         self,
         e: StoreError,
         mut inner: S,
         request: BufferedRequest,
-        permit: Option<OwnedSemaphorePermit>,
-        waited: bool,
+        slot: Option<Result<HandlerSlot, Bound>>,
     ) -> Result<Response<Body>, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
@@ -153,23 +167,24 @@ impl<St: Store> Call<St> {
             return Ok(self.answer("store_full", status::store_full(bound)));
         }
         stats.inc(Counter::store_errors);
-        if waited {
+        let Some(slot) = slot else {
             tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed after waiting for the call in flight: refusing the call");
             return Ok(self.store_unavailable_in_flight());
-        }
+        };
         if !self.policy.fail_open {
             tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed: refusing the call");
             return Ok(self.answer("store_unavailable", status::store_unavailable()));
         }
-        let Some(permit) = permit else {
-            return Ok(self.overloaded());
+        let slot = match slot {
+            Ok(slot) => slot,
+            Err(bound) => return Ok(self.overloaded(bound)),
         };
         stats.inc(Counter::fail_open_runs);
         self.outcome("fail_open");
         tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed; method is fail-open: running without a record");
         let (req, inbound) = request.into_request();
         let resp = scope_inbound_deadline(inbound, inner.call(req)).await;
-        drop(permit);
+        drop(slot);
         resp.map(|r| r.map(Body::new))
     }
 
@@ -254,17 +269,42 @@ impl<St: Store> Call<St> {
         self.answer("waited_deadline", status::in_progress_past_deadline())
     }
 
-    /// Claimed, but no handler run is free: give the record back and refuse.
-    async fn overloaded_after_claim(&self, fence: idem_store::Fence) -> Response<Body> {
-        let lease = self.lease(fence);
-        lease.release(oneshot::channel().0).await;
-        self.overloaded()
+    /// Claimed, but no handler run is free under `bound`: give the record back and
+    /// refuse.
+    async fn overloaded_after_claim(
+        &self,
+        fence: idem_store::Fence,
+        bound: Bound,
+    ) -> Response<Body> {
+        self.lease(fence).release(oneshot::channel().0).await;
+        self.overloaded(bound)
     }
 
-    fn overloaded(&self) -> Response<Body> {
+    fn overloaded(&self, bound: Bound) -> Response<Body> {
         self.shared.stats.inc(Counter::overloaded);
-        let limit = self.shared.max_handlers;
-        tracing::warn!(limit, scope = %self.short_scope(), "too many idempotent handlers running: refusing the call");
-        self.answer("overloaded", status::overloaded(limit))
+        let limit = self.shared.admission.limits.of(bound, self.single_tenant);
+        tracing::warn!(limit, bound = bound.as_str(), scope = %self.short_scope(), "too many idempotent handlers running: refusing the call");
+        self.trace_reason(Some(bound.as_str()));
+        self.answer("overloaded", status::overloaded(bound, limit))
+    }
+
+    /// The key is in flight and no room is left to wait under `bound`: refuse, with a
+    /// retry delay.
+    fn too_many_waiting(&self, bound: Bound) -> Response<Body> {
+        self.shared.stats.inc(Counter::waiters_refused);
+        let limit = self.shared.admission.limits.of(bound, self.single_tenant);
+        tracing::warn!(limit, bound = bound.as_str(), scope = %self.short_scope(), "too many duplicates waiting: refusing the call");
+        self.trace_reason(Some(bound.as_str()));
+        self.answer("too_many_waiting", status::too_many_waiting(bound, limit))
+    }
+
+    /// This call waited, and its claim after the wait acquired the record: the call it
+    /// waited for ended without an outcome (released, or its lease ended). Having kept
+    /// only the fingerprint, it cannot run: give the record back and answer UNAVAILABLE
+    /// with a short retry delay; the retry carries the request and runs.
+    async fn ended_while_waiting(&self, fence: idem_store::Fence) -> Response<Body> {
+        self.lease(fence).release(oneshot::channel().0).await;
+        self.shared.stats.inc(Counter::ended_while_waiting);
+        self.answer("in_progress_ended", status::in_progress_ended())
     }
 }

@@ -31,6 +31,9 @@ pub(crate) struct Call<St> {
     pub(crate) policy: IdempotencyPolicy,
     pub(crate) scope: Scope,
     pub(crate) tenant: TenantId,
+    /// The layer's tenant source is a single tenant (its share of the bounds is the
+    /// whole).
+    pub(crate) single_tenant: bool,
     /// The call's trace, when an observer listens.
     pub(crate) trace: Option<Arc<CallTrace>>,
 }

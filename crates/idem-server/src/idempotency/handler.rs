@@ -15,11 +15,12 @@ use http_body_util::BodyExt;
 use idem_core::deadline::scope_inbound_deadline;
 use idem_core::derive::KeySource;
 use idem_store::{Fence, RecordRef, Store};
-use tokio::sync::{OwnedSemaphorePermit, oneshot};
+use tokio::sync::oneshot;
 use tonic::body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
+use super::admission::{Admission, HandlerSlot};
 use super::collect::{Collected, Plan, plan};
 use super::context::{BufferedRequest, Call};
 use super::forward::{Forwarder, Reply};
@@ -35,10 +36,11 @@ use crate::metrics::CallTrace;
 pub struct RecordFence(pub Fence);
 
 /// What a handler's run holds until its outcome is recorded: the lease on the record its
-/// call claimed, and one of the layer's handler runs (`maxHandlersInFlight`).
+/// call claimed, and one of the layer's handler runs (`maxHandlersInFlight`, and the
+/// tenant's `maxHandlersPerTenant`).
 struct Claimed<St> {
     lease: Lease<St>,
-    permit: OwnedSemaphorePermit,
+    permit: HandlerSlot,
 }
 
 /// Runs the handler for `call` under the record it claimed with `fence`, and answers
@@ -59,7 +61,7 @@ pub(crate) fn execute<S, St, ResBody>(
     inner: S,
     mut request: BufferedRequest,
     fence: Fence,
-    permit: OwnedSemaphorePermit,
+    permit: HandlerSlot,
 ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
 where
     S: HandlerService<ResBody>,
@@ -73,8 +75,10 @@ where
     extensions.insert(lease.record().clone());
     let (tx, mut rx) = oneshot::channel();
     let trace = call.trace.as_ref().filter(|t| t.observed()).cloned();
+    let admission = call.shared.admission.clone();
     let mut run = Detach {
         trace,
+        admission,
         answered: false,
         run: Some(Box::pin(run(
             call,
@@ -134,6 +138,9 @@ struct Detach {
     runtime: Option<tokio::runtime::Handle>,
     /// The call's trace, when an observer listens: told of a run detached by a cancel.
     trace: Option<Arc<CallTrace>>,
+    /// The layer's bounds: a run detached by a cancel counts against
+    /// `maxDetachedHandlers` until its task ends.
+    admission: Arc<Admission>,
     /// The caller got its answer: what is left of the run is not a cancel's.
     answered: bool,
 }
@@ -145,11 +152,12 @@ impl Drop for Detach {
             Some(trace) if !self.answered => trace.detached(),
             _ => None,
         };
+        let gone = (!self.answered).then(|| self.admission.detached());
         match self.runtime.take() {
             Some(rt) => {
                 let run = async move {
                     run.await;
-                    drop(cancelled);
+                    drop((cancelled, gone));
                 };
                 drop(rt.spawn(run.instrument(self.span.clone())));
             }

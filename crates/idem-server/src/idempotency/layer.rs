@@ -9,10 +9,10 @@ use std::sync::{Arc, PoisonError, RwLock};
 use bytes::Bytes;
 use idem_core::config::{ServiceConfig, TenantSource};
 use idem_store::{Store, memory::MemoryStore};
-use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
 use super::Idempotency;
+use super::admission::{Admission, Limits};
 use super::error::NoTenantSource;
 use super::stats::IdempotencyStats;
 use super::tenant::{FromHeader, SingleTenant, TenantResolver};
@@ -29,14 +29,27 @@ pub(crate) struct Current {
     pub(crate) config: Arc<ServiceConfig>,
     /// `None`: neither the config nor the builder chose a source.
     pub(crate) tenant: Option<Arc<dyn TenantResolver>>,
+    /// The source is a single tenant (`SingleTenant`, `idem.tenant.single`): its share
+    /// of the handler and waiter bounds is the whole, unless the config sets it.
+    pub(crate) single_tenant: bool,
 }
 
 impl Current {
     /// The resolver given in code wins over the config's `idem.tenant`, at build time
     /// and on every reload.
-    fn new(config: Arc<ServiceConfig>, code: Option<&Arc<dyn TenantResolver>>) -> Self {
-        let tenant = code.cloned().or_else(|| config_tenant(&config));
-        Current { config, tenant }
+    fn new(config: Arc<ServiceConfig>, code: Option<&(Arc<dyn TenantResolver>, bool)>) -> Self {
+        let (tenant, single_tenant) = match code {
+            Some((r, single)) => (Some(r.clone()), *single),
+            None => (
+                config_tenant(&config),
+                matches!(config.settings().tenant, TenantSource::Single(_)),
+            ),
+        };
+        Current {
+            config,
+            tenant,
+            single_tenant,
+        }
     }
 
     /// `Err` when a method is protected but no tenant can ever be found for it.
@@ -72,19 +85,20 @@ fn first_protected(config: &ServiceConfig) -> Option<String> {
 pub(crate) struct Shared<St> {
     pub(crate) store: St,
     current: RwLock<Arc<Current>>,
-    /// The resolver set with [`IdempotencyLayer::tenant`]; kept across reloads.
-    code_tenant: Option<Arc<dyn TenantResolver>>,
+    /// The resolver set with [`IdempotencyLayer::tenant`] (and whether it is a
+    /// [`SingleTenant`]); kept across reloads.
+    code_tenant: Option<(Arc<dyn TenantResolver>, bool)>,
     /// The store is a `MemoryStore` that [`IdempotencyLayer::from_config`] built from
     /// the config: [`IdempotencyLayer::tenant`] may rebuild it, still empty, for one
     /// tenant.
     store_from_config: bool,
     pub(crate) hooks: HashMap<String, FingerprintHook>,
     pub(crate) stats: IdempotencyStats,
-    /// One permit per handler run in progress (including runs whose caller went away).
-    pub(crate) handlers: Arc<Semaphore>,
-    pub(crate) max_handlers: usize,
-    /// `max_handlers` came from the builder, not the config.
-    max_handlers_pinned: bool,
+    /// Handler runs in progress (including runs whose caller went away) and waiting
+    /// duplicates, against the layer's bounds.
+    pub(crate) admission: Arc<Admission>,
+    /// The handler bounds set with the builder, which win over the config's.
+    pins: HandlerPins,
     /// The missing tenant source was logged when the layer wrapped a service / when a
     /// call was refused for it (once each, so a misconfigured server does not flood).
     logged_at_layer: AtomicBool,
@@ -107,9 +121,8 @@ impl<St: Clone> Clone for Shared<St> {
             store_from_config: self.store_from_config,
             hooks: self.hooks.clone(),
             stats: self.stats.clone(),
-            handlers: self.handlers.clone(),
-            max_handlers: self.max_handlers,
-            max_handlers_pinned: self.max_handlers_pinned,
+            admission: self.admission.clone(),
+            pins: self.pins,
             logged_at_layer: AtomicBool::new(false),
             logged_at_call: AtomicBool::new(false),
             observer: self.observer.clone(),
@@ -193,7 +206,7 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
         f.debug_struct("IdempotencyLayer")
             .field("store", &self.shared.store)
             .field("hooks", &self.shared.hooks.keys().collect::<Vec<_>>())
-            .field("max_handlers", &self.shared.max_handlers)
+            .field("limits", &self.shared.admission.limits)
             .finish_non_exhaustive()
     }
 }
@@ -243,10 +256,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// [`new`](Self::new) with a shared config.
     pub fn from_arc(store: St, config: Arc<ServiceConfig>) -> Self {
         warn_if_memory_store_differs(&store, &config);
-        let max_handlers = config
-            .settings()
-            .max_handlers_in_flight
-            .min(Semaphore::MAX_PERMITS);
+        let limits = Limits::new(config.settings());
         IdempotencyLayer {
             shared: Arc::new(Shared {
                 store,
@@ -255,9 +265,8 @@ impl<St: Store> IdempotencyLayer<St> {
                 store_from_config: false,
                 hooks: HashMap::new(),
                 stats: IdempotencyStats::default(),
-                handlers: Arc::new(Semaphore::new(max_handlers)),
-                max_handlers,
-                max_handlers_pinned: false,
+                admission: Admission::new(limits),
+                pins: HandlerPins::default(),
                 logged_at_layer: AtomicBool::new(false),
                 logged_at_call: AtomicBool::new(false),
                 observer: None,
@@ -281,10 +290,13 @@ impl<St: Store> IdempotencyLayer<St> {
     /// the store is rebuilt with the per-tenant bounds the config leaves unset set to
     /// the store's own (take [`store`](Self::store) after this call). A `MemoryStore`
     /// you build yourself for one tenant: `MemoryStore::new(config.settings()
-    /// .memory_store.clone().for_single_tenant())`.
+    /// .memory_store.clone().for_single_tenant())`. It also gets the whole of the
+    /// handler and waiter bounds (`maxHandlersInFlight`, `maxWaiters`) unless the config
+    /// sets the per-tenant shares; any other resolver gets a quarter per tenant by
+    /// default.
     pub fn tenant(self, resolver: impl TenantResolver) -> Self {
         let single = (&resolver as &dyn Any).is::<SingleTenant>();
-        let r: Arc<dyn TenantResolver> = Arc::new(resolver);
+        let r: (Arc<dyn TenantResolver>, bool) = (Arc::new(resolver), single);
         self.edit(|s| {
             let config = s.current().config.clone();
             s.set_current(Current::new(config, Some(&r)));
@@ -313,16 +325,28 @@ impl<St: Store> IdempotencyLayer<St> {
     /// outcome is recorded, also after its caller went away; past the bound, new
     /// protected calls are refused with RESOURCE_EXHAUSTED (`OVERLOADED`, with a retry
     /// delay) before they run. Duplicates answered from the store need no run.
+    /// A tenant's share (`idem.maxHandlersPerTenant`, by default a quarter) is of this
+    /// `max`.
     ///
     /// Each run also holds its request (up to `maxRequestBytes`) until the service has
     /// read it, so this bounds that memory too.
     pub fn max_handlers_in_flight(self, max: usize) -> Self {
-        let max = max.min(Semaphore::MAX_PERMITS);
-        let handlers = Arc::new(Semaphore::new(max));
         self.edit(|s| {
-            s.handlers = handlers;
-            s.max_handlers = max;
-            s.max_handlers_pinned = true;
+            s.pins.in_flight = Some(max);
+            s.admission = Admission::new(s.pins.limits(s.current().config.settings()));
+        })
+    }
+
+    /// Lets one tenant hold at most `max` of the handler runs
+    /// ([`max_handlers_in_flight`](Self::max_handlers_in_flight)), replacing the config's
+    /// `idem.maxHandlersPerTenant` (default a quarter of the bound, all of it for a
+    /// [`SingleTenant`]). Past it the tenant's new calls are refused with
+    /// RESOURCE_EXHAUSTED (`OVERLOADED`, bound `tenant_handlers`, with a retry delay)
+    /// while other tenants' run.
+    pub fn max_handlers_per_tenant(self, max: usize) -> Self {
+        self.edit(|s| {
+            s.pins.per_tenant = Some(max);
+            s.admission = Admission::new(s.pins.limits(s.current().config.settings()));
         })
     }
 
@@ -361,14 +385,13 @@ impl<St: Store> IdempotencyLayer<St> {
         let shared = &self.shared;
         let next = Current::new(Arc::new(config.clone()), shared.code_tenant.as_ref());
         next.check()?;
-        let settings = config.settings();
-        if !shared.max_handlers_pinned
-            && settings.max_handlers_in_flight.min(Semaphore::MAX_PERMITS) != shared.max_handlers
-        {
+        let configured = shared.pins.limits(config.settings());
+        let in_use = shared.admission.limits;
+        if configured != in_use {
             tracing::warn!(
-                configured = settings.max_handlers_in_flight,
-                in_use = shared.max_handlers,
-                "idem.maxHandlersInFlight is read at build: the reload leaves it unchanged"
+                ?configured,
+                ?in_use,
+                "idem.maxHandlersInFlight, maxHandlersPerTenant, maxDetachedHandlers, maxWaiters and maxWaitersPerTenant are read at build: the reload leaves them unchanged"
             );
         }
         warn_if_memory_store_differs(&shared.store, config);
@@ -385,9 +408,20 @@ impl<St: Store> IdempotencyLayer<St> {
     /// runs whose caller went away included (at most
     /// [`max_handlers_in_flight`](Self::max_handlers_in_flight)).
     pub fn handlers_in_flight(&self) -> usize {
-        let s = &self.shared;
-        s.max_handlers
-            .saturating_sub(s.handlers.available_permits())
+        self.shared.admission.handlers_in_flight()
+    }
+
+    /// Handler runs in progress whose caller went away before it got its answer (they
+    /// run on to record their outcome); while `idem.maxDetachedHandlers` of them run,
+    /// new protected calls are refused.
+    pub fn handlers_detached(&self) -> usize {
+        self.shared.admission.detached_in_flight()
+    }
+
+    /// Duplicates waiting now for a call in progress with their key (at most
+    /// `idem.maxWaiters`).
+    pub fn waiters(&self) -> usize {
+        self.shared.admission.waiting()
     }
 
     /// The store.
@@ -399,6 +433,26 @@ impl<St: Store> IdempotencyLayer<St> {
     /// [`new`](Self::new) or [`reload`](Self::reload)).
     pub fn config(&self) -> Arc<ServiceConfig> {
         self.shared.current().config.clone()
+    }
+}
+
+/// Handler bounds set in code, applied over the config's.
+#[derive(Debug, Clone, Copy, Default)]
+struct HandlerPins {
+    in_flight: Option<usize>,
+    per_tenant: Option<usize>,
+}
+
+impl HandlerPins {
+    fn limits(self, settings: &idem_core::config::IdemSettings) -> Limits {
+        let mut s = settings.clone();
+        if let Some(n) = self.in_flight {
+            s.max_handlers_in_flight = n;
+        }
+        if let Some(n) = self.per_tenant {
+            s.max_handlers_per_tenant = Some(n);
+        }
+        Limits::new(&s)
     }
 }
 

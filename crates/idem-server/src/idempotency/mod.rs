@@ -88,8 +88,9 @@
 //! service made from it: protected methods, their policies, the key header and the
 //! config's tenant source (a resolver set in code stays). A call keeps the policy and
 //! tenant it was routed with; records, counters and handler runs in progress are kept.
-//! The store's settings and `idem.maxHandlersInFlight` are read once, at build (a reload
-//! that changes them logs a warning). A reload that would leave protected methods with
+//! The store's settings and the handler and waiter bounds (`idem.maxHandlersInFlight`,
+//! `maxHandlersPerTenant`, `maxDetachedHandlers`, `maxWaiters`, `maxWaitersPerTenant`)
+//! are read once, at build (a reload that changes them logs a warning). A reload that would leave protected methods with
 //! no tenant source is refused ([`NoTenantSource`]) and changes nothing.
 //!
 //! # Which calls are protected
@@ -180,13 +181,40 @@
 //!    (or tenant share) → RESOURCE_EXHAUSTED (`STORE_FULL`) with a 1 s
 //!    `google.rpc.RetryInfo`, fail-open or not: nothing runs. Messages say what to do;
 //!    what the store said goes to the logs only.
-//! 10. **Handler bound**: at most `idem.maxHandlersInFlight` handler runs per layer
-//!     (default 1024), counted from the claim until the outcome is recorded, including
-//!     runs whose caller went away. A call that would start one more is refused with
-//!     RESOURCE_EXHAUSTED (`OVERLOADED`, 1 s `RetryInfo`) and its key left free;
+//! 10. **Handler bounds**: at most `idem.maxHandlersInFlight` handler runs per layer
+//!     (default 1024), of which one tenant holds at most `idem.maxHandlersPerTenant` (a
+//!     quarter by default, all of them for a single tenant), counted from the claim
+//!     until the outcome is recorded, including runs whose caller went away. While
+//!     `idem.maxDetachedHandlers` runs whose caller went away go on (default 256), no
+//!     new run starts. A call that would start one more is refused with
+//!     RESOURCE_EXHAUSTED (`OVERLOADED`, 1 s `RetryInfo`, `ErrorInfo` metadata `bound`:
+//!     `handlers`, `tenant_handlers` or `detached_handlers`) and its key left free;
 //!     duplicates answered from the store are served at the bound. The bound also caps
 //!     the request buffers those runs hold (`maxHandlersInFlight × maxRequestBytes` at
-//!     worst).
+//!     worst). See [Handler bounds and tonic's limits](#handler-bounds-and-tonics-limits).
+//! 11. **Waiters**: a duplicate that waits holds the request's fingerprint, not its
+//!     body (dropped when the key is found in flight). At most `idem.maxWaiters` wait
+//!     per layer (default 4096) and `idem.maxWaitersPerTenant` per tenant (a quarter by
+//!     default); past them RESOURCE_EXHAUSTED (`TOO_MANY_WAITING`, 1 s `RetryInfo`,
+//!     bound `waiters` or `tenant_waiters`). A waiter whose claim after the wait
+//!     acquires the record (the call it waited for was released, or its lease ended)
+//!     has no body to run: it gives the record back and answers UNAVAILABLE
+//!     (`IN_PROGRESS_ENDED`) with a 100 ms `RetryInfo`; its retry carries the request
+//!     and runs.
+//!
+//! # Handler bounds and tonic's limits
+//! tonic's `Server::concurrency_limit_per_connection` and tower's
+//! `ConcurrencyLimitLayer` count calls whose caller is still there: a caller that
+//! cancels frees its place at once, while its idempotent handler goes on (to record
+//! its outcome). Only this layer sees those runs, so its own bounds
+//! (`maxHandlersInFlight`, `maxHandlersPerTenant`, `maxDetachedHandlers`) are what caps
+//! them. Put a `ConcurrencyLimitLayer` (or `GlobalConcurrencyLimitLayer`, shared by the
+//! connections) *outside* this layer, before it in `Server::builder().layer(..)`, to
+//! bound calls still waiting for their answer, replays and waits included; one inside
+//! it (around the service) would count only the handler's own call, not the run's
+//! recording. Runs whose caller went away are never stopped: stopping a handler
+//! half-way and running its retry would be a second run. So their count can pass
+//! `maxDetachedHandlers` by the runs whose callers were waiting when it was reached.
 //!
 //! Every error the layer makes carries `google.rpc.ErrorInfo` with domain `idem` and a
 //! reason from [`idem_core::headers::reason`].
@@ -201,9 +229,12 @@
 //! `completionRetryTimeout` 60 s. Process-wide (`idem`): `keyHeader`
 //! `x-idempotency-key`, `tenant` unset ([`IdempotencyLayer::check`] fails and every
 //! protected call is refused until a resolver is set), `maxHandlersInFlight` 1024,
+//! `maxHandlersPerTenant` a quarter of it (all of it for a single tenant),
+//! `maxDetachedHandlers` 256, `maxWaiters` 4096, `maxWaitersPerTenant` a quarter of it,
 //! `memoryStore` (read by [`IdempotencyLayer::from_config`]). In code: [`IdempotencyLayer::tenant`] (no
 //! default beyond the config's), [`IdempotencyLayer::fingerprint_with`] (none),
-//! [`IdempotencyLayer::max_handlers_in_flight`] (the config's).
+//! [`IdempotencyLayer::max_handlers_in_flight`] and
+//! [`IdempotencyLayer::max_handlers_per_tenant`] (the config's).
 //!
 //! # Decisions
 //! - A response's code is its `grpc-status` (trailers, else Trailers-Only headers);
@@ -239,7 +270,8 @@
 //! One `idempotency` span per protected call with the method, the first 16 hex digits of
 //! the scope (never the raw key), the fence and the outcome (`executed`, `replayed`,
 //! `waited`, `mismatch`, `aborted`, `not_retained`, `rejected`, `store_unavailable`,
-//! `store_full`, `overloaded`, `fail_open`, `waited_deadline`), ending with one `INFO`
+//! `store_full`, `overloaded`, `fail_open`, `waited_deadline`, `too_many_waiting`,
+//! `in_progress_ended`), ending with one `INFO`
 //! event `idempotent call` (outcome, what became of the record, gRPC status, duration);
 //! counters in [`IdempotencyStats`]; per-call events for metrics through
 //! [`IdempotencyLayer::observer`] ([`crate::metrics`]; `idem-otel` records them through
@@ -256,6 +288,7 @@ use tower_service::Service;
 // `handler.rs` runs the handler under the record's lease (`lease.rs`, `renewal.rs`),
 // forwarding its response (`forward.rs`) and collecting it for the record
 // (`collect.rs`, `decision.rs`); `body.rs` replays; `status.rs` holds the layer's answers.
+mod admission;
 mod body;
 mod call;
 mod collect;

@@ -177,6 +177,7 @@ where
                     policy: policy.clone(),
                     scope,
                     tenant: self.shared.tenant_ids.of(&tenant),
+                    single_tenant: current.single_tenant,
                     trace: trace.map(|t| t.with_tenant(tenant)),
                 };
                 let trace = call.trace.clone();

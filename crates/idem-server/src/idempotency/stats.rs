@@ -63,13 +63,21 @@ stats! {
     /// Protected calls refused because the store (or the tenant's share) was full.
     store_full,
     /// Protected calls refused because the layer was running as many handlers as it
-    /// allows (`maxHandlersInFlight`).
+    /// allows (`maxHandlersInFlight`, the tenant's `maxHandlersPerTenant`, or
+    /// `maxDetachedHandlers` runs whose caller went away).
     overloaded,
     /// Completions or releases sent again after the store refused them transiently.
     record_retries,
     /// Outcomes (completions or releases) the store did not take within
     /// `completionRetryTimeout`: their records were left to expire with their lease.
     unrecorded,
+    /// Duplicates refused instead of waiting: as many waited as the layer
+    /// (`maxWaiters`) or the tenant (`maxWaitersPerTenant`) allows.
+    waiters_refused,
+    /// Duplicates whose call in progress ended without an outcome while they waited:
+    /// holding only the fingerprint, they answered with a retry delay instead of
+    /// running.
+    ended_while_waiting,
 }
 
 /// Counters of one layer (shared by its clones). Cheap to clone. Each worker thread

@@ -13,6 +13,8 @@ use idem_core::key::KEY_RULE;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use super::admission::Bound;
+
 /// The retry delay sent when the store or the layer is at its bound: long enough for
 /// in-progress calls to finish, short enough that a client's deadline usually covers it.
 pub(crate) const BUSY_RETRY_DELAY: Duration = Duration::from_secs(1);
@@ -137,14 +139,64 @@ pub(crate) fn store_full(bound: Option<&'static str>) -> Status {
     )
 }
 
-pub(crate) fn overloaded(limit: usize) -> Status {
-    idem_status_retry_after(
+/// The retry delay of a duplicate whose call in progress ended without an outcome: its
+/// retry runs at once, so only long enough not to meet the release on its way.
+pub(crate) const ENDED_RETRY_DELAY: Duration = Duration::from_millis(100);
+
+/// An `ErrorInfo` of `why` naming `bound` in its metadata, with a retry delay.
+fn bound_status(code: Code, message: String, why: &str, bound: Bound, delay: Duration) -> Status {
+    let metadata = HashMap::from([("bound".to_owned(), bound.as_str().to_owned())]);
+    let mut details = ErrorDetails::with_error_info(why, headers::ERROR_DOMAIN, metadata);
+    details.set_retry_info(Some(delay));
+    Status::with_error_details(code, message, details)
+}
+
+/// No handler run is free under `bound` (of `limit` runs).
+pub(crate) fn overloaded(bound: Bound, limit: usize) -> Status {
+    let what = match bound {
+        Bound::TenantHandlers => "this tenant's idempotent calls",
+        Bound::DetachedHandlers => "idempotent calls whose callers went away",
+        _ => "idempotent calls",
+    };
+    bound_status(
         Code::ResourceExhausted,
         format!(
-            "the server is running as many idempotent calls as it allows ({limit}); retry the call with the same key after the delay"
+            "the server is running as many {what} as it allows ({limit}, {}); retry the call with the same key after the delay",
+            bound.field()
         ),
         reason::OVERLOADED,
+        bound,
         BUSY_RETRY_DELAY,
+    )
+}
+
+/// The call's key is in flight and no room is left to wait under `bound`.
+pub(crate) fn too_many_waiting(bound: Bound, limit: usize) -> Status {
+    let whose = if bound == Bound::TenantWaiters {
+        "this tenant's "
+    } else {
+        ""
+    };
+    bound_status(
+        Code::ResourceExhausted,
+        format!(
+            "a call with this idempotency key is in progress and as many of {whose}duplicates wait as the server allows ({limit}, {}); retry the call with the same key after the delay",
+            bound.field()
+        ),
+        reason::TOO_MANY_WAITING,
+        bound,
+        BUSY_RETRY_DELAY,
+    )
+}
+
+/// The call in progress this duplicate waited for ended without an outcome to replay;
+/// the duplicate kept only its fingerprint, so its retry (with the request) must run.
+pub(crate) fn in_progress_ended() -> Status {
+    idem_status_retry_after(
+        Code::Unavailable,
+        "the call in progress with this idempotency key ended without an outcome to replay; retry the call with the same key: it will run",
+        reason::IN_PROGRESS_ENDED,
+        ENDED_RETRY_DELAY,
     )
 }
 

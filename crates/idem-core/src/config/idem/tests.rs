@@ -155,3 +155,47 @@ fn idem_must_be_an_object() {
         &IdemSettings::default()
     );
 }
+
+#[test]
+fn idem_handler_and_waiter_shares() {
+    let d = IdemSettings::default();
+    assert_eq!(d.max_detached_handlers, 256);
+    assert_eq!(d.max_waiters, 4096);
+    assert_eq!(d.effective_max_handlers_per_tenant(false), 256);
+    assert_eq!(d.effective_max_handlers_per_tenant(true), 1024);
+    assert_eq!(d.effective_max_waiters_per_tenant(false), 1024);
+    assert_eq!(d.effective_max_waiters_per_tenant(true), 4096);
+    let (s, w) = settings(json!({"maxHandlersInFlight": 8, "maxHandlersPerTenant": 3, "maxDetachedHandlers": 2, "maxWaiters": 10, "maxWaitersPerTenant": 4})).unwrap();
+    assert!(w.is_empty(), "{w:?}");
+    assert_eq!(
+        (s.max_handlers_per_tenant, s.max_detached_handlers),
+        (Some(3), 2)
+    );
+    assert_eq!(s.effective_max_handlers_per_tenant(true), 3, "set: kept");
+    assert_eq!(s.effective_max_waiters_per_tenant(false), 4);
+    let (s, w) = settings(json!({"maxHandlersInFlight": 8, "maxHandlersPerTenant": 9, "maxWaiters": 2, "maxWaitersPerTenant": 3})).unwrap();
+    assert_eq!(
+        w,
+        vec![
+            "idem.maxHandlersPerTenant: is above maxHandlersInFlight: a tenant gets at most maxHandlersInFlight",
+            "idem.maxWaitersPerTenant: is above maxWaiters: a tenant gets at most maxWaiters",
+        ]
+    );
+    assert_eq!(
+        s.effective_max_handlers_per_tenant(false),
+        8,
+        "cut to the whole"
+    );
+    assert_eq!(s.effective_max_waiters_per_tenant(false), 2);
+    for field in [
+        "maxHandlersPerTenant",
+        "maxDetachedHandlers",
+        "maxWaiters",
+        "maxWaitersPerTenant",
+    ] {
+        assert_settings_errors(
+            field,
+            &[(json!(0), format!("idem.{field}: must be an integer > 0"))],
+        );
+    }
+}
