@@ -66,7 +66,7 @@ impl Default for ClientSettings {
 /// # Defaults
 /// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `maxHandlersInFlight` 1024,
 /// `memoryStore` see [`MemoryStoreSettings`], `redis` absent, `client` see
-/// [`ClientSettings`].
+/// [`ClientSettings`], `strict` false.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemSettings {
     /// Header carrying the key.
@@ -83,6 +83,8 @@ pub struct IdemSettings {
     pub redis: Option<RedisSettings>,
     /// Client-side settings.
     pub client: ClientSettings,
+    /// `strict`: every warning about the document is an error (default false).
+    pub strict: bool,
 }
 
 impl Default for IdemSettings {
@@ -94,6 +96,7 @@ impl Default for IdemSettings {
             memory_store: MemoryStoreSettings::default(),
             redis: None,
             client: ClientSettings::default(),
+            strict: false,
         }
     }
 }
@@ -105,6 +108,7 @@ pub(super) const IDEM_FIELDS: &[&str] = &[
     "memoryStore",
     "redis",
     "client",
+    "strict",
 ];
 pub(super) const TENANT_FIELDS: &[&str] = &["single", "header"];
 pub(super) const CLIENT_FIELDS: &[&str] = &[
@@ -146,6 +150,9 @@ impl Validator {
             && let Some(x) = self.client(v, o.path("client"))
         {
             s.client = x;
+        }
+        if let Some(b) = self.boolean(&o, "strict") {
+            s.strict = b;
         }
         // One tenant: its share is the whole store.
         if matches!(s.tenant, TenantSource::Single(_)) {
