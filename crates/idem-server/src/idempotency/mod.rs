@@ -267,6 +267,7 @@ mod fingerprint;
 mod forward;
 mod future;
 mod handler;
+mod ignored;
 mod inflate;
 mod layer;
 mod lease;
@@ -281,7 +282,7 @@ mod tests;
 
 pub use decision::{DECISION_HEADER, IdemDecision};
 pub use digest::{derived_key, scope_for, tenant_id};
-pub use error::NoTenantSource;
+pub use error::{CheckError, NoTenantSource};
 pub use future::ResponseFuture;
 pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};
