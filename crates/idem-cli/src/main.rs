@@ -3,16 +3,22 @@
 //! sustained protected calls per second it allows (with a warning below 1000 when the
 //! memory store is the one in use).
 //!
-//! Arguments are parsed by hand: there is one subcommand with one operand, so a
-//! command-line crate would add more build time than it saves.
+//! `check-config` also takes the services' protos or descriptor set, a strict mode and
+//! a JSON output ([`check`]); `idem init` writes a starter config from protos ([`init`]).
+//!
+//! Arguments are parsed by hand: a few flags per subcommand, so a command-line crate
+//! would add more build time than it saves.
 
-use std::io::{self, Read, Write};
+mod check;
+mod init;
+
+use std::io::{self, Write};
 use std::process::ExitCode;
 
 use idem_core::code::code_name;
 use idem_core::config::{
-    ConfigError, Diagnostic, IdemSettings, InFlightPolicy, MethodConfig, Parsed, ServiceConfig,
-    TenantSource, format_duration,
+    Diagnostic, IdemSettings, InFlightPolicy, MethodConfig, Parsed, ServiceConfig, TenantSource,
+    format_duration,
 };
 use idem_store::memory::{MemoryStoreSettings, RECORD_OVERHEAD_BYTES};
 
@@ -23,12 +29,27 @@ Usage:
   idem check-config FILE    validate a gRPC service config and print the effective
                             policy of every configured name
   idem check-config -       the same, reading the config from standard input
+  idem check-config [--strict] [--json] [--proto FILE]... [-I DIR]...
+                    [--descriptor-set FILE] CONFIG
+                            the same, with the options below (CONFIG may be -)
+  idem init --proto FILE... [-I DIR]...
+                            print a starter service config for the protos' services
   idem --help               print this help
   idem --version            print the version
 
+check-config options:
+  --strict                  every warning is an error (as \"idem\": {\"strict\": true})
+  --json                    print {\"valid\", \"errors\", \"warnings\", \"notes\", \"methods\"}
+  --proto FILE              the services' .proto file (compiled in-process, no protoc);
+                            every configured name must then match a service or method,
+                            and side-effecting methods are protected by default
+  -I DIR                    where --proto files and their imports are found
+  --descriptor-set FILE     the services' encoded FileDescriptorSet instead of --proto
+
 check-config exits with 0 when the config is valid (warnings are printed to standard
 error), 1 when it is invalid (every error is printed, as `json.path: rule`), and 2 when
-the file cannot be read or the command line is wrong.
+a file cannot be read (a proto that does not compile, a file that is not a
+FileDescriptorSet included) or the command line is wrong.
 ";
 
 /// Exit status: the config is invalid.
@@ -48,10 +69,8 @@ fn main() -> ExitCode {
             out(&format!("idem {}\n", env!("CARGO_PKG_VERSION")));
             ExitCode::SUCCESS
         }
-        ["check-config", file] => check_config(file),
-        ["check-config", ..] => {
-            usage_error("check-config takes exactly one FILE (or - for standard input)")
-        }
+        ["check-config", rest @ ..] => check::run(rest),
+        ["init", rest @ ..] => init::run(rest),
         [] => usage_error("missing command"),
         [other, ..] => usage_error(&format!("unknown command {other:?}")),
     }
@@ -69,60 +88,6 @@ fn out(text: &str) {
 
 fn err(text: &str) {
     let _ = io::stderr().lock().write_all(text.as_bytes());
-}
-
-fn check_config(file: &str) -> ExitCode {
-    let (name, bytes) = if file == "-" {
-        let mut buf = Vec::new();
-        match io::stdin().lock().read_to_end(&mut buf) {
-            Ok(_) => ("<stdin>", buf),
-            Err(e) => {
-                err(&format!("idem: cannot read standard input: {e}\n"));
-                return ExitCode::from(UNREADABLE);
-            }
-        }
-    } else {
-        match std::fs::read(file) {
-            Ok(buf) => (file, buf),
-            Err(e) => {
-                err(&format!("idem: cannot read {file}: {e}\n"));
-                return ExitCode::from(UNREADABLE);
-            }
-        }
-    };
-    let text = match String::from_utf8(bytes) {
-        Ok(text) => text,
-        Err(e) => {
-            err(&format!(
-                "{name}: invalid: not UTF-8 text (bad byte at offset {})\n",
-                e.utf8_error().valid_up_to()
-            ));
-            return ExitCode::from(INVALID);
-        }
-    };
-    match ServiceConfig::from_json_with_warnings(&text) {
-        Ok(parsed) => {
-            let rate_warning = rate_warning(parsed.config.settings());
-            err(&warning_lines(&parsed.warnings));
-            err(rate_warning.as_deref().unwrap_or(""));
-            err(&notes(&parsed.config));
-            out(&report(name, &parsed, usize::from(rate_warning.is_some())));
-            ExitCode::SUCCESS
-        }
-        Err(e @ (ConfigError::Json { .. } | ConfigError::Read { .. })) => {
-            err(&format!("{name}: invalid: {e}\n"));
-            ExitCode::from(INVALID)
-        }
-        Err(ConfigError::Invalid { errors, warnings }) => {
-            let mut text = format!("{name}: invalid: {} error(s)\n", errors.len());
-            for e in &errors {
-                text.push_str(&format!("error: {e}\n"));
-            }
-            text.push_str(&warning_lines(&warnings));
-            err(&text);
-            ExitCode::from(INVALID)
-        }
-    }
 }
 
 /// What the file alone cannot settle: said on standard error, not counted as warnings

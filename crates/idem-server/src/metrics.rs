@@ -30,7 +30,10 @@
 //!
 //! The observer also hears of the calls the layer lets through untouched, with the
 //! outcome `passthrough`: calls to methods without an `idempotency` object, and calls
-//! without a key to a method whose key is optional (`keyRequired: false`). Those get no
+//! without a key to a method whose key is optional (`keyRequired: false`). A call that
+//! carried a key to a method the layer does not protect has the reason `KEY_IGNORED`
+//! ([`KEY_IGNORED`]; the method is also logged once at WARN), unless the descriptors
+//! say the method is safe to repeat. Those get no
 //! span and no `INFO` event, and cost nothing when no observer is set.
 //!
 //! Records (`executed` only): `stored`, `released`, `stale_fence` (another claimant took
@@ -52,6 +55,10 @@ use idem_core::headers::reason;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::body::Body;
+
+/// The reason of a `passthrough` outcome whose call carried a key the layer ignored (the
+/// method is not protected).
+pub const KEY_IGNORED: &str = "KEY_IGNORED";
 
 /// Told about every call an [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) sees: protected ones, and those it
 /// passes through (outcome `passthrough`; see the [module docs](self)).
@@ -90,7 +97,8 @@ pub struct ProtectedCallEnded<'a> {
     /// For `rejected`: the `ErrorInfo` reason of the refusal. For `store_full`: the
     /// bound that refused, when the store names it (the memory store's
     /// [`MemoryBound`](idem_store::memory::MemoryBound) labels: `tenant_in_flight`,
-    /// `tenant_entries`, `tenant_bytes`, `store_entries`, `store_bytes`).
+    /// `tenant_entries`, `tenant_bytes`, `store_entries`, `store_bytes`). For
+    /// `passthrough`: [`KEY_IGNORED`] when the call carried a key the layer ignored.
     pub reason: Option<&'static str>,
     /// For `executed`: what became of the record.
     pub record: Option<&'static str>,
@@ -153,10 +161,12 @@ impl CallTrace {
         }))
     }
 
-    /// A trace of a call passed through to `method`, when an observer listens.
+    /// A trace of a call passed through to `method`, when an observer listens; `reason`
+    /// [`KEY_IGNORED`] when it carried a key the layer ignored.
     pub(crate) fn passthrough(
         observer: Option<&Arc<dyn ServerObserver>>,
         method: &str,
+        reason: Option<&'static str>,
     ) -> Option<Arc<Self>> {
         let o = observer?;
         o.call_started(method);
@@ -169,6 +179,7 @@ impl CallTrace {
             started: Instant::now(),
             state: Mutex::new(TraceNotes {
                 outcome: Some("passthrough"),
+                reason,
                 ..TraceNotes::default()
             }),
         }))
@@ -277,7 +288,7 @@ impl Drop for CallTrace {
                 o.call_ended(&ProtectedCallEnded {
                     method: &self.method,
                     outcome,
-                    reason: None,
+                    reason: s.reason,
                     record: None,
                     tenant: None,
                     status,

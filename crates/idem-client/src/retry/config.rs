@@ -17,6 +17,7 @@ use idem_core::config::{
     ClientSettings, HedgingPolicy, IdemSettings, MethodConfig, RetryPolicy, ServiceConfig,
 };
 use idem_core::deadline::InboundScope;
+use idem_core::descriptor::Descriptors;
 
 use crate::metrics::SharedObserver;
 use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
@@ -91,6 +92,8 @@ pub(crate) struct Overrides {
     pub(crate) max_retry_delay: Duration,
     pub(crate) wait_for_ready_limit: Duration,
     pub(crate) peek_early_trailers: bool,
+    /// The services' descriptors, applied to the config at build and on every reload.
+    pub(crate) descriptors: Option<Arc<Descriptors>>,
 }
 
 impl Default for Overrides {
@@ -106,6 +109,7 @@ impl Default for Overrides {
             max_retry_delay: DEFAULT_MAX_RETRY_DELAY,
             wait_for_ready_limit: DEFAULT_WAIT_FOR_READY_LIMIT,
             peek_early_trailers: false,
+            descriptors: None,
         }
     }
 }
@@ -295,6 +299,23 @@ impl LayerShared {
 
     /// Swaps in `config` (see [`RetryLayer::reload`](crate::retry::RetryLayer::reload)).
     pub(crate) fn reload(&self, config: &ServiceConfig) {
+        let applied;
+        let config = match &self.overrides.descriptors {
+            None => config,
+            Some(d) => match config.with_descriptors(d) {
+                Ok(parsed) => {
+                    applied = parsed.config;
+                    &applied
+                }
+                Err(e) => {
+                    tracing::error!(
+                        "retry layer: the reloaded service config does not match the \
+                         descriptors, the current one stays: {e}"
+                    );
+                    return;
+                }
+            },
+        };
         let idem = config.settings();
         let total = self.overrides.client(&idem.client).max_replay_bytes_total;
         self.budget.set_limit(total);

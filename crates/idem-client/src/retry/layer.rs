@@ -7,8 +7,10 @@ use std::time::Duration;
 use http::HeaderName;
 use idem_core::code::{Code, CodeSet};
 use idem_core::config::{
-    InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling, ServiceConfig,
+    ConfigError, IdemSettings, InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling,
+    ServiceConfig,
 };
+use idem_core::descriptor::Descriptors;
 
 use crate::retry::config::{self, LayerShared, Overrides, PolicySource};
 use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
@@ -83,6 +85,12 @@ pub enum BuildError {
     /// The builder's retry policy breaks an A6 rule.
     #[error(transparent)]
     Policy(#[from] InvalidRetryPolicy),
+    /// The service config does not match the descriptors given to
+    /// [`RetryLayerBuilder::descriptors`]: a name that matches no service or method, a
+    /// misspelled field, a retry policy on an opted-out side-effecting method… (every
+    /// mismatch, each with its JSON path).
+    #[error("the service config does not match the descriptors: {0}")]
+    Descriptors(ConfigError),
 }
 
 /// Builds a [`RetryLayer`].
@@ -295,6 +303,23 @@ impl RetryLayerBuilder {
         observer(observer: impl crate::metrics::CallObserver) => observer = Some(Arc::new(observer));
     }
 
+    /// Makes the services' descriptors the source of truth for which methods are keyed,
+    /// retried and hedged, at build and on every [`RetryLayer::reload`]: every
+    /// configured name must match a real service or method ([`build`](Self::build)
+    /// fails otherwise), side-effecting methods (no `idempotency_level`) are protected,
+    /// so every call to them that carries a retry or a hedge carries a key, and
+    /// `NO_SIDE_EFFECTS` / `IDEMPOTENT` methods are retried without one. The config's own
+    /// settings still apply (see
+    /// [`ServiceConfig::with_descriptors`](idem_core::config::ServiceConfig::with_descriptors)).
+    /// Without a [`service_config`](Self::service_config), the builder's retry policy is
+    /// the config's default entry.
+    ///
+    /// Resolved once, when the layer is built: a call costs what it did.
+    pub fn descriptors(mut self, descriptors: impl Into<Arc<Descriptors>>) -> Self {
+        self.overrides.descriptors = Some(descriptors.into());
+        self
+    }
+
     /// Seeded jitter: the same seed gives the same backoff waits.
     pub fn seed(self, seed: u64) -> Self {
         self.jitter(SeededJitter::new(seed))
@@ -309,8 +334,10 @@ impl RetryLayerBuilder {
     ///
     /// # Errors
     /// [`BuildError::Policy`] when no config is given and the retry options break an A6
-    /// rule (`max_attempts < 2`, zero backoffs, multiplier ≤ 0 or not finite, no codes).
-    pub fn build(self) -> Result<RetryLayer, BuildError> {
+    /// rule (`max_attempts < 2`, zero backoffs, multiplier ≤ 0 or not finite, no codes);
+    /// [`BuildError::Descriptors`] when the config does not match the
+    /// [`descriptors`](Self::descriptors).
+    pub fn build(mut self) -> Result<RetryLayer, BuildError> {
         let retry = RetryPolicy::new(
             self.max_attempts,
             self.initial_backoff,
@@ -330,6 +357,25 @@ impl RetryLayerBuilder {
         }
         if let Some(n) = self.max_response_message_bytes {
             method = method.with_max_response_message_bytes(n);
+        }
+        if let Some(d) = self.overrides.descriptors.clone() {
+            let config = match self.config.take() {
+                Some(config) => config,
+                // The builder's policy is the default entry, for the descriptors to refine.
+                None => ServiceConfig::from_parts(
+                    vec![method.clone().with_name("", "")],
+                    None,
+                    IdemSettings::default(),
+                )
+                .map_err(BuildError::Descriptors)?,
+            };
+            let parsed = config
+                .with_descriptors(&d)
+                .map_err(BuildError::Descriptors)?;
+            for w in &parsed.warnings {
+                tracing::warn!(path = %w.path, "service config: {}", w.message);
+            }
+            self.config = Some(parsed.config);
         }
         Ok(self.finish(Some(method)))
     }

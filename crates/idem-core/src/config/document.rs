@@ -3,6 +3,7 @@
 //! its section's reader.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
@@ -10,6 +11,7 @@ use super::idem::IdemSettings;
 use super::method::MethodConfig;
 use super::read::{ConfigError, Diagnostic, Obj, Validator, kind, near_miss};
 use super::retry::RetryThrottling;
+use crate::descriptor::{Descriptors, nearest};
 
 /// A valid config and the warnings its validation raised.
 #[derive(Debug, Clone)]
@@ -18,6 +20,10 @@ pub struct Parsed {
     pub config: ServiceConfig,
     /// Clamps, risky settings and unknown fields, each with its JSON path.
     pub warnings: Vec<Diagnostic>,
+    /// What the descriptors decided that is no risk, said so a reader knows why
+    /// (a bidirectional-streaming method left unprotected, a method protected through
+    /// its level). Never errors, even in strict mode.
+    pub notes: Vec<Diagnostic>,
 }
 
 /// A validated service config: method configs with their name index, throttling, and
@@ -31,6 +37,10 @@ pub struct ServiceConfig {
     pub(crate) default_entry: Option<usize>,
     pub(crate) retry_throttling: Option<RetryThrottling>,
     pub(crate) settings: IdemSettings,
+    /// Unknown fields that are near misses of known ones (errors with descriptors).
+    pub(crate) typos: Vec<Diagnostic>,
+    /// The descriptors applied with [`with_descriptors`](Self::with_descriptors).
+    pub(crate) descriptors: Option<Arc<Descriptors>>,
 }
 
 impl ServiceConfig {
@@ -83,6 +93,8 @@ impl ServiceConfig {
             default_entry: None,
             retry_throttling,
             settings,
+            typos: Vec::new(),
+            descriptors: None,
         };
         let mut errors = Vec::new();
         for (i, mc) in method_configs.into_iter().enumerate() {
@@ -115,9 +127,10 @@ impl ServiceConfig {
     ///
     /// # Errors
     /// [`ConfigError::Json`] with the parser's line and column when the text is not JSON;
-    /// [`ConfigError::Invalid`] listing every broken rule, each as `json.path: rule`.
+    /// [`ConfigError::Invalid`] listing every broken rule, each as `json.path: rule`
+    /// (every warning too, when the document sets `idem.strict`).
     pub fn from_json(text: &str) -> Result<ServiceConfig, ConfigError> {
-        parse(text).map(|parsed| parsed.config)
+        parse(text, &ParseOptions::default()).map(|parsed| parsed.config)
     }
 
     /// Parses and validates a service-config JSON document, and returns the warnings
@@ -126,21 +139,91 @@ impl ServiceConfig {
     /// # Errors
     /// As [`ServiceConfig::from_json`].
     pub fn from_json_with_warnings(text: &str) -> Result<Parsed, ConfigError> {
-        parse(text)
+        parse(text, &ParseOptions::default())
     }
 
-    /// Reads, parses and validates the service-config file at `path`.
+    /// Parses and validates a service-config JSON document with `options`: strict mode
+    /// and the services' descriptors.
+    ///
+    /// # Errors
+    /// As [`ServiceConfig::from_json`], and as
+    /// [`with_descriptors`](Self::with_descriptors) when descriptors are given.
+    pub fn from_json_with_options(
+        text: &str,
+        options: &ParseOptions,
+    ) -> Result<Parsed, ConfigError> {
+        parse(text, options)
+    }
+
+    /// Reads, parses and validates the service-config file at `path`, and logs each
+    /// warning at WARN through `tracing` (use
+    /// [`from_file_with_warnings`](Self::from_file_with_warnings) to have them instead).
     ///
     /// # Errors
     /// [`ConfigError::Read`] naming the path when the file cannot be read; otherwise as
     /// [`ServiceConfig::from_json`].
     pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<ServiceConfig, ConfigError> {
+        Self::from_file_with_options(path, &ParseOptions::default()).map(|parsed| {
+            for w in &parsed.warnings {
+                tracing::warn!(path = %w.path, "service config: {}", w.message);
+            }
+            parsed.config
+        })
+    }
+
+    /// [`from_file`](Self::from_file), returning the warnings instead of logging them.
+    ///
+    /// # Errors
+    /// As [`from_file`](Self::from_file).
+    pub fn from_file_with_warnings(
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<Parsed, ConfigError> {
+        Self::from_file_with_options(path, &ParseOptions::default())
+    }
+
+    /// [`from_file_with_warnings`](Self::from_file_with_warnings) with `options`.
+    ///
+    /// # Errors
+    /// As [`from_json_with_options`](Self::from_json_with_options), and
+    /// [`ConfigError::Read`] when the file cannot be read.
+    pub fn from_file_with_options(
+        path: impl AsRef<std::path::Path>,
+        options: &ParseOptions,
+    ) -> Result<Parsed, ConfigError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
-        ServiceConfig::from_json(&text)
+        parse(&text, options)
+    }
+}
+
+/// How to read a config document: [`ServiceConfig::from_json_with_options`].
+///
+/// # Defaults
+/// Not strict (unless the document sets `idem.strict`), no descriptors.
+#[derive(Debug, Clone, Default)]
+pub struct ParseOptions {
+    pub(crate) strict: bool,
+    pub(crate) descriptors: Option<Arc<Descriptors>>,
+}
+
+impl ParseOptions {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Every warning is an error (as `"idem": {"strict": true}` in the document).
+    pub fn strict(mut self, yes: bool) -> Self {
+        self.strict = yes;
+        self
+    }
+    /// Check the config against the services' descriptors and protect by their
+    /// levels ([`ServiceConfig::with_descriptors`]).
+    pub fn descriptors(mut self, descriptors: impl Into<Arc<Descriptors>>) -> Self {
+        self.descriptors = Some(descriptors.into());
+        self
     }
 }
 
@@ -158,7 +241,7 @@ pub fn split_path(path: &str) -> Option<(&str, &str)> {
 /// healthCheckConfig, …) belongs to another part of gRPC and is ignored.
 pub(super) const TOP_FIELDS: &[&str] = &["methodConfig", "retryThrottling", "idem"];
 
-pub(super) fn parse(text: &str) -> Result<Parsed, ConfigError> {
+pub(super) fn parse(text: &str, options: &ParseOptions) -> Result<Parsed, ConfigError> {
     let read = super::json::read(text).map_err(|e| {
         // serde_json's Display ends in " at line L column C"; the fields carry those.
         let full = e.to_string();
@@ -190,15 +273,33 @@ pub(super) fn parse(text: &str) -> Result<Parsed, ConfigError> {
         );
     }
     let config = v.document(top);
-    match config {
-        Some(config) if v.errors.is_empty() => Ok(Parsed {
-            config,
-            warnings: v.warnings,
-        }),
-        _ => Err(ConfigError::Invalid {
-            errors: v.errors,
-            warnings: v.warnings,
-        }),
+    let strict = options.strict || config.as_ref().is_some_and(|c| c.settings.strict);
+    let parsed = match config {
+        Some(mut config) if v.errors.is_empty() => {
+            config.typos = v.typos;
+            Parsed {
+                config,
+                warnings: v.warnings,
+                notes: Vec::new(),
+            }
+        }
+        _ => {
+            return Err(ConfigError::Invalid {
+                errors: v.errors,
+                warnings: v.warnings,
+            });
+        }
+    };
+    let parsed = match &options.descriptors {
+        Some(d) => parsed
+            .config
+            .apply_descriptors(d.clone(), parsed.warnings)?,
+        None => parsed,
+    };
+    if strict {
+        super::proto::strict(parsed)
+    } else {
+        Ok(parsed)
     }
 }
 
@@ -227,13 +328,16 @@ impl Validator {
         for key in top.keys() {
             // Other unknown top-level fields belong to other parts of gRPC
             // (loadBalancingConfig, healthCheckConfig, …) and are ignored silently.
-            if !TOP_FIELDS.contains(&key.as_str())
-                && let Some(known) = near_miss(key, TOP_FIELDS)
-            {
-                self.warn(
+            if TOP_FIELDS.contains(&key.as_str()) {
+                continue;
+            }
+            if let Some(known) = near_miss(key, TOP_FIELDS) {
+                self.typo(
                     o.path(key),
                     format!("not read: field names are case-sensitive; did you mean \"{known}\"?"),
                 );
+            } else if let Some(known) = nearest(key, TOP_FIELDS.iter().copied()) {
+                self.typo(o.path(key), format!("not read; did you mean \"{known}\"?"));
             }
         }
 

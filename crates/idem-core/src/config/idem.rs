@@ -67,8 +67,9 @@ impl Default for ClientSettings {
 /// `keyHeader` `"x-idempotency-key"`, `tenant` unset, `maxHandlersInFlight` 1024,
 /// `maxHandlersPerTenant` a quarter of `maxHandlersInFlight` (all of it for a single
 /// tenant), `maxDetachedHandlers` 256, `maxWaiters` 4096, `maxWaitersPerTenant` a
-/// quarter of `maxWaiters` (all of it for a single tenant), `memoryStore` see [`MemoryStoreSettings`], `redis` absent, `client` see
-/// [`ClientSettings`].
+/// quarter of `maxWaiters` (all of it for a single tenant), `memoryStore` see
+/// [`MemoryStoreSettings`], `redis` absent, `client` see [`ClientSettings`], `strict`
+/// false.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemSettings {
     /// Header carrying the key.
@@ -102,6 +103,8 @@ pub struct IdemSettings {
     pub redis: Option<RedisSettings>,
     /// Client-side settings.
     pub client: ClientSettings,
+    /// `strict`: every warning about the document is an error (default false).
+    pub strict: bool,
 }
 
 impl Default for IdemSettings {
@@ -117,6 +120,7 @@ impl Default for IdemSettings {
             memory_store: MemoryStoreSettings::default(),
             redis: None,
             client: ClientSettings::default(),
+            strict: false,
         }
     }
 }
@@ -165,6 +169,7 @@ pub(super) const IDEM_FIELDS: &[&str] = &[
     "memoryStore",
     "redis",
     "client",
+    "strict",
 ];
 pub(super) const TENANT_FIELDS: &[&str] = &["single", "header"];
 pub(super) const CLIENT_FIELDS: &[&str] = &[
@@ -230,6 +235,9 @@ impl Validator {
             && let Some(x) = self.client(v, o.path("client"))
         {
             s.client = x;
+        }
+        if let Some(b) = self.boolean(&o, "strict") {
+            s.strict = b;
         }
         // One tenant: its share is the whole store.
         if matches!(s.tenant, TenantSource::Single(_)) {

@@ -44,6 +44,11 @@ pub struct MethodConfig {
     pub(crate) retry_policy: Option<RetryPolicy>,
     pub(crate) hedging_policy: Option<HedgingPolicy>,
     pub(crate) idempotency: Option<IdempotencyPolicy>,
+    /// `"idempotency": false`: the method is left unprotected on purpose.
+    pub(crate) idempotency_opt_out: bool,
+    /// The entry's index in the document's `methodConfig` (for paths in diagnostics made
+    /// after parsing); `None` for entries built in code.
+    pub(crate) source: Option<usize>,
 }
 
 impl MethodConfig {
@@ -58,6 +63,8 @@ impl MethodConfig {
             retry_policy: None,
             hedging_policy: None,
             idempotency: None,
+            idempotency_opt_out: false,
+            source: None,
         }
     }
     /// This entry with a retry policy (replacing any hedging policy).
@@ -85,6 +92,14 @@ impl MethodConfig {
     /// This entry without its idempotency policy (the method becomes unprotected).
     pub fn without_idempotency(mut self) -> Self {
         self.idempotency = None;
+        self
+    }
+    /// This entry opted out of protection on purpose (`"idempotency": false`): with
+    /// descriptors, a side-effecting method it names is then left unprotected (and
+    /// must have no retry or hedging policy).
+    pub fn with_idempotency_opt_out(mut self) -> Self {
+        self.idempotency = None;
+        self.idempotency_opt_out = true;
         self
     }
     /// This entry with a per-call timeout.
@@ -142,6 +157,16 @@ impl MethodConfig {
     pub fn idempotency(&self) -> Option<&IdempotencyPolicy> {
         self.idempotency.as_ref()
     }
+    /// `"idempotency": false`: left unprotected on purpose (see
+    /// [`with_idempotency_opt_out`](Self::with_idempotency_opt_out)).
+    pub fn idempotency_opted_out(&self) -> bool {
+        self.idempotency_opt_out
+    }
+    /// The JSON path of this entry (`methodConfig[2]`), or `None` when it was built in
+    /// code.
+    pub fn json_path(&self) -> Option<String> {
+        self.source.map(|i| format!("methodConfig[{i}]"))
+    }
 }
 
 pub(super) const METHOD_FIELDS: &[&str] = &[
@@ -174,7 +199,8 @@ impl Validator {
                         Some(Value::Array(names)) => names.is_empty(),
                         Some(_) => false,
                     };
-                    if let Some(mc) = self.method_config(item, p.clone(), &mut seen) {
+                    if let Some(mut mc) = self.method_config(item, p.clone(), &mut seen) {
+                        mc.source = Some(i);
                         if mc.names.is_empty() && unnamed {
                             self.warn(
                                 p,
@@ -231,9 +257,18 @@ impl Validator {
         if let (Some(policy), Some(timeout)) = (&retry_policy, timeout) {
             self.check_worst_case(policy, timeout, o.path("retryPolicy"));
         }
-        let idempotency = o
-            .get("idempotency")
-            .and_then(|v| self.idempotency(v, o.path("idempotency")));
+        let (idempotency, idempotency_opt_out) = match o.get("idempotency") {
+            None => (None, false),
+            Some(Value::Bool(false)) => (None, true),
+            Some(Value::Bool(true)) => {
+                self.error(
+                    o.path("idempotency"),
+                    "must be an object ({} protects with the defaults) or false (opts out)",
+                );
+                (None, false)
+            }
+            Some(v) => (self.idempotency(v, o.path("idempotency")), false),
+        };
 
         Some(MethodConfig {
             names,
@@ -244,6 +279,8 @@ impl Validator {
             retry_policy,
             hedging_policy,
             idempotency,
+            idempotency_opt_out,
+            source: None,
         })
     }
 

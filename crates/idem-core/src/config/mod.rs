@@ -119,17 +119,19 @@ mod idem;
 mod idempotency;
 mod json;
 mod method;
+mod proto;
 mod read;
 mod retry;
 mod stores;
 
-pub use document::{Parsed, ServiceConfig, split_path};
+pub use document::{ParseOptions, Parsed, ServiceConfig, split_path};
 pub use duration::{DurationError, MAX_DURATION_SECONDS, format_duration, parse_duration};
 pub use idem::{
     ClientSettings, DEFAULT_MAX_DETACHED_HANDLERS, DEFAULT_MAX_WAITERS, IdemSettings, TenantSource,
 };
 pub use idempotency::{Compression, CompressionSet, IdempotencyPolicy, InFlightPolicy};
 pub use method::{MethodConfig, MethodName};
+pub use proto::MethodPolicy;
 pub use read::{ConfigError, Diagnostic};
 pub use retry::{
     HedgingPolicy, InvalidRetryPolicy, MAX_ATTEMPTS_LIMIT, RetryPolicy, RetryThrottling,

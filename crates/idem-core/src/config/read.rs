@@ -17,6 +17,7 @@ use serde_json::{Map, Number, Value};
 
 use super::duration::parse_duration;
 use crate::code::{Code, code_from_i64, code_name, parse_code_name};
+use crate::descriptor::nearest;
 
 /// One finding about a config document: where (a JSON path such as
 /// `methodConfig[0].retryPolicy.maxAttempts`) and what rule it breaks.
@@ -171,6 +172,10 @@ pub(super) enum Zero {
 pub(super) struct Validator {
     pub(super) errors: Vec<Diagnostic>,
     pub(super) warnings: Vec<Diagnostic>,
+    /// The unknown fields that are near misses of a known one (also in `warnings`):
+    /// errors once descriptors are attached, since a misspelled `idempotency` leaves a
+    /// method unprotected.
+    pub(super) typos: Vec<Diagnostic>,
 }
 
 impl Validator {
@@ -188,7 +193,17 @@ impl Validator {
         });
     }
 
-    /// `value` as an object; warns about every field not in `known`.
+    /// A warning about a near miss of a known field name (kept among the typos too).
+    pub(super) fn typo(&mut self, path: String, message: String) {
+        self.typos.push(Diagnostic {
+            path: path.clone(),
+            message: message.clone(),
+        });
+        self.warn(path, message);
+    }
+
+    /// `value` as an object; warns about every field not in `known`, with the known
+    /// field it is nearest to ("did you mean") when it is a near miss.
     pub(super) fn object<'a>(
         &mut self,
         value: &'a Value,
@@ -206,9 +221,16 @@ impl Validator {
                     Some(k) => format!(
                         "unknown field, ignored: field names are case-sensitive; did you mean \"{k}\"?"
                     ),
-                    None => "unknown field, ignored".to_owned(),
+                    None => match nearest(key, known.iter().copied()) {
+                        Some(k) => format!("unknown field, ignored; did you mean \"{k}\"?"),
+                        None => "unknown field, ignored".to_owned(),
+                    },
                 };
-                self.warn(o.path(key), message);
+                if message.contains("did you mean") {
+                    self.typo(o.path(key), message);
+                } else {
+                    self.warn(o.path(key), message);
+                }
             }
         }
         Some(o)

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use idem_core::config::ConfigError;
+
 /// The config protects methods but no tenant source was chosen: neither the config's
 /// `idem.tenant` nor [`IdempotencyLayer::tenant`](super::IdempotencyLayer::tenant).
 ///
@@ -27,3 +29,20 @@ impl fmt::Display for NoTenantSource {
 }
 
 impl std::error::Error for NoTenantSource {}
+
+/// Why [`IdempotencyLayer::check`](super::IdempotencyLayer::check) or
+/// [`IdempotencyLayer::reload`](super::IdempotencyLayer::reload) refused the layer's
+/// config.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckError {
+    /// Methods are protected but no tenant source was chosen.
+    #[error(transparent)]
+    NoTenantSource(#[from] NoTenantSource),
+    /// The config does not match the descriptors given to
+    /// [`IdempotencyLayer::descriptors`](super::IdempotencyLayer::descriptors): a name
+    /// that matches no service or method, a misspelled field, a retry policy on an
+    /// opted-out side-effecting method… (every mismatch, each with its JSON path).
+    #[error("the service config does not match the descriptors: {0}")]
+    Descriptors(ConfigError),
+}

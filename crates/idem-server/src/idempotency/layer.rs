@@ -7,13 +7,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
-use idem_core::config::{ServiceConfig, TenantSource};
+use idem_core::config::{ConfigError, ServiceConfig, TenantSource};
+use idem_core::descriptor::Descriptors;
 use idem_store::{Store, memory::MemoryStore};
 use tower_layer::Layer;
 
 use super::Idempotency;
 use super::admission::{Admission, Limits};
-use super::error::NoTenantSource;
+use super::error::{CheckError, NoTenantSource};
+use super::ignored::IgnoredKeys;
 use super::stats::IdempotencyStats;
 use super::tenant::{FromHeader, SingleTenant, TenantResolver};
 use crate::metrics::ServerObserver;
@@ -108,6 +110,13 @@ pub(crate) struct Shared<St> {
     pub(crate) tenant_ids: Arc<super::digest::TenantIds>,
     /// The leases of records this layer's handlers hold, renewed by one task.
     pub(crate) renewals: Arc<super::renewal::Renewals>,
+    /// The services' descriptors ([`IdempotencyLayer::descriptors`]), applied to the
+    /// config at build and on every reload.
+    descriptors: Option<Arc<Descriptors>>,
+    /// Why the config did not match the descriptors (then it is kept as given).
+    descriptor_error: Option<ConfigError>,
+    /// The methods whose ignored keys were logged (once each).
+    pub(crate) ignored_keys: Arc<IgnoredKeys>,
 }
 
 impl<St: Clone> Clone for Shared<St> {
@@ -128,6 +137,9 @@ impl<St: Clone> Clone for Shared<St> {
             observer: self.observer.clone(),
             tenant_ids: self.tenant_ids.clone(),
             renewals: self.renewals.clone(),
+            descriptors: self.descriptors.clone(),
+            descriptor_error: self.descriptor_error.clone(),
+            ignored_keys: self.ignored_keys.clone(),
         }
     }
 }
@@ -272,6 +284,9 @@ impl<St: Store> IdempotencyLayer<St> {
                 observer: None,
                 tenant_ids: Arc::default(),
                 renewals: Arc::default(),
+                descriptors: None,
+                descriptor_error: None,
+                ignored_keys: Arc::default(),
             }),
         }
     }
@@ -356,14 +371,58 @@ impl<St: Store> IdempotencyLayer<St> {
         self.edit(|s| s.observer = Some(o))
     }
 
+    /// Makes the services' descriptors the source of truth, now and on every
+    /// [`reload`](Self::reload): every configured name must match a real service or
+    /// method, and side-effecting methods (no `idempotency_level`) without an
+    /// `idempotency` object are protected with a key optional, unless the config opts
+    /// them out with `"idempotency": false`. See
+    /// [`ServiceConfig::with_descriptors`] for every rule. Resolved here, once: a call
+    /// costs what it did.
+    ///
+    /// A mismatch keeps the config as given and fails [`check`](Self::check).
+    ///
+    /// ```
+    /// # use idem_core::config::ServiceConfig;
+    /// # use idem_core::descriptor::{Descriptors, IdempotencyLevel, Streaming};
+    /// # use idem_server::idempotency::IdempotencyLayer;
+    /// let descriptors = Descriptors::default().with_service("payments.v1.Payments", [
+    ///     ("Charge".to_owned(), IdempotencyLevel::IdempotencyUnknown, Streaming::Unary),
+    /// ]).unwrap();
+    /// // In a service: `Descriptors::from_file_descriptor_set(include_bytes!(..))`.
+    /// let typo = ServiceConfig::from_json(r#"{"methodConfig": [
+    ///   {"name": [{"service": "payments.v1.Payments", "method": "Charg"}], "idempotency": {}}
+    /// ], "idem": {"tenant": {"single": "acme"}}}"#).unwrap();
+    /// let err = IdempotencyLayer::from_config(&typo).descriptors(descriptors).check().unwrap_err();
+    /// assert!(err.to_string().contains("did you mean `payments.v1.Payments/Charge`?"));
+    /// ```
+    pub fn descriptors(self, descriptors: impl Into<Arc<Descriptors>>) -> Self {
+        let d = descriptors.into();
+        self.edit(|s| {
+            s.descriptors = Some(d.clone());
+            let current = s.current();
+            match current.config.apply_descriptors_logged(&d) {
+                Ok(config) => {
+                    s.descriptor_error = None;
+                    s.set_current(Current::new(Arc::new(config), s.code_tenant.as_ref()));
+                }
+                Err(e) => s.descriptor_error = Some(e),
+            }
+        })
+    }
+
     /// Checks that the layer can serve the methods it protects, and returns it: call it
     /// after the builder methods, before serving.
     ///
     /// # Errors
-    /// [`NoTenantSource`] when the config protects a method but neither its
+    /// [`CheckError::Descriptors`] when the config does not match the descriptors given
+    /// to [`descriptors`](Self::descriptors) (every mismatch listed);
+    /// [`CheckError::NoTenantSource`] when the config protects a method but neither its
     /// `idem.tenant` nor [`tenant`](Self::tenant) chose where tenants come from (every
     /// protected call would be refused).
-    pub fn check(self) -> Result<Self, NoTenantSource> {
+    pub fn check(self) -> Result<Self, CheckError> {
+        if let Some(e) = &self.shared.descriptor_error {
+            return Err(CheckError::Descriptors(e.clone()));
+        }
         self.shared.current().check()?;
         Ok(self)
     }
@@ -379,10 +438,18 @@ impl<St: Store> IdempotencyLayer<St> {
     /// them as they are.
     ///
     /// # Errors
-    /// [`NoTenantSource`] when the new config protects a method and no tenant source
-    /// would be left; the layer then keeps its current config.
-    pub fn reload(&self, config: &ServiceConfig) -> Result<(), NoTenantSource> {
+    /// [`CheckError::NoTenantSource`] when the new config protects a method and no
+    /// tenant source would be left, [`CheckError::Descriptors`] when it does not match
+    /// the layer's [`descriptors`](Self::descriptors); the layer then keeps its current
+    /// config.
+    pub fn reload(&self, config: &ServiceConfig) -> Result<(), CheckError> {
         let shared = &self.shared;
+        let config = match &shared.descriptors {
+            Some(d) => config
+                .apply_descriptors_logged(d)
+                .map_err(CheckError::Descriptors)?,
+            None => config.clone(),
+        };
         let next = Current::new(Arc::new(config.clone()), shared.code_tenant.as_ref());
         next.check()?;
         let configured = shared.pins.limits(config.settings());
@@ -394,7 +461,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 "idem.maxHandlersInFlight, maxHandlersPerTenant, maxDetachedHandlers, maxWaiters and maxWaitersPerTenant are read at build: the reload leaves them unchanged"
             );
         }
-        warn_if_memory_store_differs(&shared.store, config);
+        warn_if_memory_store_differs(&shared.store, &config);
         shared.set_current(next);
         Ok(())
     }
@@ -483,7 +550,11 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        if let Err(e) = self.shared.current().check()
+        let failed = match &self.shared.descriptor_error {
+            Some(e) => Some(CheckError::Descriptors(e.clone())),
+            None => self.shared.current().check().err().map(CheckError::from),
+        };
+        if let Some(e) = failed
             && !self.shared.logged_at_layer.swap(true, Ordering::Relaxed)
         {
             tracing::error!(
@@ -494,5 +565,20 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
             inner,
             shared: self.shared.clone(),
         }
+    }
+}
+
+/// The descriptors applied to a config, their warnings logged.
+trait ApplyLogged {
+    fn apply_descriptors_logged(&self, d: &Descriptors) -> Result<ServiceConfig, ConfigError>;
+}
+
+impl ApplyLogged for ServiceConfig {
+    fn apply_descriptors_logged(&self, d: &Descriptors) -> Result<ServiceConfig, ConfigError> {
+        let parsed = self.with_descriptors(d)?;
+        for w in &parsed.warnings {
+            tracing::warn!(path = %w.path, "service config: {}", w.message);
+        }
+        Ok(parsed.config)
     }
 }

@@ -300,6 +300,7 @@ mod fingerprint;
 mod forward;
 mod future;
 mod handler;
+mod ignored;
 mod inflate;
 mod layer;
 mod lease;
@@ -314,7 +315,7 @@ mod tests;
 
 pub use decision::{DECISION_HEADER, IdemDecision};
 pub use digest::{derived_key, scope_for, tenant_id};
-pub use error::NoTenantSource;
+pub use error::{CheckError, NoTenantSource};
 pub use future::ResponseFuture;
 pub use handler::RecordFence;
 pub use layer::{FingerprintHook, IdempotencyLayer};

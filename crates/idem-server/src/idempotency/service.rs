@@ -136,13 +136,21 @@ where
             .lookup_path(req.uri().path())
             .and_then(|m| m.idempotency())
         else {
-            let trace = CallTrace::passthrough(self.shared.observer.as_ref(), req.uri().path());
+            let path = req.uri().path();
+            // The one cost an unprotected call pays: a header lookup.
+            let ignored = req
+                .headers()
+                .contains_key(&current.config.settings().key_header)
+                && self.shared.ignored_keys.note(&current.config, path);
+            let reason = ignored.then_some(metrics::KEY_IGNORED);
+            let trace = CallTrace::passthrough(self.shared.observer.as_ref(), path, reason);
             return ResponseFuture::passthrough(self.inner.call(req), trace);
         };
         let (parts, body) = req.into_parts();
         match route(&self.shared, &current, policy, &parts) {
             Route::Passthrough => {
-                let trace = CallTrace::passthrough(self.shared.observer.as_ref(), parts.uri.path());
+                let trace =
+                    CallTrace::passthrough(self.shared.observer.as_ref(), parts.uri.path(), None);
                 ResponseFuture::passthrough(
                     self.inner.call(Request::from_parts(parts, body)),
                     trace,

@@ -34,8 +34,14 @@ fn idempotency_presence_marks_protection() {
     assert_eq!(idempotency(json!({})), Ok(IdempotencyPolicy::default()));
     assert_eq!(
         errors(&with(IP, Some(json!(true)))),
-        vec![format!("{IP_PATH}: must be a JSON object, not a boolean")]
+        vec![format!(
+            "{IP_PATH}: must be an object ({{}} protects with the defaults) or false (opts out)"
+        )]
     );
+    // `false` is the explicit opt-out (issue 29): unprotected, and said so.
+    let out = ok(&with(IP, Some(json!(false))));
+    assert!(create_order(&out).idempotency().is_none());
+    assert!(create_order(&out).idempotency_opted_out());
 }
 
 #[test]
