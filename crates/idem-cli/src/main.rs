@@ -6,6 +6,8 @@
 //! Arguments are parsed by hand: there is one subcommand with one operand, so a
 //! command-line crate would add more build time than it saves.
 
+mod records;
+
 use std::io::{self, Read, Write};
 use std::process::ExitCode;
 
@@ -41,7 +43,7 @@ fn main() -> ExitCode {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
         ["-h" | "--help" | "help"] | ["check-config", "-h" | "--help"] => {
-            out(USAGE);
+            out(&usage());
             ExitCode::SUCCESS
         }
         ["-V" | "--version"] => {
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         ["check-config", file] => check_config(file),
+        ["records", rest @ ..] => records::main(rest),
         ["check-config", ..] => {
             usage_error("check-config takes exactly one FILE (or - for standard input)")
         }
@@ -57,8 +60,13 @@ fn main() -> ExitCode {
     }
 }
 
+/// The whole usage text: check-config's, then `idem records`'.
+fn usage() -> String {
+    format!("{USAGE}\nRecords:\n{}", records::USAGE)
+}
+
 fn usage_error(message: &str) -> ExitCode {
-    err(&format!("idem: {message}\n\n{USAGE}"));
+    err(&format!("idem: {message}\n\n{}", usage()));
     ExitCode::from(UNREADABLE)
 }
 

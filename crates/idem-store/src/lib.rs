@@ -53,6 +53,7 @@ use tokio::time::Instant;
 
 #[cfg(any(test, feature = "testing"))]
 pub mod faulty;
+pub mod format;
 pub mod instrumented;
 pub mod memory;
 mod record;
