@@ -129,7 +129,7 @@ pub fn parse_scope_hex(hex: &str) -> Result<Vec<u8>, ScopeHexError> {
         return Err(ScopeHexError::NotHex(c, i));
     }
     let n = hex.len();
-    if !(16..=64).contains(&n) || n % 2 != 0 {
+    if !(16..=64).contains(&n) || !n.is_multiple_of(2) {
         return Err(ScopeHexError::Length(n));
     }
     let digit = |b: u8| match b {
