@@ -11,6 +11,7 @@
 
 mod check;
 mod init;
+mod records;
 
 use std::io::{self, Write};
 use std::process::ExitCode;
@@ -62,7 +63,7 @@ fn main() -> ExitCode {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
         ["-h" | "--help" | "help"] | ["check-config", "-h" | "--help"] => {
-            out(USAGE);
+            out(&usage());
             ExitCode::SUCCESS
         }
         ["-V" | "--version"] => {
@@ -71,13 +72,19 @@ fn main() -> ExitCode {
         }
         ["check-config", rest @ ..] => check::run(rest),
         ["init", rest @ ..] => init::run(rest),
+        ["records", rest @ ..] => records::main(rest),
         [] => usage_error("missing command"),
         [other, ..] => usage_error(&format!("unknown command {other:?}")),
     }
 }
 
+/// The whole usage text: check-config's, then `idem records`'.
+fn usage() -> String {
+    format!("{USAGE}\nRecords:\n{}", records::USAGE)
+}
+
 fn usage_error(message: &str) -> ExitCode {
-    err(&format!("idem: {message}\n\n{USAGE}"));
+    err(&format!("idem: {message}\n\n{}", usage()));
     ExitCode::from(UNREADABLE)
 }
 

@@ -257,6 +257,7 @@
 mod builder;
 mod error;
 mod listen;
+mod records;
 mod schema;
 mod store;
 mod sweep;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_store::{
-    Claim, ClaimRequest, CompleteRequest, Fence, Fingerprint, RecordState, Scope, Store,
-    StoreError, StoredOutcome, wait,
+    Claim, ClaimRequest, CompleteRequest, DeleteMode, Deletion, Fence, Fingerprint, RecordInfo,
+    RecordState, Scope, Store, StoreError, StoredOutcome, wait,
 };
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
@@ -25,7 +25,7 @@ use crate::schema::Queries;
 /// [crate docs](crate) for the schema, the round trips and the failure behaviour.
 #[derive(Clone)]
 pub struct PostgresStore {
-    backend: Arc<Backend>,
+    pub(crate) backend: Arc<Backend>,
 }
 
 /// What every clone of a [`PostgresStore`] shares: the pool, the queries for the table
@@ -352,29 +352,15 @@ impl Store for PostgresStore {
         else {
             return Ok(None);
         };
-        let state: String = row.try_get(0).map_err(map_error)?;
-        let fence = fence(row.try_get(1).map_err(map_error)?)?;
-        let fp = |row: &PgRow| -> Result<Fingerprint, StoreError> {
-            fingerprint(row.try_get::<Option<Vec<u8>>, _>(2).map_err(map_error)?)
-        };
-        Ok(Some(match state_of(&state)? {
-            RowState::InFlight => RecordState::InFlight {
-                fence,
-                fingerprint: fp(&row)?,
-                lease_until: Instant::now() + micros(row.try_get(3).map_err(map_error)?),
-            },
-            RowState::Completed => RecordState::Completed {
-                fence,
-                fingerprint: fp(&row)?,
-                outcome: outcome(
-                    row.try_get::<Option<String>, _>(4)
-                        .map_err(map_error)?
-                        .as_deref(),
-                    row.try_get(5).map_err(map_error)?,
-                )?,
-            },
-            RowState::Released => RecordState::Released { fence },
-        }))
+        record_state(&row).map(Some)
+    }
+
+    async fn read_record(&self, scope: &Scope) -> Result<Option<RecordInfo>, StoreError> {
+        self.read_record_at(scope).await
+    }
+
+    async fn delete_record(&self, scope: &Scope, mode: DeleteMode) -> Result<Deletion, StoreError> {
+        self.delete_record_at(scope, mode).await
     }
 
     /// Registers with the listener, marks the record as watched and reads it; while it is
@@ -424,6 +410,34 @@ impl Store for PostgresStore {
     }
 }
 
+/// A record from a row whose first six columns are those of `Queries::get`: state,
+/// fence, fingerprint, lease µs left, outcome kind, outcome.
+pub(crate) fn record_state(row: &PgRow) -> Result<RecordState, StoreError> {
+    let state: String = row.try_get(0).map_err(map_error)?;
+    let fence = fence(row.try_get(1).map_err(map_error)?)?;
+    let fp = |row: &PgRow| -> Result<Fingerprint, StoreError> {
+        fingerprint(row.try_get::<Option<Vec<u8>>, _>(2).map_err(map_error)?)
+    };
+    Ok(match state_of(&state)? {
+        RowState::InFlight => RecordState::InFlight {
+            fence,
+            fingerprint: fp(row)?,
+            lease_until: Instant::now() + micros(row.try_get(3).map_err(map_error)?),
+        },
+        RowState::Completed => RecordState::Completed {
+            fence,
+            fingerprint: fp(row)?,
+            outcome: outcome(
+                row.try_get::<Option<String>, _>(4)
+                    .map_err(map_error)?
+                    .as_deref(),
+                row.try_get(5).map_err(map_error)?,
+            )?,
+        },
+        RowState::Released => RecordState::Released { fence },
+    })
+}
+
 /// The reply of a fenced function: `(o_ok, o_current)`.
 fn fenced_reply(presented: Fence, row: &PgRow) -> Result<(), StoreError> {
     let ok: bool = row.try_get(0).map_err(map_error)?;
@@ -461,7 +475,7 @@ fn fence(v: i64) -> Result<Fence, StoreError> {
         .ok_or_else(|| corrupt("fence out of range"))
 }
 
-fn micros(v: Option<i64>) -> Duration {
+pub(crate) fn micros(v: Option<i64>) -> Duration {
     Duration::from_micros(v.and_then(|v| u64::try_from(v).ok()).unwrap_or(0))
 }
 

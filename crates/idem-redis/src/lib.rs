@@ -237,6 +237,7 @@ mod check;
 mod conn;
 mod notify;
 mod quota;
+mod records;
 mod replica;
 mod reply;
 mod scripts;

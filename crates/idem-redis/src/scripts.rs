@@ -11,6 +11,8 @@
 //! | `l`   | lease deadline, milliseconds on the Redis server's clock (in flight only) |
 //! | `k`   | outcome kind: `r` response bytes kept, `n` not retained (completed only) |
 //! | `o`   | outcome bytes, binary-safe (completed only) |
+//! | `t0`  | when the record was claimed (a new claim, not a takeover), ms on the server clock; absent on records written before this field |
+//! | `t1`  | when it was completed, ms on the server clock (completed only; absent before this field) |
 //!
 //! Every script reads the clock with `redis.call('TIME')`, so lease expiry is judged on
 //! the server's clock and instances whose clocks disagree still agree on who holds a
@@ -59,7 +61,8 @@ local r = redis.call('HMGET', key, 's', 'f', 'fp', 'c', 'l', 'k', 'o')
 local s = r[1]
 local function take(fence, takeover)
   redis.call('HSET', key, 's', 'i', 'f', dec(fence), 'fp', fp, 'c', claimant, 'l', dec(now + lease))
-  redis.call('HDEL', key, 'k', 'o')
+  if takeover == 0 then redis.call('HSET', key, 't0', dec(now)) end
+  redis.call('HDEL', key, 'k', 'o', 't1')
   redis.call('PEXPIRE', key, px)
   return {'A', fence, takeover}
 end
@@ -123,7 +126,7 @@ return {'OK'}
 
 /// `ARGV`: fence, outcome kind, outcome bytes, record TTL ms. Reply `{'OK'}` or `{'F', current}`.
 const COMPLETE: &str = r#"
-redis.call('HSET', key, 's', 'c', 'k', ARGV[2], 'o', ARGV[3])
+redis.call('HSET', key, 's', 'c', 'k', ARGV[2], 'o', ARGV[3], 't1', dec(now_ms()))
 redis.call('HDEL', key, 'c', 'l')
 redis.call('PEXPIRE', key, tonumber(ARGV[4]))
 redis.call('PUBLISH', key .. ':done', ARGV[1])
@@ -142,7 +145,7 @@ if ahead_us < 0 then
   redis.call('DEL', key)
 else
   redis.call('HSET', key, 's', 'r')
-  redis.call('HDEL', key, 'fp', 'c', 'l', 'k', 'o')
+  redis.call('HDEL', key, 'fp', 'c', 'l', 'k', 'o', 't0', 't1')
   redis.call('PEXPIRE', key, math.floor(ahead_us / 1000) + 1)
 end
 redis.call('PUBLISH', key .. ':done', ARGV[1])
@@ -182,13 +185,14 @@ return {'OK'}
 "#;
 
 /// `ARGV[1]`: `1` to include the fingerprint and outcome. Reply `{}` (no record) or
-/// `{state, fence, lease ms left (0 when expired or not in flight), fp, kind, bytes}`.
+/// `{state, fence, lease ms left (0 when expired or not in flight), fp, kind, bytes,
+/// created ms, completed ms, key TTL ms}` (the times `''` when absent).
 const READ: &str = r#"
 local key = KEYS[1]
 local full = ARGV[1] == '1'
 local r
 if full then
-  r = redis.call('HMGET', key, 's', 'f', 'l', 'fp', 'k', 'o')
+  r = redis.call('HMGET', key, 's', 'f', 'l', 'fp', 'k', 'o', 't0', 't1')
 else
   r = redis.call('HMGET', key, 's', 'f', 'l')
 end
@@ -203,9 +207,49 @@ if r[1] == 'i' then
   if left < 0 then left = 0 end
 end
 if full then
-  return {r[1], f, left, r[4] or '', r[5] or '', r[6] or ''}
+  return {r[1], f, left, r[4] or '', r[5] or '', r[6] or '', r[7] or '', r[8] or '',
+          redis.call('PTTL', key)}
 end
 return {r[1], f, left}
+"#;
+
+/// `KEYS[1]` record; `ARGV[1]`: `1` to delete an in-flight record too. Reply `{}` (no
+/// record, or only a tombstone), `{'R', …}` (in flight, not forced: nothing changed)
+/// or `{'D', …}` (deleted), `…` being the nine fields of the full [`READ`] reply as
+/// they were.
+///
+/// Deletes as [`RELEASE`] does: the next claim's first fence is the server clock in
+/// microseconds, above this fence; only while the clock is behind it does a tombstone
+/// keep the fence. Publishes on `<key>:done`, so waiters claim again.
+const DELETE: &str = r#"
+local key = KEYS[1]
+local r = redis.call('HMGET', key, 's', 'f', 'l', 'fp', 'k', 'o', 't0', 't1')
+if not r[1] or r[1] == 'r' then return {} end
+local cur = tonumber(r[2])
+if not cur then return corrupt('record without a fence') end
+local us = now_us()
+local left = 0
+if r[1] == 'i' then
+  local l = tonumber(r[3])
+  if not l then return corrupt('in-flight record without a lease') end
+  left = l - math.floor(us / 1000)
+  if left < 0 then left = 0 end
+end
+local tag = 'D'
+if r[1] == 'i' and ARGV[1] ~= '1' then tag = 'R' end
+local info = {tag, r[1], cur, left, r[4] or '', r[5] or '', r[6] or '', r[7] or '',
+              r[8] or '', redis.call('PTTL', key)}
+if tag == 'R' then return info end
+local ahead_us = cur - us
+if ahead_us < 0 then
+  redis.call('DEL', key)
+else
+  redis.call('HSET', key, 's', 'r')
+  redis.call('HDEL', key, 'fp', 'c', 'l', 'k', 'o', 't0', 't1')
+  redis.call('PEXPIRE', key, math.floor(ahead_us / 1000) + 1)
+end
+redis.call('PUBLISH', key .. ':done', dec(cur))
+return info
 "#;
 
 /// The loaded scripts (SHA-1 computed once; `EVALSHA`, loading on `NOSCRIPT`).
@@ -216,6 +260,7 @@ pub(crate) struct Scripts {
     pub(crate) complete: Script,
     pub(crate) release: Script,
     pub(crate) read: Script,
+    pub(crate) delete: Script,
     pub(crate) account: Script,
     pub(crate) confirm: Script,
 }
@@ -242,18 +287,20 @@ impl Scripts {
             complete: fenced(COMPLETE),
             release: fenced(RELEASE),
             read: Script::new(&format!("{PRELUDE}{READ}")),
+            delete: Script::new(&format!("{PRELUDE}{}", publish(DELETE))),
             account: Script::new(&format!("{PRELUDE}{ACCOUNT}")),
             confirm: Script::new(&format!("{PRELUDE}{READ_FENCE}{CONFIRM}")),
         }
     }
 
-    pub(crate) fn all(&self) -> [&Script; 7] {
+    pub(crate) fn all(&self) -> [&Script; 8] {
         [
             &self.claim,
             &self.renew,
             &self.complete,
             &self.release,
             &self.read,
+            &self.delete,
             &self.account,
             &self.confirm,
         ]

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_store::{
-    Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId, wait,
+    Claim, ClaimRequest, CompleteRequest, DeleteMode, Deletion, Fence, RecordInfo, RecordState,
+    Scope, Store, StoreError, StoredOutcome, TenantId, wait,
 };
 use redis::{RedisError, Script, Value};
 use tokio::time::Instant;
@@ -472,7 +472,7 @@ impl Store for RedisStore {
                 self.backend.command_timeout,
             )
             .await?;
-        let Some(mut it) = read_items(v, 6)? else {
+        let Some(mut it) = read_items(v, 9)? else {
             return Ok(None);
         };
         let (state, fence, left) = read_head(&mut it)?;
@@ -492,6 +492,16 @@ impl Store for RedisStore {
             },
             _ => RecordState::Released { fence },
         }))
+    }
+
+    /// The read script with the record's times and TTL (see `records.rs`).
+    async fn read_record(&self, scope: &Scope) -> Result<Option<RecordInfo>, StoreError> {
+        self.read_record_at(scope).await
+    }
+
+    /// The delete script: one atomic step (see `records.rs`).
+    async fn delete_record(&self, scope: &Scope, mode: DeleteMode) -> Result<Deletion, StoreError> {
+        self.delete_record_at(scope, mode).await
     }
 
     /// Reads the record's state, fence and lease; while it is the same live claim,

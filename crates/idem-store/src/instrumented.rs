@@ -235,6 +235,23 @@ macro_rules! forward_store_ops {
                 self.$around(StoreOp::Get, self.inner.get(scope)).await
             }
 
+            /// Not observed: an operator's read, not a protected call's.
+            async fn read_record(
+                &self,
+                scope: &$crate::Scope,
+            ) -> Result<Option<$crate::RecordInfo>, $crate::StoreError> {
+                self.inner.read_record(scope).await
+            }
+
+            /// Not observed: an operator's delete, not a protected call's.
+            async fn delete_record(
+                &self,
+                scope: &$crate::Scope,
+                mode: $crate::DeleteMode,
+            ) -> Result<$crate::Deletion, $crate::StoreError> {
+                self.inner.delete_record(scope, mode).await
+            }
+
             async fn wait(
                 &self,
                 scope: &$crate::Scope,

@@ -53,15 +53,18 @@ use tokio::time::Instant;
 
 #[cfg(any(test, feature = "testing"))]
 pub mod faulty;
+pub mod format;
 pub mod instrumented;
 pub mod memory;
 mod record;
+pub mod records;
 pub mod response;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod wait;
 
 pub use record::RecordRef;
+pub use records::{DeleteMode, Deletion, FORCE_DELETE_RISK, RecordInfo};
 
 /// A generation number of a record; grows on every claim of a scope.
 pub type Fence = u64;
@@ -77,6 +80,30 @@ pub type Fence = u64;
 pub struct Scope(pub [u8; 32]);
 
 impl Scope {
+    /// The scope of a protected call, exactly as the server layer computes it: SHA-256
+    /// over the version tag `idem-scope-v1`, then the tenant, the method path
+    /// (`/package.Service/Method`, as in the request's URI) and the idempotency key, each
+    /// as a big-endian `u64` length and its bytes. No separator inside a value can make
+    /// two triples collide.
+    ///
+    /// ```
+    /// # use idem_store::Scope;
+    /// assert_ne!(
+    ///     Scope::for_call("ab", "/s/m", "keykeykey"),
+    ///     Scope::for_call("a", "b/s/m", "keykeykey"),
+    /// );
+    /// ```
+    pub fn for_call(tenant: &str, method_path: &str, key: &str) -> Scope {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"idem-scope-v1");
+        for part in [tenant, method_path, key] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        Scope(h.finalize().into())
+    }
+
     /// Lower-case hex, for logs and key names.
     pub fn to_hex(&self) -> String {
         hex32(&self.0)
@@ -384,4 +411,24 @@ pub trait Store: Clone + Send + Sync + 'static {
         scope: &Scope,
         until: Instant,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The record at `scope` as an operator sees it (see [`records`]): its state and
+    /// stored outcome, and the times the store keeps. `None`: no record (or it expired).
+    /// Changes nothing.
+    fn read_record(
+        &self,
+        scope: &Scope,
+    ) -> impl Future<Output = Result<Option<RecordInfo>, StoreError>> + Send;
+
+    /// Deletes the record at `scope`, atomically with respect to every other call on
+    /// it, and reports what it held. An in-flight record is deleted only with
+    /// [`DeleteMode::Force`]; otherwise it is left as it is and reported as
+    /// [`Deletion::RefusedInFlight`]. Fences keep growing across a delete, as across a
+    /// release: the next claim runs the handler again with a higher fence, and a holder
+    /// of a deleted in-flight record is fenced.
+    fn delete_record(
+        &self,
+        scope: &Scope,
+        mode: DeleteMode,
+    ) -> impl Future<Output = Result<Deletion, StoreError>> + Send;
 }

@@ -30,6 +30,12 @@ use crate::{
     Store, StoreError, StoredOutcome, TenantId,
 };
 
+mod records;
+pub use records::{
+    delete_refuses_in_flight_unless_forced, no_record_reads_none_and_deletes_nothing,
+    read_and_delete_a_completed_record,
+};
+
 /// The tenant every suite record is charged to.
 const TENANT: TenantId = TenantId([7; 16]);
 
@@ -633,6 +639,9 @@ macro_rules! store_conformance_tests {
             renew_keeps_the_lease,
             completed_records_expire_after_their_ttl,
             wait_returns_when_the_record_changes,
+            read_and_delete_a_completed_record,
+            delete_refuses_in_flight_unless_forced,
+            no_record_reads_none_and_deletes_nothing,
         );
     };
     (@cases [$($attr:tt)*] [$make:expr];) => {};

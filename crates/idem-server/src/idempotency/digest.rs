@@ -10,7 +10,9 @@ use idem_store::{Fingerprint, Scope, TenantId};
 
 /// The record name of a call: SHA-256 over the length-prefixed tenant, method path and
 /// key (each as a big-endian `u64` length then the bytes), after a version tag. No
-/// separator inside a value can make two triples collide.
+/// separator inside a value can make two triples collide. It is
+/// [`Scope::for_call`], which lives with the `Scope` type so that tools (`idem records`)
+/// compute it without this crate.
 ///
 /// ```
 /// # use idem_server::idempotency::scope_for;
@@ -20,13 +22,7 @@ use idem_store::{Fingerprint, Scope, TenantId};
 /// );
 /// ```
 pub fn scope_for(tenant: &str, method_path: &str, key: &str) -> Scope {
-    let mut h = Sha256::new();
-    h.update(b"idem-scope-v1");
-    for part in [tenant, method_path, key] {
-        h.update((part.len() as u64).to_be_bytes());
-        h.update(part.as_bytes());
-    }
-    Scope(h.finalize().into())
+    Scope::for_call(tenant, method_path, key)
 }
 
 /// The key of a call made while serving a protected call (see

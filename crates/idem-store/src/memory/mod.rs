@@ -32,6 +32,10 @@
 //!   key takes a second preimage, about 2¹²⁸ / n digests. A `Scope` made by other means
 //!   must be uniform in its first 16 bytes.
 //! - **Clock**: `tokio::time::Instant`, so tests run on a paused clock.
+//! - **Operators** read and delete one record with [`MemoryStore::record`] and
+//!   [`MemoryStore::delete`] (also `Store::read_record` / `delete_record`). No network
+//!   endpoint is added for them: records hold responses, which may be personal data;
+//!   expose them only behind the service's own admin authentication.
 //!
 //! # Bounds
 //! A new record (a claim of a scope that has none) must fit every bound below. If it
@@ -111,6 +115,7 @@
 //! entries). A tenant's eviction looks at the front of its own queue; a store-wide one
 //! at the front of each shard's queue, dropping entries of tenants within their share.
 
+mod admin;
 mod bounds;
 mod entry;
 mod evict;
@@ -128,8 +133,8 @@ pub use idem_core::config::{
 };
 
 use crate::{
-    Claim, ClaimRequest, CompleteRequest, Fence, RecordState, Scope, Store, StoreError,
-    StoredOutcome, TenantId,
+    Claim, ClaimRequest, CompleteRequest, DeleteMode, Deletion, Fence, RecordInfo, RecordState,
+    Scope, Store, StoreError, StoredOutcome, TenantId,
 };
 pub use bounds::MemoryBound;
 
@@ -604,6 +609,14 @@ impl Store for MemoryStore {
 
     async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {
         Ok(self.inner.get(&Name::of(scope)))
+    }
+
+    async fn read_record(&self, scope: &Scope) -> Result<Option<RecordInfo>, StoreError> {
+        Ok(self.record(scope))
+    }
+
+    async fn delete_record(&self, scope: &Scope, mode: DeleteMode) -> Result<Deletion, StoreError> {
+        Ok(self.delete(scope, mode))
     }
 
     async fn wait(&self, scope: &Scope, until: Instant) -> Result<(), StoreError> {
