@@ -402,16 +402,28 @@ async fn crashed_claimant_is_taken_over_with_a_higher_fence() {
     let runs = c.runs();
     let claimed_at = Instant::now();
 
-    // The retry lands on instance 1: it waits out the lease, then takes over.
+    // The retry lands on instance 1: it waits out the lease and takes the record over,
+    // but a waiting duplicate keeps only the fingerprint (issue 30 item 3): it gives the
+    // record back and answers UNAVAILABLE (IN_PROGRESS_ENDED) with a short retry delay.
+    let waited = c.clients[1]
+        .clone()
+        .create_order(order_request(&key, "crash"))
+        .await
+        .expect_err("a waiter does not run");
+    assert_eq!(waited.code(), Code::Unavailable, "{waited:?}");
+    let info = tonic_types::StatusExt::get_details_error_info(&waited).expect("ErrorInfo");
+    assert_eq!(info.reason, reason::IN_PROGRESS_ENDED);
+    assert!(
+        claimed_at.elapsed() >= lease - Duration::from_millis(50),
+        "answered before the lease ended"
+    );
+    assert_eq!(c.runs(), runs, "the waiter did not run");
+    // Its retry (with the request) runs, under a higher fence.
     let resp = c.clients[1]
         .clone()
         .create_order(order_request(&key, "crash"))
         .await
-        .expect("taken over and run");
-    assert!(
-        claimed_at.elapsed() >= lease - Duration::from_millis(50),
-        "ran before the lease ended"
-    );
+        .expect("run after the takeover");
     assert!(!is_replay(&resp));
     assert_eq!(c.runs(), runs + 1);
     let order = resp.into_inner();
