@@ -65,7 +65,7 @@ impl RedisStore {
 
     /// The scopes of the records whose scope begins with `prefix` (bytes, e.g. the 8 of
     /// the 16 hex digits the logs print), at most `limit` of them, found with `SCAN`
-    /// (non-blocking, a step of [`SCAN_COUNT`] keys at a time; O(keys) in all).
+    /// (non-blocking, 1000 keys a step; O(keys) in all).
     ///
     /// # Errors
     /// On a Redis Cluster, `StoreError::Unavailable` saying to give the full scope:

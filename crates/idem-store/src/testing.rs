@@ -31,10 +31,7 @@ use crate::{
 };
 
 mod records;
-pub use records::{
-    delete_refuses_in_flight_unless_forced, no_record_reads_none_and_deletes_nothing,
-    read_and_delete_a_completed_record,
-};
+pub use records::*;
 
 /// The tenant every suite record is charged to.
 const TENANT: TenantId = TenantId([7; 16]);

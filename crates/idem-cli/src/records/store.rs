@@ -2,7 +2,15 @@
 //! on it. Every message that could carry a URL goes through [`Redact`], so credentials
 //! in a URL are never printed.
 
-use idem_store::{DeleteMode, Deletion, RecordInfo, Scope, Store, StoreError};
+// Built without store clients, the calls below have nothing to use their arguments on.
+#![cfg_attr(
+    not(any(feature = "redis", feature = "postgres")),
+    allow(unused_variables)
+)]
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+use idem_store::Store;
+use idem_store::{DeleteMode, Deletion, RecordInfo, Scope, StoreError};
 
 use super::args::Target;
 
@@ -12,6 +20,10 @@ pub(crate) enum Backend {
     Redis(idem_redis::RedisStore),
     #[cfg(feature = "postgres")]
     Postgres(idem_postgres::PostgresStore),
+    /// Built without any store client: never made.
+    #[cfg(not(any(feature = "redis", feature = "postgres")))]
+    #[allow(dead_code)]
+    None(std::convert::Infallible),
 }
 
 /// Most records a scope prefix may match before the command asks for a longer one.
@@ -143,6 +155,8 @@ impl Backend {
                 s.table_prefix(),
                 scope.to_hex()
             ),
+            #[cfg(not(any(feature = "redis", feature = "postgres")))]
+            Backend::None(never) => match *never {},
         }
     }
 
@@ -152,6 +166,8 @@ impl Backend {
             Backend::Redis(s) => s.read_record(scope).await,
             #[cfg(feature = "postgres")]
             Backend::Postgres(s) => s.read_record(scope).await,
+            #[cfg(not(any(feature = "redis", feature = "postgres")))]
+            Backend::None(never) => match *never {},
         }
     }
 
@@ -165,6 +181,8 @@ impl Backend {
             Backend::Redis(s) => s.delete_record(scope, mode).await,
             #[cfg(feature = "postgres")]
             Backend::Postgres(s) => s.delete_record(scope, mode).await,
+            #[cfg(not(any(feature = "redis", feature = "postgres")))]
+            Backend::None(never) => match *never {},
         }
     }
 
@@ -175,6 +193,8 @@ impl Backend {
             Backend::Redis(s) => s.find_scopes(prefix, limit).await,
             #[cfg(feature = "postgres")]
             Backend::Postgres(s) => s.find_scopes(prefix, limit).await,
+            #[cfg(not(any(feature = "redis", feature = "postgres")))]
+            Backend::None(never) => match *never {},
         }
     }
 }
