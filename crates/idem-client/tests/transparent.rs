@@ -239,6 +239,128 @@ async fn a_server_that_refuses_every_stream_gets_one_transparent_resend_per_call
     assert_eq!((stats.attempts, stats.transparent), (4, 1));
 }
 
+/// A TCP stream whose first bytes were read already (and are read again first).
+struct Prefixed {
+    pre: Vec<u8>,
+    io: tokio::net::TcpStream,
+}
+
+impl tokio::io::AsyncRead for Prefixed {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if !self.pre.is_empty() {
+            let n = self.pre.len().min(buf.remaining());
+            buf.put_slice(&self.pre[..n]);
+            self.pre.drain(..n);
+            return std::task::Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Prefixed {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Reads from `tcp` until the client's first HEADERS frame has arrived (after the
+/// 24-byte preface, frames of a 9-byte header each): the request is on the wire.
+async fn read_to_first_headers(tcp: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    loop {
+        let mut off = 24;
+        while off + 9 <= buf.len() {
+            if buf[off + 3] == 0x1 {
+                return buf;
+            }
+            let len = usize::from(buf[off]) << 16 | usize::from(buf[off + 1]) << 8;
+            off += 9 + (len | usize::from(buf[off + 2]));
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tcp.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "the client closed before its request");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The first connection: once the client's first request is on the wire, a GOAWAY
+/// whose last stream id is 0 (below it: h2 has parsed nothing past the preface), then
+/// the connection closes. Later connections answer every stream.
+async fn serve_goaway_first() -> (SocketAddr, Arc<Mutex<usize>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let answered = Arc::new(Mutex::new(0));
+    let count = answered.clone();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else {
+                return;
+            };
+            if std::mem::take(&mut first) {
+                let pre = read_to_first_headers(&mut tcp).await;
+                let mut conn = h2::server::handshake(Prefixed { pre, io: tcp })
+                    .await
+                    .unwrap();
+                conn.abrupt_shutdown(Reason::NO_ERROR);
+                tokio::spawn(async move { while let Some(Ok(_)) = conn.accept().await {} });
+                continue;
+            }
+            let count = count.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                while let Some(Ok((req, respond))) = conn.accept().await {
+                    *count.lock().unwrap() += 1;
+                    tokio::spawn(stream(req, respond, Act::Answer));
+                }
+            });
+        }
+    });
+    (addr, answered)
+}
+
+#[tokio::test]
+async fn a_goaway_below_the_stream_is_retried_transparently_without_a_retry_policy() {
+    let (addr, answered) = serve_goaway_first().await;
+    let (mut c, layer) = client(addr, &no_policy("10s"));
+    let resp = c.create_order(order()).await.expect("the resend answers");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts, report.transparent),
+        (CallOutcome::NoRetryPolicy, 1, 1),
+        "{report}"
+    );
+    assert_eq!(
+        *answered.lock().unwrap(),
+        1,
+        "the server's application saw it once"
+    );
+    assert_eq!(layer.stats().snapshot().transparent, 1);
+}
+
 /// Nothing listens: connect failures are not transparent (the channel is not ready; a
 /// call without `waitForReady` fails fast, as gRPC's do).
 #[tokio::test]
