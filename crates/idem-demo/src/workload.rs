@@ -203,5 +203,6 @@ pub fn tally(
         p99: pct(0.99),
         elapsed: w.elapsed,
         crashes: 0,
+        restarts: 0,
     }
 }
