@@ -525,12 +525,13 @@ fn print_rolling(every: usize, reports: &[RunReport]) {
     for r in reports {
         let failed_calls = r.app_calls - (r.intents as u64 - r.failed);
         println!(
-            "  {:<12}: {} restarts, {} call(s) failed to the application ({} app retries, {} intents given up)",
+            "  {:<12}: {} restarts, {} call(s) failed to the application ({} app retries, {} intents given up); {} transparent retries",
             r.label,
             r.restarts,
             failed_calls,
             r.app_calls.saturating_sub(r.intents as u64),
-            r.failed
+            r.failed,
+            r.transparent
         );
     }
 }

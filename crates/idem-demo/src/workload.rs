@@ -204,5 +204,6 @@ pub fn tally(
         elapsed: w.elapsed,
         crashes: 0,
         restarts: 0,
+        transparent: 0,
     }
 }

@@ -57,16 +57,17 @@ pub async fn run_rolling(
         o.intents,
         launch.clone(),
     ));
-    let (w, attempts) = if with_idem {
+    let (w, (attempts, transparent)) = if with_idem {
         let retry = retry_layer(config, true, None);
         let stats = retry.stats();
         let client = OrdersClient::new(ServiceBuilder::new().layer(retry).service(channel));
         let w: Workload = workload(o, true, label, &client, done).await?;
-        (w, stats.snapshot().attempts)
+        let s = stats.snapshot();
+        (w, (s.attempts, s.transparent))
     } else {
         let client = OrdersClient::new(channel);
         let w = workload(o, false, label, &client, done).await?;
-        (w, 0)
+        (w, (0, 0))
     };
     let mut instances = roller.await??;
     for i in &mut instances {
@@ -76,6 +77,7 @@ pub async fn run_rolling(
     let _ = std::fs::remove_dir_all(&files.dir);
     let mut report = tally(o, label, &by_intent, w);
     report.attempts = attempts;
+    report.transparent = transparent;
     report.restarts = restarts.load(Ordering::Relaxed);
     Ok(report)
 }
