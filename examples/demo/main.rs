@@ -9,6 +9,7 @@
 //! cargo run --release --example demo -- --metrics-out metrics.prom
 //! cargo run --release --example demo -- --store postgres --instances 3 --crash-every 200
 //! cargo run --release --example demo -- --store redis-cluster --instances 3
+//! cargo run --release --example demo -- --store redis --instances 3 --rolling-restart 400 --unavailable 0 --drop 0
 //! cargo run --release --example demo -- --redis-cluster redis://10.0.0.1:7000,redis://10.0.0.2:7000
 //! ```
 //!
@@ -40,6 +41,12 @@
 //! its idempotency record, so a crash at any point leaves the order and its reply, or
 //! neither: duplicates and lost intents must be 0.
 //!
+//! With `--rolling-restart N` (with `--instances K` ≥ 2 and a shared store) the instances
+//! are processes restarted as a rolling update does: every N intents the next one gets
+//! SIGTERM, drains, exits and starts again on the same port, one at a time. The row
+//! without idem is plain tonic on both sides (no retry layer; `serve_with_shutdown` on
+//! SIGTERM).
+//!
 //! An intent that still fails after the client layer's retries is retried by the
 //! application (up to `--app-retries`), as a real caller would. The table counts orders
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
@@ -57,7 +64,7 @@ use idem::store::memory::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
 [--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|redis-cluster|postgres] \
-[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE]";
+[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE] [--rolling-restart N]";
 
 /// What the command line asked for beyond the workload's options.
 struct Args {
@@ -69,6 +76,9 @@ struct Args {
     crash_every: Option<usize>,
     /// `--postgres URL`.
     postgres: Option<String>,
+    /// `--rolling-restart N`: instances as processes, one restarted (SIGTERM, drain)
+    /// every N intents.
+    rolling: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -77,6 +87,7 @@ fn parse_args() -> Result<Args, String> {
     let mut crash_every = None;
     let mut postgres = None;
     let mut cluster_nodes = false;
+    let mut rolling = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -128,6 +139,7 @@ fn parse_args() -> Result<Args, String> {
             "--redeploy-after" | "--restart-after" => {
                 o.restart_after = Some(value.parse().map_err(|e| bad(&e))?)
             }
+            "--rolling-restart" => rolling = Some(value.parse().map_err(|e| bad(&e))?),
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
@@ -175,11 +187,23 @@ fn parse_args() -> Result<Args, String> {
     if crash_every.is_some() && o.restart_after.is_some() {
         return Err("--crash-every and --redeploy-after do not go together".into());
     }
+    if let Some(every) = rolling {
+        if every == 0 || o.instances < 2 {
+            return Err("--rolling-restart N needs N > 0 and --instances K with K >= 2".into());
+        }
+        if store.as_deref() != Some("redis") || crash_every.is_some() || o.restart_after.is_some() {
+            return Err(
+                "--rolling-restart goes with --store redis, without --crash-every or --redeploy-after"
+                    .into(),
+            );
+        }
+    }
     Ok(Args {
         o,
         store,
         crash_every,
         postgres,
+        rolling,
     })
 }
 
@@ -282,6 +306,7 @@ async fn demo() {
         store: store_choice,
         crash_every,
         postgres,
+        rolling,
     } = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -377,8 +402,12 @@ async fn demo() {
         "idem demo: {} CreateOrder intents, twice (with idem, then without)",
         o.intents
     );
-    let reports = match crash_every {
-        Some(every) => {
+    let reports = match (crash_every, rolling) {
+        (None, Some(every)) => {
+            let kind = StoreKind::Redis(redis_url.clone().unwrap_or_default());
+            rolling_runs(&o, every, &config, &text, &kind).await
+        }
+        (Some(every), _) => {
             let kind = match (&redis_url, &postgres_url) {
                 (_, Some(url)) => StoreKind::Postgres(url.clone()),
                 (Some(url), None) => StoreKind::Redis(url.clone()),
@@ -386,13 +415,25 @@ async fn demo() {
             };
             crash_runs(&o, every, &config, &text, &kind).await
         }
-        None => in_process_runs(&o, &config, redis_url.as_deref()).await,
+        (None, None) => in_process_runs(&o, &config, redis_url.as_deref()).await,
     };
     drop(private_redis);
     drop(private_cluster);
     drop(private_postgres);
     print_table(&o, store_label, crash_every, &reports);
     let idem = &reports[0];
+    if let Some(every) = rolling {
+        print_rolling(every, &reports);
+        exit_unless_exactly_once(idem, "with idem", " through the rolling restarts");
+        if idem.app_calls > idem.intents as u64 {
+            eprintln!(
+                "FAIL: with idem {} call(s) failed to the application",
+                idem.app_calls - idem.intents as u64
+            );
+            std::process::exit(1);
+        }
+        return;
+    }
     if crash_every.is_some() && postgres_url.is_some() {
         exit_unless_exactly_once(idem, "with idem on PostgreSQL", " under crashes");
         println!(
@@ -469,6 +510,55 @@ async fn in_process_runs(
     let mut reports = Vec::new();
     for with_idem in [true, false] {
         match run(o, with_idem, config, &store).await {
+            Ok(r) => reports.push(r),
+            Err(e) => {
+                eprintln!("run failed: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    reports
+}
+
+/// The rolling-restart lines under the table: restarts, and calls that failed to the
+/// application (each one an application retry, or an intent given up).
+fn print_rolling(every: usize, reports: &[RunReport]) {
+    println!(
+        "rolling restart: each instance is a separate process; every {every} intents the next one gets SIGTERM, drains, exits and starts again on its port"
+    );
+    for r in reports {
+        let failed_calls = r.app_calls - (r.intents as u64 - r.failed);
+        println!(
+            "  {:<12}: {} restarts, {} call(s) failed to the application ({} app retries, {} intents given up); {} transparent retries",
+            r.label,
+            r.restarts,
+            failed_calls,
+            r.app_calls.saturating_sub(r.intents as u64),
+            r.failed,
+            r.transparent
+        );
+    }
+}
+
+/// Both runs with a rolling restart every `every` intents.
+async fn rolling_runs(
+    o: &Options,
+    every: usize,
+    config: &ServiceConfig,
+    text: &str,
+    store: &StoreKind,
+) -> Vec<RunReport> {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("cannot find the demo's own executable to start instances: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut reports = Vec::new();
+    for with_idem in [true, false] {
+        let launch = crash::Launch::Binary(exe.clone());
+        match crash::run_rolling(o, every, with_idem, config, text, store, &launch).await {
             Ok(r) => reports.push(r),
             Err(e) => {
                 eprintln!("run failed: {e}");

@@ -6,7 +6,9 @@
 //! does nothing more than before (no clock reads, no wrapping).
 //!
 //! - [`CallObserver::attempt_started`] is called as each attempt is sent (not for
-//!   `waitForReady` resends of an attempt the channel could not send).
+//!   `waitForReady` resends of an attempt the channel could not send), gRFC A6
+//!   transparent retries included, as A66 counts them; the report's
+//!   [`transparent`](CallReport::transparent) says how many of a call's were.
 //! - [`CallObserver::call_ended`] is called once per call with its [`CallReport`], its
 //!   final status and its duration. A call that failed before committing ends when the
 //!   layer answers it; a committed call ends when its response body ends (the status

@@ -125,6 +125,23 @@ pub(crate) async fn serve_idem<St: idem_store::Store, T: Orders>(
         .await
 }
 
+/// [`serve_idem`] until `stop` resolves (a drain's signal): tonic's graceful shutdown.
+pub(crate) async fn serve_idem_until<St: idem_store::Store, T: Orders>(
+    faults: Faults,
+    layer: IdempotencyLayer<St>,
+    svc: OrdersServer<T>,
+    incoming: TcpListenerStream,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    Server::builder()
+        .layer(faults)
+        .layer(InboundLayer::new())
+        .layer(layer)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(incoming, stop)
+        .await
+}
+
 /// One channel balanced over the instances at `addrs`.
 pub(crate) fn client_channel(addrs: &[SocketAddr], connect_timeout: Duration) -> Channel {
     let endpoints = addrs.iter().map(|a| {

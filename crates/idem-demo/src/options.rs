@@ -103,6 +103,10 @@ pub struct RunReport {
     pub lost: u64,
     /// Server processes killed with SIGKILL during the run.
     pub crashes: u64,
+    /// Server processes restarted (SIGTERM, drain, exit, start) during a rolling restart.
+    pub restarts: u64,
+    /// Attempts the client layer sent again transparently (gRFC A6), inside `attempts`.
+    pub transparent: u64,
     /// Median latency of an intent (with its application retries).
     pub p50: Duration,
     /// 99th percentile latency of an intent.

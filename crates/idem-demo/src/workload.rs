@@ -203,5 +203,7 @@ pub fn tally(
         p99: pct(0.99),
         elapsed: w.elapsed,
         crashes: 0,
+        restarts: 0,
+        transparent: 0,
     }
 }

@@ -39,6 +39,7 @@ struct ClientInstruments {
     call_duration: Histogram<f64>,
     call_retries: Histogram<u64>,
     call_hedges: Histogram<u64>,
+    call_transparent: Histogram<u64>,
     retry_delay: Histogram<f64>,
 }
 
@@ -52,6 +53,7 @@ struct ClientCounts {
     call_duration: BoundSeries<f64, STATUS_COUNT>,
     call_retries: BoundSeries<u64, 1>,
     call_hedges: BoundSeries<u64, 1>,
+    call_transparent: BoundSeries<u64, 1>,
     retry_delay: BoundSeries<f64, 1>,
 }
 
@@ -63,6 +65,7 @@ impl ClientCounts {
         self.call_duration.flush();
         self.call_retries.flush();
         self.call_hedges.flush();
+        self.call_transparent.flush();
         self.retry_delay.flush();
     }
 }
@@ -148,6 +151,12 @@ impl ClientMetrics {
                 "grpc.client.call.hedges",
                 "{hedge}",
                 "Hedges per hedged call beyond the first request (calls without hedges are not recorded).",
+            ),
+            call_transparent: per_call_histogram(
+                meter,
+                "grpc.client.call.transparent_retries",
+                "{transparent_retry}",
+                "Transparent retries per call that had any (gRFC A6: attempts the server's application never saw, sent again).",
             ),
             retry_delay: seconds_histogram(
                 meter,
@@ -241,6 +250,14 @@ impl ClientInstruments {
                 (&m.call_retries, &series.call_retries)
             };
             bound.record(0, extra, || histogram.bind(&call_attrs()));
+        }
+        // A96: transparent retries apart (they are in `grpc.client.attempt.started`, not
+        // in `grpc.client.call.retries`).
+        let transparent = u64::from(call.report.transparent);
+        if transparent > 0 {
+            series
+                .call_transparent
+                .record(0, transparent, || m.call_transparent.bind(&call_attrs()));
         }
         series
             .retry_delay

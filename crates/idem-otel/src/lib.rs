@@ -25,10 +25,11 @@
 //! # Metrics
 //! | name | type | unit | labels | meaning |
 //! |---|---|---|---|---|
-//! | `grpc.client.attempt.started` | counter | `{attempt}` | `grpc.method`, `grpc.target` | attempts sent, retries included (A66) |
+//! | `grpc.client.attempt.started` | counter | `{attempt}` | `grpc.method`, `grpc.target` | attempts sent, retries and transparent retries included (A66) |
 //! | `grpc.client.attempt.duration` | histogram | `s` | `grpc.method`, `grpc.target`, `grpc.status` | each attempt to its status; a committed one to the end of its response (A66) |
 //! | `grpc.client.call.duration` | histogram | `s` | `grpc.method`, `grpc.target`, `grpc.status` | each call as the application sees it (A66) |
 //! | `grpc.client.call.retries` | histogram | `{retry}` | `grpc.method`, `grpc.target` | retries of calls that retried; 0 is not recorded (A96) |
+//! | `grpc.client.call.transparent_retries` | histogram | `{transparent_retry}` | `grpc.method`, `grpc.target` | transparent retries (gRFC A6) of calls that had any; 0 is not recorded (A96); not in `grpc.client.call.retries` nor in `grpc.client.attempt.duration` |
 //! | `grpc.client.call.retry_delay` | histogram | `s` | `grpc.method`, `grpc.target` | per call, time with no attempt in flight (A96) |
 //! | `idem.client.call.outcome` | counter | `{call}` | `grpc.method`, `grpc.target`, `idem.outcome` | calls by why the layer stopped (`CallOutcome` names) |
 //! | `idem.client.retry_throttle.tokens` | gauge | `{token}` | `grpc.target` | tokens left in the A6 throttle |

@@ -3,6 +3,9 @@
 //!
 //! - [`idempotency`]: [`IdempotencyLayer`](idempotency::IdempotencyLayer) /
 //!   [`Idempotency`](idempotency::Idempotency), the middleware.
+//! - [`drain`]: [`Drain`](drain::Drain), a graceful drain for rolling deploys: GOAWAY
+//!   through tonic's `serve_with_shutdown`, protected runs finished and recorded before
+//!   the process exits, bounded by a drain timeout.
 //! - [`inbound`]: [`InboundLayer`](inbound::InboundLayer), which records the inbound deadline for every call and
 //!   turns an exhausted downstream failure into `grpc-retry-pushback-ms: -1`.
 //!
@@ -10,6 +13,7 @@
 //! [`MemoryStore`](idem_store::memory::MemoryStore) are in `idem-store`; `idem-redis` shares
 //! records between instances.
 
+pub mod drain;
 pub mod idempotency;
 pub mod inbound;
 pub mod metrics;

@@ -259,6 +259,12 @@ pub struct CallReport {
     /// Attempts made, including the first (0 when the deadline had passed before any);
     /// for a hedged call, the hedges sent.
     pub attempts: u32,
+    /// Attempts the layer sent again transparently (gRFC A6): after a failure the
+    /// server's application never saw (a stream the server refused, or a request that
+    /// never left the client). Not in [`attempts`](Self::attempts), not in
+    /// [`history`](Self::history), and not counted against `maxAttempts`; the attempt
+    /// that went out again is recorded once, as it finally ended.
+    pub transparent: u32,
     /// The status code the caller gets when the call ended without committing: the last
     /// attempt's Trailers-Only code, or the code the layer made up (DEADLINE_EXCEEDED,
     /// CANCELLED, or the status tonic gives a transport error); `None` for committed
@@ -281,6 +287,7 @@ impl CallReport {
         CallReport {
             outcome,
             attempts: 0,
+            transparent: 0,
             last_code: None,
             history: [None; HISTORY],
             hedge: None,
@@ -387,6 +394,10 @@ impl CallReport {
         let attempts: u32 = fields.next()?.parse().ok()?;
         let (mut history, mut hedge) = (None, None);
         for field in fields {
+            if let Some(n) = field.strip_prefix('+') {
+                report.transparent = n.parse().ok()?;
+                continue;
+            }
             match field.strip_prefix('h') {
                 Some(winner) => hedge = Some(winner),
                 None => history = Some(field),
@@ -437,7 +448,7 @@ impl CallReport {
     /// Writes the local report headers: the outcome, and the attempts with their
     /// history (`3 14:12000+20000,t:3000+40000,14:5000`: code or kind, µs taken, µs
     /// waited), then for a hedged call `h` and the winner's index (`h1`; `h` alone
-    /// without one).
+    /// without one), then `+N` when N attempts were sent again transparently.
     pub(crate) fn write_headers(&self, headers: &mut http::HeaderMap) {
         headers.insert(
             RETRY_OUTCOME,
@@ -456,6 +467,9 @@ impl CallReport {
             if let Some(w) = h.winner {
                 value.push_str(&w.to_string());
             }
+        }
+        if self.transparent > 0 {
+            value.push_str(&format!(" +{}", self.transparent));
         }
         if let Ok(v) = HeaderValue::from_str(&value) {
             headers.insert(RETRY_ATTEMPTS, v);
@@ -480,6 +494,14 @@ impl fmt::Display for CallReport {
             self.outcome.describe(),
             self.attempts
         )?;
+        if self.transparent > 0 {
+            let noun = if self.transparent == 1 {
+                "retry"
+            } else {
+                "retries"
+            };
+            write!(f, " and {} transparent {noun}", self.transparent)?;
+        }
         if let Some(w) = self.winner() {
             write!(f, ", won by hedge {w}")?;
         }
@@ -506,8 +528,9 @@ const CALLS: usize = 0;
 const ATTEMPTS: usize = 1;
 const RETRIES: usize = 2;
 const OUTCOMES: usize = 3;
+const TRANSPARENT: usize = OUTCOMES + CallOutcome::COUNT;
 
-type StatsInner = Striped<{ OUTCOMES + CallOutcome::COUNT }>;
+type StatsInner = Striped<{ TRANSPARENT + 1 }>;
 
 /// Counters of one layer and its clones. Cheap to clone (an `Arc`).
 #[derive(Clone, Default)]
@@ -526,8 +549,12 @@ pub struct RetryStatsSnapshot {
     pub calls: u64,
     /// Attempts sent (first attempts included).
     pub attempts: u64,
-    /// Retries started (attempts after the first).
+    /// Retries started (attempts after the first). Transparent retries are not in it.
     pub retries: u64,
+    /// Attempts sent again transparently (gRFC A6: the server's application never saw
+    /// the one before): counted in `attempts`, not in `retries`, never against
+    /// `maxAttempts`.
+    pub transparent: u64,
     /// Finished calls by outcome, in [`CallOutcome::ALL`] order.
     pub outcomes: [u64; CallOutcome::COUNT],
 }
@@ -551,6 +578,7 @@ impl RetryStats {
             calls: s.get(CALLS),
             attempts: s.get(ATTEMPTS),
             retries: s.get(RETRIES),
+            transparent: s.get(TRANSPARENT),
             outcomes,
         }
     }
@@ -562,6 +590,11 @@ impl RetryStats {
         if !first {
             self.0.add(RETRIES);
         }
+    }
+    /// A transparent retry went out (an attempt, not a retry).
+    pub(crate) fn transparent(&self) {
+        self.0.add(ATTEMPTS);
+        self.0.add(TRANSPARENT);
     }
     pub(crate) fn finished(&self, outcome: CallOutcome) {
         self.0.add(OUTCOMES + outcome.index());

@@ -151,7 +151,16 @@ where
             outcome = Empty,
             rpc.grpc.status_code = Empty,
         );
-        if policy.retry.is_none() && policy.hedging.is_none() && !policy.wait_for_ready {
+        // A method without a retry policy is still sent again transparently (gRFC A6)
+        // after a failure its server never saw, so its call keeps a copy of the request
+        // until response headers, as a retrying call does. The one exception is a
+        // request checked against `maxRequestMessageBytes`: it streams to the server
+        // unbuffered, as before (a message over the limit fails the stream it is on).
+        if policy.retry.is_none()
+            && policy.hedging.is_none()
+            && !policy.wait_for_ready
+            && policy.limits.request.is_some()
+        {
             return self.pass_through(req, cx, span);
         }
         let (parts, body) = req.into_parts();

@@ -19,14 +19,18 @@
 //! - [`args`]: what an instance process is told ([`ServeArgs`]) and where it may pause;
 //! - [`serve`]: the instance process's side: it serves until it is killed;
 //! - [`process`]: the demo's side of one process ([`Launch`], [`Instance`]);
-//! - [`run`]: one run with instances killed every N intents ([`run_with_crashes`]).
+//! - [`run`]: one run with instances killed every N intents ([`run_with_crashes`]);
+//! - [`rolling`]: one run with a rolling restart every N intents: SIGTERM, drain, exit,
+//!   start again, one instance at a time ([`run_rolling`]).
 
 pub mod args;
 pub mod process;
+pub mod rolling;
 pub mod run;
 pub mod serve;
 
 pub use args::{Pause, PausePoint, SERVE_ENV, SERVE_FLAG, ServeArgs, StoreKind};
 pub use process::{Instance, Launch};
+pub use rolling::run_rolling;
 pub use run::run_with_crashes;
 pub use serve::{serve, serve_from_env};

@@ -98,6 +98,33 @@ impl Instance {
         &self.args
     }
 
+    /// SIGTERM (the instance drains), then wait (up to `timeout`) for the process to
+    /// exit; SIGKILL after that.
+    pub async fn terminate(&mut self, timeout: Duration) -> Result<(), BoxError> {
+        let pid = self.child.id().ok_or("the instance has exited")?;
+        let status = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await?;
+        if !status.success() {
+            return Err(format!("kill -TERM {pid}: {status}").into());
+        }
+        match tokio::time::timeout(timeout, self.child.wait()).await {
+            Ok(r) => {
+                r?;
+                Ok(())
+            }
+            Err(_) => {
+                self.kill().await?;
+                Err(format!(
+                    "instance {}: no exit within {timeout:?} of SIGTERM",
+                    self.args.instance
+                )
+                .into())
+            }
+        }
+    }
+
     /// SIGKILL, then wait for the process to be gone.
     pub async fn kill(&mut self) -> Result<(), BoxError> {
         self.child.start_kill()?;

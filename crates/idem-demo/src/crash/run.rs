@@ -25,14 +25,14 @@ use crate::{BoxError, Options, RunReport};
 
 /// The files one run's instances share: the config they read and the ledger they append
 /// to, in a directory of their own.
-struct RunFiles {
-    dir: PathBuf,
-    config: PathBuf,
-    ledger: PathBuf,
+pub(crate) struct RunFiles {
+    pub(crate) dir: PathBuf,
+    pub(crate) config: PathBuf,
+    pub(crate) ledger: PathBuf,
 }
 
 impl RunFiles {
-    fn new(with_idem: bool, config_text: &str) -> Result<Self, BoxError> {
+    pub(crate) fn new(with_idem: bool, config_text: &str) -> Result<Self, BoxError> {
         static RUNS: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "idem-demo-{}-{}-{}",
@@ -56,7 +56,7 @@ impl RunFiles {
 
 /// Starts `o.instances` processes, each on a free port (and a metrics port when
 /// `metrics`).
-async fn start_instances(
+pub(crate) async fn start_instances(
     o: &Options,
     with_idem: bool,
     metrics: bool,

@@ -8,18 +8,20 @@ use std::time::Duration;
 use idem_client::retry::{Retry, RetryLayer};
 use idem_core::config::ServiceConfig;
 use idem_postgres::PostgresStore;
+use idem_server::drain::Drain;
 use idem_server::idempotency::tenant::SingleTenant;
 use idem_server::inbound::InboundLayer;
 use idem_store::memory::MemoryStore;
 use idem_test_support::shop::orders_client::OrdersClient;
 use idem_test_support::shop::orders_server::{Orders, OrdersServer};
+use tokio::signal::unix::{SignalKind, signal};
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response};
 use tower::ServiceBuilder;
 
 use super::args::{Pause, PausePoint, SERVE_ENV, ServeArgs, StoreKind};
 use crate::faults::Faults;
-use crate::fleet::serve_idem;
+use crate::fleet::serve_idem_until;
 use crate::metrics::InstanceMetrics;
 use crate::orders::{Ledger, LedgerOrders};
 use crate::pg_orders::PgOrders;
@@ -41,6 +43,9 @@ pub fn serve_from_env() {
         std::process::exit(2);
     }
 }
+
+/// How long a SIGTERM'd instance may drain before it exits anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connection pool size of an instance's PostgreSQL store: handlers hold one for their
 /// transaction, so it bounds the handlers that can write at once.
@@ -101,14 +106,24 @@ async fn serve_service<T: Orders>(
     let listener = bind_with_retries(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let svc = OrdersServer::new(svc);
+    // SIGTERM (a rolling restart) drains: GOAWAY, the calls in flight finish and record
+    // their outcome, then the process exits. SIGKILL (a crash) does not.
+    let drain = Drain::new().timeout(DRAIN_TIMEOUT);
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let on_term = drain.clone();
+    tokio::spawn(async move {
+        sigterm.recv().await;
+        on_term.start();
+    });
     println!("ready");
     if !args.with_idem {
-        Server::builder()
+        // A plain tonic server, as users run one today: `serve_with_shutdown` on SIGTERM.
+        let server = Server::builder()
             .layer(faults)
             .layer(InboundLayer::new())
             .add_service(svc)
-            .serve_with_incoming(incoming)
-            .await?;
+            .serve_with_incoming_shutdown(incoming, drain.signal());
+        drain.run(server).await?;
         return Ok(());
     }
     let metrics = InstanceMetrics::new(config);
@@ -116,23 +131,31 @@ async fn serve_service<T: Orders>(
         metrics.serve(port).await?;
     }
     let tenant = SingleTenant::new("demo");
-    match (&args.store, postgres) {
-        (_, Some(store)) => {
-            let layer = metrics.server(store, "postgres", config).tenant(tenant);
-            serve_idem(faults, layer, svc, incoming).await?;
+    let stop = drain.signal();
+    let server = async {
+        match (&args.store, postgres) {
+            (_, Some(store)) => {
+                let layer = metrics.server(store, "postgres", config).tenant(tenant);
+                serve_idem_until(faults, layer, svc, incoming, stop).await?;
+            }
+            (StoreKind::Redis(url), None) => {
+                let store = connect_redis(url).await?;
+                let layer = metrics.server(store, "redis", config).tenant(tenant);
+                serve_idem_until(faults, layer, svc, incoming, stop).await?;
+            }
+            _ => {
+                // The one tenant gets the whole store.
+                let settings = config.settings().memory_store.clone().for_single_tenant();
+                let store = MemoryStore::new(settings);
+                let layer = metrics.server(store, "memory", config).tenant(tenant);
+                serve_idem_until(faults, layer, svc, incoming, stop).await?;
+            }
         }
-        (StoreKind::Redis(url), None) => {
-            let store = connect_redis(url).await?;
-            let layer = metrics.server(store, "redis", config).tenant(tenant);
-            serve_idem(faults, layer, svc, incoming).await?;
-        }
-        _ => {
-            // The one tenant gets the whole store.
-            let settings = config.settings().memory_store.clone().for_single_tenant();
-            let store = MemoryStore::new(settings);
-            let layer = metrics.server(store, "memory", config).tenant(tenant);
-            serve_idem(faults, layer, svc, incoming).await?;
-        }
+        Ok::<(), BoxError>(())
+    };
+    let drained = drain.run(server).await?;
+    if drained.timed_out {
+        eprintln!("instance {}: {drained:?}", args.instance);
     }
     Ok(())
 }

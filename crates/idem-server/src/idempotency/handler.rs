@@ -80,13 +80,14 @@ where
         trace,
         admission,
         answered: false,
-        run: Some(Box::pin(run(
+        // Counted until its outcome is recorded, wherever it runs: a drain waits for it.
+        run: Some(Box::pin(crate::drain::protect(run(
             call,
             inner,
             request,
             Claimed { lease, permit },
             tx,
-        ))),
+        )))),
         span: tracing::Span::current(),
         runtime: tokio::runtime::Handle::try_current().ok(),
     };

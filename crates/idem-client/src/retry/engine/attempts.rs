@@ -22,6 +22,7 @@ use tower_service::Service;
 use crate::BoxError;
 use crate::retry::engine::context::{Attempt, CallContext};
 use crate::retry::engine::timed::{Cut, Receive, Timed};
+use crate::retry::engine::transparent::{Resend, TransparentState};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::policy::{
@@ -29,6 +30,7 @@ use crate::retry::policy::{
 };
 use crate::retry::request::RequestCopy;
 use crate::retry::request::check::RequestCheck;
+use crate::retry::response::unprocessed::Unprocessed;
 use crate::retry::{Req, Resp};
 
 /// A call that may send more than one attempt: its context, and its plan (the retry or
@@ -222,6 +224,12 @@ pub(crate) struct Run {
     peek: bool,
     state: CallState,
     ready: ReadyWait,
+    /// gRFC A6 transparent retries used, and when a call without a deadline stops
+    /// resending a request that never left the client.
+    transparent: TransparentState,
+    unsent_until: Option<Instant>,
+    /// The next attempt is a transparent resend: it does not count as an attempt.
+    resending: bool,
     report: CallReport,
 }
 
@@ -255,13 +263,19 @@ impl Run {
                 return Err(call.cx.finish(Attempt::Local(status), report));
             }
         };
+        // Peeking is for the retry decision: a call without a policy has none to make
+        // (transparent retries follow transport errors only).
+        let decides = call.policy.is_some() || call.wait_for_ready;
         Ok(Run {
-            peek: call.cx.settings.peek_early_trailers() && copy.is_whole(),
+            peek: decides && call.cx.settings.peek_early_trailers() && copy.is_whole(),
             parts,
             copy,
             call,
             state: CallState::default(),
             ready: ReadyWait::default(),
+            transparent: TransparentState::default(),
+            unsent_until: None,
+            resending: false,
             report: CallReport::new(CallOutcome::Committed),
         })
     }
@@ -295,7 +309,10 @@ impl Run {
         if let Some(attempt) = self.call.expired(&self.ready) {
             return Err(self.answer(attempt, CallOutcome::Deadline));
         }
-        if self.ready.waits == 0 {
+        if std::mem::take(&mut self.resending) {
+            self.call.cx.shared.stats.transparent();
+            self.call.cx.attempt_started();
+        } else if self.ready.waits == 0 {
             self.state.attempts += 1;
             self.call.cx.shared.stats.attempt(self.state.attempts == 1);
             self.call.cx.attempt_started();
@@ -354,6 +371,30 @@ impl Run {
             self.report.record(attempt.observe().end, took);
             return AfterAttempt::Answer(self.answer(attempt, self.report.outcome));
         }
+        if let Some(why) = attempt.unprocessed()
+            && self.copy.can_resend()
+        {
+            match self.transparent_retry(why) {
+                Resend::After(wait) => {
+                    tracing::debug!(?why, wait_ms = millis(wait), "transparent retry");
+                    self.copy.retire(0);
+                    self.report.transparent += 1;
+                    self.resending = true;
+                    return AfterAttempt::After(wait);
+                }
+                Resend::Stop => {
+                    self.copy.retire(0);
+                    self.report.record(attempt.observe().end, took);
+                    let outcome = match self.call.cx.deadline {
+                        Some(_) => CallOutcome::Deadline,
+                        None => CallOutcome::NotReady,
+                    };
+                    return AfterAttempt::Answer(self.answer(attempt, outcome));
+                }
+                Resend::ToPolicy => {}
+            }
+        }
+        let call = &self.call;
         if call.wait_for_ready && attempt.never_sent() && self.copy.can_resend() {
             self.copy.retire(0);
             return match call.not_ready(&mut self.ready, &attempt) {
@@ -400,6 +441,23 @@ impl Run {
                 AfterAttempt::After(wait)
             }
         }
+    }
+
+    /// What A6's transparent retries do after an attempt the server's application never
+    /// saw, with the time left to the deadline (without one: to the layer's
+    /// `wait_for_ready_limit` from the first such attempt).
+    fn transparent_retry(&mut self, why: Unprocessed) -> Resend {
+        let now = Instant::now();
+        let end = match self.call.cx.deadline {
+            Some(d) => d,
+            None => *self.unsent_until.get_or_insert_with(|| {
+                let limit = self.call.cx.settings.wait_for_ready_limit();
+                now.checked_add(limit).unwrap_or(now)
+            }),
+        };
+        let left = end.saturating_duration_since(now);
+        let jitter = self.call.cx.shared.jitter.as_ref();
+        self.transparent.next(why, left, jitter)
     }
 
     /// The caller's answer: `attempt`, with the report and `outcome`.

@@ -20,6 +20,7 @@ use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
 use crate::retry::request::check::RequestFault;
 use crate::retry::response::bound::{self, Bounds};
 use crate::retry::response::peek::early_code;
+use crate::retry::response::unprocessed::{Unprocessed, unprocessed};
 
 /// A call's method path, kept without copying: a `PathAndQuery` is `Bytes` inside
 /// (static for generated tonic clients), so cloning it out of the request is free.
@@ -88,6 +89,15 @@ impl Attempt {
             end,
             pushback: headers.map_or(Pushback::Absent, pushback),
             retry_info: headers.and_then(retry_info_delay),
+        }
+    }
+
+    /// Why the server's application never saw this attempt, if it did not: see
+    /// [`unprocessed`](crate::retry::response::unprocessed).
+    pub(crate) fn unprocessed(&self) -> Option<Unprocessed> {
+        match self {
+            Attempt::Error(e) => unprocessed(e.as_ref()),
+            _ => None,
         }
     }
 
