@@ -101,6 +101,7 @@ impl Fleet {
                 })
             }
             DemoStore::Memory(s) => self.serve_with_idem(s.clone(), svc, incoming, "memory"),
+            #[cfg(feature = "redis")]
             DemoStore::Redis(s) => self.serve_with_idem(s.clone(), svc, incoming, "redis"),
             DemoStore::Faulty(s) => self.serve_with_idem(s.clone(), svc, incoming, "memory"),
         };

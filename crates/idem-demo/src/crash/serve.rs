@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use idem_client::retry::{Retry, RetryLayer};
 use idem_core::config::ServiceConfig;
-use idem_postgres::PostgresStore;
 use idem_server::idempotency::tenant::SingleTenant;
 use idem_server::inbound::InboundLayer;
 use idem_store::memory::MemoryStore;
@@ -22,7 +21,10 @@ use crate::faults::Faults;
 use crate::fleet::serve_idem;
 use crate::metrics::InstanceMetrics;
 use crate::orders::{Ledger, LedgerOrders};
+#[cfg(feature = "postgres")]
 use crate::pg_orders::PgOrders;
+use crate::store::PgStore;
+#[cfg(feature = "redis")]
 use crate::store::connect_redis;
 use crate::{BoxError, Options};
 
@@ -44,6 +46,7 @@ pub fn serve_from_env() {
 
 /// Connection pool size of an instance's PostgreSQL store: handlers hold one for their
 /// transaction, so it bounds the handlers that can write at once.
+#[cfg(feature = "postgres")]
 const PG_POOL: u32 = 24;
 
 /// Serves one instance until the process is killed; prints `ready` on standard output
@@ -66,8 +69,13 @@ pub async fn serve(args: ServeArgs) -> Result<(), BoxError> {
         };
         return serve_service(&args, &config, svc, None).await;
     }
+    #[cfg(not(feature = "postgres"))]
+    if let StoreKind::Postgres(_) = &args.store {
+        return Err(crate::store::missing_feature("postgres", "postgres"));
+    }
+    #[cfg(feature = "postgres")]
     if let StoreKind::Postgres(url) = &args.store {
-        let store = PostgresStore::builder(url.clone())
+        let store = PgStore::builder(url.clone())
             .max_connections(PG_POOL)
             .connect()
             .await?;
@@ -89,7 +97,7 @@ async fn serve_service<T: Orders>(
     args: &ServeArgs,
     config: &ServiceConfig,
     svc: T,
-    postgres: Option<PostgresStore>,
+    postgres: Option<PgStore>,
 ) -> Result<(), BoxError> {
     let o = Options {
         unavailable: args.unavailable,
@@ -117,10 +125,16 @@ async fn serve_service<T: Orders>(
     }
     let tenant = SingleTenant::new("demo");
     match (&args.store, postgres) {
+        #[cfg(not(feature = "postgres"))]
+        (_, Some(never)) => match never {},
+        #[cfg(feature = "postgres")]
         (_, Some(store)) => {
             let layer = metrics.server(store, "postgres", config).tenant(tenant);
             serve_idem(faults, layer, svc, incoming).await?;
         }
+        #[cfg(not(feature = "redis"))]
+        (StoreKind::Redis(_), None) => return Err(crate::store::missing_feature("redis", "redis")),
+        #[cfg(feature = "redis")]
         (StoreKind::Redis(url), None) => {
             let store = connect_redis(url).await?;
             let layer = metrics.server(store, "redis", config).tenant(tenant);
