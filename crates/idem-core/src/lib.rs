@@ -17,6 +17,7 @@ pub mod code;
 pub mod config;
 pub mod deadline;
 pub mod derive;
+pub mod endpoint;
 pub mod headers;
 pub mod key;
 mod macros;

@@ -360,10 +360,11 @@ fn reason_of(headers: &http::HeaderMap) -> Option<&'static str> {
     use tonic_types::StatusExt;
     let status = tonic::Status::from_header_map(headers)?;
     let info = status.get_details_error_info()?;
-    const KNOWN: [&str; 6] = [
+    const KNOWN: [&str; 7] = [
         reason::KEY_MISSING,
         reason::KEY_INVALID,
         reason::TENANT_MISSING,
+        reason::TENANT_SOURCE_MISSING,
         reason::REQUEST_TOO_LARGE,
         reason::REQUEST_MALFORMED,
         reason::ENCODING_UNSUPPORTED,
