@@ -1,4 +1,4 @@
-//! One run with every server instance in this process: the instances of a [`Fleet`]
+//! One run with every server instance in this process: the instances of a `Fleet`
 //! share the demo's ledger, fault injector and store, and a client balances over them.
 
 use std::net::SocketAddr;

@@ -28,7 +28,7 @@ use crate::store::PgStore;
 use crate::store::connect_redis;
 use crate::{BoxError, Options};
 
-/// In a test binary started by [`Launch::Test`]: serves the instance its environment
+/// In a test binary started by [`Launch::Test`](super::Launch::Test): serves the instance its environment
 /// describes until the process is killed. Returns at once (doing nothing) when the
 /// variable is not set, so the test that calls it passes in a normal run.
 pub fn serve_from_env() {
