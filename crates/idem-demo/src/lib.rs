@@ -1,5 +1,6 @@
-//! The idem demo application, shared by the `demo` example and the workspace's
-//! end-to-end tests (chaos, crashes, `--metrics-out`): not published.
+//! The idem demo application, shared by the `demo` binary (`cargo run --release -p
+//! idem-demo`) and the workspace's end-to-end tests (chaos, crashes, `--metrics-out`):
+//! not published.
 //!
 //! - [`options`]: what a run is asked for ([`Options`], the demo's [`DEFAULT_CONFIG`])
 //!   and what it reports ([`RunReport`]);
