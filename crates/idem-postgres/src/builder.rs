@@ -379,8 +379,7 @@ mod tests {
                 .connect_timeout(Duration::from_millis(300))
                 .connect()
                 .await
-                .err()
-                .expect("nothing listens on port 1");
+                .expect_err("nothing listens on port 1");
             let (debug, display) = (format!("{err:?}"), err.to_string());
             assert_eq!(debug, display);
             assert!(display.contains(names), "{url}: {display}");

@@ -494,8 +494,7 @@ mod tests {
                 .connect_timeout(Duration::from_millis(300))
                 .connect()
                 .await
-                .err()
-                .expect("nothing listens on ports 1 and 2");
+                .expect_err("nothing listens on ports 1 and 2");
             let (debug, display) = (format!("{err:?}"), err.to_string());
             assert_eq!(debug, display);
             assert!(display.contains(names), "{display}");
