@@ -15,6 +15,9 @@
 //! - [`core`] (`idem-core`, always): the service config both layers read, keys,
 //!   deadlines, status codes.
 //!
+//! On crates.io the package is `idem-grpc` (`idem` was taken); its library is `idem`, so
+//! `cargo add idem-grpc` and `use idem::…`.
+//!
 //! # Features
 //! | feature | default | brings |
 //! |---|---|---|
@@ -27,18 +30,27 @@
 //! A client-only build (`default-features = false, features = ["client"]`) compiles no
 //! server layer, no store backend, no SHA-256 and no compression code.
 
+// docs.rs (`--cfg docsrs`, nightly): each re-export says which feature brings it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub use idem_client as client;
 pub use idem_core as core;
 #[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub use idem_otel as otel;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use idem_redis as redis;
 #[cfg(feature = "server")]
+#[cfg_attr(docsrs, doc(cfg(feature = "server")))]
 pub use idem_server as server;
 #[cfg(feature = "server")]
+#[cfg_attr(docsrs, doc(cfg(feature = "server")))]
 pub use idem_store as store;
 
 /// What idem commits to: the semantics both layers and every store follow

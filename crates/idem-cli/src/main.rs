@@ -100,19 +100,9 @@ fn err(text: &str) {
 /// What the file alone cannot settle: said on standard error, not counted as warnings
 /// (the server may settle it in code).
 fn notes(config: &ServiceConfig) -> String {
+    // An unset idem.tenant is said once, on the report's `idem.tenant` line: a server
+    // that sets its tenant in code has nothing to fix.
     let mut text = String::new();
-    let protected = config
-        .method_configs()
-        .iter()
-        .any(|m| m.idempotency().is_some());
-    if protected && config.settings().tenant == TenantSource::Unset {
-        text.push_str(
-            "note: idem.tenant is not set and methods are protected: the server must be given a \
-             tenant resolver in code (IdempotencyLayer::tenant), or IdempotencyLayer::check fails \
-             and every protected call is refused with FAILED_PRECONDITION; set \
-             {\"single\": \"name\"} for a one-tenant service\n",
-        );
-    }
     for m in config.method_configs() {
         if let Some(h) = m.hedging_policy() {
             text.push_str(&hedging_note(m, h));
@@ -240,7 +230,12 @@ fn report(name: &str, parsed: &Parsed, more_warnings: usize) -> String {
 /// The `idem` object: process-wide settings, one line per part.
 fn process_wide(s: &IdemSettings) -> String {
     let tenant = match &s.tenant {
-        TenantSource::Unset => "set by the server builder".to_owned(),
+        TenantSource::Unset => "not in the config, so the server sets it in code \
+            (IdempotencyLayer::tenant, e.g. FromExtension after an auth layer); a server that \
+            does not is refused by IdempotencyLayer::check, and its protected calls get \
+            FAILED_PRECONDITION (TENANT_SOURCE_MISSING); {\"single\": \"name\"} sets one \
+            tenant here"
+            .to_owned(),
         TenantSource::Single(t) => format!("single {t:?}"),
         TenantSource::Header(h) => format!("header {h} (trusted client header)"),
     };

@@ -368,15 +368,30 @@ fn help_and_usage_errors() {
 }
 
 #[test]
-fn protected_methods_without_a_tenant_source_get_a_note() {
-    let doc = br#"{"methodConfig": [{"name": [{"service": "s.v1.S"}], "idempotency": {}}]}"#;
+fn an_unset_tenant_is_said_once_for_a_tenant_set_in_code() {
+    let doc = br#"{"methodConfig": [{"name": [{"service": "s.v1.S"}], "idempotency": {}}, {"name": [{"service": "s.v1.T"}], "idempotency": {}}]}"#;
     let o = idem(&["check-config", "-"], Some(doc));
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    assert!(
-        stderr(&o).starts_with("note: idem.tenant is not set and methods are protected"),
-        "{}",
-        stderr(&o)
+    // No note on standard error: one line of the report says it, and that a tenant set
+    // in code is fine.
+    assert_eq!(stderr(&o), "");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = out.lines().filter(|l| l.contains("tenant")).collect();
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("idem.tenant:"))
+            .count(),
+        1,
+        "{out}"
     );
+    assert!(
+        out.contains(
+            "idem.tenant: not in the config, so the server sets it in code (IdempotencyLayer::tenant"
+        ),
+        "{out}"
+    );
+    assert_eq!(out.matches("TENANT_SOURCE_MISSING").count(), 1, "{out}");
     let with_tenant =
         br#"{"methodConfig": [{"name": [{"service": "s.v1.S"}], "idempotency": {}}], "idem": {"tenant": {"single": "t"}}}"#;
     let o = idem(&["check-config", "-"], Some(with_tenant));

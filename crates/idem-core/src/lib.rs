@@ -18,6 +18,7 @@ pub mod config;
 pub mod deadline;
 pub mod derive;
 pub mod descriptor;
+pub mod endpoint;
 pub mod headers;
 pub mod key;
 mod macros;

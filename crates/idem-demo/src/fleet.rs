@@ -1,4 +1,4 @@
-//! One run with every server instance in this process: the instances of a [`Fleet`]
+//! One run with every server instance in this process: the instances of a `Fleet`
 //! share the demo's ledger, fault injector and store, and a client balances over them.
 
 use std::net::SocketAddr;
@@ -101,6 +101,7 @@ impl Fleet {
                 })
             }
             DemoStore::Memory(s) => self.serve_with_idem(s.clone(), svc, incoming, "memory"),
+            #[cfg(feature = "redis")]
             DemoStore::Redis(s) => self.serve_with_idem(s.clone(), svc, incoming, "redis"),
             DemoStore::Faulty(s) => self.serve_with_idem(s.clone(), svc, incoming, "memory"),
         };

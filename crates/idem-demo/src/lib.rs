@@ -1,16 +1,20 @@
-//! The idem demo application, shared by the `demo` example and the workspace's
-//! end-to-end tests (chaos, crashes, `--metrics-out`): not published.
+//! The idem demo application, shared by the `demo` binary (`cargo run --release -p
+//! idem-demo`) and the workspace's end-to-end tests (chaos, crashes, `--metrics-out`):
+//! not published.
 //!
 //! - [`options`]: what a run is asked for ([`Options`], the demo's [`DEFAULT_CONFIG`])
 //!   and what it reports ([`RunReport`]);
 //! - [`orders`]: the `shop.v1.Orders` service with a [`Ledger`](orders::Ledger) of
-//!   orders per intent, and [`pg_orders`], the same on PostgreSQL;
+//!   orders per intent, and `pg_orders` (feature `postgres`), the same on PostgreSQL;
 //! - [`faults`]: the seeded fault injector in front of every server instance;
 //! - [`fleet`]: one run with every instance in this process ([`run`]), on a
 //!   [`DemoStore`];
 //! - [`workload`]: the intents fired at the instances, and the tally;
 //! - [`crash`]: one run with instance processes killed with SIGKILL;
 //! - [`metrics`]: `--metrics-out`, both layers' metrics as a Prometheus exposition.
+//!
+//! Features: `redis` (`--store redis|redis-cluster`) and `postgres` (`--store
+//! postgres`); without them the demo builds no Redis client, sqlx or PostgreSQL code.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_demo::BoxError> {
@@ -31,6 +35,7 @@ pub mod fleet;
 pub mod metrics;
 pub mod options;
 pub mod orders;
+#[cfg(feature = "postgres")]
 pub mod pg_orders;
 pub mod store;
 pub mod workload;

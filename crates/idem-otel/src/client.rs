@@ -93,7 +93,7 @@ impl ClientMetrics {
             (
                 "grpc.client.attempt.started",
                 "{attempt}",
-                "Attempts started, retries included.",
+                "Attempts started, retries and hedges included.",
                 |m, target, o| {
                     let n = m.counts.attempts.get(0);
                     if n > 0 {

@@ -25,28 +25,32 @@
 //! # Metrics
 //! | name | type | unit | labels | meaning |
 //! |---|---|---|---|---|
-//! | `grpc.client.attempt.started` | counter | `{attempt}` | `grpc.method`, `grpc.target` | attempts sent, retries and transparent retries included (A66) |
+//! | `grpc.client.attempt.started` | counter | `{attempt}` | `grpc.method`, `grpc.target` | attempts sent, retries, hedges and transparent retries included (A66) |
 //! | `grpc.client.attempt.duration` | histogram | `s` | `grpc.method`, `grpc.target`, `grpc.status` | each attempt to its status; a committed one to the end of its response (A66) |
 //! | `grpc.client.call.duration` | histogram | `s` | `grpc.method`, `grpc.target`, `grpc.status` | each call as the application sees it (A66) |
 //! | `grpc.client.call.retries` | histogram | `{retry}` | `grpc.method`, `grpc.target` | retries of calls that retried; 0 is not recorded (A96) |
+//! | `grpc.client.call.hedges` | histogram | `{hedge}` | `grpc.method`, `grpc.target` | hedges per hedged call beyond the first request; 0 is not recorded (A96) |
 //! | `grpc.client.call.transparent_retries` | histogram | `{transparent_retry}` | `grpc.method`, `grpc.target` | transparent retries (gRFC A6) of calls that had any; 0 is not recorded (A96); not in `grpc.client.call.retries` nor in `grpc.client.attempt.duration` |
 //! | `grpc.client.call.retry_delay` | histogram | `s` | `grpc.method`, `grpc.target` | per call, time with no attempt in flight (A96) |
-//! | `idem.client.call.outcome` | counter | `{call}` | `grpc.method`, `grpc.target`, `idem.outcome` | calls by why the layer stopped (`CallOutcome` names) |
+//! | `idem.client.call.outcome` | counter | `{call}` | `grpc.method`, `grpc.target`, `idem.outcome` | calls by why the layer stopped ([`CallOutcome`](idem_client::retry::CallOutcome) names): `committed` (the normal end of a successful call: response headers, then trailers), `ok` (a Trailers-Only OK), `no_retry_policy`, `non_retryable_code`, `attempts_exhausted`, `throttled`, `pushback_stop`, `deadline`, `body_too_large`, `replay_budget_exhausted`, `body_error`, `service_error`, `message_too_large`, `not_ready`, `not_hedged` (no longer reported) |
 //! | `idem.client.retry_throttle.tokens` | gauge | `{token}` | `grpc.target` | tokens left in the A6 throttle |
-//! | `grpc.server.call.started` | counter | `{call}` | `grpc.method` | calls to protected methods (A66) |
-//! | `grpc.server.call.duration` | histogram | `s` | `grpc.method`, `grpc.status` | protected calls, arrival to end of response (A66) |
-//! | `idem.server.call.outcome` | counter | `{call}` | `grpc.method`, `idem.outcome`, `idem.reason` (rejected only) | protected calls by outcome |
+//! | `grpc.server.call.started` | counter | `{call}` | `grpc.method` | calls received, protected or passed through (A66) |
+//! | `grpc.server.call.duration` | histogram | `s` | `grpc.method`, `grpc.status` | calls, arrival to the end of the response (A66) |
+//! | `idem.server.call.outcome` | counter | `{call}` | `grpc.method`, `idem.outcome`, `idem.reason` (rejected: the `ErrorInfo` reason; store_full: the bound that refused), `idem.tenant` (opt-in: [`ServerMetrics::tenant_label`]) | calls by what the layer did: executed, replayed, waited, mismatch, aborted, not_retained, rejected, store_unavailable, store_full, overloaded, fail_open, waited_deadline, cancelled, passthrough (a method without `idempotency`, or a keyless call where the key is optional) |
 //! | `idem.server.handlers.in_flight` | gauge | `{run}` | | handler runs from claim to recorded outcome, detached ones included |
 //! | `idem.server.handlers.detached` | gauge | `{run}` | | handler runs going on after their caller went away before the response began (their outcome is still recorded) |
 //! | `idem.server.record.outcome` | counter | `{record}` | `idem.record` | records stored, released, unrecorded |
 //! | `idem.server.stale_fences` | counter | `{record}` | | completions/releases refused: the record was taken over |
 //! | `idem.store.operation.duration` | histogram | `s` | `idem.store.kind`, `idem.store.operation`, `idem.store.result` | each store operation |
 //! | `idem.store.memory.entries` / `.in_flight` / `.size` | gauge | `{record}` / `{record}` / `By` | | what a `MemoryStore` holds |
+//! | `idem.store.memory.usage` | gauge | `1` | `idem.store.bound` | how full each bound of a `MemoryStore` is, 0 to 1 (a tenant bound: its fullest tenant); at 1 new protected calls get `STORE_FULL` |
 //! | `idem.store.memory.evictions` | counter | `{record}` | | completed records a `MemoryStore` dropped before their TTL to make room: a retry of their key runs again |
 //! | `idem.store.memory.expirations` | counter | `{record}` | | records a `MemoryStore` dropped at the end of their TTL |
 //!
 //! # Labels
-//! Bounded by construction: no key, scope or tenant is ever a label. `grpc.method` is
+//! Bounded by construction: no key or scope is ever a label, and the tenant only when
+//! asked for, bounded ([`ServerMetrics::tenant_label`]: the first N tenants seen, then
+//! `"other"`). `grpc.method` is
 //! the method's name (`shop.v1.Orders/CreateOrder`) when the service config names it (on
 //! the client also by its service), else `"other"`. `grpc.status` is the code's name
 //! (`UNAVAILABLE`). The outcome, reason, record and store labels take values from fixed

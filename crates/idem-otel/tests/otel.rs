@@ -429,6 +429,32 @@ async fn replay_and_mismatch() {
     otel.expect_stored(1.0).await;
 }
 
+/// A layer used without `check()` and without a tenant source refuses protected calls
+/// with FAILED_PRECONDITION `TENANT_SOURCE_MISSING`, and the metric says that reason (it
+/// said `OTHER`).
+#[tokio::test]
+async fn a_missing_tenant_source_is_its_own_reason() {
+    let otel = Otel::new();
+    let cfg = ServiceConfig::from_json(
+        r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+            "idempotency": {}}]}"#,
+    )
+    .expect("config");
+    let addr = serve(server_layer(&otel, &cfg, MemoryStore::default()), 0).await;
+    let mut c = OrdersClient::new(net::channel(addr));
+    let s = c
+        .create_order(keyed("a", "key-no-tenant-01"))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    let rejected = [
+        ("grpc.method", METHOD),
+        ("idem.outcome", "rejected"),
+        ("idem.reason", "TENANT_SOURCE_MISSING"),
+    ];
+    otel.expect_outcomes(&rejected, 1.0).await;
+}
+
 #[tokio::test]
 async fn store_down() {
     let otel = Otel::new();

@@ -4,6 +4,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::endpoint::redacted;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection};
 
@@ -48,7 +49,11 @@ pub enum WaitStrategy {
 }
 
 /// Why [`PostgresStoreBuilder::connect`] failed.
-#[derive(Debug, thiserror::Error)]
+///
+/// The message names the endpoint (the URL with its user, password and query replaced:
+/// [`idem_core::endpoint::redacted`]); `Debug` prints the same sentence, so `?` in
+/// `main` reads it.
+#[derive(thiserror::Error)]
 pub enum ConnectError {
     /// The URL is not a PostgreSQL URL.
     #[error("invalid postgres url: {0}")]
@@ -57,11 +62,17 @@ pub enum ConnectError {
     #[error("invalid postgres store setting: {0}")]
     InvalidSetting(String),
     /// PostgreSQL did not answer (refused, timed out, authentication, permissions).
-    #[error("postgres unavailable: {0}")]
+    #[error("postgres unavailable at {0}")]
     Unavailable(String),
     /// The schema exists in a version this crate does not read.
     #[error("postgres schema: {0}")]
     Schema(String),
+}
+
+impl std::fmt::Debug for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// Builds a [`PostgresStore`].
@@ -235,12 +246,13 @@ impl PostgresStoreBuilder {
     pub async fn connect(self) -> Result<PostgresStore, ConnectError> {
         self.validate()?;
         if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
-            return Err(ConnectError::InvalidUrl(
-                "must start with postgres:// or postgresql://".into(),
-            ));
+            return Err(ConnectError::InvalidUrl(format!(
+                "{}: must start with postgres:// or postgresql://",
+                redacted(&self.url)
+            )));
         }
         let mut options = PgConnectOptions::from_str(&self.url)
-            .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?
+            .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted(&self.url))))?
             .options([(
                 "statement_timeout",
                 self.statement_timeout.as_millis().to_string(),
@@ -259,7 +271,8 @@ impl PostgresStoreBuilder {
             // round trip per operation.
             .test_before_acquire(false)
             .connect_lazy_with(options.clone());
-        let unavailable = |e: String| ConnectError::Unavailable(e);
+        let endpoint = redacted(&self.url);
+        let unavailable = |e: String| ConnectError::Unavailable(format!("{endpoint}: {e}"));
         // The schema step runs on a connection of its own, bounded by the connect
         // timeout rather than the (shorter) statement timeout of the pool.
         let setup = async {
@@ -337,6 +350,41 @@ mod tests {
             .await
             .err();
         assert!(matches!(err, Some(ConnectError::InvalidUrl(_))), "{err:?}");
+    }
+
+    /// A connect error is a sentence that names the endpoint without its password (in
+    /// the user info or the query), in `Debug` (what `?` in `main` prints) as in
+    /// `Display`.
+    #[tokio::test]
+    async fn connect_errors_name_the_endpoint_never_the_password() {
+        for (url, names) in [
+            (
+                "postgres://idem:s3cret@127.0.0.1:1/x",
+                "postgres://***@127.0.0.1:1/x",
+            ),
+            (
+                "postgres://127.0.0.1:1/x?user=idem&password=s3cret",
+                "postgres://127.0.0.1:1/x?…",
+            ),
+            (
+                "postgres://idem:s3cret@127.0.0.1:notaport/x",
+                "postgres://***@127.0.0.1:notaport/x",
+            ),
+            (
+                "mysql://idem:s3cret@127.0.0.1:1/x",
+                "mysql://***@127.0.0.1:1/x",
+            ),
+        ] {
+            let err = PostgresStoreBuilder::new(url)
+                .connect_timeout(Duration::from_millis(300))
+                .connect()
+                .await
+                .expect_err("nothing listens on port 1");
+            let (debug, display) = (format!("{err:?}"), err.to_string());
+            assert_eq!(debug, display);
+            assert!(display.contains(names), "{url}: {display}");
+            assert!(!display.contains("s3cret"), "{display}");
+        }
     }
 
     #[tokio::test]

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use idem_core::endpoint::{redacted, redacted_list};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 
@@ -57,7 +58,11 @@ pub const NOTIFY_POLL_MIN: Duration = Duration::from_millis(50);
 pub const NOTIFY_POLL_MAX: Duration = Duration::from_millis(250);
 
 /// Why [`RedisStoreBuilder::connect`] failed.
-#[derive(Debug, thiserror::Error)]
+///
+/// The message names the endpoint (the URL or the cluster's seed nodes, with any user
+/// and password replaced by `***`: [`idem_core::endpoint::redacted`]); `Debug` prints
+/// the same sentence, so `?` in `main` reads it.
+#[derive(thiserror::Error)]
 pub enum ConnectError {
     /// The URL is not a Redis URL.
     #[error("invalid redis url: {0}")]
@@ -66,8 +71,14 @@ pub enum ConnectError {
     #[error("invalid redis store setting: {0}")]
     InvalidSetting(String),
     /// Redis did not answer (connection refused, timeout, authentication, script load).
-    #[error("redis unavailable: {0}")]
+    #[error("redis unavailable at {0}")]
     Unavailable(String),
+}
+
+impl std::fmt::Debug for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// Builds a [`RedisStore`].
@@ -288,6 +299,8 @@ impl RedisStoreBuilder {
     /// timeout. Once connected, the store reconnects on its own.
     pub async fn connect(self) -> Result<RedisStore, ConnectError> {
         self.validate()?;
+        let endpoint = self.endpoint_name();
+        let at = |e: String| ConnectError::Unavailable(format!("{endpoint}: {e}"));
         let (conn, notify_target) = match &self.endpoint {
             Endpoint::Url(url) => self.connect_single(url).await?,
             Endpoint::Cluster(nodes) => self.connect_cluster(nodes).await?,
@@ -320,22 +333,16 @@ impl RedisStoreBuilder {
                     .into(),
             ));
         }
-        store
-            .load_scripts()
-            .await
-            .map_err(|e| ConnectError::Unavailable(e.to_string()))?;
+        store.load_scripts().await.map_err(|e| at(e.to_string()))?;
         if self.check_server {
-            store
-                .check_server()
-                .await
-                .map_err(|e| ConnectError::Unavailable(e.to_string()))?;
+            store.check_server().await.map_err(|e| at(e.to_string()))?;
         }
         Ok(store)
     }
 
     async fn connect_single(&self, url: &str) -> Result<(Conn, Target), ConnectError> {
-        let client =
-            redis::Client::open(url).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+        let client = redis::Client::open(url)
+            .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted(url))))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.connect_timeout))
             .set_response_timeout(Some(self.command_timeout))
@@ -353,7 +360,7 @@ impl RedisStoreBuilder {
     async fn connect_cluster(&self, nodes: &[String]) -> Result<(Conn, Target), ConnectError> {
         for n in nodes {
             redis::Client::open(n.as_str())
-                .map_err(|e| ConnectError::InvalidUrl(format!("{n}: {e}")))?;
+                .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted(n))))?;
         }
         // Few retries inside the client (a redirect or two, a reconnection): the layer
         // retries what fails, and a request the client retries after the caller's
@@ -365,7 +372,7 @@ impl RedisStoreBuilder {
             .min_retry_wait(10)
             .max_retry_wait(200)
             .build()
-            .map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
+            .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted_list(nodes))))?;
         let conn = tokio::time::timeout(self.connect_timeout, client.get_async_connection()).await;
         Ok((
             Conn::Cluster(self.connected(conn)?),
@@ -377,13 +384,25 @@ impl RedisStoreBuilder {
         &self,
         attempt: Result<redis::RedisResult<C>, tokio::time::error::Elapsed>,
     ) -> Result<C, ConnectError> {
+        let endpoint = self.endpoint_name();
         match attempt {
             Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(ConnectError::Unavailable(map_error(e).to_string())),
+            Ok(Err(e)) => Err(ConnectError::Unavailable(format!(
+                "{endpoint}: {}",
+                map_error(e)
+            ))),
             Err(_) => Err(ConnectError::Unavailable(format!(
-                "no connection within {:?}",
+                "{endpoint}: no connection within {:?}",
                 self.connect_timeout
             ))),
+        }
+    }
+
+    /// The endpoint for messages: the URL or the seed nodes, credentials taken out.
+    fn endpoint_name(&self) -> String {
+        match &self.endpoint {
+            Endpoint::Url(url) => redacted(url),
+            Endpoint::Cluster(nodes) => format!("cluster {}", redacted_list(nodes)),
         }
     }
 }
@@ -451,6 +470,36 @@ mod tests {
             "redis://127.0.0.1:2",
         ]))
         .await;
+    }
+
+    /// A connect error is a sentence that names the endpoint without its password, in
+    /// `Debug` (what `?` in `main` prints) as in `Display`.
+    #[tokio::test]
+    async fn connect_errors_name_the_endpoint_never_the_password() {
+        let single = RedisStoreBuilder::new("redis://app:s3cret@127.0.0.1:1/0");
+        let cluster = RedisStoreBuilder::cluster([
+            "redis://:s3cret@127.0.0.1:1",
+            "redis://:s3cret@127.0.0.1:2",
+        ]);
+        let bad_url = RedisStoreBuilder::new("redis://app:s3cret@127.0.0.1:notaport/0");
+        for (builder, names) in [
+            (single, "redis://***@127.0.0.1:1/0"),
+            (
+                cluster,
+                "cluster redis://***@127.0.0.1:1,redis://***@127.0.0.1:2",
+            ),
+            (bad_url, "redis://***@127.0.0.1:notaport/0"),
+        ] {
+            let err = builder
+                .connect_timeout(Duration::from_millis(300))
+                .connect()
+                .await
+                .expect_err("nothing listens on ports 1 and 2");
+            let (debug, display) = (format!("{err:?}"), err.to_string());
+            assert_eq!(debug, display);
+            assert!(display.contains(names), "{display}");
+            assert!(!display.contains("s3cret"), "{display}");
+        }
     }
 
     #[test]

@@ -23,7 +23,7 @@
 //! # Outcomes
 //! `executed`, `replayed`, `waited` (replayed after waiting for the call in flight),
 //! `mismatch`, `aborted`, `not_retained`, `rejected` (with the `ErrorInfo` reason:
-//! `KEY_MISSING`, `KEY_INVALID`, `TENANT_MISSING`, `REQUEST_TOO_LARGE`,
+//! `KEY_MISSING`, `KEY_INVALID`, `TENANT_MISSING`, `TENANT_SOURCE_MISSING`, `REQUEST_TOO_LARGE`,
 //! `REQUEST_MALFORMED`, `ENCODING_UNSUPPORTED`), `store_unavailable`, `store_full` (with
 //! the bound that refused, when the store names it), `overloaded`, `fail_open`,
 //! `waited_deadline`, and `cancelled` for a caller that went away before any of them.
@@ -371,10 +371,11 @@ fn reason_of(headers: &http::HeaderMap) -> Option<&'static str> {
     use tonic_types::StatusExt;
     let status = tonic::Status::from_header_map(headers)?;
     let info = status.get_details_error_info()?;
-    const KNOWN: [&str; 6] = [
+    const KNOWN: [&str; 7] = [
         reason::KEY_MISSING,
         reason::KEY_INVALID,
         reason::TENANT_MISSING,
+        reason::TENANT_SOURCE_MISSING,
         reason::REQUEST_TOO_LARGE,
         reason::REQUEST_MALFORMED,
         reason::ENCODING_UNSUPPORTED,

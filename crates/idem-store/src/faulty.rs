@@ -1,4 +1,4 @@
-//! [`FaultyStore`]: any [`Store`](crate::Store) with faults injected into the operations a test picks
+//! [`FaultyStore`]: any [`Store`] with faults injected into the operations a test picks
 //! (a store blip, a lost reply, a full store, a store bug), and every operation counted.
 //! The test double beside [`InstrumentedStore`](crate::instrumented::InstrumentedStore),
 //! with the same [`StoreOp`]s; enable the `testing` feature to use it.

@@ -44,6 +44,9 @@
 //!
 //! [`MemoryStore`]: memory::MemoryStore
 
+// docs.rs (`--cfg docsrs`, nightly): feature-gated items say which feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
@@ -52,6 +55,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 #[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod faulty;
 pub mod format;
 pub mod instrumented;
@@ -60,6 +64,7 @@ mod record;
 pub mod records;
 pub mod response;
 #[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 pub mod wait;
 

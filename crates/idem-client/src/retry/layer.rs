@@ -79,8 +79,9 @@ impl RetryLayer {
     }
 }
 
-/// Why [`RetryLayerBuilder::build`] failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why [`RetryLayerBuilder::build`] failed. `Debug` prints the same sentence as
+/// `Display`, so `?` in `main` reads it.
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BuildError {
     /// The builder's retry policy breaks an A6 rule.
     #[error(transparent)]
@@ -91,6 +92,12 @@ pub enum BuildError {
     /// mismatch, each with its JSON path).
     #[error("the service config does not match the descriptors: {0}")]
     Descriptors(ConfigError),
+}
+
+impl std::fmt::Debug for BuildError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// Builds a [`RetryLayer`].
@@ -416,5 +423,21 @@ impl RetryLayerBuilder {
                 observer: self.observer,
             })),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `fn main() -> Result<(), Box<dyn Error>>` prints on `?`: the sentence.
+    #[test]
+    fn a_build_error_debugs_as_its_sentence() {
+        let e = RetryLayer::builder()
+            .max_attempts(1)
+            .build()
+            .expect_err("one attempt is not a retry policy");
+        assert_eq!(format!("{e:?}"), e.to_string());
+        assert!(e.to_string().starts_with("invalid retry policy: "), "{e}");
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub const SERVE_FLAG: &str = "--serve-instance";
 
 /// The environment variable that carries a test binary's instance arguments (see
-/// [`serve_from_env`]).
+/// [`serve_from_env`](super::serve_from_env)).
 pub const SERVE_ENV: &str = "IDEM_SERVE_INSTANCE";
 
 /// Where the instances keep their idempotency records.

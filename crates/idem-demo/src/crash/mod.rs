@@ -17,7 +17,7 @@
 //! exactly there.
 //!
 //! - [`args`]: what an instance process is told ([`ServeArgs`]) and where it may pause;
-//! - [`serve`]: the instance process's side: it serves until it is killed;
+//! - [`serve`](mod@serve): the instance process's side: it serves until it is killed;
 //! - [`process`]: the demo's side of one process ([`Launch`], [`Instance`]);
 //! - [`run`]: one run with instances killed every N intents ([`run_with_crashes`]);
 //! - [`rolling`]: one run with a rolling restart every N intents: SIGTERM, drain, exit,

@@ -16,7 +16,7 @@ pub enum Launch {
     /// `exe --serve-instance ARGS…` (the demo binary).
     Binary(PathBuf),
     /// `exe TEST --exact --nocapture` with the arguments in [`SERVE_ENV`]: a test binary
-    /// whose test `TEST` calls [`serve_from_env`].
+    /// whose test `TEST` calls [`serve_from_env`](super::serve_from_env).
     Test {
         /// The test binary (`std::env::current_exe()` in a test).
         exe: PathBuf,

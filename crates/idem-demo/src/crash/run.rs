@@ -19,6 +19,7 @@ use super::process::{Instance, Launch};
 use crate::fleet::{client_channel, label, retry_layer};
 use crate::metrics::{DemoMetrics, merge, scrape};
 use crate::orders::Ledger;
+#[cfg(feature = "postgres")]
 use crate::pg_orders;
 use crate::workload::{tally, workload};
 use crate::{BoxError, Options, RunReport};
@@ -117,7 +118,12 @@ pub async fn run_with_crashes(
 ) -> Result<RunReport, BoxError> {
     let label = label(with_idem);
     let files = RunFiles::new(with_idem, config_text)?;
-    let orders_db = match store {
+    let orders_db: Option<crate::store::PgPool> = match store {
+        #[cfg(not(feature = "postgres"))]
+        StoreKind::Postgres(_) => {
+            return Err(crate::store::missing_feature("postgres", "postgres"));
+        }
+        #[cfg(feature = "postgres")]
         StoreKind::Postgres(url) => {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(1)
@@ -175,7 +181,10 @@ pub async fn run_with_crashes(
         tokio::task::spawn_blocking(move || m.write_with_servers(&path, &servers, n)).await??;
     }
     let by_intent = match &orders_db {
+        #[cfg(feature = "postgres")]
         Some(pool) => pg_orders::orders_by_intent(pool).await?,
+        #[cfg(not(feature = "postgres"))]
+        Some(never) => match *never {},
         None => Ledger::read_file(&files.ledger)?,
     };
     let _ = std::fs::remove_dir_all(&files.dir);

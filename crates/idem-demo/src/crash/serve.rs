@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use idem_client::retry::{Retry, RetryLayer};
 use idem_core::config::ServiceConfig;
-use idem_postgres::PostgresStore;
 use idem_server::drain::Drain;
 use idem_server::idempotency::tenant::SingleTenant;
 use idem_server::inbound::InboundLayer;
@@ -24,11 +23,14 @@ use crate::faults::Faults;
 use crate::fleet::serve_idem_until;
 use crate::metrics::InstanceMetrics;
 use crate::orders::{Ledger, LedgerOrders};
+#[cfg(feature = "postgres")]
 use crate::pg_orders::PgOrders;
+use crate::store::PgStore;
+#[cfg(feature = "redis")]
 use crate::store::connect_redis;
 use crate::{BoxError, Options};
 
-/// In a test binary started by [`Launch::Test`]: serves the instance its environment
+/// In a test binary started by [`Launch::Test`](super::Launch::Test): serves the instance its environment
 /// describes until the process is killed. Returns at once (doing nothing) when the
 /// variable is not set, so the test that calls it passes in a normal run.
 pub fn serve_from_env() {
@@ -49,6 +51,7 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connection pool size of an instance's PostgreSQL store: handlers hold one for their
 /// transaction, so it bounds the handlers that can write at once.
+#[cfg(feature = "postgres")]
 const PG_POOL: u32 = 24;
 
 /// Serves one instance until the process is killed; prints `ready` on standard output
@@ -71,8 +74,13 @@ pub async fn serve(args: ServeArgs) -> Result<(), BoxError> {
         };
         return serve_service(&args, &config, svc, None).await;
     }
+    #[cfg(not(feature = "postgres"))]
+    if let StoreKind::Postgres(_) = &args.store {
+        return Err(crate::store::missing_feature("postgres", "postgres"));
+    }
+    #[cfg(feature = "postgres")]
     if let StoreKind::Postgres(url) = &args.store {
-        let store = PostgresStore::builder(url.clone())
+        let store = PgStore::builder(url.clone())
             .max_connections(PG_POOL)
             .connect()
             .await?;
@@ -94,7 +102,7 @@ async fn serve_service<T: Orders>(
     args: &ServeArgs,
     config: &ServiceConfig,
     svc: T,
-    postgres: Option<PostgresStore>,
+    postgres: Option<PgStore>,
 ) -> Result<(), BoxError> {
     let o = Options {
         unavailable: args.unavailable,
@@ -134,10 +142,18 @@ async fn serve_service<T: Orders>(
     let stop = drain.signal();
     let server = async {
         match (&args.store, postgres) {
+            #[cfg(not(feature = "postgres"))]
+            (_, Some(never)) => match never {},
+            #[cfg(feature = "postgres")]
             (_, Some(store)) => {
                 let layer = metrics.server(store, "postgres", config).tenant(tenant);
                 serve_idem_until(faults, layer, svc, incoming, stop).await?;
             }
+            #[cfg(not(feature = "redis"))]
+            (StoreKind::Redis(_), None) => {
+                return Err(crate::store::missing_feature("redis", "redis"));
+            }
+            #[cfg(feature = "redis")]
             (StoreKind::Redis(url), None) => {
                 let store = connect_redis(url).await?;
                 let layer = metrics.server(store, "redis", config).tenant(tenant);

@@ -11,7 +11,9 @@ use idem_core::config::ConfigError;
 /// [`IdempotencyLayer::reload`](super::IdempotencyLayer::reload). A layer used without
 /// the check refuses every protected call with FAILED_PRECONDITION
 /// (`TENANT_SOURCE_MISSING`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// `Debug` prints the same sentence as `Display`, so `?` in `main` names the fix.
+#[derive(Clone, PartialEq, Eq)]
 pub struct NoTenantSource {
     /// A method the config protects (the first one), to name in the message.
     pub(crate) method: String,
@@ -28,12 +30,18 @@ impl fmt::Display for NoTenantSource {
     }
 }
 
+impl fmt::Debug for NoTenantSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
 impl std::error::Error for NoTenantSource {}
 
 /// Why [`IdempotencyLayer::check`](super::IdempotencyLayer::check) or
 /// [`IdempotencyLayer::reload`](super::IdempotencyLayer::reload) refused the layer's
 /// config.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CheckError {
     /// Methods are protected but no tenant source was chosen.
@@ -45,4 +53,34 @@ pub enum CheckError {
     /// opted-out side-effecting method… (every mismatch, each with its JSON path).
     #[error("the service config does not match the descriptors: {0}")]
     Descriptors(ConfigError),
+}
+
+/// Debug is the sentence, as for [`NoTenantSource`]: what `?` in `main` prints.
+impl fmt::Debug for CheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `fn main() -> Result<(), Box<dyn Error>>` prints on `?`: the sentence with the
+    /// fix, not the struct.
+    #[test]
+    fn debug_is_the_sentence() {
+        let e = NoTenantSource {
+            method: "shop.v1.Orders/CreateOrder".into(),
+        };
+        let boxed: Box<dyn std::error::Error> = Box::new(e.clone());
+        assert_eq!(format!("{boxed:?}"), e.to_string());
+        assert!(
+            format!("{e:?}").starts_with(
+                "no tenant source configured, but the config protects shop.v1.Orders/CreateOrder: \
+                 set idem.tenant"
+            ),
+            "{e:?}"
+        );
+    }
 }

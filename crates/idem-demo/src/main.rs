@@ -1,16 +1,16 @@
 //! The demo: effectively-once `CreateOrder` under injected faults, with idem and without.
 //!
 //! ```text
-//! cargo run --release --example demo
-//! cargo run --release --example demo -- --intents 5000 --concurrency 128 --drop 0.2
-//! cargo run --release --example demo -- --redis redis://127.0.0.1:6379 --instances 3
-//! cargo run --release --example demo -- --config examples/service_config.json
-//! cargo run --release --example demo -- --store redis --instances 3 --crash-every 200
-//! cargo run --release --example demo -- --metrics-out metrics.prom
-//! cargo run --release --example demo -- --store postgres --instances 3 --crash-every 200
-//! cargo run --release --example demo -- --store redis-cluster --instances 3
-//! cargo run --release --example demo -- --store redis --instances 3 --rolling-restart 400 --unavailable 0 --drop 0
-//! cargo run --release --example demo -- --redis-cluster redis://10.0.0.1:7000,redis://10.0.0.2:7000
+//! cargo run --release -p idem-demo
+//! cargo run --release -p idem-demo -- --intents 5000 --concurrency 128 --drop 0.2
+//! cargo run --release -p idem-demo --features redis -- --redis redis://127.0.0.1:6379 --instances 3
+//! cargo run --release -p idem-demo -- --config examples/service_config.json
+//! cargo run --release -p idem-demo --features redis -- --store redis --instances 3 --crash-every 200
+//! cargo run --release -p idem-demo -- --metrics-out metrics.prom
+//! cargo run --release -p idem-demo --features postgres -- --store postgres --instances 3 --crash-every 200
+//! cargo run --release -p idem-demo --features redis -- --store redis-cluster --instances 3
+//! cargo run --release -p idem-demo --features redis -- --redis-cluster redis://10.0.0.1:7000,redis://10.0.0.2:7000
+//! cargo run --release -p idem-demo --features redis -- --store redis --instances 3 --rolling-restart 400 --unavailable 0 --drop 0
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -47,14 +47,19 @@
 //! without idem is plain tonic on both sides (no retry layer; `serve_with_shutdown` on
 //! SIGTERM).
 //!
+//! Redis and Redis Cluster need the package's `redis` feature, PostgreSQL its `postgres`
+//! feature: the in-memory default builds neither client.
+//!
 //! An intent that still fails after the client layer's retries is retried by the
 //! application (up to `--app-retries`), as a real caller would. The table counts orders
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
 //! the process exits with status 1 otherwise.
 
 use idem_demo::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
+#[cfg(feature = "redis")]
 use idem_demo::store::connect_redis;
 use idem_demo::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
+#[cfg(feature = "postgres")]
 use idem_test_support::postgres::PostgresServer;
 use idem_test_support::redis::{RedisCluster, RedisServer};
 use std::time::Duration;
@@ -169,6 +174,9 @@ fn parse_args() -> Result<Args, String> {
     if postgres.is_some() {
         store = Some("postgres".into());
     }
+    if let Some(e) = store.as_deref().and_then(missing_backend) {
+        return Err(e);
+    }
     if store.as_deref() == Some("postgres") && crash_every.is_none() {
         return Err(
             "--store postgres runs the instances as processes: give --crash-every N too".into(),
@@ -206,6 +214,24 @@ fn parse_args() -> Result<Args, String> {
         rolling,
     })
 }
+
+/// The error for a `--store` whose backend this binary was built without (features
+/// `redis`, `postgres` of idem-demo), naming the command that builds it.
+fn missing_backend(store: &str) -> Option<String> {
+    let feature = match store {
+        "redis" | "redis-cluster" if !cfg!(feature = "redis") => "redis",
+        "postgres" if !cfg!(feature = "postgres") => "postgres",
+        _ => return None,
+    };
+    Some(idem_demo::store::missing_feature(store, feature).to_string())
+}
+
+/// What keeps a private PostgreSQL server alive (none without the `postgres` feature).
+#[cfg(feature = "postgres")]
+type PrivatePostgres = PostgresServer;
+/// What keeps a private PostgreSQL server alive (none without the `postgres` feature).
+#[cfg(not(feature = "postgres"))]
+struct PrivatePostgres;
 
 fn print_table(o: &Options, store: &str, crash_every: Option<usize>, reports: &[RunReport]) {
     println!();
@@ -373,9 +399,11 @@ async fn demo() {
         (None, false) => None,
     };
     // A private PostgreSQL server when --store postgres comes without a URL.
-    let mut private_postgres = None;
+    #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
+    let mut private_postgres: Option<PrivatePostgres> = None;
     let postgres_url = match (postgres, store_choice.as_deref() == Some("postgres")) {
         (Some(url), _) => Some(url),
+        #[cfg(feature = "postgres")]
         (None, true) => {
             let (server, url) = private(
                 PostgresServer::start_with(&[("max_connections", "300")]),
@@ -387,7 +415,7 @@ async fn demo() {
             private_postgres = Some(server);
             Some(url)
         }
-        (None, false) => None,
+        (None, _) => None,
     };
     let store_label = if postgres_url.is_some() {
         "PostgreSQL"
@@ -419,6 +447,7 @@ async fn demo() {
     };
     drop(private_redis);
     drop(private_cluster);
+    #[cfg_attr(not(feature = "postgres"), allow(clippy::drop_non_drop))]
     drop(private_postgres);
     print_table(&o, store_label, crash_every, &reports);
     let idem = &reports[0];
@@ -499,6 +528,13 @@ async fn in_process_runs(
             let settings = config.settings().memory_store.clone().for_single_tenant();
             DemoStore::Memory(MemoryStore::new(settings))
         }
+        #[cfg(not(feature = "redis"))]
+        Some(_) => {
+            // parse_args refused it already.
+            eprintln!("{}", idem_demo::store::missing_feature("redis", "redis"));
+            std::process::exit(2);
+        }
+        #[cfg(feature = "redis")]
         Some(url) => match connect_redis(url).await {
             Ok(s) => DemoStore::Redis(s),
             Err(e) => {
