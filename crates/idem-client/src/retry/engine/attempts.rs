@@ -23,6 +23,7 @@ use crate::BoxError;
 use crate::retry::engine::context::{Attempt, CallContext};
 use crate::retry::engine::timed::{Cut, Receive, Timed};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::gate::Guards;
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::policy::{
     self, AttemptBounds, Attempted, CallState, Decision, RetryLimits, decide,
@@ -199,9 +200,11 @@ impl CallPlan {
             bounds: self.bounds(copy),
             jitter: self.cx.shared.jitter.as_ref(),
         };
-        decide(state, attempted, &limits, || {
-            throttle.is_none_or(RetryThrottle::record_failure)
-        })
+        let gate = Guards {
+            throttle,
+            ..self.cx.settings.guards()
+        };
+        decide(state, attempted, &limits, gate)
     }
 }
 
