@@ -46,4 +46,6 @@ pub(crate) type Req = http::Request<tonic::body::Body>;
 pub(crate) type Resp = http::Response<tonic::body::Body>;
 
 #[cfg(test)]
+mod guard_tests;
+#[cfg(test)]
 mod tests;

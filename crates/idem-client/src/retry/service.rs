@@ -10,7 +10,7 @@ use idem_core::config::ServiceConfig;
 use idem_core::deadline::{
     current_scope, earliest, encode_grpc_timeout, inbound_deadline, parse_grpc_timeout,
 };
-use idem_core::headers::{ERROR_DOMAIN, GRPC_TIMEOUT, reason};
+use idem_core::headers::GRPC_TIMEOUT;
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Instrument;
@@ -26,7 +26,7 @@ use crate::retry::engine::race;
 use crate::retry::future::{ResponseFuture, Spare};
 use crate::retry::layer::RetryLayer;
 use crate::retry::outcome::{CallOutcome, CallReport};
-use crate::retry::policy::breaker::{Admission, CallTicket};
+use crate::retry::policy::breaker::{self, Admission, CallTicket};
 use crate::retry::request::check::{CheckedBody, RequestCheck, RequestFault};
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
@@ -136,10 +136,10 @@ where
             policy.retry = None;
             policy.hedging = None;
         }
-        if !matches!(admission, Some(Admission::Refuse(_))) {
-            if let Some(budget) = &settings.guard_handles().budget {
-                budget.deposit();
-            }
+        if !matches!(admission, Some(Admission::Refuse(_)))
+            && let Some(budget) = &settings.guard_handles().budget
+        {
+            budget.deposit();
         }
         place_request_key(&mut req, settings.key_header(), policy.add_key);
         let cx = CallContext {
@@ -160,7 +160,7 @@ where
         };
         if let Some(Admission::Refuse(wait)) = admission {
             // Open: nothing is sent, and no attempt, token or budget is used.
-            let status = circuit_open(cx.path.as_str(), wait);
+            let status = breaker::refusal(cx.path.as_str(), wait);
             let report = CallReport::new(CallOutcome::CircuitOpen);
             return ResponseFuture::ready(cx.finish(Attempt::Local(status), report));
         }
@@ -267,24 +267,6 @@ impl<S> Retry<S> {
         let fut = self.inner.call(req);
         ResponseFuture::passthrough(fut, cx, span)
     }
-}
-
-/// The answer to a call the open breaker refuses: UNAVAILABLE, `ErrorInfo` reason
-/// `CIRCUIT_OPEN`, and the time left open as `RetryInfo`.
-fn circuit_open(path: &str, wait: Duration) -> tonic::Status {
-    use tonic_types::{ErrorDetails, StatusExt};
-    let mut details = ErrorDetails::with_error_info(
-        reason::CIRCUIT_OPEN,
-        ERROR_DOMAIN,
-        std::collections::HashMap::<String, String>::new(),
-    );
-    details.set_retry_info(Some(wait));
-    let message = format!(
-        "circuit breaker open: {path} was not sent (the target kept failing); nothing \
-         reached a server, so retrying with the same key after {}ms is safe",
-        wait.as_millis()
-    );
-    tonic::Status::with_error_details(tonic::Code::Unavailable, message, details)
 }
 
 /// OpenTelemetry's `rpc.service` (`i = 0`) or `rpc.method` (`i = 1`) of a path.

@@ -298,6 +298,14 @@ impl Run {
         if let Some(attempt) = self.call.expired(&self.ready) {
             return Err(self.answer(attempt, CallOutcome::Deadline));
         }
+        if self.state.attempts > 0
+            && self.ready.waits == 0
+            && let Some(b) = &self.call.cx.settings.guard_handles().breaker
+            && let Some(status) = b.refuse_retry(self.call.cx.path.as_str())
+        {
+            // The breaker opened during the wait: the retry is not sent.
+            return Err(self.answer(Attempt::Local(status), CallOutcome::CircuitOpen));
+        }
         if self.ready.waits == 0 {
             self.state.attempts += 1;
             self.call.cx.shared.stats.attempt(self.state.attempts == 1);

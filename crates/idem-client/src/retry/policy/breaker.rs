@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use idem_core::config::CircuitBreakerSettings;
+use idem_core::headers::{ERROR_DOMAIN, reason};
 use tokio::time::Instant;
 
 use crate::retry::policy::backoff::jittered;
@@ -320,6 +321,13 @@ impl CircuitBreaker {
         self.lock().retries_allowed()
     }
 
+    /// `None` while retries may go out; else the answer to a retry that must not:
+    /// [`refusal`], with `openFor` as the delay.
+    pub(crate) fn refuse_retry(&self, path: &str) -> Option<tonic::Status> {
+        let m = self.lock();
+        (!m.retries_allowed()).then(|| refusal(path, m.settings.open_for))
+    }
+
     /// Admits a call starting now (`target` names the layer in the logs).
     pub(crate) fn admit(&self, target: &str) -> CallTicket {
         let (admission, change) = self.lock().admit(Instant::now());
@@ -356,6 +364,24 @@ impl CircuitBreaker {
             ),
         }
     }
+}
+
+/// The answer to a call the open breaker refuses: UNAVAILABLE, `ErrorInfo` reason
+/// `CIRCUIT_OPEN`, and the time left open as `RetryInfo`.
+pub(crate) fn refusal(path: &str, wait: Duration) -> tonic::Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let mut details = ErrorDetails::with_error_info(
+        reason::CIRCUIT_OPEN,
+        ERROR_DOMAIN,
+        std::collections::HashMap::<String, String>::new(),
+    );
+    details.set_retry_info(Some(wait));
+    let message = format!(
+        "circuit breaker open: {path} was not sent (the target kept failing); nothing \
+         reached a server, so retrying with the same key after {}ms is safe",
+        wait.as_millis()
+    );
+    tonic::Status::with_error_details(tonic::Code::Unavailable, message, details)
 }
 
 /// A call's place in the breaker: what it was admitted as, and its result to record.
