@@ -32,6 +32,10 @@
 //! | `grpc.client.call.retry_delay` | histogram | `s` | `grpc.method`, `grpc.target` | per call, time with no attempt in flight (A96) |
 //! | `idem.client.call.outcome` | counter | `{call}` | `grpc.method`, `grpc.target`, `idem.outcome` | calls by why the layer stopped (`CallOutcome` names) |
 //! | `idem.client.retry_throttle.tokens` | gauge | `{token}` | `grpc.target` | tokens left in the A6 throttle |
+//! | `idem.client.call.rescued` | counter | `{call}` | `grpc.method`, `grpc.target` | calls that ended OK after a failed attempt (a retry, or a later hedge, rescued them) |
+//! | `idem.client.circuit_breaker.state` | gauge | `1` | `grpc.target` | the breaker's state: 0 closed, 1 open, 2 half-open |
+//! | `idem.client.circuit_breaker.transitions` | counter | `{transition}` | `grpc.target`, `idem.breaker.state` | transitions, by the state entered |
+//! | `idem.client.retry_budget.refusals` | counter | `{retry}` | `grpc.target` | retries and hedges the retry budget refused |
 //! | `grpc.server.call.started` | counter | `{call}` | `grpc.method` | calls to protected methods (A66) |
 //! | `grpc.server.call.duration` | histogram | `s` | `grpc.method`, `grpc.status` | protected calls, arrival to end of response (A66) |
 //! | `idem.server.call.outcome` | counter | `{call}` | `grpc.method`, `idem.outcome`, `idem.reason` (rejected only) | protected calls by outcome |

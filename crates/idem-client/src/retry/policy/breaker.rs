@@ -14,7 +14,8 @@
 //!   uses no attempt, no throttle token and no budget. A call already retrying when the
 //!   breaker opens sends no more retries or hedges.
 //! - **Half-Open** after that: `halfOpenProbes` calls go out, one attempt each, never
-//!   retried or hedged; others are refused as while Open. All probes succeed: it
+//!   retried or hedged; others are refused as while Open (with a retry delay of a tenth
+//!   of `openFor`: the probes answer soon). All probes succeed: it
 //!   closes (and forgets the window). One fails: it opens again, for `openFor × 2ⁿ`
 //!   after *n* reopenings in a row (at most 8 × `openFor`), ± 20 % jitter.
 //!
@@ -158,8 +159,8 @@ impl Machine {
                 *sent += 1;
                 Admission::Probe(self.round)
             }
-            // Every probe is out: their results decide.
-            _ => Admission::Refuse(self.settings.open_for),
+            // Every probe is out: their results decide, within about a round trip.
+            _ => Admission::Refuse(self.probes_out_delay()),
         };
         (admission, change)
     }
@@ -223,6 +224,13 @@ impl Machine {
 
     pub(crate) fn settings(&self) -> CircuitBreakerSettings {
         self.settings
+    }
+
+    /// The retry delay given while every probe is out: a tenth of `openFor` (at least
+    /// 10 ms), so callers come back soon after the probes' answer, not a whole open time
+    /// later.
+    pub(crate) fn probes_out_delay(&self) -> Duration {
+        (self.settings.open_for / 10).max(Duration::from_millis(10))
     }
 
     /// The open time after `reopenings` openings in a row, before jitter.

@@ -84,7 +84,7 @@ proptest! {
                             *out += 1;
                             Admission::Probe(*round)
                         }
-                        Model::HalfOpen { .. } => Admission::Refuse(s.open_for),
+                        Model::HalfOpen { .. } => Admission::Refuse(s.open_for / 10),
                     };
                     let (got, _) = m.admit(now);
                     prop_assert_eq!(got, expected);
