@@ -258,3 +258,18 @@ async fn budget_and_throttle_must_both_allow_a_retry() {
     let resp = call(&l, &target, HEDGED).await;
     assert_eq!(summary(&resp), (CallOutcome::BudgetExhausted, 1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_demo_outage_config_gives_a_breaker() {
+    let text = include_str!("../../../../examples/outage/breaker.json");
+    let layer = RetryLayer::builder()
+        .service_config(ServiceConfig::from_json(text).unwrap())
+        .build()
+        .unwrap();
+    assert!(layer.circuit_breaker().is_some());
+    let target = Target::down();
+    for _ in 0..40 {
+        call(&layer, &target, "/shop.v1.Orders/CreateOrder").await;
+    }
+    assert_eq!(layer.circuit_breaker().unwrap().state(), BreakerState::Open);
+}
