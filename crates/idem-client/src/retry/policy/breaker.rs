@@ -39,6 +39,13 @@ const FAILURES: usize = 1;
 const MAX_DOUBLINGS: u32 = 3;
 
 /// Where a breaker is.
+///
+/// - **Closed**: calls go out as configured; ended calls count over `window`; at
+///   `failureRatio` of at least `minCalls`, it opens.
+/// - **Open** for `openFor` (× 2 per reopening in a row, up to 8 ×, ± 20 %): calls fail
+///   at once (UNAVAILABLE, `CIRCUIT_OPEN`, a retry delay), nothing is sent.
+/// - **Half-Open**: `halfOpenProbes` calls go out once each; all succeed: Closed; one
+///   fails: Open again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BreakerState {
     /// Calls go out as configured.
@@ -267,7 +274,8 @@ struct Shared {
 /// A shared circuit breaker: every clone of a [`RetryLayer`](crate::retry::RetryLayer)
 /// uses the same one (give it to the builders of other channels to the same target with
 /// [`RetryLayerBuilder::circuit_breaker`](crate::retry::RetryLayerBuilder::circuit_breaker)),
-/// and a config reload keeps its state. See the [module docs](self) for the states.
+/// and a config reload keeps its state. See [`BreakerState`] for the states, and the
+/// README's "Retry budget and circuit breaker" for the rules.
 ///
 /// A call the open breaker refuses never reached a server: its idempotency key was
 /// never used, so an application retry with the same key is safe.
