@@ -223,8 +223,39 @@ fn report(name: &str, parsed: &Parsed, more_warnings: usize) -> String {
         )),
         None => text.push_str("retryThrottling: none\n"),
     }
+    text.push_str(&retry_guards(&config.settings().client));
     text.push_str(&process_wide(config.settings()));
     text
+}
+
+/// `idem.client.retryBudget` and `idem.client.circuitBreaker`, one line each.
+fn retry_guards(c: &idem_core::config::ClientSettings) -> String {
+    let budget = match &c.retry_budget {
+        Some(b) => format!(
+            "ratio {} of the calls over {}, plus {} per second (retries and hedges, per layer)",
+            b.ratio,
+            format_duration(b.window),
+            b.min_retries_per_second
+        ),
+        None => "none".to_owned(),
+    };
+    let breaker = match &c.circuit_breaker {
+        Some(b) => format!(
+            "opens when {} of at least {} calls over {} fail with {}; open {} (x2 per reopening, up to 8x), then {} probe(s), never retried (per layer)",
+            b.failure_ratio,
+            b.min_calls,
+            format_duration(b.window),
+            b.failure_status_codes
+                .iter()
+                .map(code_name)
+                .collect::<Vec<_>>()
+                .join(","),
+            format_duration(b.open_for),
+            b.half_open_probes
+        ),
+        None => "none".to_owned(),
+    };
+    format!("idem.client.retryBudget: {budget}\nidem.client.circuitBreaker: {breaker}\n")
 }
 
 /// The `idem` object: process-wide settings, one line per part.

@@ -472,3 +472,41 @@ fn the_memory_stores_sustained_rate_is_printed_per_bound() {
          evicted at once)\n"
     ));
 }
+
+#[test]
+fn retry_guards_are_summed_up_and_bad_ones_named_by_path() {
+    let o = idem(&["check-config", "examples/outage/breaker.json"], None);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("idem.client.retryBudget: none\n"), "{out}");
+    assert!(
+        out.contains(
+            "idem.client.circuitBreaker: opens when 0.5 of at least 20 calls over 1s fail with \
+             DEADLINE_EXCEEDED,RESOURCE_EXHAUSTED,UNAVAILABLE; open 0.5s"
+        ),
+        "{out}"
+    );
+    let o = idem(&["check-config", "examples/outage/budget.json"], None);
+    assert!(
+        stdout(&o).contains(
+            "idem.client.retryBudget: ratio 0.1 of the calls over 10s, plus 10 per second"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let bad = br#"{"idem": {"client": {"retryBudget": {"ratio": 0},
+        "circuitBreaker": {"window": "0s", "halfOpenProbes": 0}}}}"#;
+    let o = idem(&["check-config", "-"], Some(bad));
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(
+        errors,
+        [
+            "error: idem.client.retryBudget.ratio: must be a number in (0, 1]",
+            "error: idem.client.circuitBreaker.window: must be a duration > 0",
+            "error: idem.client.circuitBreaker.halfOpenProbes: must be an integer in 1..=1000",
+        ],
+        "{err}"
+    );
+}

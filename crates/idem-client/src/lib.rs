@@ -96,6 +96,12 @@
 //!   clones of a layer, shareable across channels ([`RetryLayerBuilder::throttle`]), and
 //!   kept across [`RetryLayer::reload`]. It logs when retries stop (`WARN`) and resume
 //!   (`INFO`), once per change; each call it stops says why in its report.
+//! - **Retry budget and circuit breaker** (`idem.client.retryBudget`,
+//!   `idem.client.circuitBreaker`; [`retry::RetryBudget`], [`retry::CircuitBreaker`]):
+//!   retries and hedges at most a ratio of the calls over a window; while the target
+//!   keeps failing, calls fail at once (UNAVAILABLE, `CIRCUIT_OPEN`, a retry delay) with
+//!   nothing sent, and half-open probes are never retried or hedged. A refused call never
+//!   reached a server, so retrying it with the same key is safe.
 //! - **`waitForReady`**: a call whose attempt the channel could not send (it could not
 //!   connect: [`tonic::ConnectError`], a refused connection) waits and sends the same
 //!   attempt again (100 ms, growing ×1.6 to 2 s, ±20 %) until its deadline, then ends with

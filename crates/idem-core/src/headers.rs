@@ -85,6 +85,9 @@ pub mod reason {
     pub const REQUEST_MALFORMED: &str = "REQUEST_MALFORMED";
     /// Retries were exhausted downstream (set with `grpc-retry-pushback-ms: -1`).
     pub const RETRIES_EXHAUSTED: &str = "RETRIES_EXHAUSTED";
+    /// The client layer's circuit breaker is open (UNAVAILABLE, with a retry delay):
+    /// nothing was sent, so the key was never used and a retry with it is safe.
+    pub const CIRCUIT_OPEN: &str = "CIRCUIT_OPEN";
     /// PostgreSQL: another run took the call's record over while this one ran; this
     /// run's writes were rolled back (ABORTED).
     pub const LEASE_LOST: &str = "LEASE_LOST";

@@ -13,6 +13,7 @@ use tonic::Status;
 use tower::{Layer, Service};
 
 use crate::Options;
+use crate::outage::Outage;
 
 /// The layer: [`Options`]' fault probabilities and latency with their own seeded
 /// generator. Clones share the generator and the count of attempts.
@@ -23,6 +24,7 @@ pub struct Faults {
     latency: Duration,
     rng: Arc<Mutex<StdRng>>,
     attempts: Arc<AtomicU64>,
+    outage: Outage,
 }
 
 impl Faults {
@@ -34,7 +36,14 @@ impl Faults {
             latency: o.latency,
             rng: Arc::new(Mutex::new(StdRng::seed_from_u64(seed))),
             attempts: Arc::new(AtomicU64::new(0)),
+            outage: Outage::default(),
         }
+    }
+
+    /// The same faults, and every call fails while `outage` is under way.
+    pub fn with_outage(mut self, outage: Outage) -> Self {
+        self.outage = outage;
+        self
     }
 
     /// Calls that reached this injector.
@@ -45,6 +54,9 @@ impl Faults {
     /// Counts a call and draws what happens to it.
     fn draw(&self) -> CallFault {
         self.attempts.fetch_add(1, Ordering::Relaxed);
+        if self.outage.attempt() {
+            return CallFault::Before;
+        }
         let x: f64 = self.rng.lock().expect("rng lock").random();
         if x < self.unavailable {
             CallFault::Before

@@ -22,7 +22,8 @@ use tower::ServiceBuilder;
 use crate::faults::Faults;
 use crate::metrics::DemoMetrics;
 use crate::orders::{Ledger, LedgerOrders};
-use crate::workload::{tally, workload};
+use crate::outage::Outage;
+use crate::workload::{tally, workload_with_outage};
 use crate::{BoxError, DemoStore, Options, RunReport};
 
 /// One server instance of this process: its address and the task serving it.
@@ -224,11 +225,12 @@ pub async fn run(
     store: &DemoStore,
 ) -> Result<RunReport, BoxError> {
     let label = label(with_idem);
+    let outage = Outage::default();
     let fleet = Fleet {
         with_idem,
         config: config.clone(),
         ledger: Arc::new(Ledger::default()),
-        faults: Faults::new(o, o.seed),
+        faults: Faults::new(o, o.seed).with_outage(outage.clone()),
         store: store.clone(),
         stats: Arc::new(Mutex::new(Vec::new())),
         metrics: o
@@ -256,7 +258,19 @@ pub async fn run(
         tokio::spawn(restart_after(after, first, fleet.clone(), done.clone()))
     });
 
-    let w = workload(o, with_idem, label, &client, done).await?;
+    let outage_starter = o.outage_after.map(|after| {
+        let (outage, done, length) = (outage.clone(), done.clone(), o.outage_for);
+        tokio::spawn(async move {
+            while done.load(Ordering::Relaxed) < after as u64 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            outage.start(length);
+        })
+    });
+    let w = workload_with_outage(o, with_idem, label, &client, done, outage.clone()).await?;
+    if let Some(starter) = outage_starter {
+        starter.abort();
+    }
     let mut restarted = false;
     if let Some(r) = restarter {
         instances.push(r.await?);
@@ -269,6 +283,7 @@ pub async fn run(
     report.attempts = fleet.faults.attempts();
     report.replays = fleet.replays();
     report.restarted = restarted;
+    report.outage = outage.report();
     if let (Some(m), Some(path)) = (&fleet.metrics, &o.metrics_out) {
         // Server metrics of a call are recorded just after its response: let them land.
         tokio::time::sleep(Duration::from_millis(50)).await;

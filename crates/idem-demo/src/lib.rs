@@ -10,6 +10,7 @@
 //! - [`fleet`]: one run with every instance in this process ([`run`]), on a
 //!   [`DemoStore`];
 //! - [`workload`]: the intents fired at the instances, and the tally;
+//! - [`outage`]: `--outage-after N --outage-for SECONDS`, every instance down for a while;
 //! - [`crash`]: one run with instance processes killed with SIGKILL;
 //! - [`metrics`]: `--metrics-out`, both layers' metrics as a Prometheus exposition.
 //!
@@ -35,6 +36,7 @@ pub mod fleet;
 pub mod metrics;
 pub mod options;
 pub mod orders;
+pub mod outage;
 #[cfg(feature = "postgres")]
 pub mod pg_orders;
 pub mod store;

@@ -11,6 +11,7 @@
 //! cargo run --release -p idem-demo --features redis -- --store redis-cluster --instances 3
 //! cargo run --release -p idem-demo --features redis -- --redis-cluster redis://10.0.0.1:7000,redis://10.0.0.2:7000
 //! cargo run --release -p idem-demo --features redis -- --store redis --instances 3 --rolling-restart 400 --unavailable 0 --drop 0
+//! cargo run --release -p idem-demo -- --outage-after 500 --outage-for 3 --config examples/outage/breaker.json
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -50,6 +51,14 @@
 //! Redis and Redis Cluster need the package's `redis` feature, PostgreSQL its `postgres`
 //! feature: the in-memory default builds neither client.
 //!
+//! With `--outage-after N --outage-for SECONDS`, every instance answers UNAVAILABLE for
+//! that long once N intents are done, then recovers; the output adds `outage: A attempts
+//! for C calls (R×)` (attempts that reached a server, for the calls the application made
+//! during the outage) and the time from recovery to the first success. The application
+//! then waits between its retries (a refused call's `RetryInfo` delay, else 100 ms) and
+//! keeps retrying until 30 s after the outage. `examples/outage/` has the four configs
+//! of BENCHMARKS.md's outage rows (no guard, A6 throttling, retry budget, breaker).
+//!
 //! An intent that still fails after the client layer's retries is retried by the
 //! application (up to `--app-retries`), as a real caller would. The table counts orders
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
@@ -69,7 +78,7 @@ use idem::store::memory::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
 [--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|redis-cluster|postgres] \
-[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE] [--rolling-restart N]";
+[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE] [--rolling-restart N] [--outage-after N] [--outage-for SECONDS]";
 
 /// What the command line asked for beyond the workload's options.
 struct Args {
@@ -145,6 +154,16 @@ fn parse_args() -> Result<Args, String> {
                 o.restart_after = Some(value.parse().map_err(|e| bad(&e))?)
             }
             "--rolling-restart" => rolling = Some(value.parse().map_err(|e| bad(&e))?),
+            // Every instance answers UNAVAILABLE for --outage-for seconds (default 3)
+            // once N intents are done, then recovers.
+            "--outage-after" => o.outage_after = Some(value.parse().map_err(|e| bad(&e))?),
+            "--outage-for" => {
+                let secs: f64 = value.parse().map_err(|e| bad(&e))?;
+                o.outage_for = Duration::try_from_secs_f64(secs)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| bad(&"must be a number of seconds > 0"))?;
+            }
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
@@ -191,6 +210,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if crash_every == Some(0) {
         return Err("--crash-every must be > 0".into());
+    }
+    if crash_every.is_some() && o.outage_after.is_some() {
+        return Err("--outage-after runs in process: not with --crash-every".into());
     }
     if crash_every.is_some() && o.restart_after.is_some() {
         return Err("--crash-every and --redeploy-after do not go together".into());
@@ -301,6 +323,13 @@ fn print_table(o: &Options, store: &str, crash_every: Option<usize>, reports: &[
     println!(
         "lost: intents whose caller never got an OK, or got one for an order that does not exist."
     );
+    for r in reports {
+        if let Some(outage) = &r.outage {
+            // Attempts that reached a server, for the calls the application made while
+            // every instance was down; then the time from recovery to the first OK.
+            println!("{outage} ({})", r.label);
+        }
+    }
 }
 
 fn main() {

@@ -54,6 +54,12 @@ pub struct Options {
     /// Write the Prometheus exposition of both layers of the run with idem here
     /// (in-process runs).
     pub metrics_out: Option<std::path::PathBuf>,
+    /// Once this many intents are done, every instance answers UNAVAILABLE for
+    /// `outage_for` (in-process runs). The application then waits between its retries
+    /// (the `RetryInfo` delay, else 100 ms) and keeps retrying until 30 s after it.
+    pub outage_after: Option<usize>,
+    /// How long the outage lasts.
+    pub outage_for: Duration,
 }
 
 impl Default for Options {
@@ -72,6 +78,8 @@ impl Default for Options {
             restart_after: None,
             progress: true,
             metrics_out: None,
+            outage_after: None,
+            outage_for: Duration::from_secs(3),
         }
     }
 }
@@ -113,6 +121,8 @@ pub struct RunReport {
     pub p99: Duration,
     /// Wall time of the workload.
     pub elapsed: Duration,
+    /// What the outage did (`--outage-after`).
+    pub outage: Option<crate::outage::OutageReport>,
 }
 
 /// The same config with every `idempotency` object removed: no protected methods.

@@ -11,6 +11,7 @@ use idem_test_support::shop::CreateOrderRequest;
 use idem_test_support::shop::orders_client::OrdersClient;
 use tonic::Request;
 
+use crate::outage::Outage;
 use crate::{BoxError, Options, RunReport};
 
 /// What the callers saw in one run.
@@ -40,6 +41,27 @@ where
     <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
     S::Error: Into<BoxError>,
 {
+    workload_with_outage(o, with_idem, label, client, done, Outage::default()).await
+}
+
+/// [`workload`], counting the calls made during `outage` (see [`Outage`]); in a run
+/// with `--outage-after`, the application waits between its retries and keeps trying
+/// until 30 s after the outage.
+pub async fn workload_with_outage<S>(
+    o: &Options,
+    with_idem: bool,
+    label: &'static str,
+    client: &OrdersClient<S>,
+    done: Arc<AtomicU64>,
+    outage: Outage,
+) -> Result<Workload, BoxError>
+where
+    S: tonic::client::GrpcService<tonic::body::Body> + Clone + Send + 'static,
+    S::Future: Send,
+    S::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error: Into<BoxError> + Send,
+    S::Error: Into<BoxError>,
+{
     let started = Instant::now();
     let app_calls = Arc::new(AtomicU64::new(0));
     let replays = Arc::new(AtomicU64::new(0));
@@ -53,12 +75,20 @@ where
         let app_calls = app_calls.clone();
         let replays = replays.clone();
         let app_retries = o.app_retries;
+        let outage = outage.clone();
+        let wait_out = o
+            .outage_after
+            .map(|_| o.outage_for + Duration::from_secs(30));
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let intent = format!("intent-{n}");
             let t0 = Instant::now();
             let calls = (&*app_calls, &*replays);
-            let ok = one_intent(client, n, &intent, with_idem, app_retries, calls).await;
+            let retries = AppRetries {
+                max: app_retries,
+                wait_out: wait_out.map(|d| (d, &outage)),
+            };
+            let ok = one_intent(client, n, &intent, with_idem, retries, calls).await;
             done.fetch_add(1, Ordering::Relaxed);
             (intent, ok, t0.elapsed())
         }));
@@ -83,6 +113,14 @@ where
     })
 }
 
+/// How the application retries an intent.
+struct AppRetries<'a> {
+    /// Retries after the first call.
+    max: u32,
+    /// An outage run: wait between retries, keep retrying for this long, count calls.
+    wait_out: Option<(Duration, &'a Outage)>,
+}
+
 /// One business intent: one key, created here and reused by every application retry.
 /// Retries codes that say "nothing was decided" or "not yet": UNAVAILABLE, CANCELLED (not
 /// by this caller), DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED.
@@ -91,7 +129,7 @@ async fn one_intent<S>(
     n: usize,
     intent: &str,
     with_idem: bool,
-    app_retries: u32,
+    retries: AppRetries<'_>,
     (app_calls, replays): (&AtomicU64, &AtomicU64),
 ) -> bool
 where
@@ -101,8 +139,13 @@ where
     S::Error: Into<BoxError>,
 {
     let key = IdempotencyKey::generate();
-    for _ in 0..=app_retries {
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
         app_calls.fetch_add(1, Ordering::Relaxed);
+        if let Some((_, outage)) = retries.wait_out {
+            outage.call();
+        }
         let mut req = Request::new(CreateOrderRequest {
             customer_id: format!("customer-{}", n % 97),
             sku: "sku-42".into(),
@@ -116,6 +159,9 @@ where
             Ok(response) => {
                 if idem_client::is_replayed(&response) {
                     replays.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some((_, outage)) = retries.wait_out {
+                    outage.success();
                 }
                 return true;
             }
@@ -131,7 +177,13 @@ where
                         | tonic::Code::ResourceExhausted
                 ) =>
             {
-                continue;
+                match retries.wait_out {
+                    Some((longest, _)) if started.elapsed() < longest => {
+                        tokio::time::sleep(Outage::app_wait(&s)).await;
+                    }
+                    _ if tries < retries.max => tries += 1,
+                    _ => return false,
+                }
             }
             Err(s) => {
                 if std::env::var_os("IDEM_DEMO_DEBUG").is_some() {
@@ -141,7 +193,6 @@ where
             }
         }
     }
-    false
 }
 
 fn show_progress(
@@ -205,5 +256,6 @@ pub fn tally(
         crashes: 0,
         restarts: 0,
         transparent: 0,
+        outage: None,
     }
 }

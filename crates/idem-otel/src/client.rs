@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use idem_client::metrics::{CallEnded, CallObserver};
-use idem_client::retry::{AttemptEnd, CallOutcome, RetryLayer};
+use idem_client::retry::{AttemptEnd, BreakerState, CallOutcome, RetryLayer};
 use idem_core::config::ServiceConfig;
 use opentelemetry::metrics::{AsyncInstrument, Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
@@ -48,6 +48,8 @@ struct ClientInstruments {
 struct ClientCounts {
     attempts: Striped<1>,
     outcomes: Striped<{ CallOutcome::COUNT }>,
+    /// Calls that failed first and succeeded on a retry (or a later hedge).
+    rescued: Striped<1>,
     /// The histograms' series of this method, per `grpc.status` where they have one.
     attempt_duration: BoundSeries<f64, STATUS_COUNT>,
     call_duration: BoundSeries<f64, STATUS_COUNT>,
@@ -89,7 +91,7 @@ impl ClientMetrics {
             MethodLabels::from_config(config, true),
         ));
         type Observe = fn(&PerMethod<ClientCounts>, &KeyValue, &dyn AsyncInstrument<u64>);
-        let counters: [(&str, &str, &str, Observe); 2] = [
+        let counters: [(&str, &str, &str, Observe); 3] = [
             (
                 "grpc.client.attempt.started",
                 "{attempt}",
@@ -112,6 +114,17 @@ impl ClientMetrics {
                             let outcome = KeyValue::new("idem.outcome", outcome.as_str());
                             o.observe(n, &[m.method.clone(), target.clone(), outcome]);
                         }
+                    }
+                },
+            ),
+            (
+                "idem.client.call.rescued",
+                "{call}",
+                "Calls that ended OK after a failed attempt: rescued by a retry, or by a later hedge.",
+                |m, target, o| {
+                    let n = m.counts.rescued.get(0);
+                    if n > 0 {
+                        o.observe(n, &[m.method.clone(), target.clone()]);
                     }
                 },
             ),
@@ -173,9 +186,13 @@ impl ClientMetrics {
         self
     }
 
-    /// Reports `layer`'s retry-throttle tokens (`idem.client.retry_throttle.tokens`) at
-    /// each collection; nothing while the layer has no throttle.
+    /// Reports `layer`'s retry-throttle tokens (`idem.client.retry_throttle.tokens`), its
+    /// circuit breaker's state and transitions (`idem.client.circuit_breaker.state`,
+    /// `.transitions`) and its retry budget's refusals
+    /// (`idem.client.retry_budget.refusals`) at each collection; nothing for a guard
+    /// the layer does not have.
     pub fn watch(&self, layer: &RetryLayer) {
+        self.watch_guards(layer);
         let layer = layer.clone();
         let target = self.0.target.clone();
         self.0
@@ -189,6 +206,53 @@ impl ClientMetrics {
                 }
             })
             .build();
+    }
+}
+
+impl ClientMetrics {
+    fn watch_guards(&self, layer: &RetryLayer) {
+        let meter = &self.0.meter;
+        let (l, target) = (layer.clone(), self.0.target.clone());
+        meter
+            .u64_observable_gauge("idem.client.circuit_breaker.state")
+            .with_unit("1")
+            .with_description("The circuit breaker's state: 0 closed, 1 open, 2 half-open.")
+            .with_callback(move |g| {
+                if let Some(b) = l.circuit_breaker() {
+                    let state = BreakerState::ALL.iter().position(|s| *s == b.state());
+                    g.observe(state.unwrap_or(0) as u64, std::slice::from_ref(&target));
+                }
+            })
+            .build();
+        let (l, target) = (layer.clone(), self.0.target.clone());
+        observed_counter(
+            meter,
+            "idem.client.circuit_breaker.transitions",
+            "{transition}",
+            "Circuit breaker transitions, by the state entered (idem.breaker.state).",
+            move |o| {
+                let Some(b) = l.circuit_breaker() else { return };
+                for state in BreakerState::ALL {
+                    let n = b.transitions(state);
+                    if n > 0 {
+                        let to = KeyValue::new("idem.breaker.state", state.as_str());
+                        o.observe(n, &[target.clone(), to]);
+                    }
+                }
+            },
+        );
+        let (l, target) = (layer.clone(), self.0.target.clone());
+        observed_counter(
+            meter,
+            "idem.client.retry_budget.refusals",
+            "{retry}",
+            "Retries and hedges the retry budget refused.",
+            move |o| {
+                if let Some(b) = l.retry_budget() {
+                    o.observe(b.refused(), std::slice::from_ref(&target));
+                }
+            },
+        );
     }
 }
 
@@ -211,6 +275,9 @@ impl ClientInstruments {
             .position(|o| *o == call.report.outcome)
         {
             counts.counts.outcomes.add(i);
+        }
+        if rescued(call) {
+            counts.counts.rescued.add(0);
         }
         let series = &counts.counts;
         let with_status = |code: Code| {
@@ -264,6 +331,17 @@ impl ClientInstruments {
             .record(0, call.retry_delay().as_secs_f64(), || {
                 m.retry_delay.bind(&call_attrs())
             });
+    }
+}
+
+/// Whether a call ended OK after a failed attempt: retried, or won by a later hedge.
+fn rescued(call: &CallEnded<'_>) -> bool {
+    if call.status != Code::Ok {
+        return false;
+    }
+    match call.report.hedges() {
+        Some(_) => call.report.winner().is_some_and(|w| w > 0),
+        None => call.report.attempts > 1,
     }
 }
 

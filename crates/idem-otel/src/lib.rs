@@ -34,6 +34,10 @@
 //! | `grpc.client.call.retry_delay` | histogram | `s` | `grpc.method`, `grpc.target` | per call, time with no attempt in flight (A96) |
 //! | `idem.client.call.outcome` | counter | `{call}` | `grpc.method`, `grpc.target`, `idem.outcome` | calls by why the layer stopped ([`CallOutcome`](idem_client::retry::CallOutcome) names): `committed` (the normal end of a successful call: response headers, then trailers), `ok` (a Trailers-Only OK), `no_retry_policy`, `non_retryable_code`, `attempts_exhausted`, `throttled`, `pushback_stop`, `deadline`, `body_too_large`, `replay_budget_exhausted`, `body_error`, `service_error`, `message_too_large`, `not_ready`, `not_hedged` (no longer reported) |
 //! | `idem.client.retry_throttle.tokens` | gauge | `{token}` | `grpc.target` | tokens left in the A6 throttle |
+//! | `idem.client.call.rescued` | counter | `{call}` | `grpc.method`, `grpc.target` | calls that ended OK after a failed attempt (a retry, or a later hedge, rescued them) |
+//! | `idem.client.circuit_breaker.state` | gauge | `1` | `grpc.target` | the breaker's state: 0 closed, 1 open, 2 half-open |
+//! | `idem.client.circuit_breaker.transitions` | counter | `{transition}` | `grpc.target`, `idem.breaker.state` | transitions, by the state entered |
+//! | `idem.client.retry_budget.refusals` | counter | `{retry}` | `grpc.target` | retries and hedges the retry budget refused |
 //! | `grpc.server.call.started` | counter | `{call}` | `grpc.method` | calls received, protected or passed through (A66) |
 //! | `grpc.server.call.duration` | histogram | `s` | `grpc.method`, `grpc.status` | calls, arrival to the end of the response (A66) |
 //! | `idem.server.call.outcome` | counter | `{call}` | `grpc.method`, `idem.outcome`, `idem.reason` (rejected: the `ErrorInfo` reason; store_full: the bound that refused), `idem.tenant` (opt-in: [`ServerMetrics::tenant_label`]) | calls by what the layer did: executed, replayed, waited, mismatch, aborted, not_retained, rejected, store_unavailable, store_full, overloaded, fail_open, waited_deadline, cancelled, passthrough (a method without `idempotency`, or a keyless call where the key is optional) |

@@ -298,6 +298,12 @@ async fn two_retries_then_ok() {
     );
     let committed = [m[0], m[1], ("idem.outcome", "committed")];
     assert_eq!(otel.sum("idem.client.call.outcome", &committed), 1.0);
+    assert_eq!(otel.unit("idem.client.call.rescued"), "{call}");
+    assert_eq!(
+        otel.sum("idem.client.call.rescued", &m),
+        1.0,
+        "rescued by a retry"
+    );
     // The fault sits in front of the server layer: it saw one call, which ran.
     let sm = [("grpc.method", METHOD)];
     otel.expect("grpc.server.call.started", &sm, Value::Sum(1.0))
@@ -382,6 +388,66 @@ async fn throttled() {
             &[("grpc.target", target.as_str())]
         ),
         1.0
+    );
+}
+
+/// `config(false)`'s method, with `guards` as `idem.client`.
+fn guarded(guards: &str) -> ServiceConfig {
+    ServiceConfig::from_json(&format!(
+        r#"{{"methodConfig": [{{
+              "name": [{{"service": "shop.v1.Orders", "method": "CreateOrder"}}],
+              "retryPolicy": {{"maxAttempts": 5, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+                              "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}},
+              "idempotency": {{}}
+            }}],
+            "idem": {{"tenant": {{"single": "t"}}, "client": {guards}}}}}"#
+    ))
+    .expect("guarded config")
+}
+
+#[tokio::test]
+async fn the_breaker_and_the_budget_are_measured() {
+    let otel = Otel::new();
+    let cfg = guarded(
+        r#"{"circuitBreaker": {"failureRatio": 1, "minCalls": 1, "openFor": "60s"},
+            "retryBudget": {"ratio": 0.5, "minRetriesPerSecond": 0}}"#,
+    );
+    let addr = serve(
+        server_layer(&otel, &cfg, MemoryStore::default()),
+        usize::MAX,
+    )
+    .await;
+    let (mut c, target) = client(&otel, &cfg, addr);
+    let t = [("grpc.target", target.as_str())];
+    assert_eq!(otel.gauge("idem.client.circuit_breaker.state", &t), 0.0);
+    // The budget refuses the first call's retry (1 > 0.5 × 1); its failure opens the
+    // breaker; the second call is refused without being sent.
+    for _ in 0..2 {
+        let s = c.create_order(order("a")).await.unwrap_err();
+        assert_eq!(s.code(), Code::Unavailable);
+    }
+    let m = [("grpc.method", METHOD), t[0]];
+    assert_eq!(otel.sum("grpc.client.attempt.started", &m), 1.0);
+    let outcome = |o| [m[0], m[1], ("idem.outcome", o)];
+    assert_eq!(
+        otel.sum("idem.client.call.outcome", &outcome("budget_exhausted")),
+        1.0
+    );
+    assert_eq!(
+        otel.sum("idem.client.call.outcome", &outcome("circuit_open")),
+        1.0
+    );
+    assert_eq!(otel.sum("idem.client.retry_budget.refusals", &t), 1.0);
+    assert_eq!(otel.gauge("idem.client.circuit_breaker.state", &t), 1.0);
+    let opened = [t[0], ("idem.breaker.state", "open")];
+    assert_eq!(
+        otel.sum("idem.client.circuit_breaker.transitions", &opened),
+        1.0
+    );
+    assert_eq!(
+        otel.value("idem.client.call.rescued", &m),
+        None,
+        "none rescued"
     );
 }
 

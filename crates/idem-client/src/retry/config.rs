@@ -22,6 +22,9 @@ use idem_core::descriptor::Descriptors;
 use crate::metrics::SharedObserver;
 use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
 use crate::retry::policy::backoff::Jitter;
+use crate::retry::policy::breaker::CircuitBreaker;
+use crate::retry::policy::budget::RetryBudget;
+use crate::retry::policy::gate::Guards;
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::request::budget::ReplayBudget;
 
@@ -94,6 +97,8 @@ pub(crate) struct Overrides {
     pub(crate) peek_early_trailers: bool,
     /// The services' descriptors, applied to the config at build and on every reload.
     pub(crate) descriptors: Option<Arc<Descriptors>>,
+    pub(crate) retry_budget: Option<idem_core::config::RetryBudgetSettings>,
+    pub(crate) circuit_breaker: Option<idem_core::config::CircuitBreakerSettings>,
 }
 
 impl Default for Overrides {
@@ -110,6 +115,8 @@ impl Default for Overrides {
             wait_for_ready_limit: DEFAULT_WAIT_FOR_READY_LIMIT,
             peek_early_trailers: false,
             descriptors: None,
+            retry_budget: None,
+            circuit_breaker: None,
         }
     }
 }
@@ -131,6 +138,8 @@ impl Overrides {
             no_retry_under_retried_inbound: self
                 .no_retry_under_retried_inbound
                 .unwrap_or(c.no_retry_under_retried_inbound),
+            retry_budget: self.retry_budget.or(c.retry_budget),
+            circuit_breaker: self.circuit_breaker.or(c.circuit_breaker),
         }
     }
 }
@@ -147,6 +156,56 @@ pub(crate) struct Settings {
     /// The channel's retry throttle: carried over from the generation before unless the
     /// config drops it.
     throttle: Option<RetryThrottle>,
+    /// The retry budget and the circuit breaker: carried over like the throttle.
+    guards: GuardHandles,
+}
+
+/// The budget and the breaker of a generation of settings.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GuardHandles {
+    pub(crate) budget: Option<RetryBudget>,
+    pub(crate) breaker: Option<CircuitBreaker>,
+}
+
+impl GuardHandles {
+    /// The handles for `client`'s settings: the builder's `pinned` ones stay; others
+    /// carry over from `prev` (reconfigured, keeping their state), are made when the
+    /// settings appear and dropped when they go.
+    fn next(prev: &GuardHandles, pinned: &GuardHandles, client: &ClientSettings) -> Self {
+        fn carry<G: Clone, S: Copy>(
+            prev: Option<&G>,
+            settings: Option<S>,
+            new: impl Fn(S) -> G,
+            reconfigure: impl Fn(&G, S),
+        ) -> Option<G> {
+            let s = settings?;
+            match prev {
+                Some(g) => {
+                    reconfigure(g, s);
+                    Some(g.clone())
+                }
+                None => Some(new(s)),
+            }
+        }
+        GuardHandles {
+            budget: pinned.budget.clone().or_else(|| {
+                carry(
+                    prev.budget.as_ref(),
+                    client.retry_budget,
+                    RetryBudget::new,
+                    RetryBudget::reconfigure,
+                )
+            }),
+            breaker: pinned.breaker.clone().or_else(|| {
+                carry(
+                    prev.breaker.as_ref(),
+                    client.circuit_breaker,
+                    CircuitBreaker::new,
+                    CircuitBreaker::reconfigure,
+                )
+            }),
+        }
+    }
 }
 
 impl Settings {
@@ -161,6 +220,7 @@ impl Settings {
         idem: &IdemSettings,
         overrides: &Overrides,
         throttle: Option<RetryThrottle>,
+        guards: (&GuardHandles, &GuardHandles),
     ) -> Self {
         let mut client = overrides.client(&idem.client);
         if matches!(source, PolicySource::Fixed(_)) {
@@ -172,11 +232,12 @@ impl Settings {
                 .key_header
                 .clone()
                 .unwrap_or_else(|| idem.key_header.clone()),
-            client,
             max_retry_delay: overrides.max_retry_delay,
             wait_for_ready_limit: overrides.wait_for_ready_limit,
             peek_early_trailers: overrides.peek_early_trailers,
             throttle,
+            guards: GuardHandles::next(guards.0, guards.1, &client),
+            client,
         }
     }
 
@@ -229,6 +290,18 @@ impl Settings {
     pub(crate) fn throttle(&self) -> Option<&RetryThrottle> {
         self.throttle.as_ref()
     }
+    /// What may refuse a retry or a hedge: the throttle, the breaker, the budget.
+    pub(crate) fn guards(&self) -> Guards<'_> {
+        Guards {
+            throttle: self.throttle.as_ref(),
+            breaker: self.guards.breaker.as_ref(),
+            budget: self.guards.budget.as_ref(),
+        }
+    }
+    /// The retry budget and the circuit breaker.
+    pub(crate) fn guard_handles(&self) -> &GuardHandles {
+        &self.guards
+    }
 }
 
 /// State shared by a layer, its clones and every service they made.
@@ -239,6 +312,8 @@ pub(crate) struct LayerShared {
     reloading: Mutex<()>,
     /// The throttle was given by the user: config reloads do not replace it.
     throttle_pinned: bool,
+    /// The budget and breaker given to the builder: config reloads do not replace them.
+    guards_pinned: GuardHandles,
     overrides: Overrides,
     pub(crate) budget: Arc<ReplayBudget>,
     pub(crate) stats: RetryStats,
@@ -267,6 +342,8 @@ pub(crate) struct BuilderParts {
     pub(crate) overrides: Overrides,
     /// The bucket, and whether the user gave it (then reloads keep it).
     pub(crate) throttle: (Option<RetryThrottle>, bool),
+    /// The budget and breaker the user gave (then reloads keep them).
+    pub(crate) guards: GuardHandles,
     pub(crate) jitter: Arc<dyn Jitter>,
     pub(crate) hook: Option<OutcomeHook>,
     pub(crate) observer: Option<SharedObserver>,
@@ -279,6 +356,7 @@ impl LayerShared {
             &parts.idem,
             &parts.overrides,
             parts.throttle.0,
+            (&GuardHandles::default(), &parts.guards),
         );
         let total = parts
             .overrides
@@ -288,6 +366,7 @@ impl LayerShared {
             settings: RwLock::new(Arc::new(settings)),
             reloading: Mutex::new(()),
             throttle_pinned: parts.throttle.1,
+            guards_pinned: parts.guards,
             overrides: parts.overrides,
             budget: Arc::new(ReplayBudget::new(total)),
             stats: RetryStats::default(),
@@ -324,7 +403,8 @@ impl LayerShared {
             .reloading
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let bucket = self.settings().throttle.clone();
+        let before = self.settings();
+        let bucket = before.throttle.clone();
         let throttle = match (bucket, config.retry_throttling()) {
             (bucket, _) if self.throttle_pinned => bucket,
             (Some(bucket), Some(t)) => {
@@ -335,7 +415,14 @@ impl LayerShared {
             (_, None) => None,
         };
         let source = PolicySource::Config(Box::new(config.clone()));
-        let next = Arc::new(Settings::new(source, idem, &self.overrides, throttle));
+        let guards = (&before.guards, &self.guards_pinned);
+        let next = Arc::new(Settings::new(
+            source,
+            idem,
+            &self.overrides,
+            throttle,
+            guards,
+        ));
         *self
             .settings
             .write()
@@ -350,6 +437,10 @@ impl LayerShared {
     }
     pub(crate) fn throttle(&self) -> Option<RetryThrottle> {
         self.settings().throttle.clone()
+    }
+    /// The retry budget and the circuit breaker in use.
+    pub(crate) fn guard_handles(&self) -> GuardHandles {
+        self.settings().guards.clone()
     }
     /// Counts a finished call and tells the hook.
     pub(crate) fn report(&self, path: &str, report: &CallReport) {
@@ -375,6 +466,7 @@ mod tests {
             min_attempt_time: d.min_attempt_time + Duration::from_millis(n as u64),
             retry_exhausted_pushback: !d.retry_exhausted_pushback,
             no_retry_under_retried_inbound: !d.no_retry_under_retried_inbound,
+            ..d
         }
     }
 

@@ -7,14 +7,16 @@ use std::time::Duration;
 use http::HeaderName;
 use idem_core::code::{Code, CodeSet};
 use idem_core::config::{
-    ConfigError, IdemSettings, InvalidRetryPolicy, MethodConfig, RetryPolicy, RetryThrottling,
-    ServiceConfig,
+    CircuitBreakerSettings, ConfigError, IdemSettings, InvalidRetryPolicy, MethodConfig,
+    RetryBudgetSettings, RetryPolicy, RetryThrottling, ServiceConfig,
 };
 use idem_core::descriptor::Descriptors;
 
-use crate::retry::config::{self, LayerShared, Overrides, PolicySource};
+use crate::retry::config::{self, GuardHandles, LayerShared, Overrides, PolicySource};
 use crate::retry::outcome::{CallReport, OutcomeHook, RetryStats};
 use crate::retry::policy::backoff::{Jitter, SeededJitter, ThreadRngJitter};
+use crate::retry::policy::breaker::CircuitBreaker;
+use crate::retry::policy::budget::RetryBudget;
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::service::Retry;
 
@@ -66,6 +68,18 @@ impl RetryLayer {
     /// ([`RetryLayerBuilder::throttle`]) to share it across channels to one target.
     pub fn throttle(&self) -> Option<RetryThrottle> {
         self.shared.throttle()
+    }
+
+    /// The retry budget in use (`idem.client.retryBudget`, or the builder's), if any.
+    pub fn retry_budget(&self) -> Option<RetryBudget> {
+        self.shared.guard_handles().budget
+    }
+
+    /// The circuit breaker in use (`idem.client.circuitBreaker`, or the builder's), if
+    /// any: give it to another layer's builder
+    /// ([`RetryLayerBuilder::circuit_breaker`]) to share it across channels to one target.
+    pub fn circuit_breaker(&self) -> Option<CircuitBreaker> {
+        self.shared.guard_handles().breaker
     }
 
     /// The counters of this layer and its clones.
@@ -130,6 +144,8 @@ impl std::fmt::Debug for BuildError {
 /// | [`key_all_methods`](Self::key_all_methods) | without a config: true (the builder's policy retries every method, so every call carries a key); with a config: `idem.client.keyAllMethods` (false: only methods with an `idempotency` object get a key) |
 /// | [`key_header`](Self::key_header) | `x-idempotency-key` (with a config: `idem.keyHeader`) |
 /// | [`throttle`](Self::throttle) / [`retry_throttling`](Self::retry_throttling) | none (with a config: its `retryThrottling`) |
+/// | [`retry_budget`](Self::retry_budget) / [`retry_budget_settings`](Self::retry_budget_settings) | none (with a config: `idem.client.retryBudget`) |
+/// | [`circuit_breaker`](Self::circuit_breaker) / [`circuit_breaker_settings`](Self::circuit_breaker_settings) | none (with a config: `idem.client.circuitBreaker`) |
 /// | [`on_outcome`](Self::on_outcome) | none |
 /// | [`observer`](Self::observer) | none |
 /// | [`retry_headers_then_error`](Self::retry_headers_then_error) | false |
@@ -152,6 +168,7 @@ pub struct RetryLayerBuilder {
     overrides: Overrides,
     throttle: Option<RetryThrottle>,
     throttling: Option<RetryThrottling>,
+    guards: GuardHandles,
     jitter: Arc<dyn Jitter>,
     hook: Option<OutcomeHook>,
     observer: Option<crate::metrics::SharedObserver>,
@@ -187,6 +204,7 @@ impl Default for RetryLayerBuilder {
             overrides: Overrides::default(),
             throttle: None,
             throttling: None,
+            guards: GuardHandles::default(),
             jitter: Arc::new(ThreadRngJitter),
             hook: None,
             observer: None,
@@ -284,6 +302,19 @@ impl RetryLayerBuilder {
         throttle(bucket: RetryThrottle) => throttle = Some(bucket);
         /// Throttle with a new bucket of these settings (when no config gives one).
         retry_throttling(t: RetryThrottling) => throttling = Some(t);
+        /// Use this retry budget (shared with other layers). It stays across reloads and
+        /// wins over the config's `idem.client.retryBudget`.
+        retry_budget(budget: RetryBudget) => guards.budget = Some(budget);
+        /// A new retry budget of these settings; wins over the config's
+        /// `idem.client.retryBudget` on every reload.
+        retry_budget_settings(s: RetryBudgetSettings) => overrides.retry_budget = Some(s);
+        /// Use this circuit breaker (shared with other layers, e.g. other channels to the
+        /// same target). It stays across reloads and wins over the config's
+        /// `idem.client.circuitBreaker`.
+        circuit_breaker(breaker: CircuitBreaker) => guards.breaker = Some(breaker);
+        /// A new circuit breaker of these settings; wins over the config's
+        /// `idem.client.circuitBreaker` on every reload.
+        circuit_breaker_settings(s: CircuitBreakerSettings) => overrides.circuit_breaker = Some(s);
         /// Random source for the backoff jitter (default: thread RNG).
         jitter(jitter: impl Jitter) => jitter = Arc::new(jitter);
         /// Opt-in (default false): also retry an attempt whose response has real headers and
@@ -418,6 +449,7 @@ impl RetryLayerBuilder {
                 idem,
                 overrides: self.overrides,
                 throttle,
+                guards: self.guards,
                 jitter: self.jitter,
                 hook: self.hook,
                 observer: self.observer,

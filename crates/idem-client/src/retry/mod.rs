@@ -8,7 +8,8 @@
 //!   `future.rs` ([`future::ResponseFuture`]).
 //! - `policy/`: the pure decisions, no I/O and no clock: the retry decision
 //!   (`policy/mod.rs`), the hedging decision (`policy/hedge.rs`), the backoff, the
-//!   server's pushback and the throttle bucket.
+//!   server's pushback, the throttle bucket, the retry budget and the circuit breaker
+//!   (`policy/gate.rs` asks them in order).
 //! - `engine/`: the mechanism around them: what a call carries and how it answers
 //!   (`context.rs`), the attempt loop (`attempts.rs`), the hedge race (`race.rs`) and the
 //!   per-attempt timers (`timed.rs`).
@@ -33,6 +34,8 @@ pub use outcome::{
     AttemptEnd, AttemptRecord, CallOutcome, CallReport, OutcomeHook, RetryStats, RetryStatsSnapshot,
 };
 pub use policy::backoff;
+pub use policy::breaker::{BreakerState, CircuitBreaker};
+pub use policy::budget::RetryBudget;
 pub use policy::throttle::RetryThrottle;
 pub use service::Retry;
 
@@ -42,5 +45,7 @@ pub(crate) type Req = http::Request<tonic::body::Body>;
 /// What the layer answers: a response whose body is a [`tonic::body::Body`].
 pub(crate) type Resp = http::Response<tonic::body::Body>;
 
+#[cfg(test)]
+mod guard_tests;
 #[cfg(test)]
 mod tests;

@@ -102,6 +102,17 @@ call_outcomes! {
     /// [`ReplayBudgetExhausted`](Self::ReplayBudgetExhausted)). Kept so that reports and
     /// metrics of earlier versions still parse.
     NotHedged => "not_hedged", "sent once: the request was still streaming (hedging needs it whole)";
+    /// The circuit breaker is open (or half-open with every probe out): nothing was sent,
+    /// the call failed at once with UNAVAILABLE, `ErrorInfo` reason `CIRCUIT_OPEN` and a
+    /// retry delay. The request never reached a server, so its idempotency key was never
+    /// used: an application retry with the same key is safe. A call already under way
+    /// when the breaker opened ends so too, with its last attempt's status, instead of
+    /// retrying or hedging.
+    CircuitOpen => "circuit_open", "refused: the circuit breaker is open";
+    /// The retry budget (`retryBudget`) refused the retry (or, hedging, the next hedge).
+    BudgetExhausted => "budget_exhausted", "gave up: the retry budget was used up";
+    /// A half-open circuit breaker's probe failed: sent once, never retried or hedged.
+    CircuitProbe => "circuit_probe", "sent once: a circuit breaker probe, never retried";
 }
 
 impl CallOutcome {
@@ -121,6 +132,9 @@ impl CallOutcome {
                 | CallOutcome::Throttled
                 | CallOutcome::PushbackStop
                 | CallOutcome::NotReady
+                | CallOutcome::CircuitOpen
+                | CallOutcome::BudgetExhausted
+                | CallOutcome::CircuitProbe
         )
     }
 
@@ -131,6 +145,13 @@ impl CallOutcome {
             CallOutcome::Throttled => {
                 "retry throttle: the token bucket is at or below half; failures elsewhere on \
                  this channel spend tokens"
+            }
+            CallOutcome::CircuitOpen => {
+                "circuit breaker: the target kept failing; calls fail at once, with no \
+                 retries, until probes succeed"
+            }
+            CallOutcome::BudgetExhausted => {
+                "retry budget: retries are at most retryBudget.ratio of the calls over its window"
             }
             CallOutcome::BodyTooLarge => {
                 "a call keeps at most maxReplayBytesPerCall request bytes for replay until it \

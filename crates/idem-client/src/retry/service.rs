@@ -26,6 +26,7 @@ use crate::retry::engine::race;
 use crate::retry::future::{ResponseFuture, Spare};
 use crate::retry::layer::RetryLayer;
 use crate::retry::outcome::{CallOutcome, CallReport};
+use crate::retry::policy::breaker::{self, Admission, CallTicket};
 use crate::retry::request::check::{CheckedBody, RequestCheck, RequestFault};
 
 /// Retries the calls of an inner gRPC service (a tonic `Channel`) as gRFC A6 says; built
@@ -122,8 +123,24 @@ where
         // clients), so no copy per call.
         let path = CallPath::of(req.uri());
         let inbound = current_scope();
-        let policy = settings.resolve(path.as_str(), inbound);
+        let mut policy = settings.resolve(path.as_str(), inbound);
         self.shared.stats.call();
+        let ticket = settings
+            .guard_handles()
+            .breaker
+            .as_ref()
+            .map(|b| b.admit(path.as_str()));
+        let admission = ticket.as_ref().map(CallTicket::admission);
+        if let Some(Admission::Probe(_)) = admission {
+            // A half-open breaker's probe: one attempt, never retried or hedged.
+            policy.retry = None;
+            policy.hedging = None;
+        }
+        if !matches!(admission, Some(Admission::Refuse(_)))
+            && let Some(budget) = &settings.guard_handles().budget
+        {
+            budget.deposit();
+        }
         place_request_key(&mut req, settings.key_header(), policy.add_key);
         let cx = CallContext {
             shared: self.shared.clone(),
@@ -139,7 +156,14 @@ where
                 .map(|_| Arc::new(RequestFault::default())),
             started: Started::now(self.shared.observer.as_ref()),
             settings,
+            ticket,
         };
+        if let Some(Admission::Refuse(wait)) = admission {
+            // Open: nothing is sent, and no attempt, token or budget is used.
+            let status = breaker::refusal(cx.path.as_str(), wait);
+            let report = CallReport::new(CallOutcome::CircuitOpen);
+            return ResponseFuture::ready(cx.finish(Attempt::Local(status), report));
+        }
         let span = tracing::debug_span!(
             "idem_retry",
             method = %cx.path,

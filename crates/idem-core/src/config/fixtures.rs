@@ -20,6 +20,8 @@ pub(super) const FIELD_LISTS: &[&[&str]] = &[
     stores::MEMORY_FIELDS,
     stores::REDIS_FIELDS,
     idem::CLIENT_FIELDS,
+    guards::BUDGET_FIELDS,
+    guards::BREAKER_FIELDS,
 ];
 
 pub(super) fn parse(text: &str) -> Result<Parsed, ConfigError> {

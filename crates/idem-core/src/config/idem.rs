@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::guards::{CircuitBreakerSettings, RetryBudgetSettings};
 use super::read::{Validator, Zero, kind};
 use super::stores::{MemoryStoreSettings, RedisSettings};
 
@@ -28,7 +29,8 @@ pub enum TenantSource {
 /// # Defaults
 /// `keyAllMethods` false, `maxReplayBytesPerCall` 262144 (256 KiB),
 /// `maxReplayBytesTotal` 16777216 (16 MiB), `minAttemptTime` `"0s"`,
-/// `retryExhaustedPushback` true, `noRetryUnderRetriedInbound` false.
+/// `retryExhaustedPushback` true, `noRetryUnderRetriedInbound` false, `retryBudget`
+/// and `circuitBreaker` absent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientSettings {
     /// Add `x-idempotency-key` to every method, not just protected ones.
@@ -46,6 +48,10 @@ pub struct ClientSettings {
     /// itself a retry (`grpc-previous-rpc-attempts` > 0): the caller upstream already
     /// retries, so retrying here too would multiply attempts.
     pub no_retry_under_retried_inbound: bool,
+    /// `retryBudget`: retries and hedges at most a ratio of the calls over a window.
+    pub retry_budget: Option<RetryBudgetSettings>,
+    /// `circuitBreaker`: fail fast, with no retries, while the target keeps failing.
+    pub circuit_breaker: Option<CircuitBreakerSettings>,
 }
 
 impl Default for ClientSettings {
@@ -57,6 +63,8 @@ impl Default for ClientSettings {
             min_attempt_time: Duration::ZERO,
             retry_exhausted_pushback: true,
             no_retry_under_retried_inbound: false,
+            retry_budget: None,
+            circuit_breaker: None,
         }
     }
 }
@@ -179,6 +187,8 @@ pub(super) const CLIENT_FIELDS: &[&str] = &[
     "minAttemptTime",
     "retryExhaustedPushback",
     "noRetryUnderRetriedInbound",
+    "retryBudget",
+    "circuitBreaker",
 ];
 
 impl Validator {
@@ -356,6 +366,12 @@ impl Validator {
         }
         if let Some(b) = self.boolean(&o, "noRetryUnderRetriedInbound") {
             c.no_retry_under_retried_inbound = b;
+        }
+        if let Some(v) = o.get("retryBudget") {
+            c.retry_budget = self.retry_budget(v, o.path("retryBudget"));
+        }
+        if let Some(v) = o.get("circuitBreaker") {
+            c.circuit_breaker = self.circuit_breaker(v, o.path("circuitBreaker"));
         }
         if c.max_replay_bytes_total < c.max_replay_bytes_per_call {
             self.warn(

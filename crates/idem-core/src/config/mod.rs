@@ -104,8 +104,8 @@
 //!
 //! idem's own objects follow the same conventions; their fields and defaults are on
 //! [`IdempotencyPolicy`], [`IdemSettings`],
-//! [`MemoryStoreSettings`], [`RedisSettings`] and
-//! [`ClientSettings`]. In `idempotency`, when only one of `cacheableStatusCodes` /
+//! [`MemoryStoreSettings`], [`RedisSettings`],
+//! [`ClientSettings`], [`RetryBudgetSettings`] and [`CircuitBreakerSettings`]. In `idempotency`, when only one of `cacheableStatusCodes` /
 //! `releaseStatusCodes` is given the other is its complement; when both are given they
 //! must not overlap, and a code in neither is cached (with a warning), because caching
 //! an outcome is the safe side: a duplicate sees it instead of running again. `inFlight`
@@ -115,6 +115,7 @@ mod document;
 mod duration;
 #[cfg(test)]
 mod fixtures;
+mod guards;
 mod idem;
 mod idempotency;
 mod json;
@@ -126,6 +127,7 @@ mod stores;
 
 pub use document::{ParseOptions, Parsed, ServiceConfig, split_path};
 pub use duration::{DurationError, MAX_DURATION_SECONDS, format_duration, parse_duration};
+pub use guards::{CircuitBreakerSettings, Ratio, RetryBudgetSettings};
 pub use idem::{
     ClientSettings, DEFAULT_MAX_DETACHED_HANDLERS, DEFAULT_MAX_WAITERS, IdemSettings, TenantSource,
 };

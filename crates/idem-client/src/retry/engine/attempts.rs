@@ -24,6 +24,7 @@ use crate::retry::engine::context::{Attempt, CallContext};
 use crate::retry::engine::timed::{Cut, Receive, Timed};
 use crate::retry::engine::transparent::{Resend, TransparentState};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::gate::Guards;
 use crate::retry::policy::throttle::RetryThrottle;
 use crate::retry::policy::{
     self, AttemptBounds, Attempted, CallState, Decision, RetryLimits, decide,
@@ -201,9 +202,11 @@ impl CallPlan {
             bounds: self.bounds(copy),
             jitter: self.cx.shared.jitter.as_ref(),
         };
-        decide(state, attempted, &limits, || {
-            throttle.is_none_or(RetryThrottle::record_failure)
-        })
+        let gate = Guards {
+            throttle,
+            ..self.cx.settings.guards()
+        };
+        decide(state, attempted, &limits, gate)
     }
 }
 
@@ -308,6 +311,16 @@ impl Run {
     ) -> Result<(Timed<S::Future>, Instant), Resp> {
         if let Some(attempt) = self.call.expired(&self.ready) {
             return Err(self.answer(attempt, CallOutcome::Deadline));
+        }
+        // A transparent resend is not a retry: the breaker does not stop it.
+        if !self.resending
+            && self.state.attempts > 0
+            && self.ready.waits == 0
+            && let Some(b) = &self.call.cx.settings.guard_handles().breaker
+            && let Some(status) = b.refuse_retry(self.call.cx.path.as_str())
+        {
+            // The breaker opened during the wait: the retry is not sent.
+            return Err(self.answer(Attempt::Local(status), CallOutcome::CircuitOpen));
         }
         if std::mem::take(&mut self.resending) {
             self.call.cx.shared.stats.transparent();

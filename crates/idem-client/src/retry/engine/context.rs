@@ -16,6 +16,7 @@ use crate::retry::config::Settings;
 use crate::retry::config::{LayerShared, MessageLimits};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::Attempted;
+use crate::retry::policy::breaker::CallTicket;
 use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
 use crate::retry::request::check::RequestFault;
 use crate::retry::response::bound::{self, Bounds};
@@ -57,6 +58,9 @@ pub(crate) struct CallContext {
     pub(crate) started: Option<Started>,
     /// The call's settings (and their retry throttle).
     pub(crate) settings: Arc<Settings>,
+    /// The call's place in the circuit breaker, with a breaker: its result is recorded
+    /// as it ends.
+    pub(crate) ticket: Option<CallTicket>,
 }
 
 /// How one attempt ended, with what it left for the caller.
@@ -159,6 +163,19 @@ impl CallContext {
             Attempt::Local(status) => status.into_http(),
         };
         report.last_code = early_code(&resp);
+        if let Some(ticket) = &self.ticket {
+            if ticket.is_probe()
+                && report.outcome == CallOutcome::NoRetryPolicy
+                && report.last_code.is_some_and(|c| c != Code::Ok)
+            {
+                report.outcome = CallOutcome::CircuitProbe;
+            }
+            ticket.settle(
+                report.last_code,
+                self.shared.jitter.unit(),
+                self.path.as_str(),
+            );
+        }
         self.shared.report(self.path.as_str(), &report);
         // The `idem_retry` span is a `debug` span: skip the lookup when nothing listens.
         if tracing::level_enabled!(tracing::Level::DEBUG) {

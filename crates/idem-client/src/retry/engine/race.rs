@@ -34,6 +34,7 @@ use crate::retry::engine::attempts::{CallPlan, NotReady, ReadyWait};
 use crate::retry::engine::context::Attempt;
 use crate::retry::engine::timed::{Receive, Received};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
+use crate::retry::policy::gate::Guards;
 use crate::retry::policy::hedge::{
     self as hedge_policy, HedgeDecision, HedgeLimits, HedgeState, NextHedge,
 };
@@ -294,9 +295,12 @@ impl<'a> Race<'a> {
             }
             self.unsent.clear();
         }
-        let allowed = self.throttle.is_none_or(RetryThrottle::is_retry_allowed);
         self.state.running = self.running.len() as u32;
-        match hedge_policy::may_send(&mut self.state, allowed) {
+        let guards = Guards {
+            throttle: self.throttle,
+            ..self.call.cx.settings.guards()
+        };
+        match hedge_policy::may_send(&mut self.state, || guards.hedge()) {
             None => {
                 self.due = true;
                 None

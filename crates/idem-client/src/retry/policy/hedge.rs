@@ -85,12 +85,21 @@ pub(crate) fn after_send(state: &mut HedgeState, limits: &HedgeLimits<'_>) -> Ne
 
 /// Whether the hedge now due may go out: `None` to send it; otherwise what follows
 /// (A6: a hedge after the first goes out only while the throttle allows retries; the
-/// call then ends with the last hedge's status once none is running).
-pub(crate) fn may_send(state: &mut HedgeState, throttle_allows: bool) -> Option<HedgeDecision> {
-    if state.frozen.is_none() && throttle_allows {
-        return None;
-    }
-    let next = freeze(state, CallOutcome::Throttled);
+/// call then ends with the last hedge's status once none is running). `allowed` (the
+/// throttle, the circuit breaker, the retry budget) is asked only when no earlier rule
+/// froze the hedges, so a refused hedge spends no budget.
+pub(crate) fn may_send(
+    state: &mut HedgeState,
+    allowed: impl FnOnce() -> Result<(), CallOutcome>,
+) -> Option<HedgeDecision> {
+    let refused = match state.frozen {
+        Some(outcome) => outcome,
+        None => match allowed() {
+            Ok(()) => return None,
+            Err(outcome) => outcome,
+        },
+    };
+    let next = freeze(state, refused);
     Some(settle(state, next))
 }
 
@@ -351,16 +360,16 @@ mod tests {
             running: 1,
             frozen: None,
         };
-        assert_eq!(may_send(&mut state, true), None);
+        assert_eq!(may_send(&mut state, || Ok(())), None);
         assert_eq!(
-            may_send(&mut state, false),
+            may_send(&mut state, || Err(CallOutcome::Throttled)),
             Some(HedgeDecision::Continue(NextHedge::Never))
         );
         assert_eq!(state.frozen, Some(CallOutcome::Throttled));
         // Frozen stays frozen, even when the bucket refills.
         state.running = 0;
         assert_eq!(
-            may_send(&mut state, true),
+            may_send(&mut state, || panic!("frozen: not asked")),
             Some(HedgeDecision::Done(CallOutcome::Throttled))
         );
     }

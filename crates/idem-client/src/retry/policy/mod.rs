@@ -10,9 +10,13 @@
 //! [`pushback`] (what the server asked) and [`throttle`] (the token bucket).
 
 pub mod backoff;
+pub(crate) mod breaker;
+pub(crate) mod budget;
+pub(crate) mod gate;
 pub(crate) mod hedge;
 pub(crate) mod pushback;
 pub(crate) mod throttle;
+pub(crate) mod window;
 
 use std::time::Duration;
 
@@ -21,6 +25,7 @@ use tonic::Code;
 
 use crate::retry::outcome::{AttemptEnd, CallOutcome};
 use crate::retry::policy::backoff::Jitter;
+use crate::retry::policy::gate::RetryGate;
 use crate::retry::policy::pushback::Pushback;
 
 /// What an attempt told the client, as far as the decision cares.
@@ -105,14 +110,15 @@ pub(crate) fn failure_code(end: AttemptEnd) -> Result<Code, CallOutcome> {
 /// exactly the pushback, and at least RetryInfo) must not exceed the maximum retry delay
 /// when the server asked for it, nor reach the deadline.
 ///
-/// `throttle` counts a retryable failure and says whether a retry is still allowed; it is
-/// called at most once, only for failures that A6 counts. `state.exponent` advances only
-/// when the decision is to retry.
+/// `gate` counts a retryable failure and says whether a retry is still allowed (the A6
+/// throttle, the circuit breaker); it is asked at most once, only for failures that A6
+/// counts. Its budget is spent last, only for a retry every other rule allows.
+/// `state.exponent` advances only when the decision is to retry.
 pub(crate) fn decide(
     state: &mut CallState,
     attempted: &Attempted,
     limits: &RetryLimits<'_>,
-    throttle: impl FnOnce() -> bool,
+    mut gate: impl RetryGate,
 ) -> Decision {
     let code = match failure_code(attempted.end) {
         Ok(code) => code,
@@ -125,8 +131,8 @@ pub(crate) fn decide(
     if let Some(outcome) = limits.bounds.sent_once {
         return Decision::Done(outcome);
     }
-    if !throttle() {
-        return Decision::Done(CallOutcome::Throttled);
+    if let Err(outcome) = gate.count_failure() {
+        return Decision::Done(outcome);
     }
     if attempted.pushback == Pushback::Stop {
         return Decision::Done(CallOutcome::PushbackStop);
@@ -140,6 +146,9 @@ pub(crate) fn decide(
     };
     if limits.bounds.too_late(wait) {
         return Decision::Done(CallOutcome::Deadline);
+    }
+    if let Err(outcome) = gate.spend() {
+        return Decision::Done(outcome);
     }
     state.exponent = exponent;
     Decision::RetryAfter(wait)

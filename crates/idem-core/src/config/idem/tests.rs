@@ -118,6 +118,7 @@ fn idem_client() {
             min_attempt_time: Duration::from_millis(10),
             retry_exhausted_pushback: false,
             no_retry_under_retried_inbound: true,
+            ..ClientSettings::default()
         }
     );
     let (_, w) = settings(json!({"client": {"maxReplayBytesTotal": 1024}})).unwrap();
