@@ -10,7 +10,9 @@
 //!   [`DemoStore`];
 //! - [`workload`]: the intents fired at the instances, and the tally;
 //! - [`crash`]: one run with instance processes killed with SIGKILL;
-//! - [`metrics`]: `--metrics-out`, both layers' metrics as a Prometheus exposition.
+//! - [`metrics`]: `--metrics-out`, both layers' metrics as a Prometheus exposition;
+//! - [`netfaults`]: `--net-faults`, a TCP fault proxy in front of instances and stores;
+//! - [`history`]: the checker of every intent's attempts and the orders they made.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_demo::BoxError> {
@@ -28,7 +30,9 @@
 pub mod crash;
 pub mod faults;
 pub mod fleet;
+pub mod history;
 pub mod metrics;
+pub mod netfaults;
 pub mod options;
 pub mod orders;
 pub mod pg_orders;
