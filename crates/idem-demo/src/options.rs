@@ -54,6 +54,9 @@ pub struct Options {
     /// Write the Prometheus exposition of both layers of the run with idem here
     /// (in-process runs).
     pub metrics_out: Option<std::path::PathBuf>,
+    /// `--net-faults`: a TCP fault proxy between the client and each instance and
+    /// between each instance and its store, on this seeded schedule.
+    pub net_faults: Option<crate::netfaults::ScheduleSpec>,
 }
 
 impl Default for Options {
@@ -72,6 +75,7 @@ impl Default for Options {
             restart_after: None,
             progress: true,
             metrics_out: None,
+            net_faults: None,
         }
     }
 }
@@ -97,6 +101,8 @@ pub struct RunReport {
     pub failed: u64,
     /// Intents whose caller got an OK but whose order does not exist.
     pub ok_without_order: u64,
+    /// OKs that named an order not of their intent (another intent's, or none).
+    pub wrong_orders: u64,
     /// Whether instance 0 was killed and restarted during the run.
     pub restarted: bool,
     /// `failed + ok_without_order`.
@@ -109,6 +115,10 @@ pub struct RunReport {
     pub p99: Duration,
     /// Wall time of the workload.
     pub elapsed: Duration,
+    /// The network faults applied during the run (`--net-faults`).
+    pub net_faults: Option<crate::netfaults::FaultCounts>,
+    /// The history checker's verdict on the run.
+    pub verdict: Option<crate::history::Verdict>,
 }
 
 /// The same config with every `idempotency` object removed: no protected methods.

@@ -1,7 +1,6 @@
 //! The demo's workload: `CreateOrder` intents fired at a chosen concurrency, each with
 //! its own key reused by every application retry, and the tally of what they did.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -11,6 +10,7 @@ use idem_test_support::shop::CreateOrderRequest;
 use idem_test_support::shop::orders_client::OrdersClient;
 use tonic::Request;
 
+use crate::history::History;
 use crate::{BoxError, Options, RunReport};
 
 /// What the callers saw in one run.
@@ -18,7 +18,8 @@ pub struct Workload {
     latencies: Vec<Duration>,
     /// Calls answered with `x-idempotency-replayed: true`.
     replays: Arc<AtomicU64>,
-    failed: Vec<String>,
+    /// Every intent's calls and the orders its OKs named.
+    history: Arc<History>,
     app_calls: u64,
     elapsed: Duration,
 }
@@ -43,6 +44,7 @@ where
     let started = Instant::now();
     let app_calls = Arc::new(AtomicU64::new(0));
     let replays = Arc::new(AtomicU64::new(0));
+    let history = Arc::new(History::default());
     let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
     let progress = show_progress(o, label, done.clone());
     let mut tasks = Vec::with_capacity(o.intents);
@@ -52,32 +54,30 @@ where
         let done = done.clone();
         let app_calls = app_calls.clone();
         let replays = replays.clone();
+        let history = history.clone();
         let app_retries = o.app_retries;
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let intent = format!("intent-{n}");
             let t0 = Instant::now();
-            let calls = (&*app_calls, &*replays);
+            let calls = (&*app_calls, &*replays, &*history);
             let ok = one_intent(client, n, &intent, with_idem, app_retries, calls).await;
             done.fetch_add(1, Ordering::Relaxed);
             (intent, ok, t0.elapsed())
         }));
     }
     let mut latencies = Vec::with_capacity(o.intents);
-    let mut failed = Vec::new();
+    // Whether each intent got its OK is in the history.
     for t in tasks {
-        let (intent, ok, latency) = t.await?;
+        let (_, _, latency) = t.await?;
         latencies.push(latency);
-        if !ok {
-            failed.push(intent);
-        }
     }
     let _ = progress.await;
     latencies.sort();
     Ok(Workload {
         latencies,
         replays,
-        failed,
+        history,
         app_calls: app_calls.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
     })
@@ -92,7 +92,7 @@ async fn one_intent<S>(
     intent: &str,
     with_idem: bool,
     app_retries: u32,
-    (app_calls, replays): (&AtomicU64, &AtomicU64),
+    (app_calls, replays, history): (&AtomicU64, &AtomicU64, &History),
 ) -> bool
 where
     S: tonic::client::GrpcService<tonic::body::Body>,
@@ -103,6 +103,7 @@ where
     let key = IdempotencyKey::generate();
     for _ in 0..=app_retries {
         app_calls.fetch_add(1, Ordering::Relaxed);
+        history.attempt(intent);
         let mut req = Request::new(CreateOrderRequest {
             customer_id: format!("customer-{}", n % 97),
             sku: "sku-42".into(),
@@ -117,6 +118,7 @@ where
                 if idem_client::is_replayed(&response) {
                     replays.fetch_add(1, Ordering::Relaxed);
                 }
+                history.ok(intent, &response.into_inner().order_id);
                 return true;
             }
             Err(s)
@@ -169,39 +171,40 @@ fn show_progress(
     })
 }
 
-/// Counts orders, duplicates and lost intents of a run from the ledger's orders per
-/// intent and what the callers saw.
+/// Counts orders, duplicates and lost intents of a run from the orders that exist
+/// (intent and order id of each) and what the callers saw, through the history checker.
 pub fn tally(
     o: &Options,
     label: &'static str,
-    by_intent: &HashMap<String, u32>,
+    orders: &[(String, String)],
     w: Workload,
 ) -> RunReport {
     let pct = |p: f64| w.latencies[((w.latencies.len() as f64 - 1.0) * p).round() as usize];
-    let orders: u64 = by_intent.values().map(|&c| u64::from(c)).sum();
-    let duplicates: u64 = by_intent
-        .values()
-        .map(|&c| u64::from(c.saturating_sub(1)))
-        .sum();
-    let ok_without_order = (0..o.intents)
-        .map(|n| format!("intent-{n}"))
-        .filter(|i| !w.failed.contains(i) && !by_intent.contains_key(i))
-        .count() as u64;
+    let verdict = w.history.check(
+        (0..o.intents).map(|n| format!("intent-{n}")),
+        orders.iter().map(|(i, id)| (i, id)),
+    );
+    if !verdict.is_exactly_once() && std::env::var_os("IDEM_DEMO_DEBUG").is_some() {
+        eprintln!("{label}: {verdict}");
+    }
     RunReport {
         label,
         intents: o.intents,
         attempts: 0,
         app_calls: w.app_calls,
         replays: w.replays.load(Ordering::Relaxed),
-        orders,
-        duplicates,
-        failed: w.failed.len() as u64,
-        ok_without_order,
+        orders: orders.len() as u64,
+        duplicates: verdict.duplicates,
+        failed: verdict.never_ok,
+        ok_without_order: verdict.ok_without_order,
+        wrong_orders: verdict.wrong_orders,
         restarted: false,
-        lost: w.failed.len() as u64 + ok_without_order,
+        lost: verdict.lost(),
         p50: pct(0.50),
         p99: pct(0.99),
         elapsed: w.elapsed,
         crashes: 0,
+        net_faults: None,
+        verdict: Some(verdict),
     }
 }

@@ -26,13 +26,16 @@
 //! ```
 //!
 //! - [`proxy`]: the proxy ([`FaultProxy`]) and its faults ([`NetFault`]);
+//! - [`rig`]: the proxies of one demo run ([`Rig`]);
 //! - [`schedule`]: the seeded schedule ([`steps`], [`FaultDriver`]) and the counts by
 //!   kind ([`FaultCounts`]).
 
 pub mod proxy;
+pub mod rig;
 pub mod schedule;
 
 pub use proxy::{Direction, FaultProxy, NetFault, ProxyStats};
+pub use rig::Rig;
 pub use schedule::{FaultCounts, FaultDriver, ScheduleSpec, Step, steps};
 
 #[cfg(test)]
