@@ -50,7 +50,7 @@ fn schedule(seed: u64, partition: std::ops::Range<Duration>) -> ScheduleSpec {
 
 fn options(instances: usize, seed: u64, spec: ScheduleSpec) -> Options {
     Options {
-        intents: 800,
+        intents: 600,
         concurrency: 32,
         unavailable: 0.05,
         drop: 0.05,
@@ -247,6 +247,137 @@ async fn postgres_instance_cut_off_longer_than_the_lease_loses_to_the_fence() {
         Err(s) => eprintln!("A, taken over: {s:?}"),
     }
     let orders = pg_orders::orders(&pool).await.unwrap();
+    let verdict = history.check(["intent-0"], orders.iter().map(|(i, o)| (i, o)));
+    assert!(verdict.is_exactly_once(), "{verdict}");
+}
+
+/// Orders kept in this process (a cache store cannot commit them with the record);
+/// the handler says when it has written its order and waits to be let go.
+#[derive(Clone, Default)]
+struct GatedLedger {
+    orders: Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    gate: Option<(Arc<Notify>, Arc<Notify>)>,
+}
+
+idem_test_support::create_only_orders! {
+    GatedLedger, why = "the test only creates orders";
+    create_order(&self, request) {
+        let r = request.into_inner();
+        let id = {
+            let mut orders = self.orders.lock().unwrap();
+            let id = format!("ord-{}", orders.len());
+            orders.push((r.note.clone(), id.clone()));
+            id
+        };
+        if let Some((written, go)) = &self.gate {
+            written.notify_one();
+            go.notified().await;
+        }
+        Ok(Response::new(Order { order_id: id, ..Default::default() }))
+    }
+}
+
+/// Serves `ledger` behind the idempotency layer on Redis at `url` (10 s lease).
+async fn serve_redis(url: String, ledger: GatedLedger) -> SocketAddr {
+    let config = ServiceConfig::from_json(DEFAULT_CONFIG).unwrap();
+    let store = RedisStore::connect(url).await.expect("connect");
+    let layer = IdempotencyLayer::new(store, &config).tenant(SingleTenant::new("demo"));
+    let (addr, incoming) = idem_test_support::net::bind().await;
+    tokio::spawn(
+        Server::builder()
+            .layer(InboundLayer::new())
+            .layer(layer)
+            .add_service(OrdersServer::new(ledger))
+            .serve_with_incoming(incoming),
+    );
+    addr
+}
+
+/// Calls until an OK (the store's connections reconnect after a partition), recording
+/// each call and OK in `history`.
+async fn create_until_ok(addr: SocketAddr, key: &IdempotencyKey, history: &History) -> Order {
+    for _ in 0..300 {
+        history.attempt("intent-0");
+        match create(addr, key).await {
+            Ok(order) => {
+                history.ok("intent-0", &order.order_id);
+                return order;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    panic!("no OK after 300 calls");
+}
+
+/// Redis stops answering (partitioned both ways, connections kept open): a call is
+/// UNAVAILABLE after the command timeout and its handler never runs; once the store
+/// answers again, the same key runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_that_stops_answering_runs_nothing_then_runs_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port())))
+        .await
+        .unwrap();
+    let ledger = GatedLedger::default();
+    let addr = serve_redis(format!("redis://{}", proxy.addr()), ledger.clone()).await;
+    let key = IdempotencyKey::generate();
+    proxy.set(Some(NetFault::Partition(Direction::Both)));
+    let history = History::default();
+    history.attempt("intent-0");
+    let s = create(addr, &key).await.expect_err("no store, no run");
+    assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+    assert!(
+        ledger.orders.lock().unwrap().is_empty(),
+        "the handler never ran"
+    );
+    proxy.heal();
+    create_until_ok(addr, &key, &history).await;
+    let orders = ledger.orders.lock().unwrap().clone();
+    let verdict = history.check(["intent-0"], orders.iter().map(|(i, o)| (i, o)));
+    assert!(verdict.is_exactly_once(), "{verdict}");
+}
+
+/// An instance cut off from Redis after its handler wrote its order, for less than the
+/// lease: the completion is retried until the partition heals, and every retry of the
+/// key replays that order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_instance_cut_off_shorter_than_the_lease_runs_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port())))
+        .await
+        .unwrap();
+    let (written, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let ledger = GatedLedger {
+        gate: Some((written.clone(), go.clone())),
+        ..GatedLedger::default()
+    };
+    let addr = serve_redis(format!("redis://{}", proxy.addr()), ledger.clone()).await;
+    let key = IdempotencyKey::generate();
+    let history = Arc::new(History::default());
+    history.attempt("intent-0");
+    let first = tokio::spawn({
+        let key = key.clone();
+        async move { create(addr, &key).await }
+    });
+    written.notified().await;
+    proxy.set(Some(NetFault::Partition(Direction::Both)));
+    let before = proxy.stats().dropped;
+    go.notify_one();
+    // The completion was sent into the partition (and lost) before it heals.
+    while proxy.stats().dropped == before {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.heal();
+    if let Ok(order) = first.await.unwrap() {
+        history.ok("intent-0", &order.order_id);
+    }
+    let order = create_until_ok(addr, &key, &history).await;
+    assert_eq!(order.order_id, "ord-0");
+    let orders = ledger.orders.lock().unwrap().clone();
     let verdict = history.check(["intent-0"], orders.iter().map(|(i, o)| (i, o)));
     assert!(verdict.is_exactly_once(), "{verdict}");
 }
