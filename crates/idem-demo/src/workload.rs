@@ -101,7 +101,14 @@ where
     S::Error: Into<BoxError>,
 {
     let key = IdempotencyKey::generate();
-    for _ in 0..=app_retries {
+    for call in 0..=app_retries {
+        if call > 0 {
+            // A caller backs off before trying again (10 ms doubling to 1 s): a key in
+            // flight on an instance cut off from its store answers ABORTED at once
+            // until that instance's completion lands.
+            let backoff = Duration::from_millis(10 << (call - 1).min(7));
+            tokio::time::sleep(backoff.min(Duration::from_secs(1))).await;
+        }
         app_calls.fetch_add(1, Ordering::Relaxed);
         history.attempt(intent);
         let mut req = Request::new(CreateOrderRequest {
