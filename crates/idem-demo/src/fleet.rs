@@ -21,8 +21,10 @@ use tower::ServiceBuilder;
 
 use crate::faults::Faults;
 use crate::metrics::DemoMetrics;
+use crate::netfaults::Rig;
 use crate::orders::{Ledger, LedgerOrders};
 use crate::outage::Outage;
+use crate::store::connect_redis;
 use crate::workload::{tally, workload_with_outage};
 use crate::{BoxError, DemoStore, Options, RunReport};
 
@@ -40,6 +42,9 @@ struct Fleet {
     ledger: Arc<Ledger>,
     faults: Faults,
     store: DemoStore,
+    /// With `--net-faults`: each instance's own connection to the store, through its
+    /// own proxy (instance `i` uses entry `i`; `store` when there is none).
+    instance_stores: Vec<DemoStore>,
     stats: Arc<Mutex<Vec<IdempotencyStats>>>,
     metrics: Option<DemoMetrics>,
 }
@@ -90,7 +95,7 @@ impl Fleet {
             self.ledger.clone(),
             format!("instance-{i}"),
         ));
-        let task = match &self.store {
+        let task = match self.instance_stores.get(i).unwrap_or(&self.store) {
             _ if !self.with_idem => {
                 let faults = self.faults.clone();
                 tokio::spawn(async move {
@@ -205,6 +210,32 @@ async fn restart_after(
     fleet.spawn(0, listener)
 }
 
+/// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
+/// through its own proxy (none for the other stores, and for a Redis Cluster, whose
+/// nodes tell the client their own addresses).
+async fn proxied_stores(
+    o: &Options,
+    store: &DemoStore,
+    rig: &mut Rig,
+) -> Result<Vec<DemoStore>, BoxError> {
+    let DemoStore::Redis(_) = store else {
+        return Ok(Vec::new());
+    };
+    let url = o
+        .redis
+        .as_deref()
+        .ok_or("--net-faults on Redis needs Options::redis, the URL to proxy")?;
+    if url.contains(',') {
+        return Ok(Vec::new());
+    }
+    let mut stores = Vec::new();
+    for i in 0..o.instances {
+        let via = rig.front_url(format!("instance-{i} -> redis"), url).await?;
+        stores.push(DemoStore::Redis(connect_redis(&via).await?));
+    }
+    Ok(stores)
+}
+
 /// `with idem` or `without idem`.
 pub(crate) fn label(with_idem: bool) -> &'static str {
     if with_idem {
@@ -226,12 +257,13 @@ pub async fn run(
 ) -> Result<RunReport, BoxError> {
     let label = label(with_idem);
     let outage = Outage::default();
-    let fleet = Fleet {
+    let mut fleet = Fleet {
         with_idem,
         config: config.clone(),
         ledger: Arc::new(Ledger::default()),
         faults: Faults::new(o, o.seed).with_outage(outage.clone()),
         store: store.clone(),
+        instance_stores: Vec::new(),
         stats: Arc::new(Mutex::new(Vec::new())),
         metrics: o
             .metrics_out
@@ -239,12 +271,28 @@ pub async fn run(
             .filter(|_| with_idem)
             .map(|_| DemoMetrics::new(config)),
     };
+    let mut rig = Rig::default();
+    if o.net_faults.is_some() {
+        fleet.instance_stores = proxied_stores(o, store, &mut rig).await?;
+    }
     let mut instances = Vec::new();
+    let mut addrs = Vec::new();
     for i in 0..o.instances {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
-        instances.push(fleet.spawn(i, listener));
+        let instance = fleet.spawn(i, listener);
+        addrs.push(match o.net_faults {
+            Some(_) => {
+                rig.front(format!("client -> instance-{i}"), instance.addr)
+                    .await?
+            }
+            None => instance.addr,
+        });
+        instances.push(instance);
     }
-    let addrs: Vec<SocketAddr> = instances.iter().map(|i| i.addr).collect();
+    let driver = o
+        .net_faults
+        .as_ref()
+        .map(|spec| rig.drive(spec, o.progress));
 
     let client = OrdersClient::new(
         ServiceBuilder::new()
@@ -271,6 +319,7 @@ pub async fn run(
     if let Some(starter) = outage_starter {
         starter.abort();
     }
+    let net_faults = driver.map(|d| d.stop());
     let mut restarted = false;
     if let Some(r) = restarter {
         instances.push(r.await?);
@@ -279,11 +328,12 @@ pub async fn run(
     for i in &instances {
         i.task.abort();
     }
-    let mut report = tally(o, label, &fleet.ledger.by_intent(), w);
+    let mut report = tally(o, label, &fleet.ledger.orders(), w);
     report.attempts = fleet.faults.attempts();
     report.replays = fleet.replays();
     report.restarted = restarted;
     report.outage = outage.report();
+    report.net_faults = net_faults;
     if let (Some(m), Some(path)) = (&fleet.metrics, &o.metrics_out) {
         // Server metrics of a call are recorded just after its response: let them land.
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -12,7 +12,9 @@
 //! - [`workload`]: the intents fired at the instances, and the tally;
 //! - [`outage`]: `--outage-after N --outage-for SECONDS`, every instance down for a while;
 //! - [`crash`]: one run with instance processes killed with SIGKILL;
-//! - [`metrics`]: `--metrics-out`, both layers' metrics as a Prometheus exposition.
+//! - [`metrics`]: `--metrics-out`, both layers' metrics as a Prometheus exposition;
+//! - [`netfaults`]: `--net-faults`, a TCP fault proxy in front of instances and stores;
+//! - [`history`]: the checker of every intent's attempts and the orders they made.
 //!
 //! Features: `redis` (`--store redis|redis-cluster`) and `postgres` (`--store
 //! postgres`); without them the demo builds no Redis client, sqlx or PostgreSQL code.
@@ -33,7 +35,9 @@
 pub mod crash;
 pub mod faults;
 pub mod fleet;
+pub mod history;
 pub mod metrics;
+pub mod netfaults;
 pub mod options;
 pub mod orders;
 pub mod outage;

@@ -12,6 +12,8 @@
 //! cargo run --release -p idem-demo --features redis -- --redis-cluster redis://10.0.0.1:7000,redis://10.0.0.2:7000
 //! cargo run --release -p idem-demo --features redis -- --store redis --instances 3 --rolling-restart 400 --unavailable 0 --drop 0
 //! cargo run --release -p idem-demo -- --outage-after 500 --outage-for 3 --config examples/outage/breaker.json
+//! cargo run --release -p idem-demo --features redis -- --store redis --instances 3 --net-faults
+//! cargo run --release -p idem-demo --features postgres -- --store postgres --instances 2 --net-faults --crash-every 400
 //! ```
 //!
 //! It starts `shop.v1.Orders` server instances on 127.0.0.1 behind a seeded fault
@@ -59,12 +61,25 @@
 //! keeps retrying until 30 s after the outage. `examples/outage/` has the four configs
 //! of BENCHMARKS.md's outage rows (no guard, A6 throttling, retry budget, breaker).
 //!
+//! With `--net-faults` (any store, also with `--crash-every`) the faults are on real
+//! sockets too: a TCP proxy sits between the client and each instance and between each
+//! instance and its store (Redis, PostgreSQL; a Redis Cluster's nodes announce their own
+//! addresses, so there only the client's side is proxied). Each proxy runs its own seeded
+//! schedule of partitions (one way or both, bytes dropped, connections kept open),
+//! latency spikes, resets after N bytes, peers that stop reading and drips, each printed
+//! as it is applied; the table's header counts them by kind. Partitions are shorter
+//! than the lease, except on PostgreSQL with crashes, where they also outlast it. Every
+//! intent's calls and OKs are checked by the history checker: each intent one order,
+//! every OK naming it.
+//!
 //! An intent that still fails after the client layer's retries is retried by the
-//! application (up to `--app-retries`), as a real caller would. The table counts orders
+//! application (up to `--app-retries`, 20 with `--net-faults`; backing off 10 ms
+//! doubling to 1 s), as a real caller would. The table counts orders
 //! per intent in the server's ledger. With idem, duplicates and lost intents must be 0:
 //! the process exits with status 1 otherwise.
 
 use idem_demo::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
+use idem_demo::netfaults::ScheduleSpec;
 #[cfg(feature = "redis")]
 use idem_demo::store::connect_redis;
 use idem_demo::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
@@ -78,7 +93,8 @@ use idem::store::memory::MemoryStore;
 
 const USAGE: &str = "usage: demo [--intents N] [--concurrency N] [--unavailable P] [--drop P] \
 [--latency-ms MS] [--seed N] [--app-retries N] [--instances N] [--store memory|redis|redis-cluster|postgres] \
-[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE] [--rolling-restart N] [--outage-after N] [--outage-for SECONDS]";
+[--redis URL] [--redis-cluster URL,URL...] [--postgres URL] [--config FILE] [--crash-every N] [--redeploy-after N] [--metrics-out FILE] [--rolling-restart N] [--outage-after N] [--outage-for SECONDS] \
+[--net-faults]";
 
 /// What the command line asked for beyond the workload's options.
 struct Args {
@@ -93,6 +109,8 @@ struct Args {
     /// `--rolling-restart N`: instances as processes, one restarted (SIGTERM, drain)
     /// every N intents.
     rolling: Option<usize>,
+    /// `--net-faults`: TCP fault proxies in front of the instances and the stores.
+    net_faults: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -102,11 +120,18 @@ fn parse_args() -> Result<Args, String> {
     let mut postgres = None;
     let mut cluster_nodes = false;
     let mut rolling = None;
+    let mut net_faults = false;
+    let mut app_retries_given = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
             std::process::exit(0);
+        }
+        // A switch, without a value.
+        if flag == "--net-faults" {
+            net_faults = true;
+            continue;
         }
         let value = args
             .next()
@@ -121,7 +146,10 @@ fn parse_args() -> Result<Args, String> {
                 o.latency = Duration::from_millis(value.parse().map_err(|e| bad(&e))?)
             }
             "--seed" => o.seed = value.parse().map_err(|e| bad(&e))?,
-            "--app-retries" => o.app_retries = value.parse().map_err(|e| bad(&e))?,
+            "--app-retries" => {
+                o.app_retries = value.parse().map_err(|e| bad(&e))?;
+                app_retries_given = true;
+            }
             "--instances" => o.instances = value.parse().map_err(|e| bad(&e))?,
             "--redis" => o.redis = Some(value),
             "--redis-cluster" => {
@@ -208,6 +236,10 @@ fn parse_args() -> Result<Args, String> {
                 .into(),
         );
     }
+    // A caller cut off by a partition keeps trying for longer (its backoff reaches 1 s).
+    if net_faults && !app_retries_given {
+        o.app_retries = 20;
+    }
     if crash_every == Some(0) {
         return Err("--crash-every must be > 0".into());
     }
@@ -234,6 +266,7 @@ fn parse_args() -> Result<Args, String> {
         crash_every,
         postgres,
         rolling,
+        net_faults,
     })
 }
 
@@ -273,6 +306,20 @@ fn print_table(o: &Options, store: &str, crash_every: Option<usize>, reports: &[
             "crashes: each instance is a separate process; one is killed with SIGKILL every {every} intents and started again ({} kills per run)",
             reports.first().map_or(0, |r| r.crashes)
         );
+    }
+    if let Some(spec) = &o.net_faults {
+        println!(
+            "net faults: a TCP proxy between the client and each instance and between each instance and its store; \
+             partitions and half-open peers {}-{} ms, seed {}",
+            spec.partition.start.as_millis(),
+            spec.partition.end.as_millis(),
+            spec.seed
+        );
+        for r in reports {
+            if let Some(counts) = &r.net_faults {
+                println!("{}: {counts}", r.label);
+            }
+        }
     }
     println!();
     println!(
@@ -357,11 +404,12 @@ fn main() {
 
 async fn demo() {
     let Args {
-        o,
+        mut o,
         store: store_choice,
         crash_every,
         postgres,
         rolling,
+        net_faults,
     } = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -396,6 +444,14 @@ async fn demo() {
             std::process::exit(2);
         }
     };
+    if net_faults {
+        o.net_faults = Some(net_fault_schedule(
+            &o,
+            &config,
+            store_choice.as_deref(),
+            crash_every,
+        ));
+    }
     let redis_wanted = store_choice.as_deref() == Some("redis");
     let cluster_wanted = store_choice.as_deref() == Some("redis-cluster");
     // A private redis-server when --store redis comes without a URL, a private cluster
@@ -423,6 +479,8 @@ async fn demo() {
                 "--store redis needs a redis-server: pass --redis URL, or install one (Debian/Ubuntu: apt-get install redis-server)",
             );
             private_redis = Some(server);
+            // `--net-faults` gives each instance its own proxied connection to it.
+            o.redis = Some(url.clone());
             Some(url)
         }
         (None, false) => None,
@@ -536,13 +594,40 @@ fn private<T>(started: Option<T>, url: impl FnOnce(&T) -> String, missing: &str)
 /// Exits with status 1 (after saying so) when the run `with` let a duplicate order
 /// through or lost an intent; `when` ends the message.
 fn exit_unless_exactly_once(idem: &RunReport, with: &str, when: &str) {
-    if idem.duplicates > 0 || idem.lost > 0 {
+    if idem.duplicates > 0 || idem.lost > 0 || idem.wrong_orders > 0 {
         eprintln!(
-            "FAIL: {with} there were {} duplicate orders and {} lost intents{when}",
-            idem.duplicates, idem.lost
+            "FAIL: {with} there were {} duplicate orders, {} lost intents and {} OKs naming another order{when}",
+            idem.duplicates, idem.lost, idem.wrong_orders
         );
+        if let Some(v) = &idem.verdict {
+            eprintln!("{v}");
+        }
         std::process::exit(1);
     }
+}
+
+/// `--net-faults`: partitions shorter than the lease (at most half of it, 3 s at most),
+/// except on PostgreSQL with crashes, where they also run longer than the lease (up to
+/// three leases, 3 s at least), so a run taken over while cut off must lose to the fence.
+fn net_fault_schedule(
+    o: &Options,
+    config: &ServiceConfig,
+    store: Option<&str>,
+    crash_every: Option<usize>,
+) -> ScheduleSpec {
+    let lease = config
+        .method_configs()
+        .iter()
+        .filter_map(|m| m.idempotency())
+        .map(|p| p.lease_ttl)
+        .min()
+        .unwrap_or(Duration::from_secs(10));
+    let longest = if store == Some("postgres") && crash_every.is_some() {
+        (lease * 3).max(Duration::from_secs(3))
+    } else {
+        (lease / 2).min(Duration::from_secs(3))
+    };
+    ScheduleSpec::new(o.seed, Duration::from_millis(100)..longest)
 }
 
 /// Both runs with every instance in this process.

@@ -60,6 +60,9 @@ pub struct Options {
     pub outage_after: Option<usize>,
     /// How long the outage lasts.
     pub outage_for: Duration,
+    /// `--net-faults`: a TCP fault proxy between the client and each instance and
+    /// between each instance and its store, on this seeded schedule.
+    pub net_faults: Option<crate::netfaults::ScheduleSpec>,
 }
 
 impl Default for Options {
@@ -80,6 +83,7 @@ impl Default for Options {
             metrics_out: None,
             outage_after: None,
             outage_for: Duration::from_secs(3),
+            net_faults: None,
         }
     }
 }
@@ -105,6 +109,8 @@ pub struct RunReport {
     pub failed: u64,
     /// Intents whose caller got an OK but whose order does not exist.
     pub ok_without_order: u64,
+    /// OKs that named an order not of their intent (another intent's, or none).
+    pub wrong_orders: u64,
     /// Whether instance 0 was killed and restarted during the run.
     pub restarted: bool,
     /// `failed + ok_without_order`.
@@ -123,6 +129,10 @@ pub struct RunReport {
     pub elapsed: Duration,
     /// What the outage did (`--outage-after`).
     pub outage: Option<crate::outage::OutageReport>,
+    /// The network faults applied during the run (`--net-faults`).
+    pub net_faults: Option<crate::netfaults::FaultCounts>,
+    /// The history checker's verdict on the run.
+    pub verdict: Option<crate::history::Verdict>,
 }
 
 /// The same config with every `idempotency` object removed: no protected methods.

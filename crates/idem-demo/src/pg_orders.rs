@@ -42,6 +42,34 @@ pub async fn orders_by_intent(pool: &PgPool) -> Result<HashMap<String, u32>, sql
         .collect()
 }
 
+/// Each order's intent and id (`ord-N`, as its reply names it).
+pub async fn orders(pool: &PgPool) -> Result<Vec<(String, String)>, sqlx::Error> {
+    let rows = sqlx::query("SELECT intent, id FROM idem_demo_orders")
+        .fetch_all(pool)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, format!("ord-{}", r.try_get::<i64, _>(1)?))))
+        .collect()
+}
+
+/// Inserts one order of `intent` on `conn` (a handler's [`idem_postgres::RecordTx`], so
+/// it commits with the record); returns its id.
+pub async fn insert_order(
+    conn: &mut sqlx::PgConnection,
+    intent: &str,
+    created_by: &str,
+) -> Result<i64, Status> {
+    let row = sqlx::query(
+        "INSERT INTO idem_demo_orders (intent, created_by) VALUES ($1, $2) RETURNING id",
+    )
+    .bind(intent)
+    .bind(created_by)
+    .fetch_one(conn)
+    .await
+    .map_err(db)?;
+    Ok(row.get(0))
+}
+
 /// `shop.v1.Orders` writing to PostgreSQL.
 pub struct PgOrders {
     pool: PgPool,

@@ -1,7 +1,6 @@
 //! The demo's workload: `CreateOrder` intents fired at a chosen concurrency, each with
 //! its own key reused by every application retry, and the tally of what they did.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -11,6 +10,7 @@ use idem_test_support::shop::CreateOrderRequest;
 use idem_test_support::shop::orders_client::OrdersClient;
 use tonic::Request;
 
+use crate::history::History;
 use crate::outage::Outage;
 use crate::{BoxError, Options, RunReport};
 
@@ -19,7 +19,8 @@ pub struct Workload {
     latencies: Vec<Duration>,
     /// Calls answered with `x-idempotency-replayed: true`.
     replays: Arc<AtomicU64>,
-    failed: Vec<String>,
+    /// Every intent's calls and the orders its OKs named.
+    history: Arc<History>,
     app_calls: u64,
     elapsed: Duration,
 }
@@ -65,6 +66,7 @@ where
     let started = Instant::now();
     let app_calls = Arc::new(AtomicU64::new(0));
     let replays = Arc::new(AtomicU64::new(0));
+    let history = Arc::new(History::default());
     let sem = Arc::new(tokio::sync::Semaphore::new(o.concurrency));
     let progress = show_progress(o, label, done.clone());
     let mut tasks = Vec::with_capacity(o.intents);
@@ -74,6 +76,7 @@ where
         let done = done.clone();
         let app_calls = app_calls.clone();
         let replays = replays.clone();
+        let history = history.clone();
         let app_retries = o.app_retries;
         let outage = outage.clone();
         let wait_out = o
@@ -83,7 +86,7 @@ where
             let _permit = permit;
             let intent = format!("intent-{n}");
             let t0 = Instant::now();
-            let calls = (&*app_calls, &*replays);
+            let calls = (&*app_calls, &*replays, &*history);
             let retries = AppRetries {
                 max: app_retries,
                 wait_out: wait_out.map(|d| (d, &outage)),
@@ -94,20 +97,17 @@ where
         }));
     }
     let mut latencies = Vec::with_capacity(o.intents);
-    let mut failed = Vec::new();
+    // Whether each intent got its OK is in the history.
     for t in tasks {
-        let (intent, ok, latency) = t.await?;
+        let (_, _, latency) = t.await?;
         latencies.push(latency);
-        if !ok {
-            failed.push(intent);
-        }
     }
     let _ = progress.await;
     latencies.sort();
     Ok(Workload {
         latencies,
         replays,
-        failed,
+        history,
         app_calls: app_calls.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
     })
@@ -130,7 +130,7 @@ async fn one_intent<S>(
     intent: &str,
     with_idem: bool,
     retries: AppRetries<'_>,
-    (app_calls, replays): (&AtomicU64, &AtomicU64),
+    (app_calls, replays, history): (&AtomicU64, &AtomicU64, &History),
 ) -> bool
 where
     S: tonic::client::GrpcService<tonic::body::Body>,
@@ -142,7 +142,15 @@ where
     let started = Instant::now();
     let mut tries = 0u32;
     loop {
+        if tries > 0 && retries.wait_out.is_none() {
+            // A caller backs off before trying again (10 ms doubling to 1 s): a key in
+            // flight on an instance cut off from its store answers ABORTED at once
+            // until that instance's completion lands.
+            let backoff = Duration::from_millis(10 << (tries - 1).min(7));
+            tokio::time::sleep(backoff.min(Duration::from_secs(1))).await;
+        }
         app_calls.fetch_add(1, Ordering::Relaxed);
+        history.attempt(intent);
         if let Some((_, outage)) = retries.wait_out {
             outage.call();
         }
@@ -163,6 +171,7 @@ where
                 if let Some((_, outage)) = retries.wait_out {
                     outage.success();
                 }
+                history.ok(intent, &response.into_inner().order_id);
                 return true;
             }
             Err(s)
@@ -220,36 +229,35 @@ fn show_progress(
     })
 }
 
-/// Counts orders, duplicates and lost intents of a run from the ledger's orders per
-/// intent and what the callers saw.
+/// Counts orders, duplicates and lost intents of a run from the orders that exist
+/// (intent and order id of each) and what the callers saw, through the history checker.
 pub fn tally(
     o: &Options,
     label: &'static str,
-    by_intent: &HashMap<String, u32>,
+    orders: &[(String, String)],
     w: Workload,
 ) -> RunReport {
     let pct = |p: f64| w.latencies[((w.latencies.len() as f64 - 1.0) * p).round() as usize];
-    let orders: u64 = by_intent.values().map(|&c| u64::from(c)).sum();
-    let duplicates: u64 = by_intent
-        .values()
-        .map(|&c| u64::from(c.saturating_sub(1)))
-        .sum();
-    let ok_without_order = (0..o.intents)
-        .map(|n| format!("intent-{n}"))
-        .filter(|i| !w.failed.contains(i) && !by_intent.contains_key(i))
-        .count() as u64;
+    let verdict = w.history.check(
+        (0..o.intents).map(|n| format!("intent-{n}")),
+        orders.iter().map(|(i, id)| (i, id)),
+    );
+    if !verdict.is_exactly_once() && std::env::var_os("IDEM_DEMO_DEBUG").is_some() {
+        eprintln!("{label}: {verdict}");
+    }
     RunReport {
         label,
         intents: o.intents,
         attempts: 0,
         app_calls: w.app_calls,
         replays: w.replays.load(Ordering::Relaxed),
-        orders,
-        duplicates,
-        failed: w.failed.len() as u64,
-        ok_without_order,
+        orders: orders.len() as u64,
+        duplicates: verdict.duplicates,
+        failed: verdict.never_ok,
+        ok_without_order: verdict.ok_without_order,
+        wrong_orders: verdict.wrong_orders,
         restarted: false,
-        lost: w.failed.len() as u64 + ok_without_order,
+        lost: verdict.lost(),
         p50: pct(0.50),
         p99: pct(0.99),
         elapsed: w.elapsed,
@@ -257,5 +265,7 @@ pub fn tally(
         restarts: 0,
         transparent: 0,
         outage: None,
+        net_faults: None,
+        verdict: Some(verdict),
     }
 }

@@ -20,6 +20,7 @@ use super::args::StoreKind;
 use super::process::{Instance, Launch};
 use super::run::{RunFiles, start_instances};
 use crate::fleet::{client_channel, label, retry_layer};
+use crate::netfaults::Rig;
 use crate::orders::Ledger;
 use crate::workload::{Workload, tally, workload};
 use crate::{BoxError, Options, RunReport};
@@ -41,7 +42,9 @@ pub async fn run_rolling(
 ) -> Result<RunReport, BoxError> {
     let label = label(with_idem);
     let files = RunFiles::new(with_idem, config_text)?;
-    let instances = start_instances(o, with_idem, false, store, &files, launch).await?;
+    // No fault proxies here (`--rolling-restart` goes without `--net-faults`).
+    let mut rig = Rig::default();
+    let instances = start_instances(o, with_idem, false, store, &files, launch, &mut rig).await?;
     let addrs: Vec<SocketAddr> = instances
         .iter()
         .map(|i| SocketAddr::from(([127, 0, 0, 1], i.args().port)))
@@ -73,9 +76,9 @@ pub async fn run_rolling(
     for i in &mut instances {
         i.kill().await?;
     }
-    let by_intent = Ledger::read_file(&files.ledger)?;
+    let orders = Ledger::read_orders(&files.ledger)?;
     let _ = std::fs::remove_dir_all(&files.dir);
-    let mut report = tally(o, label, &by_intent, w);
+    let mut report = tally(o, label, &orders, w);
     report.attempts = attempts;
     report.transparent = transparent;
     report.restarts = restarts.load(Ordering::Relaxed);

@@ -18,6 +18,7 @@ use super::args::{ServeArgs, StoreKind};
 use super::process::{Instance, Launch};
 use crate::fleet::{client_channel, label, retry_layer};
 use crate::metrics::{DemoMetrics, merge, scrape};
+use crate::netfaults::Rig;
 use crate::orders::Ledger;
 #[cfg(feature = "postgres")]
 use crate::pg_orders;
@@ -56,7 +57,8 @@ impl RunFiles {
 }
 
 /// Starts `o.instances` processes, each on a free port (and a metrics port when
-/// `metrics`).
+/// `metrics`); with `--net-faults`, each reaches its store through its own proxy of
+/// `rig` (a Redis Cluster excepted: its nodes tell the client their own addresses).
 pub(crate) async fn start_instances(
     o: &Options,
     with_idem: bool,
@@ -64,9 +66,20 @@ pub(crate) async fn start_instances(
     store: &StoreKind,
     files: &RunFiles,
     launch: &Launch,
+    rig: &mut Rig,
 ) -> Result<Vec<Instance>, BoxError> {
     let mut instances = Vec::new();
     for i in 0..o.instances {
+        let store = match store {
+            StoreKind::Redis(url) if o.net_faults.is_some() && !url.contains(',') => {
+                StoreKind::Redis(rig.front_url(format!("instance-{i} -> redis"), url).await?)
+            }
+            StoreKind::Postgres(url) if o.net_faults.is_some() => StoreKind::Postgres(
+                rig.front_url(format!("instance-{i} -> postgres"), url)
+                    .await?,
+            ),
+            other => other.clone(),
+        };
         let args = ServeArgs {
             with_idem,
             metrics_port: metrics.then(free_port),
@@ -77,7 +90,7 @@ pub(crate) async fn start_instances(
             ..ServeArgs::new(
                 i,
                 free_port(),
-                store.clone(),
+                store,
                 files.config.clone(),
                 files.ledger.clone(),
             )
@@ -142,11 +155,32 @@ pub async fn run_with_crashes(
         .as_ref()
         .filter(|_| with_idem)
         .map(|_| DemoMetrics::new(config));
-    let instances = start_instances(o, with_idem, metrics.is_some(), store, &files, launch).await?;
-    let addrs: Vec<SocketAddr> = instances
-        .iter()
-        .map(|i| SocketAddr::from(([127, 0, 0, 1], i.args().port)))
-        .collect();
+    let mut rig = Rig::default();
+    let instances = start_instances(
+        o,
+        with_idem,
+        metrics.is_some(),
+        store,
+        &files,
+        launch,
+        &mut rig,
+    )
+    .await?;
+    let mut addrs: Vec<SocketAddr> = Vec::new();
+    for i in &instances {
+        let addr = SocketAddr::from(([127, 0, 0, 1], i.args().port));
+        addrs.push(match o.net_faults {
+            Some(_) => {
+                let name = format!("client -> instance-{}", i.args().instance);
+                rig.front(name, addr).await?
+            }
+            None => addr,
+        });
+    }
+    let driver = o
+        .net_faults
+        .as_ref()
+        .map(|spec| rig.drive(spec, o.progress));
     let retry = retry_layer(config, with_idem, metrics.as_ref());
     let stats = retry.stats();
     let client = OrdersClient::new(
@@ -167,6 +201,7 @@ pub async fn run_with_crashes(
         launch.clone(),
     ));
     let w = workload(o, with_idem, label, &client, done).await?;
+    let net_faults = driver.map(|d| d.stop());
     let (mut instances, dead) = killer.await??;
     let last = match metrics {
         Some(_) => scrape_survivors(&instances).await,
@@ -180,15 +215,16 @@ pub async fn run_with_crashes(
         let (m, path, n) = (m.clone(), path.clone(), dead.len() + last.len());
         tokio::task::spawn_blocking(move || m.write_with_servers(&path, &servers, n)).await??;
     }
-    let by_intent = match &orders_db {
+    let orders = match &orders_db {
         #[cfg(feature = "postgres")]
-        Some(pool) => pg_orders::orders_by_intent(pool).await?,
+        Some(pool) => pg_orders::orders(pool).await?,
         #[cfg(not(feature = "postgres"))]
         Some(never) => match *never {},
-        None => Ledger::read_file(&files.ledger)?,
+        None => Ledger::read_orders(&files.ledger)?,
     };
     let _ = std::fs::remove_dir_all(&files.dir);
-    let mut report = tally(o, label, &by_intent, w);
+    let mut report = tally(o, label, &orders, w);
+    report.net_faults = net_faults;
     report.attempts = stats.snapshot().attempts;
     report.crashes = crashes.load(Ordering::Relaxed);
     Ok(report)

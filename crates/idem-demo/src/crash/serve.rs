@@ -80,10 +80,12 @@ pub async fn serve(args: ServeArgs) -> Result<(), BoxError> {
     }
     #[cfg(feature = "postgres")]
     if let StoreKind::Postgres(url) = &args.store {
-        let store = PgStore::builder(url.clone())
-            .max_connections(PG_POOL)
-            .connect()
-            .await?;
+        let store = until_connected(|| {
+            PgStore::builder(url.clone())
+                .max_connections(PG_POOL)
+                .connect()
+        })
+        .await?;
         let svc = PgOrders::new(
             store.pool().clone(),
             args.with_idem.then(|| store.clone()),
@@ -155,7 +157,7 @@ async fn serve_service<T: Orders>(
             }
             #[cfg(feature = "redis")]
             (StoreKind::Redis(url), None) => {
-                let store = connect_redis(url).await?;
+                let store = until_connected(|| connect_redis(url)).await?;
                 let layer = metrics.server(store, "redis", config).tenant(tenant);
                 serve_idem_until(faults, layer, svc, incoming, stop).await?;
             }
@@ -194,6 +196,26 @@ idem_test_support::create_only_orders! {
             .into_inner();
         self.pause.at(PausePoint::AfterDownstream).await;
         Ok(Response::new(order))
+    }
+}
+
+/// Connects to the store, trying again for up to 30 s: an instance started while its
+/// store is cut off (`--net-faults`) waits for it, as a deployed one would.
+async fn until_connected<T, E, F>(connect: impl Fn() -> F) -> Result<T, BoxError>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    let mut tries = 0;
+    loop {
+        match connect().await {
+            Ok(store) => return Ok(store),
+            Err(_) if tries < 150 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
