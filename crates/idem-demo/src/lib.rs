@@ -32,6 +32,7 @@
 //! # }
 //! ```
 
+pub mod cli;
 pub mod crash;
 pub mod faults;
 pub mod fleet;
