@@ -24,6 +24,7 @@ use crate::metrics::DemoMetrics;
 use crate::netfaults::Rig;
 use crate::orders::{Ledger, LedgerOrders};
 use crate::outage::Outage;
+#[cfg(feature = "redis")]
 use crate::store::connect_redis;
 use crate::workload::{tally, workload_with_outage};
 use crate::{BoxError, DemoStore, Options, RunReport};
@@ -212,7 +213,21 @@ async fn restart_after(
 
 /// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
 /// through its own proxy (none for the other stores, and for a Redis Cluster, whose
+/// nodes tell the client their own addresses). Without the `redis` feature there is no
+/// Redis store to proxy.
+#[cfg(not(feature = "redis"))]
+async fn proxied_stores(
+    _: &Options,
+    _: &DemoStore,
+    _: &mut Rig,
+) -> Result<Vec<DemoStore>, BoxError> {
+    Ok(Vec::new())
+}
+
+/// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
+/// through its own proxy (none for the other stores, and for a Redis Cluster, whose
 /// nodes tell the client their own addresses).
+#[cfg(feature = "redis")]
 async fn proxied_stores(
     o: &Options,
     store: &DemoStore,

@@ -31,7 +31,9 @@ use crate::{
 };
 
 mod records;
+mod tenants;
 pub use records::*;
+pub use tenants::*;
 
 /// The tenant every suite record is charged to.
 const TENANT: TenantId = TenantId([7; 16]);
@@ -395,86 +397,6 @@ pub async fn takeover_then_release_keeps_the_stale_holder_fenced<S: Store>(s: &S
     s.complete(completion(&sc, third, resp(b"3"), LONG))
         .await
         .unwrap();
-}
-
-/// The per-tenant in-flight bound [`tenant_in_flight_bound`] expects the store to have.
-pub const TENANT_IN_FLIGHT_BOUND: usize = 4;
-
-/// Conformance, for a store built with a per-tenant in-flight bound of
-/// [`TENANT_IN_FLIGHT_BOUND`] (not part of [`store_conformance_tests!`](crate::store_conformance_tests):
-/// call it from a test that builds such a store).
-///
-/// A tenant at its bound gets [`StoreError::Full`] for new records while another tenant
-/// still acquires; the tenant's replays, in-flight duplicates and own re-claims are
-/// not refused; completing or releasing one of its records makes room again.
-pub async fn tenant_in_flight_bound<S: Store>(s: &S) {
-    let a = TenantId(rand::random());
-    let b = TenantId(rand::random());
-    let as_tenant = |t: &'static TenantId, sc: &'static Scope, who| ClaimRequest {
-        tenant: t,
-        ..req(sc, &FP16, who, LONG)
-    };
-    let leak = |x: Scope| -> &'static Scope { Box::leak(Box::new(x)) };
-    let a: &'static TenantId = Box::leak(Box::new(a));
-    let b: &'static TenantId = Box::leak(Box::new(b));
-    let mut held = Vec::new();
-    for _ in 0..TENANT_IN_FLIGHT_BOUND {
-        let sc = leak(scope());
-        let who = ClaimantId::random();
-        match s.claim(as_tenant(a, sc, who)).await.unwrap() {
-            Claim::Acquired { fence, .. } => held.push((sc, who, fence)),
-            other => panic!("expected Acquired, got {other:?}"),
-        }
-    }
-    let refused = s
-        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
-        .await;
-    assert!(matches!(refused, Err(StoreError::Full(_))), "{refused:?}");
-    // Another tenant is not affected.
-    let other = s
-        .claim(as_tenant(b, leak(scope()), ClaimantId::random()))
-        .await;
-    assert!(matches!(other, Ok(Claim::Acquired { .. })), "{other:?}");
-    // At its bound, A's duplicates and own re-claims are answered, not refused.
-    let (sc0, who0, fence0) = held[0];
-    assert!(matches!(
-        s.claim(as_tenant(a, sc0, ClaimantId::random()))
-            .await
-            .unwrap(),
-        Claim::InFlight { .. }
-    ));
-    assert_eq!(
-        s.claim(as_tenant(a, sc0, who0)).await.unwrap(),
-        Claim::Acquired {
-            fence: fence0,
-            takeover: false
-        }
-    );
-    // Completing one makes room; its replay is not refused either.
-    s.complete(completion(sc0, fence0, resp(b"a0"), LONG))
-        .await
-        .unwrap();
-    assert_eq!(
-        s.claim(as_tenant(a, sc0, ClaimantId::random()))
-            .await
-            .unwrap(),
-        Claim::Completed(resp(b"a0"))
-    );
-    let next = s
-        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
-        .await;
-    assert!(matches!(next, Ok(Claim::Acquired { .. })), "{next:?}");
-    let full = s
-        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
-        .await;
-    assert!(matches!(full, Err(StoreError::Full(_))), "{full:?}");
-    // Releasing one makes room too.
-    let (sc1, _, fence1) = held[1];
-    s.release(sc1, fence1).await.unwrap();
-    let again = s
-        .claim(as_tenant(a, leak(scope()), ClaimantId::random()))
-        .await;
-    assert!(matches!(again, Ok(Claim::Acquired { .. })), "{again:?}");
 }
 
 const FP16: Fingerprint = Fingerprint([16; 32]);

@@ -200,7 +200,9 @@ idem_test_support::create_only_orders! {
 }
 
 /// Connects to the store, trying again for up to 30 s: an instance started while its
-/// store is cut off (`--net-faults`) waits for it, as a deployed one would.
+/// store is cut off (`--net-faults`) waits for it, as a deployed one would (used by the
+/// Redis and PostgreSQL stores only).
+#[cfg(any(feature = "redis", feature = "postgres"))]
 async fn until_connected<T, E, F>(connect: impl Fn() -> F) -> Result<T, BoxError>
 where
     F: std::future::Future<Output = Result<T, E>>,
