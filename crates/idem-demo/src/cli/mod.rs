@@ -406,23 +406,11 @@ async fn rolling_runs(
     text: &str,
     store: &StoreKind,
 ) -> Vec<RunReport> {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => {
-            eprintln!("cannot find the demo's own executable to start instances: {e}");
-            std::process::exit(2);
-        }
-    };
+    let launch = own_launch();
     let mut reports = Vec::new();
     for with_idem in [true, false] {
-        let launch = crash::Launch::Binary(exe.clone());
-        match crash::run_rolling(o, every, with_idem, config, text, store, &launch).await {
-            Ok(r) => reports.push(r),
-            Err(e) => {
-                eprintln!("run failed: {e}");
-                std::process::exit(2);
-            }
-        }
+        let run = crash::run_rolling(o, every, with_idem, config, text, store, &launch);
+        reports.push(or_exit(run.await));
     }
     reports
 }
@@ -435,23 +423,31 @@ async fn crash_runs(
     text: &str,
     store: &StoreKind,
 ) -> Vec<RunReport> {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
+    let launch = own_launch();
+    let mut reports = Vec::new();
+    for with_idem in [true, false] {
+        let run = crash::run_with_crashes(o, every, with_idem, config, text, store, &launch);
+        reports.push(or_exit(run.await));
+    }
+    reports
+}
+
+/// How instance processes are started: the demo's own executable (exits 2 when it
+/// cannot be found).
+fn own_launch() -> crash::Launch {
+    match std::env::current_exe() {
+        Ok(exe) => crash::Launch::Binary(exe),
         Err(e) => {
             eprintln!("cannot find the demo's own executable to start instances: {e}");
             std::process::exit(2);
         }
-    };
-    let mut reports = Vec::new();
-    for with_idem in [true, false] {
-        let launch = crash::Launch::Binary(exe.clone());
-        match crash::run_with_crashes(o, every, with_idem, config, text, store, &launch).await {
-            Ok(r) => reports.push(r),
-            Err(e) => {
-                eprintln!("run failed: {e}");
-                std::process::exit(2);
-            }
-        }
     }
-    reports
+}
+
+/// A run's report, or exit 2 saying why the run failed.
+fn or_exit(run: Result<RunReport, crate::BoxError>) -> RunReport {
+    run.unwrap_or_else(|e| {
+        eprintln!("run failed: {e}");
+        std::process::exit(2);
+    })
 }

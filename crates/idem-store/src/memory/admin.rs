@@ -10,9 +10,9 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::entry::{Entry, EntryState, Name, Tick, lock};
+use super::entry::{Entry, Name, Tick, lock};
 use super::{MemoryStore, Table};
-use crate::{DeleteMode, Deletion, RecordInfo, RecordState, Scope};
+use crate::{DeleteMode, Deletion, RecordInfo, Scope};
 
 impl MemoryStore {
     /// The record at `scope` (see [`records`](crate::records)): state, fence,
@@ -72,27 +72,7 @@ impl Table {
     }
 
     fn info(&self, e: &Entry, now: Instant, tick: Tick, completed: Option<Tick>) -> RecordInfo {
-        let state = match &e.state {
-            EntryState::InFlight {
-                fence,
-                fingerprint,
-                lease_until,
-                ..
-            } => RecordState::InFlight {
-                fence: *fence,
-                fingerprint: *fingerprint,
-                lease_until: self.instant(*lease_until),
-            },
-            EntryState::Completed {
-                fence,
-                fingerprint,
-                outcome,
-            } => RecordState::Completed {
-                fence: *fence,
-                fingerprint: *fingerprint,
-                outcome: outcome.clone(),
-            },
-        };
+        let state = self.record_state(e);
         let wall = |t: Tick| {
             let ago = now.saturating_duration_since(self.instant(t));
             SystemTime::now().checked_sub(ago)

@@ -534,7 +534,12 @@ impl Table {
         let now = self.tick(Instant::now());
         let map = lock(self.shard(scope));
         let e = map.get(scope).filter(|e| !Self::is_expired(e, now))?;
-        Some(match &e.state {
+        Some(self.record_state(e))
+    }
+
+    /// What `get` and the admin read report of an entry.
+    pub(super) fn record_state(&self, e: &Entry) -> RecordState {
+        match &e.state {
             EntryState::InFlight {
                 fence,
                 fingerprint,
@@ -554,7 +559,7 @@ impl Table {
                 fingerprint: *fingerprint,
                 outcome: outcome.clone(),
             },
-        })
+        }
     }
 
     fn wait_target(&self, scope: &Name) -> Option<(Arc<Notify>, Fence, Instant)> {
