@@ -198,8 +198,16 @@ impl Apply<'_> {
         self.errors.push(Diagnostic { path, message });
     }
 
+    /// Near misses of field names are errors with descriptors: each leaves the warnings
+    /// (it is reported once, as the error).
     fn typos(&mut self) {
-        for t in &self.config.typos {
+        let typos = &self.config.typos;
+        self.warnings.retain(|w| {
+            !typos
+                .iter()
+                .any(|t| t.path == w.path && t.message == w.message)
+        });
+        for t in typos {
             self.errors.push(Diagnostic {
                 path: t.path.clone(),
                 message: format!(

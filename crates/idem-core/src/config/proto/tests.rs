@@ -70,6 +70,22 @@ fn a_field_typo_is_an_error_with_descriptors_and_a_warning_without() {
     );
 }
 
+/// With descriptors a near-miss field is reported once, as the error: the parser's
+/// warning for it is not repeated beside it.
+#[test]
+fn a_field_typo_with_descriptors_is_not_also_a_warning() {
+    match with_d(FIELD_TYPO) {
+        Err(ConfigError::Invalid { errors, warnings }) => {
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert!(
+                warnings.iter().all(|w| w.path != errors[0].path),
+                "the typo is an error only: {warnings:?}"
+            );
+        }
+        other => panic!("expected errors, got {other:?}"),
+    }
+}
+
 #[test]
 fn the_issues_field_typos_get_did_you_mean() {
     let parsed = ServiceConfig::from_json_with_warnings(
