@@ -103,12 +103,11 @@ fn summary(resp: &http::Response<Body>) -> (CallOutcome, u32) {
     (r.outcome, r.attempts)
 }
 
-/// Two failed calls of 3 attempts each open the breaker (minCalls 2, ratio 0.5).
+/// A call's two failed attempts open the breaker (minCalls 2, ratio 0.5: each attempt
+/// counts), and its third is not sent.
 async fn open(layer: &RetryLayer, target: &Target) {
-    for _ in 0..2 {
-        let resp = call(layer, target, RETRIED).await;
-        assert_eq!(summary(&resp), (CallOutcome::AttemptsExhausted, 3));
-    }
+    let resp = call(layer, target, RETRIED).await;
+    assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 2));
     assert_eq!(layer.circuit_breaker().unwrap().state(), BreakerState::Open);
 }
 
@@ -117,7 +116,7 @@ async fn open_sends_nothing_and_uses_no_token_nor_hedge() {
     let target = Target::down();
     let layer = guarded(BREAKER, THROTTLE);
     open(&layer, &target).await;
-    assert_eq!(target.sent(), 6);
+    assert_eq!(target.sent(), 2);
     let tokens = layer.throttle().unwrap().milli_tokens();
     for path in [RETRIED, HEDGED] {
         let resp = call(&layer, &target, path).await;
@@ -135,7 +134,7 @@ async fn open_sends_nothing_and_uses_no_token_nor_hedge() {
         assert_eq!((r.outcome, r.attempts), (CallOutcome::CircuitOpen, 0));
         assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 0));
     }
-    assert_eq!(target.sent(), 6, "nothing was sent while open");
+    assert_eq!(target.sent(), 2, "nothing was sent while open");
     assert_eq!(layer.throttle().unwrap().milli_tokens(), tokens, "no token");
     assert_eq!(layer.circuit_breaker().unwrap().refused(), 2);
 }
@@ -150,33 +149,35 @@ async fn a_probe_is_never_retried_nor_hedged_and_closes_the_breaker() {
     tokio::time::advance(Duration::from_millis(1300)).await;
     let resp = call(&layer, &target, RETRIED).await;
     assert_eq!(summary(&resp), (CallOutcome::CircuitProbe, 1));
-    assert_eq!(target.sent(), 7, "a failed probe is not retried");
+    assert_eq!(target.sent(), 3, "a failed probe is not retried");
     assert_eq!(breaker.state(), BreakerState::Open, "and opens it again");
     // Reopened for 2 s (±20 %); the target recovers; a hedged method's probe sends one.
     target.down.store(false, Ordering::SeqCst);
     tokio::time::advance(Duration::from_millis(2500)).await;
     let resp = call(&layer, &target, HEDGED).await;
     assert_eq!(report(&resp).last_code, None, "committed");
-    assert_eq!(target.sent(), 8, "a probe sends no hedge");
+    assert_eq!(target.sent(), 4, "a probe sends no hedge");
     assert_eq!(breaker.state(), BreakerState::Closed);
     assert_eq!(breaker.transitions(BreakerState::Open), 2);
     assert_eq!(breaker.transitions(BreakerState::Closed), 1);
-    // Closed again: a hedged call to a failing target hedges as before.
+    // Closed again, the window forgotten: a hedged call to a failing target hedges
+    // again, until its own two failed hedges open the breaker.
     target.down.store(true, Ordering::SeqCst);
     let resp = call(&layer, &target, HEDGED).await;
-    assert_eq!(summary(&resp), (CallOutcome::AttemptsExhausted, 3));
+    assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 2));
+    assert_eq!(target.sent(), 6);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_call_under_way_when_the_breaker_opens_stops_retrying() {
     let target = Target::down();
     let layer = guarded(
-        r#"{"circuitBreaker": {"failureRatio": 1, "minCalls": 1, "openFor": "1s"}}"#,
+        r#"{"circuitBreaker": {"failureRatio": 1, "minCalls": 2, "openFor": "1s"}}"#,
         "",
     );
     let other = Target::down();
-    // The first call's first attempt fails; before its retry, another call fails and
-    // opens the breaker: the retry is not sent.
+    // The first call's first attempt fails (one attempt: under minCalls); before its
+    // retry, another call fails and opens the breaker: the retry is not sent.
     let mut svc = layer.layer(target.service());
     let first = ServiceExt::<http::Request<Body>>::ready(&mut svc)
         .await
@@ -189,6 +190,39 @@ async fn a_call_under_way_when_the_breaker_opens_stops_retrying() {
     let resp = first.await.unwrap().unwrap();
     assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 1));
     assert_eq!(target.sent(), 1);
+}
+
+/// At half the failure ratio calls still go out, once each, without a retry or a hedge;
+/// at the ratio the breaker opens, even inside a call.
+#[tokio::test(start_paused = true)]
+async fn retries_and_hedges_stop_at_half_the_ratio_before_it_opens() {
+    let target = Target::default();
+    let layer = guarded(
+        r#"{"circuitBreaker": {"failureRatio": 0.5, "minCalls": 4, "window": "10s"}}"#,
+        "",
+    );
+    for _ in 0..4 {
+        call(&layer, &target, RETRIED).await;
+    }
+    target.down.store(true, Ordering::SeqCst);
+    let breaker = layer.circuit_breaker().unwrap();
+    // 2 of 6 attempts failed (a third, over a quarter): the second retry is not sent.
+    let resp = call(&layer, &target, RETRIED).await;
+    assert_eq!(summary(&resp), (CallOutcome::CircuitNoRetry, 2));
+    assert_eq!(breaker.state(), BreakerState::Closed);
+    let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+    assert_eq!(status.message(), "down", "the last attempt's own status");
+    // A hedged call: its first hedge fails (3 of 7), no second hedge goes out.
+    let resp = call(&layer, &target, HEDGED).await;
+    assert_eq!(summary(&resp), (CallOutcome::CircuitNoRetry, 1));
+    assert_eq!(target.sent(), 4 + 2 + 1);
+    // 4 of 8: it opens on this call's attempt, and then sends nothing.
+    let resp = call(&layer, &target, RETRIED).await;
+    assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 1));
+    assert_eq!(breaker.state(), BreakerState::Open);
+    let resp = call(&layer, &target, RETRIED).await;
+    assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 0));
+    assert_eq!(target.sent(), 8);
 }
 
 #[tokio::test(start_paused = true)]

@@ -113,6 +113,10 @@ call_outcomes! {
     BudgetExhausted => "budget_exhausted", "gave up: the retry budget was used up";
     /// A half-open circuit breaker's probe failed: sent once, never retried or hedged.
     CircuitProbe => "circuit_probe", "sent once: a circuit breaker probe, never retried";
+    /// The circuit breaker is closed, but half of its `failureRatio` of the recent
+    /// attempts failed: the call's retry (or next hedge) was not sent, and the call ended
+    /// with its last attempt's status (or UNAVAILABLE when it stopped after the wait).
+    CircuitNoRetry => "circuit_no_retry", "gave up: the circuit breaker stopped retries (many recent failures)";
 }
 
 impl CallOutcome {
@@ -135,6 +139,7 @@ impl CallOutcome {
                 | CallOutcome::CircuitOpen
                 | CallOutcome::BudgetExhausted
                 | CallOutcome::CircuitProbe
+                | CallOutcome::CircuitNoRetry
         )
     }
 
@@ -145,6 +150,10 @@ impl CallOutcome {
             CallOutcome::Throttled => {
                 "retry throttle: the token bucket is at or below half; failures elsewhere on \
                  this channel spend tokens"
+            }
+            CallOutcome::CircuitNoRetry => {
+                "circuit breaker: half of its failureRatio of the recent attempts failed; \
+                 calls go out once each, without retries, until fewer fail (or it opens)"
             }
             CallOutcome::CircuitOpen => {
                 "circuit breaker: the target kept failing; calls fail at once, with no \

@@ -160,7 +160,7 @@ where
         };
         if let Some(Admission::Refuse(wait)) = admission {
             // Open: nothing is sent, and no attempt, token or budget is used.
-            let status = breaker::refusal(cx.path.as_str(), wait);
+            let status = breaker::refusal(cx.path.as_str(), wait, breaker::Sent::Nothing);
             let report = CallReport::new(CallOutcome::CircuitOpen);
             return ResponseFuture::ready(cx.finish(Attempt::Local(status), report));
         }

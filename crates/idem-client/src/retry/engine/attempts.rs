@@ -317,10 +317,10 @@ impl Run {
             && self.state.attempts > 0
             && self.ready.waits == 0
             && let Some(b) = &self.call.cx.settings.guard_handles().breaker
-            && let Some(status) = b.refuse_retry(self.call.cx.path.as_str())
+            && let Some((status, outcome)) = b.refuse_retry(self.call.cx.path.as_str())
         {
-            // The breaker opened during the wait: the retry is not sent.
-            return Err(self.answer(Attempt::Local(status), CallOutcome::CircuitOpen));
+            // The breaker opened (or stopped retries) during the wait: the retry is not sent.
+            return Err(self.answer(Attempt::Local(status), outcome));
         }
         if std::mem::take(&mut self.resending) {
             self.call.cx.shared.stats.transparent();
@@ -426,6 +426,7 @@ impl Run {
         self.ready = ReadyWait::default();
         let attempted = attempt.observe();
         self.report.record(attempted.end, took);
+        call.cx.attempt_ended(attempted.end);
         if attempted.end == AttemptEnd::Committed {
             self.copy.commit(0);
         }

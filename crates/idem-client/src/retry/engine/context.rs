@@ -172,6 +172,7 @@ impl CallContext {
             }
             ticket.settle(
                 report.last_code,
+                report.attempts,
                 self.shared.jitter.unit(),
                 self.path.as_str(),
             );
@@ -211,6 +212,13 @@ impl CallContext {
         let resp = bound::bound(resp, bounds, report);
         let observer = self.shared.observer.as_ref();
         metrics::observe(resp, observer, &self.path, report, self.started)
+    }
+
+    /// An attempt ended as `end`: the circuit breaker, if any, counts it now.
+    pub(crate) fn attempt_ended(&self, end: AttemptEnd) {
+        if let Some(ticket) = &self.ticket {
+            ticket.attempt_ended(end, self.shared.jitter.unit(), self.path.as_str());
+        }
     }
 
     /// Tells the observer, if any, that an attempt was sent.

@@ -342,6 +342,7 @@ impl<'a> Race<'a> {
         self.ready = ReadyWait::default();
         let attempted = attempt.observe();
         self.report.ended(done.index, attempted.end, took);
+        self.call.cx.attempt_ended(attempted.end);
         let limits = self.limits();
         let throttle = self.throttle;
         let decision = hedge_policy::decide(&mut self.state, &attempted, &limits, || {

@@ -5,24 +5,39 @@
 //! small model below); [`CircuitBreaker`] shares one per layer, reads the clock and logs
 //! each transition once: `WARN` when it opens, `INFO` when it closes.
 //!
-//! - **Closed**: calls go out as configured. Each call that ends counts over the
-//!   sliding `window`, as a failure when its status is in `failureStatusCodes` (a
-//!   committed response never is). Once at least `minCalls` ended in the window and
-//!   `failureRatio` of them failed, it opens.
+//! The breaker judges the target, so it counts **attempts**, each a call to the target
+//! (a call retried twice is three), as each one ends: retries hide the target's failure
+//! rate from the calls' results (at 60 % of attempts failing, only 22 % of calls with 3
+//! attempts fail), and a burst of failing calls sends three attempts each before enough
+//! of them have ended.
+//!
+//! - **Closed**: calls go out as configured. Each attempt counts over the sliding
+//!   `window`, as a failure when its status is in `failureStatusCodes` (a committed
+//!   response never is; a hedge cancelled because another won does not count). Once at
+//!   least `minCalls` attempts ended in the window and `failureRatio` of them failed, it
+//!   opens. Before that, once **half** of `failureRatio` of them failed, calls still go
+//!   out but are no longer retried or hedged (as gRFC A6's throttle stops retries at half
+//!   its tokens): retries cannot rescue calls from a target failing that often, they
+//!   only add load (and, until the window's older successes age out, delay the
+//!   opening).
 //! - **Open** for `openFor`: no attempt is sent; the call fails at once with UNAVAILABLE,
 //!   `ErrorInfo` reason `CIRCUIT_OPEN` and a `RetryInfo` delay (the time left open). It
 //!   uses no attempt, no throttle token and no budget. A call already retrying when the
 //!   breaker opens sends no more retries or hedges.
 //! - **Half-Open** after that: `halfOpenProbes` calls go out, one attempt each, never
 //!   retried or hedged; others are refused as while Open (with a retry delay of a tenth
-//!   of `openFor`: the probes answer soon). All probes succeed: it
-//!   closes (and forgets the window). One fails: it opens again, for `openFor × 2ⁿ`
-//!   after *n* reopenings in a row (at most 8 × `openFor`), ± 20 % jitter.
+//!   of `openFor`: the probes answer soon). The probes are judged by the same ratio: once
+//!   `failureRatio` of `halfOpenProbes` failed it opens again, for `openFor × 2ⁿ` after
+//!   *n* reopenings in a row (at most 8 × `openFor`), ± 20 % jitter; once that can no
+//!   longer happen it closes (and forgets the window). With 3 probes and 0.5: two
+//!   successes close it, two failures reopen it, so one failure a healthy target's
+//!   background rate gives does not keep it open.
 //!
-//! A probe whose caller drops it before it ends gives its place back.
+//! A probe whose caller drops it before it ends gives its place back, and so does a call
+//! that sent nothing (its deadline passed first, say): it says nothing about the target.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -30,22 +45,25 @@ use idem_core::config::CircuitBreakerSettings;
 use idem_core::headers::{ERROR_DOMAIN, reason};
 use tokio::time::Instant;
 
+use crate::retry::outcome::{AttemptEnd, CallOutcome};
+use crate::retry::policy;
 use crate::retry::policy::backoff::jittered;
 use crate::retry::policy::window::RollingCounts;
 
-const CALLS: usize = 0;
+const ATTEMPTS: usize = 0;
 const FAILURES: usize = 1;
 /// Reopenings in a row beyond which `openFor` stops growing (× 2³ = 8).
 const MAX_DOUBLINGS: u32 = 3;
 
 /// Where a breaker is.
 ///
-/// - **Closed**: calls go out as configured; ended calls count over `window`; at
-///   `failureRatio` of at least `minCalls`, it opens.
+/// - **Closed**: calls go out as configured; ended attempts count over `window`; at
+///   `failureRatio` of at least `minCalls`, it opens (at half that, retries and hedges
+///   stop).
 /// - **Open** for `openFor` (× 2 per reopening in a row, up to 8 ×, ± 20 %): calls fail
 ///   at once (UNAVAILABLE, `CIRCUIT_OPEN`, a retry delay), nothing is sent.
-/// - **Half-Open**: `halfOpenProbes` calls go out once each; all succeed: Closed; one
-///   fails: Open again.
+/// - **Half-Open**: `halfOpenProbes` calls go out once each; `failureRatio` of them
+///   fail: Open again; else Closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BreakerState {
     /// Calls go out as configured.
@@ -107,8 +125,15 @@ pub(crate) struct Transition {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Closed,
-    Open { until: Instant },
-    HalfOpen { sent: u32, passed: u32 },
+    Open {
+        until: Instant,
+    },
+    /// Probes out or ended (`sent`), and the results so far.
+    HalfOpen {
+        sent: u32,
+        passed: u32,
+        failed: u32,
+    },
 }
 
 /// The breaker's state machine, with the time (and the jitter) passed in.
@@ -144,9 +169,27 @@ impl Machine {
         }
     }
 
-    /// Whether calls may retry and hedge: only while Closed.
-    pub(crate) fn retries_allowed(&self) -> bool {
-        self.phase == Phase::Closed
+    /// Whether calls may retry and hedge at `now`: only while Closed, and while fewer
+    /// than half of `failureRatio` of the window's attempts failed (or fewer than
+    /// `minCalls` ended).
+    pub(crate) fn retries_allowed(&mut self, now: Instant) -> bool {
+        self.phase == Phase::Closed && !self.over(now, self.settings.failure_ratio.get() / 2.0)
+    }
+
+    /// Whether at least `minCalls` attempts ended in the window and `ratio` of them failed.
+    fn over(&mut self, now: Instant, ratio: f64) -> bool {
+        let [attempts, failures] = self.counts.sums(now);
+        attempts >= u64::from(self.settings.min_calls) && failures as f64 >= ratio * attempts as f64
+    }
+
+    /// How long a retry stopped at `now` should wait: the time left open (a tenth of
+    /// `openFor` while half-open); `None` while Closed.
+    pub(crate) fn retry_delay(&self, now: Instant) -> Option<Duration> {
+        match self.phase {
+            Phase::Closed => None,
+            Phase::Open { until } => Some(until.saturating_duration_since(now)),
+            Phase::HalfOpen { .. } => Some(self.probes_out_delay()),
+        }
     }
 
     /// A call is about to start at `now`.
@@ -156,7 +199,11 @@ impl Machine {
             if now < until {
                 return (Admission::Refuse(until - now), None);
             }
-            self.phase = Phase::HalfOpen { sent: 0, passed: 0 };
+            self.phase = Phase::HalfOpen {
+                sent: 0,
+                passed: 0,
+                failed: 0,
+            };
             self.round += 1;
             change = Some(self.transition(BreakerState::Open, None));
         }
@@ -172,8 +219,8 @@ impl Machine {
         (admission, change)
     }
 
-    /// A call admitted as `admitted` ended at `now`, failed or not; `u` in [0, 1) is the
-    /// jitter of an open time it may start.
+    /// An attempt of a call admitted as `admitted` ended at `now`, failed or not; `u` in
+    /// [0, 1) is the jitter of an open time it may start. A probe has one attempt.
     pub(crate) fn record(
         &mut self,
         now: Instant,
@@ -183,22 +230,44 @@ impl Machine {
     ) -> Option<Transition> {
         match (self.phase, admitted) {
             (Phase::Closed, Admission::Call) => {
-                self.counts.add(now, CALLS, 1);
-                if failed {
-                    self.counts.add(now, FAILURES, 1);
+                self.counts.add(now, ATTEMPTS, 1);
+                if !failed {
+                    return None;
                 }
-                let [calls, failures] = self.counts.sums(now);
-                let trips = calls >= u64::from(self.settings.min_calls)
-                    && failures as f64 >= self.settings.failure_ratio.get() * calls as f64;
-                (failed && trips).then(|| self.open(now, u, BreakerState::Closed))
+                self.counts.add(now, FAILURES, 1);
+                let ratio = self.settings.failure_ratio.get();
+                self.over(now, ratio)
+                    .then(|| self.open(now, u, BreakerState::Closed))
             }
-            (Phase::HalfOpen { sent, passed }, Admission::Probe(round)) if round == self.round => {
-                if failed {
+            (
+                Phase::HalfOpen {
+                    sent,
+                    passed,
+                    failed: f,
+                },
+                Admission::Probe(round),
+            ) if round == self.round => {
+                let (passed, f) = if failed {
+                    (passed, f + 1)
+                } else {
+                    (passed + 1, f)
+                };
+                // Opens at `failureRatio` of the probes; closes once the probes still
+                // to end could not bring the failures there.
+                let limit =
+                    self.settings.failure_ratio.get() * f64::from(self.settings.half_open_probes);
+                if f64::from(f) >= limit {
                     return Some(self.open(now, u, BreakerState::HalfOpen));
                 }
-                let passed = passed + 1;
-                if passed < self.settings.half_open_probes {
-                    self.phase = Phase::HalfOpen { sent, passed };
+                if f64::from(
+                    self.settings.half_open_probes - passed.min(self.settings.half_open_probes),
+                ) >= limit
+                {
+                    self.phase = Phase::HalfOpen {
+                        sent,
+                        passed,
+                        failed: f,
+                    };
                     return None;
                 }
                 self.phase = Phase::Closed;
@@ -206,7 +275,7 @@ impl Machine {
                 self.counts.clear();
                 Some(self.transition(BreakerState::HalfOpen, None))
             }
-            // Calls admitted in another state, or probes of an earlier round.
+            // Attempts of calls admitted in another state, or probes of an earlier round.
             _ => None,
         }
     }
@@ -333,15 +402,40 @@ impl CircuitBreaker {
         self.lock().reconfigure(settings, Instant::now());
     }
 
-    pub(crate) fn retries_allowed(&self) -> bool {
-        self.lock().retries_allowed()
+    /// `None` while a call may retry or hedge; else why not: [`CallOutcome::CircuitOpen`]
+    /// (open or half-open) or [`CallOutcome::CircuitNoRetry`] (closed, failures at half
+    /// the ratio).
+    pub(crate) fn retry_refused(&self) -> Option<CallOutcome> {
+        let mut m = self.lock();
+        if m.retries_allowed(Instant::now()) {
+            return None;
+        }
+        Some(match m.state() {
+            BreakerState::Closed => CallOutcome::CircuitNoRetry,
+            _ => CallOutcome::CircuitOpen,
+        })
     }
 
-    /// `None` while retries may go out; else the answer to a retry that must not:
-    /// [`refusal`], with `openFor` as the delay.
-    pub(crate) fn refuse_retry(&self, path: &str) -> Option<tonic::Status> {
-        let m = self.lock();
-        (!m.retries_allowed()).then(|| refusal(path, m.settings.open_for))
+    /// `None` while retries may go out; else the answer to a retry that must not, and
+    /// its outcome: the retry was not sent (UNAVAILABLE; while open, `CIRCUIT_OPEN` with
+    /// the time left open as the retry delay).
+    pub(crate) fn refuse_retry(&self, path: &str) -> Option<(tonic::Status, CallOutcome)> {
+        let now = Instant::now();
+        let mut m = self.lock();
+        if m.retries_allowed(now) {
+            return None;
+        }
+        Some(match m.retry_delay(now) {
+            Some(wait) => (refusal(path, wait, Sent::Before), CallOutcome::CircuitOpen),
+            None => (
+                tonic::Status::unavailable(format!(
+                    "the retry of {path} was not sent: over half of the circuit breaker's \
+                     failureRatio of the recent attempts failed, so retries are off until \
+                     fewer fail"
+                )),
+                CallOutcome::CircuitNoRetry,
+            ),
+        })
     }
 
     /// Admits a call starting now (`target` names the layer in the logs).
@@ -354,6 +448,7 @@ impl CircuitBreaker {
         CallTicket {
             breaker: self.clone(),
             admission,
+            recorded: AtomicU32::new(0),
             settled: AtomicBool::new(false),
         }
     }
@@ -382,9 +477,18 @@ impl CircuitBreaker {
     }
 }
 
-/// The answer to a call the open breaker refuses: UNAVAILABLE, `ErrorInfo` reason
-/// `CIRCUIT_OPEN`, and the time left open as `RetryInfo`.
-pub(crate) fn refusal(path: &str, wait: Duration) -> tonic::Status {
+/// Whether the call sent attempts before the breaker refused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sent {
+    /// Nothing: the refused call never reached a server.
+    Nothing,
+    /// Earlier attempts; the breaker stopped its retry.
+    Before,
+}
+
+/// The answer to a call (or a retry) the open breaker refuses: UNAVAILABLE, `ErrorInfo`
+/// reason `CIRCUIT_OPEN`, and the time left open as `RetryInfo`.
+pub(crate) fn refusal(path: &str, wait: Duration, sent: Sent) -> tonic::Status {
     use tonic_types::{ErrorDetails, StatusExt};
     let mut details = ErrorDetails::with_error_info(
         reason::CIRCUIT_OPEN,
@@ -392,19 +496,29 @@ pub(crate) fn refusal(path: &str, wait: Duration) -> tonic::Status {
         std::collections::HashMap::<String, String>::new(),
     );
     details.set_retry_info(Some(wait));
-    let message = format!(
-        "circuit breaker open: {path} was not sent (the target kept failing); nothing \
-         reached a server, so retrying with the same key after {}ms is safe",
-        wait.as_millis()
-    );
+    let message = match sent {
+        Sent::Nothing => format!(
+            "circuit breaker open: {path} was not sent (the target kept failing); nothing \
+             reached a server, so retrying with the same key after {}ms is safe",
+            wait.as_millis()
+        ),
+        Sent::Before => format!(
+            "circuit breaker open: the retry of {path} was not sent (the target kept \
+             failing); retrying with the same key after {}ms is safe",
+            wait.as_millis()
+        ),
+    };
     tonic::Status::with_error_details(tonic::Code::Unavailable, message, details)
 }
 
-/// A call's place in the breaker: what it was admitted as, and its result to record.
-/// A probe dropped before its result gives its place back.
+/// A call's place in the breaker: what it was admitted as; each attempt's result is
+/// recorded as it ends. A probe dropped before its result gives its place back.
 pub(crate) struct CallTicket {
     breaker: CircuitBreaker,
     admission: Admission,
+    /// Attempts recorded so far.
+    recorded: AtomicU32,
+    /// The call ended: nothing more is recorded.
     settled: AtomicBool,
 }
 
@@ -412,6 +526,7 @@ impl fmt::Debug for CallTicket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CallTicket")
             .field("admission", &self.admission)
+            .field("recorded", &self.recorded)
             .finish()
     }
 }
@@ -425,12 +540,45 @@ impl CallTicket {
         matches!(self.admission, Admission::Probe(_))
     }
 
-    /// Records how the call ended: `code` is its status when it did not commit (a
-    /// committed response is a success). Once; later calls do nothing.
-    pub(crate) fn settle(&self, code: Option<tonic::Code>, u: f64, target: &str) {
-        if self.settled.swap(true, Ordering::Relaxed) {
+    /// An attempt of the call ended as `end`: counted now, so that failing retries open
+    /// the breaker sooner (and a call under way sees it before its next retry). A hedge
+    /// cancelled because another won says nothing about the target.
+    pub(crate) fn attempt_ended(&self, end: AttemptEnd, u: f64, target: &str) {
+        let code = match end {
+            AttemptEnd::Cancelled => return,
+            AttemptEnd::Deadline => Some(tonic::Code::DeadlineExceeded),
+            end => policy::failure_code(end).ok(),
+        };
+        if self.settled.load(Ordering::Relaxed) {
             return;
         }
+        self.recorded.fetch_add(1, Ordering::Relaxed);
+        if self.is_probe() {
+            // A probe has one attempt: its result is the call's.
+            self.settled.store(true, Ordering::Relaxed);
+        }
+        self.record(code, u, target);
+    }
+
+    /// The call ended: `code` is its status when it did not commit (a committed
+    /// response is a success), after `attempts` attempts. Its attempts were recorded as
+    /// they ended; a call whose attempts were not (one sent past the attempt loop) counts
+    /// as one attempt, and a call that sent nothing counts as nothing (a probe's place is
+    /// freed). Once; later calls do nothing.
+    pub(crate) fn settle(&self, code: Option<tonic::Code>, attempts: u32, u: f64, target: &str) {
+        if self.settled.swap(true, Ordering::Relaxed) || self.recorded.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        if attempts == 0 {
+            if let Admission::Probe(round) = self.admission {
+                self.breaker.lock().abandon(round);
+            }
+            return;
+        }
+        self.record(code, u, target);
+    }
+
+    fn record(&self, code: Option<tonic::Code>, u: f64, target: &str) {
         let change = {
             let mut m = self.breaker.lock();
             let failed = code.is_some_and(|c| m.settings.failure_status_codes.contains(c));

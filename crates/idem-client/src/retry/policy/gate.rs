@@ -37,9 +37,9 @@ pub(crate) struct Guards<'a> {
 
 impl Guards<'_> {
     fn breaker_allows(&self) -> Result<(), CallOutcome> {
-        match self.breaker {
-            Some(b) if !b.retries_allowed() => Err(CallOutcome::CircuitOpen),
-            _ => Ok(()),
+        match self.breaker.and_then(CircuitBreaker::retry_refused) {
+            Some(outcome) => Err(outcome),
+            None => Ok(()),
         }
     }
 
