@@ -223,13 +223,15 @@ fn report(name: &str, parsed: &Parsed, more_warnings: usize) -> String {
         )),
         None => text.push_str("retryThrottling: none\n"),
     }
-    text.push_str(&retry_guards(&config.settings().client));
+    text.push_str(&retry_guards(config));
     text.push_str(&process_wide(config.settings()));
     text
 }
 
-/// `idem.client.retryBudget` and `idem.client.circuitBreaker`, one line each.
-fn retry_guards(c: &idem_core::config::ClientSettings) -> String {
+/// `idem.client.retryBudget` and `idem.client.circuitBreaker`, one line each, then one
+/// line per method config entry with its own breaker (`methodConfig[i].circuitBreaker`).
+fn retry_guards(config: &ServiceConfig) -> String {
+    let c = &config.settings().client;
     let budget = match &c.retry_budget {
         Some(b) => format!(
             "ratio {} of the calls over {}, plus {} per second (retries and hedges, per layer)",
@@ -240,22 +242,42 @@ fn retry_guards(c: &idem_core::config::ClientSettings) -> String {
         None => "none".to_owned(),
     };
     let breaker = match &c.circuit_breaker {
-        Some(b) => format!(
-            "opens when {} of at least {} calls over {} fail with {}; open {} (x2 per reopening, up to 8x), then {} probe(s), never retried (per layer)",
-            b.failure_ratio,
-            b.min_calls,
-            format_duration(b.window),
-            b.failure_status_codes
-                .iter()
-                .map(code_name)
-                .collect::<Vec<_>>()
-                .join(","),
-            format_duration(b.open_for),
-            b.half_open_probes
-        ),
+        Some(b) => format!("{} (per layer)", breaker_rule(b)),
         None => "none".to_owned(),
     };
-    format!("idem.client.retryBudget: {budget}\nidem.client.circuitBreaker: {breaker}\n")
+    let mut text =
+        format!("idem.client.retryBudget: {budget}\nidem.client.circuitBreaker: {breaker}\n");
+    for (i, mc) in config.method_configs().iter().enumerate() {
+        if let Some(b) = mc.circuit_breaker() {
+            let names: Vec<String> = mc.names().iter().map(ToString::to_string).collect();
+            let path = mc
+                .json_path()
+                .unwrap_or_else(|| format!("methodConfig[{i}]"));
+            text.push_str(&format!(
+                "{path}.circuitBreaker: {} (its own, for {}: instead of idem.client.circuitBreaker)\n",
+                breaker_rule(b),
+                names.join(", ")
+            ));
+        }
+    }
+    text
+}
+
+/// What a breaker's settings do, in one line.
+fn breaker_rule(b: &idem_core::config::CircuitBreakerSettings) -> String {
+    format!(
+        "opens when {} of at least {} attempts over {} fail with {} (retries stop at half that); open {} (x2 per reopening, up to 8x), then {} probe(s), never retried, judged by the same ratio",
+        b.failure_ratio,
+        b.min_calls,
+        format_duration(b.window),
+        b.failure_status_codes
+            .iter()
+            .map(code_name)
+            .collect::<Vec<_>>()
+            .join(","),
+        format_duration(b.open_for),
+        b.half_open_probes
+    )
 }
 
 /// The `idem` object: process-wide settings, one line per part.

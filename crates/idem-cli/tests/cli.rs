@@ -481,10 +481,34 @@ fn retry_guards_are_summed_up_and_bad_ones_named_by_path() {
     assert!(out.contains("idem.client.retryBudget: none\n"), "{out}");
     assert!(
         out.contains(
-            "idem.client.circuitBreaker: opens when 0.5 of at least 20 calls over 1s fail with \
-             DEADLINE_EXCEEDED,RESOURCE_EXHAUSTED,UNAVAILABLE; open 0.5s"
+            "idem.client.circuitBreaker: opens when 0.5 of at least 20 attempts over 1s fail \
+             with DEADLINE_EXCEEDED,RESOURCE_EXHAUSTED,UNAVAILABLE (retries stop at half \
+             that); open 0.5s"
         ),
         "{out}"
+    );
+    // A method config entry's own breaker: a line of its own, errors under its path.
+    let own = br#"{"methodConfig": [{"name": [{"service": "a.B"}],
+        "circuitBreaker": {"minCalls": 5, "openFor": "2s"}}]}"#;
+    let o = idem(&["check-config", "-"], Some(own));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("idem.client.circuitBreaker: none\n"), "{out}");
+    assert!(
+        out.contains(
+            "methodConfig[0].circuitBreaker: opens when 0.5 of at least 5 attempts over 10s"
+        ) && out.contains("(its own, for a.B/*: instead of idem.client.circuitBreaker)\n"),
+        "{out}"
+    );
+    let bad_own = br#"{"methodConfig": [{"name": [{"service": "a.B"}],
+        "circuitBreaker": {"failureRatio": 2}}]}"#;
+    let o = idem(&["check-config", "-"], Some(bad_own));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o)
+            .contains("methodConfig[0].circuitBreaker.failureRatio: must be a number in (0, 1]"),
+        "{}",
+        stderr(&o)
     );
     let o = idem(&["check-config", "examples/outage/budget.json"], None);
     assert!(

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use idem_client::metrics::{CallEnded, CallObserver};
-use idem_client::retry::{AttemptEnd, BreakerState, CallOutcome, RetryLayer};
+use idem_client::retry::{AttemptEnd, BreakerState, CallOutcome, CircuitBreaker, RetryLayer};
 use idem_core::config::ServiceConfig;
 use opentelemetry::metrics::{AsyncInstrument, Histogram, Meter};
 use opentelemetry::{KeyValue, Value};
@@ -218,9 +218,9 @@ impl ClientMetrics {
             .with_unit("1")
             .with_description("The circuit breaker's state: 0 closed, 1 open, 2 half-open.")
             .with_callback(move |g| {
-                if let Some(b) = l.circuit_breaker() {
+                for (b, attrs) in breakers(&l, &target) {
                     let state = BreakerState::ALL.iter().position(|s| *s == b.state());
-                    g.observe(state.unwrap_or(0) as u64, std::slice::from_ref(&target));
+                    g.observe(state.unwrap_or(0) as u64, &attrs);
                 }
             })
             .build();
@@ -231,12 +231,14 @@ impl ClientMetrics {
             "{transition}",
             "Circuit breaker transitions, by the state entered (idem.breaker.state).",
             move |o| {
-                let Some(b) = l.circuit_breaker() else { return };
-                for state in BreakerState::ALL {
-                    let n = b.transitions(state);
-                    if n > 0 {
-                        let to = KeyValue::new("idem.breaker.state", state.as_str());
-                        o.observe(n, &[target.clone(), to]);
+                for (b, mut attrs) in breakers(&l, &target) {
+                    for state in BreakerState::ALL {
+                        let n = b.transitions(state);
+                        if n > 0 {
+                            attrs.push(KeyValue::new("idem.breaker.state", state.as_str()));
+                            o.observe(n, &attrs);
+                            attrs.pop();
+                        }
                     }
                 }
             },
@@ -254,6 +256,24 @@ impl ClientMetrics {
             },
         );
     }
+}
+
+/// The layer's breaker (attributes: the target) and those of method config entries with
+/// their own (also `grpc.method`: the entry's first name, `a.B/M` or `a.B/*`).
+fn breakers(layer: &RetryLayer, target: &KeyValue) -> Vec<(CircuitBreaker, Vec<KeyValue>)> {
+    let own = layer
+        .method_circuit_breakers()
+        .into_iter()
+        .map(|(name, b)| {
+            let method = KeyValue::new("grpc.method", name.to_string());
+            (b, vec![method, target.clone()])
+        });
+    layer
+        .circuit_breaker()
+        .map(|b| (b, vec![target.clone()]))
+        .into_iter()
+        .chain(own)
+        .collect()
 }
 
 impl CallObserver for ClientMetrics {

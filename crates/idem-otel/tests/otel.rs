@@ -409,7 +409,7 @@ fn guarded(guards: &str) -> ServiceConfig {
 async fn the_breaker_and_the_budget_are_measured() {
     let otel = Otel::new();
     let cfg = guarded(
-        r#"{"circuitBreaker": {"failureRatio": 1, "minCalls": 1, "openFor": "60s"},
+        r#"{"circuitBreaker": {"failureRatio": 1, "minCalls": 2, "openFor": "60s"},
             "retryBudget": {"ratio": 0.5, "minRetriesPerSecond": 0}}"#,
     );
     let addr = serve(
@@ -420,14 +420,15 @@ async fn the_breaker_and_the_budget_are_measured() {
     let (mut c, target) = client(&otel, &cfg, addr);
     let t = [("grpc.target", target.as_str())];
     assert_eq!(otel.gauge("idem.client.circuit_breaker.state", &t), 0.0);
-    // The budget refuses the first call's retry (1 > 0.5 × 1); its failure opens the
-    // breaker; the second call is refused without being sent.
-    for _ in 0..2 {
+    // The budget refuses the first call's retry (1 > 0.5 × 1); the second call's failed
+    // attempt opens the breaker (2 of 2 attempts failed; it counts attempts) and stops
+    // its retry; the third is refused without being sent.
+    for _ in 0..3 {
         let s = c.create_order(order("a")).await.unwrap_err();
         assert_eq!(s.code(), Code::Unavailable);
     }
     let m = [("grpc.method", METHOD), t[0]];
-    assert_eq!(otel.sum("grpc.client.attempt.started", &m), 1.0);
+    assert_eq!(otel.sum("grpc.client.attempt.started", &m), 2.0);
     let outcome = |o| [m[0], m[1], ("idem.outcome", o)];
     assert_eq!(
         otel.sum("idem.client.call.outcome", &outcome("budget_exhausted")),
@@ -435,7 +436,7 @@ async fn the_breaker_and_the_budget_are_measured() {
     );
     assert_eq!(
         otel.sum("idem.client.call.outcome", &outcome("circuit_open")),
-        1.0
+        2.0
     );
     assert_eq!(otel.sum("idem.client.retry_budget.refusals", &t), 1.0);
     assert_eq!(otel.gauge("idem.client.circuit_breaker.state", &t), 1.0);

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use http::HeaderName;
 use idem_core::config::{
-    ClientSettings, HedgingPolicy, IdemSettings, MethodConfig, RetryPolicy, ServiceConfig,
+    ClientSettings, HedgingPolicy, IdemSettings, MethodConfig, MethodName, RetryPolicy,
+    ServiceConfig,
 };
 use idem_core::deadline::InboundScope;
 use idem_core::descriptor::Descriptors;
@@ -55,6 +56,9 @@ pub(crate) struct CallPolicy {
     /// `waitForReady`: a channel that cannot connect is waited for.
     pub(crate) wait_for_ready: bool,
     pub(crate) limits: MessageLimits,
+    /// The call's circuit breaker: its method config entry's own (`circuitBreaker`),
+    /// else the layer's.
+    pub(crate) breaker: Option<CircuitBreaker>,
 }
 
 /// `maxRequestMessageBytes` and `maxResponseMessageBytes` of one call.
@@ -77,6 +81,7 @@ impl CallPolicy {
                 request: entry.and_then(MethodConfig::max_request_message_bytes),
                 response: entry.and_then(MethodConfig::max_response_message_bytes),
             },
+            breaker: None,
         }
     }
 }
@@ -165,13 +170,22 @@ pub(crate) struct Settings {
 pub(crate) struct GuardHandles {
     pub(crate) budget: Option<RetryBudget>,
     pub(crate) breaker: Option<CircuitBreaker>,
+    /// The breakers of the method config entries that have their own
+    /// (`methodConfig[].circuitBreaker`), by the entry's first name (names are unique in
+    /// a document): a reload keeps the state of an entry that keeps its first name.
+    pub(crate) methods: Vec<(MethodName, CircuitBreaker)>,
 }
 
 impl GuardHandles {
     /// The handles for `client`'s settings: the builder's `pinned` ones stay; others
     /// carry over from `prev` (reconfigured, keeping their state), are made when the
     /// settings appear and dropped when they go.
-    fn next(prev: &GuardHandles, pinned: &GuardHandles, client: &ClientSettings) -> Self {
+    fn next(
+        prev: &GuardHandles,
+        pinned: &GuardHandles,
+        client: &ClientSettings,
+        source: &PolicySource,
+    ) -> Self {
         fn carry<G: Clone, S: Copy>(
             prev: Option<&G>,
             settings: Option<S>,
@@ -204,6 +218,55 @@ impl GuardHandles {
                     CircuitBreaker::reconfigure,
                 )
             }),
+            methods: source
+                .entries()
+                .iter()
+                .filter_map(|mc| {
+                    let name = entry_key(mc);
+                    let before = prev.method_breaker(&name);
+                    let b = carry(
+                        before,
+                        mc.circuit_breaker().copied(),
+                        CircuitBreaker::new,
+                        CircuitBreaker::reconfigure,
+                    )?;
+                    Some((name, b))
+                })
+                .collect(),
+        }
+    }
+
+    /// The breaker of the entry named `name` first, if it has its own.
+    fn method_breaker(&self, name: &MethodName) -> Option<&CircuitBreaker> {
+        self.methods.iter().find(|(n, _)| n == name).map(|(_, b)| b)
+    }
+
+    /// The breaker of a call matched to `entry`: the entry's own, else the layer's.
+    fn breaker_of(&self, entry: Option<&MethodConfig>) -> Option<CircuitBreaker> {
+        match entry {
+            Some(mc) if mc.circuit_breaker().is_some() => {
+                self.method_breaker(&entry_key(mc)).cloned()
+            }
+            _ => self.breaker.clone(),
+        }
+    }
+}
+
+/// What names an entry's own breaker: its first name (every method, for an entry built
+/// in code without names).
+fn entry_key(mc: &MethodConfig) -> MethodName {
+    mc.names().first().cloned().unwrap_or(MethodName {
+        service: None,
+        method: None,
+    })
+}
+
+impl PolicySource {
+    /// The method config entries.
+    fn entries(&self) -> &[MethodConfig] {
+        match self {
+            PolicySource::Config(cfg) => cfg.method_configs(),
+            PolicySource::Fixed(mc) => std::slice::from_ref(mc),
         }
     }
 }
@@ -226,6 +289,7 @@ impl Settings {
         if matches!(source, PolicySource::Fixed(_)) {
             client.key_all_methods = overrides.key_all_methods.unwrap_or(true);
         }
+        let guards = GuardHandles::next(guards.0, guards.1, &client, &source);
         Settings {
             source,
             key_header: overrides
@@ -236,7 +300,7 @@ impl Settings {
             wait_for_ready_limit: overrides.wait_for_ready_limit,
             peek_early_trailers: overrides.peek_early_trailers,
             throttle,
-            guards: GuardHandles::next(guards.0, guards.1, &client),
+            guards,
             client,
         }
     }
@@ -244,10 +308,12 @@ impl Settings {
     /// The policy of the call to `path`, made while serving `inbound` (if any).
     pub(crate) fn resolve(&self, path: &str, inbound: Option<InboundScope>) -> CallPolicy {
         let key_all = self.client.key_all_methods;
-        let mut policy = match &self.source {
-            PolicySource::Config(cfg) => CallPolicy::of(cfg.lookup_path(path), key_all),
-            PolicySource::Fixed(mc) => CallPolicy::of(Some(mc), key_all),
+        let entry = match &self.source {
+            PolicySource::Config(cfg) => cfg.lookup_path(path),
+            PolicySource::Fixed(mc) => Some(&**mc),
         };
+        let mut policy = CallPolicy::of(entry, key_all);
+        policy.breaker = self.guards.breaker_of(entry);
         if self.client.no_retry_under_retried_inbound
             && inbound.is_some_and(|s| s.previous_attempts > 0)
         {

@@ -307,3 +307,58 @@ async fn the_demo_outage_config_gives_a_breaker() {
     }
     assert_eq!(layer.circuit_breaker().unwrap().state(), BreakerState::Open);
 }
+
+/// `circuitBreaker` in a method config entry: its methods get their own breaker and
+/// state; other methods keep the layer's. A reload keeps the entry's state.
+#[tokio::test(start_paused = true)]
+async fn a_method_config_entry_with_its_own_breaker_opens_alone() {
+    let json = r#"{"methodConfig": [
+        {"name": [{"service": "a.B", "method": "Retried"}],
+         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+           "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]},
+         "circuitBreaker": {"failureRatio": 0.5, "minCalls": 1, "openFor": "1s"}},
+        {"name": [{"service": "a.B", "method": "Other"}],
+         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+           "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}],
+      "idem": {"client": {"circuitBreaker": {"minCalls": 100}}}}"#;
+    let config = ServiceConfig::from_json(json).unwrap();
+    let layer = RetryLayer::builder()
+        .service_config(config.clone())
+        .build()
+        .unwrap();
+    let target = Target::down();
+    let resp = call(&layer, &target, RETRIED).await;
+    assert_eq!(
+        summary(&resp),
+        (CallOutcome::CircuitOpen, 1),
+        "its own: minCalls 1"
+    );
+    let resp = call(&layer, &target, RETRIED).await;
+    assert_eq!(summary(&resp), (CallOutcome::CircuitOpen, 0));
+    let resp = call(&layer, &target, "/a.B/Other").await;
+    assert_eq!(
+        summary(&resp),
+        (CallOutcome::AttemptsExhausted, 3),
+        "the layer's"
+    );
+    assert_eq!(
+        layer.circuit_breaker().unwrap().state(),
+        BreakerState::Closed
+    );
+    let methods = layer.method_circuit_breakers();
+    assert_eq!(methods.len(), 1);
+    assert_eq!(methods[0].0.method.as_deref(), Some("Retried"));
+    assert_eq!(methods[0].1.state(), BreakerState::Open);
+    layer.reload(&config);
+    assert_eq!(
+        layer.method_circuit_breakers()[0].1.state(),
+        BreakerState::Open
+    );
+    let resp = call(&layer, &target, RETRIED).await;
+    assert_eq!(
+        summary(&resp),
+        (CallOutcome::CircuitOpen, 0),
+        "kept across the reload"
+    );
+    assert_eq!(target.sent(), 4);
+}

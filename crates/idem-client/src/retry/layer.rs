@@ -8,7 +8,7 @@ use http::HeaderName;
 use idem_core::code::{Code, CodeSet};
 use idem_core::config::{
     CircuitBreakerSettings, ConfigError, IdemSettings, InvalidRetryPolicy, MethodConfig,
-    RetryBudgetSettings, RetryPolicy, RetryThrottling, ServiceConfig,
+    MethodName, RetryBudgetSettings, RetryPolicy, RetryThrottling, ServiceConfig,
 };
 use idem_core::descriptor::Descriptors;
 
@@ -80,6 +80,13 @@ impl RetryLayer {
     /// ([`RetryLayerBuilder::circuit_breaker`]) to share it across channels to one target.
     pub fn circuit_breaker(&self) -> Option<CircuitBreaker> {
         self.shared.guard_handles().breaker
+    }
+
+    /// The breakers of the method config entries that have their own
+    /// (`methodConfig[].circuitBreaker`), each with the entry's first name: those
+    /// methods use it instead of [`circuit_breaker`](Self::circuit_breaker).
+    pub fn method_circuit_breakers(&self) -> Vec<(MethodName, CircuitBreaker)> {
+        self.shared.guard_handles().methods
     }
 
     /// The counters of this layer and its clones.

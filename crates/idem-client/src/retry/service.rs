@@ -125,11 +125,7 @@ where
         let inbound = current_scope();
         let mut policy = settings.resolve(path.as_str(), inbound);
         self.shared.stats.call();
-        let ticket = settings
-            .guard_handles()
-            .breaker
-            .as_ref()
-            .map(|b| b.admit(path.as_str()));
+        let ticket = policy.breaker.take().map(|b| b.admit(path.as_str()));
         let admission = ticket.as_ref().map(CallTicket::admission);
         if let Some(Admission::Probe(_)) = admission {
             // A half-open breaker's probe: one attempt, never retried or hedged.

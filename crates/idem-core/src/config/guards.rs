@@ -72,14 +72,17 @@ impl Default for RetryBudgetSettings {
 }
 
 /// `idem.client.circuitBreaker`: one breaker per layer (one channel, or one target when
-/// layers share it).
+/// layers share it); a `methodConfig[]` entry's own `circuitBreaker` (same fields) gives
+/// its methods a breaker of their own instead.
 ///
-/// Closed, it counts the calls that end over the last `window`; once at least
-/// `minCalls` ended there and `failureRatio` of them failed with a code in
-/// `failureStatusCodes`, it opens. Open, calls fail at once (UNAVAILABLE, reason
-/// `CIRCUIT_OPEN`) for `openFor`; then Half-Open lets `halfOpenProbes` calls through
-/// (never retried, never hedged): all succeed, it closes; one fails, it opens again
-/// for longer (× 2 per reopening, up to 8 × `openFor`, ± 20 % jitter).
+/// Closed, it counts the **attempts** that end over the last `window` (each is a call to
+/// the target: a call retried twice is three); once at least `minCalls` ended there and
+/// `failureRatio` of them failed with a code in `failureStatusCodes`, it opens. At half
+/// that ratio, calls still go out but are no longer retried or hedged. Open, calls fail
+/// at once (UNAVAILABLE, reason `CIRCUIT_OPEN`) for `openFor`; then Half-Open lets
+/// `halfOpenProbes` calls through (never retried, never hedged), judged by the same
+/// ratio: `failureRatio` of them fail, it opens again for longer (× 2 per reopening, up
+/// to 8 × `openFor`, ± 20 % jitter); else it closes.
 ///
 /// # Defaults
 /// Absent: no breaker. When present: `failureRatio` 0.5, `minCalls` 20, `window`
@@ -87,11 +90,12 @@ impl Default for RetryBudgetSettings {
 /// DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CircuitBreakerSettings {
-    /// Share of failed calls that opens the breaker: in (0, 1].
+    /// Share of failed attempts that opens the breaker (half of it stops retries), and
+    /// of failed probes that reopens it: in (0, 1].
     pub failure_ratio: Ratio,
-    /// Calls that must have ended in the window before it may open: > 0.
+    /// Attempts that must have ended in the window before it may open: > 0.
     pub min_calls: u32,
-    /// How far back calls are counted: > 0.
+    /// How far back attempts are counted: > 0.
     pub window: Duration,
     /// How long it stays open the first time: > 0.
     pub open_for: Duration,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::guards::CircuitBreakerSettings;
 use super::idempotency::IdempotencyPolicy;
 use super::read::{Obj, Validator, Zero, kind};
 use super::retry::{HedgingPolicy, RetryPolicy};
@@ -46,6 +47,8 @@ pub struct MethodConfig {
     pub(crate) idempotency: Option<IdempotencyPolicy>,
     /// `"idempotency": false`: the method is left unprotected on purpose.
     pub(crate) idempotency_opt_out: bool,
+    /// `circuitBreaker`: the entry's own breaker, instead of `idem.client.circuitBreaker`.
+    pub(crate) circuit_breaker: Option<CircuitBreakerSettings>,
     /// The entry's index in the document's `methodConfig` (for paths in diagnostics made
     /// after parsing); `None` for entries built in code.
     pub(crate) source: Option<usize>,
@@ -64,6 +67,7 @@ impl MethodConfig {
             hedging_policy: None,
             idempotency: None,
             idempotency_opt_out: false,
+            circuit_breaker: None,
             source: None,
         }
     }
@@ -100,6 +104,12 @@ impl MethodConfig {
     pub fn with_idempotency_opt_out(mut self) -> Self {
         self.idempotency = None;
         self.idempotency_opt_out = true;
+        self
+    }
+    /// This entry with its own circuit breaker (`circuitBreaker`): its methods use it
+    /// instead of the client-wide `idem.client.circuitBreaker`, with their own state.
+    pub fn with_circuit_breaker(mut self, settings: CircuitBreakerSettings) -> Self {
+        self.circuit_breaker = Some(settings);
         self
     }
     /// This entry with a per-call timeout.
@@ -153,6 +163,11 @@ impl MethodConfig {
     pub fn hedging_policy(&self) -> Option<&HedgingPolicy> {
         self.hedging_policy.as_ref()
     }
+    /// idem's `circuitBreaker` object: the entry's own breaker, one for all its names,
+    /// instead of the client-wide one (`idem.client.circuitBreaker`).
+    pub fn circuit_breaker(&self) -> Option<&CircuitBreakerSettings> {
+        self.circuit_breaker.as_ref()
+    }
     /// idem's `idempotency` object; `Some` marks the method protected.
     pub fn idempotency(&self) -> Option<&IdempotencyPolicy> {
         self.idempotency.as_ref()
@@ -178,6 +193,7 @@ pub(super) const METHOD_FIELDS: &[&str] = &[
     "retryPolicy",
     "hedgingPolicy",
     "idempotency",
+    "circuitBreaker",
 ];
 pub(super) const NAME_FIELDS: &[&str] = &["service", "method"];
 /// Largest `google.protobuf.UInt32Value`: `maxRequestMessageBytes`, `maxResponseMessageBytes`.
@@ -269,6 +285,9 @@ impl Validator {
             }
             Some(v) => (self.idempotency(v, o.path("idempotency")), false),
         };
+        let circuit_breaker = o
+            .get("circuitBreaker")
+            .and_then(|v| self.circuit_breaker(v, o.path("circuitBreaker")));
 
         Some(MethodConfig {
             names,
@@ -280,6 +299,7 @@ impl Validator {
             hedging_policy,
             idempotency,
             idempotency_opt_out,
+            circuit_breaker,
             source: None,
         })
     }

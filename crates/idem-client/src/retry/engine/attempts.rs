@@ -204,6 +204,7 @@ impl CallPlan {
         };
         let gate = Guards {
             throttle,
+            breaker: self.cx.breaker(),
             ..self.cx.settings.guards()
         };
         decide(state, attempted, &limits, gate)
@@ -316,7 +317,7 @@ impl Run {
         if !self.resending
             && self.state.attempts > 0
             && self.ready.waits == 0
-            && let Some(b) = &self.call.cx.settings.guard_handles().breaker
+            && let Some(b) = self.call.cx.breaker()
             && let Some((status, outcome)) = b.refuse_retry(self.call.cx.path.as_str())
         {
             // The breaker opened (or stopped retries) during the wait: the retry is not sent.

@@ -16,7 +16,7 @@ use crate::retry::config::Settings;
 use crate::retry::config::{LayerShared, MessageLimits};
 use crate::retry::outcome::{AttemptEnd, CallOutcome, CallReport};
 use crate::retry::policy::Attempted;
-use crate::retry::policy::breaker::CallTicket;
+use crate::retry::policy::breaker::{CallTicket, CircuitBreaker};
 use crate::retry::policy::pushback::{Pushback, pushback, retry_info_delay};
 use crate::retry::request::check::RequestFault;
 use crate::retry::response::bound::{self, Bounds};
@@ -212,6 +212,11 @@ impl CallContext {
         let resp = bound::bound(resp, bounds, report);
         let observer = self.shared.observer.as_ref();
         metrics::observe(resp, observer, &self.path, report, self.started)
+    }
+
+    /// The circuit breaker that admitted the call, if any.
+    pub(crate) fn breaker(&self) -> Option<&CircuitBreaker> {
+        self.ticket.as_ref().map(CallTicket::breaker)
     }
 
     /// An attempt ended as `end`: the circuit breaker, if any, counts it now.

@@ -298,6 +298,7 @@ impl<'a> Race<'a> {
         self.state.running = self.running.len() as u32;
         let guards = Guards {
             throttle: self.throttle,
+            breaker: self.call.cx.breaker(),
             ..self.call.cx.settings.guards()
         };
         match hedge_policy::may_send(&mut self.state, || guards.hedge()) {

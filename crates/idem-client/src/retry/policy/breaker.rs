@@ -540,6 +540,11 @@ impl CallTicket {
         matches!(self.admission, Admission::Probe(_))
     }
 
+    /// The breaker that admitted the call (its method's own, or the layer's).
+    pub(crate) fn breaker(&self) -> &CircuitBreaker {
+        &self.breaker
+    }
+
     /// An attempt of the call ended as `end`: counted now, so that failing retries open
     /// the breaker sooner (and a call under way sees it before its next retry). A hedge
     /// cancelled because another won says nothing about the target.

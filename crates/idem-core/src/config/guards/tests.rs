@@ -150,3 +150,36 @@ fn a_misspelt_guard_field_is_a_warning() {
         ]
     );
 }
+
+/// `circuitBreaker` inside a `methodConfig` entry: that entry's own breaker, read and
+/// checked as the client-wide one, its errors under the entry's path.
+#[test]
+fn a_method_config_entry_may_have_its_own_breaker() {
+    let p = ok(&with(
+        "/methodConfig/0/circuitBreaker",
+        Some(json!({"failureRatio": 0.25, "openFor": "1s"})),
+    ));
+    let cb = create_order(&p).circuit_breaker().unwrap();
+    assert_eq!(
+        (cb.failure_ratio.get(), cb.open_for),
+        (0.25, Duration::from_secs(1))
+    );
+    assert_eq!(cb.min_calls, CircuitBreakerSettings::default().min_calls);
+    assert_eq!(get_order(&p).circuit_breaker(), None);
+    assert!(warnings(&p).is_empty(), "{:?}", warnings(&p));
+    let bad = [
+        (
+            json!({"failureRatio": 1.5}),
+            ".failureRatio: must be a number in (0, 1]",
+        ),
+        (
+            json!({"halfOpenProbes": 0}),
+            ".halfOpenProbes: must be an integer in 1..=1000",
+        ),
+        (json!({"openFor": "0s"}), ".openFor: must be a duration > 0"),
+    ];
+    for (v, rule) in bad {
+        let e = errors(&with("/methodConfig/1/circuitBreaker", Some(v.clone())));
+        assert_eq!(e, [format!("methodConfig[1].circuitBreaker{rule}")], "{v}");
+    }
+}
