@@ -98,9 +98,11 @@
 //!   (`INFO`), once per change; each call it stops says why in its report.
 //! - **Retry budget and circuit breaker** (`idem.client.retryBudget`,
 //!   `idem.client.circuitBreaker`; [`retry::RetryBudget`], [`retry::CircuitBreaker`]):
-//!   retries and hedges at most a ratio of the calls over a window; while the target
-//!   keeps failing, calls fail at once (UNAVAILABLE, `CIRCUIT_OPEN`, a retry delay) with
-//!   nothing sent, and half-open probes are never retried or hedged. A refused call never
+//!   retries and hedges at most a ratio of the calls over a window; the breaker counts
+//!   attempts, stops retries at half its failure ratio, and while the target keeps
+//!   failing, calls fail at once (UNAVAILABLE, `CIRCUIT_OPEN`, a retry delay) with
+//!   nothing sent; half-open probes are never retried or hedged. A method config entry
+//!   may have its own breaker (`methodConfig[].circuitBreaker`). A refused call never
 //!   reached a server, so retrying it with the same key is safe.
 //! - **`waitForReady`**: a call whose attempt the channel could not send (it could not
 //!   connect: [`tonic::ConnectError`], a refused connection) waits and sends the same
