@@ -374,3 +374,70 @@ async fn a_connect_failure_is_not_a_transparent_retry() {
     let report = CallReport::from_status(&err).expect("a report");
     assert_eq!((report.attempts, report.transparent), (1, 0), "{report}");
 }
+
+/// The first connection answers its first stream after starting a graceful shutdown: its
+/// GOAWAY (last stream id 2³¹−1, then the last one it processed) is on the wire before
+/// that stream's response, so the client has read it when the first call ends. Every
+/// stream of later connections is answered. Counts the streams each connection accepted.
+async fn serve_graceful_goaway_after_first() -> (SocketAddr, Arc<Mutex<Vec<usize>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(Mutex::new(Vec::new()));
+    let log = accepted.clone();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let draining = std::mem::take(&mut first);
+            let log = log.clone();
+            let conn_no = {
+                let mut l = log.lock().unwrap();
+                l.push(0);
+                l.len() - 1
+            };
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                while let Some(Ok((req, respond))) = conn.accept().await {
+                    log.lock().unwrap()[conn_no] += 1;
+                    if draining {
+                        conn.graceful_shutdown();
+                    }
+                    tokio::spawn(stream(req, respond, Act::Answer));
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// A call that starts after the client's h2 read the server's GOAWAY opens no stream on
+/// that connection (h2's `send_request` fails with the GOAWAY and hyper's connection task
+/// stops taking requests): tonic's channel connects again and the call goes out there, or,
+/// if it was queued on the old connection already, it ends as "connection closed" and is
+/// sent again transparently. Either way it succeeds without a retry policy, and the old
+/// connection got no second stream to ignore (issue 32: "h2's client keeps opening
+/// streams after the final GOAWAY" is not what h2 0.4.20 / hyper 1.12 do).
+#[tokio::test]
+async fn a_call_after_the_peers_goaway_goes_out_on_a_new_connection() {
+    let (addr, accepted) = serve_graceful_goaway_after_first().await;
+    let (mut c, _) = client(addr, &no_policy("10s"));
+    c.create_order(order())
+        .await
+        .expect("the first call answers");
+    let resp = c
+        .create_order(order())
+        .await
+        .expect("the second call answers on a new connection");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.attempts, 1, "{report}");
+    assert!(report.transparent <= 1, "{report}");
+    assert_eq!(
+        *accepted.lock().unwrap(),
+        [1, 1],
+        "one stream per connection: none opened after the GOAWAY"
+    );
+}
