@@ -68,7 +68,12 @@
 //!   responses before it sends more, on the first attempt and after a retry. A retry sends
 //!   the copy, then goes on with the live rest. The copy is freed when the call commits or
 //!   ends; dropping the response future before its headers ends the request (the attempt
-//!   is reset), so the budget of a layer returns to full.
+//!   is reset), so the budget of a layer returns to full. Request bytes read from the
+//!   caller that a committed attempt has not handed to the transport yet (its server
+//!   reads slowly, or not at all) stay counted in `maxReplayBytesTotal` until it does:
+//!   after a commit the layer reads the caller's stream only as fast as the attempt
+//!   sends it, and at most one message past the limit (the one that committed the call)
+//!   is ever held beyond it. [`RetryLayer::request_bytes_held`] reads the count.
 //! - **Attempts**: `maxAttempts` counts the first attempt; idem-core already clamps it to 5.
 //!   Retries carry `grpc-previous-rpc-attempts`.
 //! - **Backoff** ([`retry::backoff`]): retry `n` waits

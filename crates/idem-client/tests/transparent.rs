@@ -23,7 +23,16 @@ enum Act {
     ResetAfterReading,
     /// Answers with an empty `Order` and `grpc-status: 0`.
     Answer,
+    /// A Trailers-Only `UNAVAILABLE`, before reading anything: a failure the server saw.
+    Unavailable,
+    /// Signals [`HELD`], waits for [`RELEASE`], then refuses like [`Act::Refuse`].
+    RefuseOnRelease,
 }
+
+/// Signalled when a [`Act::RefuseOnRelease`] stream has reached the server.
+static HELD: tokio::sync::Notify = tokio::sync::Notify::const_new();
+/// Lets a [`Act::RefuseOnRelease`] stream be refused.
+static RELEASE: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 /// The streams the server saw: each one's `x-idempotency-key` (empty without one).
 #[derive(Clone, Default)]
@@ -75,8 +84,21 @@ async fn stream(
     mut respond: h2::server::SendResponse<Bytes>,
     act: Act,
 ) {
-    if act == Act::Refuse {
+    if act == Act::RefuseOnRelease {
+        HELD.notify_one();
+        RELEASE.notified().await;
+    }
+    if matches!(act, Act::Refuse | Act::RefuseOnRelease) {
         respond.send_reset(Reason::REFUSED_STREAM);
+        return;
+    }
+    if act == Act::Unavailable {
+        let head = http::Response::builder()
+            .header("content-type", "application/grpc")
+            .header("grpc-status", "14")
+            .body(())
+            .unwrap();
+        let _ = respond.send_response(head, true);
         return;
     }
     let mut body = req.into_body();
@@ -239,6 +261,98 @@ async fn a_server_that_refuses_every_stream_gets_one_transparent_resend_per_call
     assert_eq!((stats.attempts, stats.transparent), (4, 1));
 }
 
+/// Issue 32, "refuses every stream for ever", with a retry policy whose backoff runs
+/// past a short deadline: the attempt, its one transparent resend (gRFC A6: a refused
+/// stream is resent once, then the policy decides), then the policy's retry would start
+/// after the deadline, so the call ends at once: UNAVAILABLE (the last attempt's status,
+/// as a retry past the deadline is never started), or DEADLINE_EXCEEDED if a loaded
+/// machine let the deadline pass during the two attempts. The report says the deadline
+/// ended it, and the server saw at most 2 streams: no busy loop until the deadline.
+#[tokio::test]
+async fn refused_for_ever_with_a_backoff_past_the_deadline_ends_by_the_deadline() {
+    let (addr, seen) = serve(|_| Act::Refuse).await;
+    let config = ServiceConfig::from_json(
+        r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "timeout": "1s",
+            "retryPolicy": {"maxAttempts": 5, "initialBackoff": "10s", "maxBackoff": "10s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+            "idempotency": {}}]}"#,
+    )
+    .unwrap();
+    let (mut c, layer) = client(addr, &config);
+    let err = c.create_order(order()).await.unwrap_err();
+    assert!(
+        matches!(
+            err.code(),
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+        ),
+        "{err:?}"
+    );
+    let report = CallReport::from_status(&err).expect("a report");
+    assert_eq!(report.outcome, CallOutcome::Deadline, "{report}");
+    assert!(
+        report.to_string().contains("stopped at the deadline"),
+        "{report}"
+    );
+    assert_eq!(report.attempts, 1, "no policy retry could start: {report}");
+    assert!(report.transparent <= 1, "{report}");
+    let streams = seen.keys().len();
+    assert!((1..=2).contains(&streams), "{streams} streams");
+    let stats = layer.stats().snapshot();
+    assert_eq!((stats.retries, stats.attempts), (0, streams as u64));
+}
+
+/// A merge decision of the last session: the circuit breaker never stops a transparent
+/// resend. The breaker opens while a call's first attempt is out (another call's failure
+/// opens it: `minCalls` 1); that attempt is then refused, and its resend still goes out,
+/// as the server's application never saw the first one.
+#[tokio::test]
+async fn an_open_circuit_breaker_does_not_stop_a_transparent_resend() {
+    let (addr, seen) = serve(|n| match n {
+        0 => Act::RefuseOnRelease,
+        1 => Act::Unavailable,
+        _ => Act::Answer,
+    })
+    .await;
+    let config = ServiceConfig::from_json(
+        r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "timeout": "30s",
+            "idempotency": {}}],
+            "idem": {"client": {"circuitBreaker": {"failureRatio": 1.0, "minCalls": 1,
+                "window": "60s", "openFor": "60s", "failureStatusCodes": ["UNAVAILABLE"]}}}}"#,
+    )
+    .unwrap();
+    let (c, layer) = client(addr, &config);
+    let breaker = layer.circuit_breaker().expect("a breaker");
+    let mut first = c.clone();
+    let held = HELD.notified();
+    let call = tokio::spawn(async move { first.create_order(order()).await });
+    held.await;
+    // The first call's attempt is at the server; another call fails and opens the breaker.
+    let err = c.clone().create_order(order()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert_eq!(
+        breaker.state(),
+        idem_client::retry::BreakerState::Open,
+        "one failure in one call opens it"
+    );
+    // A call that starts now is refused by the breaker without a stream.
+    let refused = c.clone().create_order(order()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert_eq!(seen.keys().len(), 2, "the breaker sent nothing for it");
+    // The first call's attempt is refused: its transparent resend goes out all the same.
+    RELEASE.notify_one();
+    let resp = call.await.unwrap().expect("the resend answers");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(
+        (report.outcome, report.attempts, report.transparent),
+        (CallOutcome::NoRetryPolicy, 1, 1),
+        "{report}"
+    );
+    let keys = seen.keys();
+    assert_eq!(keys.len(), 3);
+    assert_eq!(keys[0], keys[2], "the resend is the first call's");
+    assert_eq!(breaker.state(), idem_client::retry::BreakerState::Open);
+}
+
 /// A TCP stream whose first bytes were read already (and are read again first).
 struct Prefixed {
     pre: Vec<u8>,
@@ -373,4 +487,71 @@ async fn a_connect_failure_is_not_a_transparent_retry() {
     let err = c.create_order(order()).await.unwrap_err();
     let report = CallReport::from_status(&err).expect("a report");
     assert_eq!((report.attempts, report.transparent), (1, 0), "{report}");
+}
+
+/// The first connection answers its first stream after starting a graceful shutdown: its
+/// GOAWAY (last stream id 2³¹−1, then the last one it processed) is on the wire before
+/// that stream's response, so the client has read it when the first call ends. Every
+/// stream of later connections is answered. Counts the streams each connection accepted.
+async fn serve_graceful_goaway_after_first() -> (SocketAddr, Arc<Mutex<Vec<usize>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(Mutex::new(Vec::new()));
+    let log = accepted.clone();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let draining = std::mem::take(&mut first);
+            let log = log.clone();
+            let conn_no = {
+                let mut l = log.lock().unwrap();
+                l.push(0);
+                l.len() - 1
+            };
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                while let Some(Ok((req, respond))) = conn.accept().await {
+                    log.lock().unwrap()[conn_no] += 1;
+                    if draining {
+                        conn.graceful_shutdown();
+                    }
+                    tokio::spawn(stream(req, respond, Act::Answer));
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// A call that starts after the client's h2 read the server's GOAWAY opens no stream on
+/// that connection (h2's `send_request` fails with the GOAWAY and hyper's connection task
+/// stops taking requests): tonic's channel connects again and the call goes out there, or,
+/// if it was queued on the old connection already, it ends as "connection closed" and is
+/// sent again transparently. Either way it succeeds without a retry policy, and the old
+/// connection got no second stream to ignore (issue 32: "h2's client keeps opening
+/// streams after the final GOAWAY" is not what h2 0.4.20 / hyper 1.12 do).
+#[tokio::test]
+async fn a_call_after_the_peers_goaway_goes_out_on_a_new_connection() {
+    let (addr, accepted) = serve_graceful_goaway_after_first().await;
+    let (mut c, _) = client(addr, &no_policy("10s"));
+    c.create_order(order())
+        .await
+        .expect("the first call answers");
+    let resp = c
+        .create_order(order())
+        .await
+        .expect("the second call answers on a new connection");
+    let report = CallReport::from_response(&resp).unwrap();
+    assert_eq!(report.attempts, 1, "{report}");
+    assert!(report.transparent <= 1, "{report}");
+    assert_eq!(
+        *accepted.lock().unwrap(),
+        [1, 1],
+        "one stream per connection: none opened after the GOAWAY"
+    );
 }

@@ -133,20 +133,22 @@ pub(crate) async fn serve_idem<St: idem_store::Store, T: Orders>(
         .await
 }
 
-/// [`serve_idem`] until `stop` resolves (a drain's signal): tonic's graceful shutdown.
+/// [`serve_idem`] until `drain` starts: tonic's graceful shutdown (GOAWAY), and the
+/// drain's layer refuses the streams that still arrive (REFUSED_STREAM).
 pub(crate) async fn serve_idem_until<St: idem_store::Store, T: Orders>(
     faults: Faults,
     layer: IdempotencyLayer<St>,
     svc: OrdersServer<T>,
     incoming: TcpListenerStream,
-    stop: impl std::future::Future<Output = ()>,
+    drain: &idem_server::drain::Drain,
 ) -> Result<(), tonic::transport::Error> {
     Server::builder()
+        .layer(drain.layer())
         .layer(faults)
         .layer(InboundLayer::new())
         .layer(layer)
         .add_service(svc)
-        .serve_with_incoming_shutdown(incoming, stop)
+        .serve_with_incoming_shutdown(incoming, drain.signal())
         .await
 }
 

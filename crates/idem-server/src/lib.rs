@@ -4,8 +4,9 @@
 //! - [`idempotency`]: [`IdempotencyLayer`](idempotency::IdempotencyLayer) /
 //!   [`Idempotency`](idempotency::Idempotency), the middleware.
 //! - [`drain`]: [`Drain`](drain::Drain), a graceful drain for rolling deploys: GOAWAY
-//!   through tonic's `serve_with_shutdown`, protected runs finished and recorded before
-//!   the process exits, bounded by a drain timeout.
+//!   through tonic's `serve_with_shutdown`, then `REFUSED_STREAM` for streams that still
+//!   arrive ([`Drain::layer`](drain::Drain::layer)), protected runs finished and recorded
+//!   before the process exits, bounded by a drain timeout.
 //! - [`inbound`]: [`InboundLayer`](inbound::InboundLayer), which records the inbound deadline for every call and
 //!   turns an exhausted downstream failure into `grpc-retry-pushback-ms: -1`.
 //!

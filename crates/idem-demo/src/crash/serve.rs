@@ -116,8 +116,9 @@ async fn serve_service<T: Orders>(
     let listener = bind_with_retries(SocketAddr::from(([127, 0, 0, 1], args.port))).await?;
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let svc = OrdersServer::new(svc);
-    // SIGTERM (a rolling restart) drains: GOAWAY, the calls in flight finish and record
-    // their outcome, then the process exits. SIGKILL (a crash) does not.
+    // SIGTERM (a rolling restart) drains: GOAWAY (and REFUSED_STREAM for streams that
+    // still arrive, with idem), the calls in flight finish and record their outcome, then
+    // the process exits. SIGKILL (a crash) does not.
     let drain = Drain::new().timeout(DRAIN_TIMEOUT);
     let mut sigterm = signal(SignalKind::terminate())?;
     let on_term = drain.clone();
@@ -141,7 +142,6 @@ async fn serve_service<T: Orders>(
         metrics.serve(port).await?;
     }
     let tenant = SingleTenant::new("demo");
-    let stop = drain.signal();
     let server = async {
         match (&args.store, postgres) {
             #[cfg(not(feature = "postgres"))]
@@ -149,7 +149,7 @@ async fn serve_service<T: Orders>(
             #[cfg(feature = "postgres")]
             (_, Some(store)) => {
                 let layer = metrics.server(store, "postgres", config).tenant(tenant);
-                serve_idem_until(faults, layer, svc, incoming, stop).await?;
+                serve_idem_until(faults, layer, svc, incoming, &drain).await?;
             }
             #[cfg(not(feature = "redis"))]
             (StoreKind::Redis(_), None) => {
@@ -159,14 +159,14 @@ async fn serve_service<T: Orders>(
             (StoreKind::Redis(url), None) => {
                 let store = until_connected(|| connect_redis(url)).await?;
                 let layer = metrics.server(store, "redis", config).tenant(tenant);
-                serve_idem_until(faults, layer, svc, incoming, stop).await?;
+                serve_idem_until(faults, layer, svc, incoming, &drain).await?;
             }
             _ => {
                 // The one tenant gets the whole store.
                 let settings = config.settings().memory_store.clone().for_single_tenant();
                 let store = MemoryStore::new(settings);
                 let layer = metrics.server(store, "memory", config).tenant(tenant);
-                serve_idem_until(faults, layer, svc, incoming, stop).await?;
+                serve_idem_until(faults, layer, svc, incoming, &drain).await?;
             }
         }
         Ok::<(), BoxError>(())

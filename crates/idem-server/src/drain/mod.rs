@@ -3,14 +3,26 @@
 //!
 //! What each part does:
 //!
-//! - **New streams are refused, in a way clients retry transparently.** tonic's
-//!   `Server::serve_with_shutdown` closes the listener when its signal fires and asks
-//!   every connection to shut down gracefully: hyper (h2) sends GOAWAY with the last
-//!   stream id 2³¹−1, waits one round trip (a PING), then GOAWAY with the last stream id
-//!   it processed. A stream the client opened above it is refused by that GOAWAY: h2
-//!   gives the client a remote GOAWAY error for it, which idem's `RetryLayer` sends
-//!   again transparently (gRFC A6) on another connection. Streams at or below it run to
-//!   completion. tonic then waits for every connection to close.
+//! - **New streams are refused, in a way clients retry transparently: GOAWAY, then
+//!   REFUSED_STREAM.** tonic's `Server::serve_with_shutdown` closes the listener when its
+//!   signal fires and asks every connection to shut down gracefully: hyper (h2) sends
+//!   GOAWAY with the last stream id 2³¹−1, waits one round trip (a PING), then GOAWAY
+//!   with the last stream id it processed. Streams that reach the server after the drain
+//!   started (the client sent them before it read the GOAWAY) are reset with
+//!   `RST_STREAM(REFUSED_STREAM)` by [`Drain::layer`] before any service sees them (see
+//!   [`RefuseLayer`] for how a tower layer gets hyper to send that reset through tonic).
+//!   Streams above the final GOAWAY's last stream id are never given to a service at all:
+//!   h2's server drops their frames, and RFC 9113 §6.8 says such streams "have not been
+//!   processed in any way" and may be retried on a new connection; the client's h2 fails
+//!   exactly those streams with a remote GOAWAY error (`Streams::recv_go_away`). For
+//!   the client the two are the same answer, and idem's `RetryLayer` sends either again
+//!   transparently (gRFC A6, once per call), on another connection. A client's h2 that
+//!   has read a GOAWAY opens no new stream on that connection (`send_request` fails with
+//!   the GOAWAY, and hyper's connection task stops taking requests: tonic's channel
+//!   connects again, and a request queued on the old connection gets hyper's
+//!   "connection closed", which idem resends as never sent). Streams the
+//!   server took before the drain started run to completion; tonic then waits for every
+//!   connection to close.
 //! - **In-flight protected runs finish and record their outcome before exit.** A run of
 //!   the idempotency layer whose caller went away (the connection closed) goes on in a
 //!   task of its own until its outcome is recorded; the server future does not wait for
@@ -25,10 +37,11 @@
 //! # The SIGTERM recipe
 //!
 //! ```no_run
-//! # async fn serve(router: tonic::transport::server::Router) -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn serve(routes: tonic::service::Routes) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
 //! use idem_server::drain::Drain;
 //! use tokio::signal::unix::{SignalKind, signal};
+//! use tonic::transport::Server;
 //!
 //! let drain = Drain::new().timeout(Duration::from_secs(20));
 //! let mut sigterm = signal(SignalKind::terminate())?;
@@ -38,18 +51,23 @@
 //!     on_term.start();
 //! });
 //! let addr = "0.0.0.0:50051".parse()?;
-//! // `router`: `Server::builder().layer(IdempotencyLayer…).add_service(…)`.
-//! let server = router.serve_with_shutdown(addr, drain.signal());
+//! // `routes`: your services; the drain's layer first, then `IdempotencyLayer…`.
+//! let server = Server::builder()
+//!     .layer(drain.layer())
+//!     .add_routes(routes)
+//!     .serve_with_shutdown(addr, drain.signal());
 //! let drained = drain.run(server).await?;
 //! eprintln!("drained: {drained:?}");
 //! # Ok(()) }
 //! ```
 //!
-//! A limit of h2 0.4 the drain cannot remove: a client's h2 keeps opening streams on a
-//! connection after the final GOAWAY, and the server's h2 ignores those streams; they fail
-//! when the connection closes, as a broken connection, which only the retry policy
-//! retries (with the call's key, so nothing runs twice).
+//! What no server can prevent: when the server closes a connection while the client's
+//! frames are still arriving, the server's kernel answers them with a TCP reset, and the
+//! client's kernel may drop the GOAWAY it had not read yet. The streams on it then fail
+//! as a reset connection, which may have run: only the retry policy retries those, with
+//! the call's key, so nothing runs twice.
 
+mod refuse;
 mod runs;
 
 use std::future::Future;
@@ -59,6 +77,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+pub use refuse::{Refuse, RefuseFuture, RefuseLayer, StreamRefused};
 pub(crate) use runs::protect;
 pub use runs::protected_runs;
 
@@ -114,6 +133,12 @@ impl Drain {
     /// Starts the drain (again: no effect).
     pub fn start(&self) {
         self.started.send_replace(true);
+    }
+
+    /// The layer that refuses new streams with `REFUSED_STREAM` once the drain started
+    /// (see the [module docs](self)): put it first, `Server::builder().layer(drain.layer())`.
+    pub fn layer(&self) -> RefuseLayer {
+        RefuseLayer::new(self.started.subscribe())
     }
 
     /// Whether the drain started.

@@ -34,6 +34,10 @@ impl ReplayBudget {
         let unsent = self.unsent.load(Ordering::Relaxed);
         self.held.load(Ordering::Relaxed).saturating_sub(unsent)
     }
+    /// Every byte held: kept for replay, or not sent yet by a committed attempt.
+    pub(crate) fn total(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
     /// Bytes read before their call committed that its attempt has not sent yet.
     #[cfg(test)]
     pub(crate) fn unsent(&self) -> usize {
@@ -105,6 +109,17 @@ impl BudgetLease {
         }
         self.bytes = 0;
         self.unsent = unsent;
+    }
+
+    /// Counts `n` more bytes the committed attempt has still to send, whatever the
+    /// limit: the message that passed a limit before the first attempt existed, held
+    /// behind the messages read before it until the attempt takes it. Counting it keeps
+    /// the budget's figure exact; while it is over the limit, no call keeps more for
+    /// replay.
+    pub(crate) fn hold(&mut self, n: usize) {
+        self.unsent += n;
+        self.budget.held.fetch_add(n, Ordering::AcqRel);
+        self.budget.unsent.fetch_add(n, Ordering::AcqRel);
     }
 
     /// The committed attempt sent `n` of its unsent bytes.

@@ -10,6 +10,13 @@
 //! ([`stream`]). Both count their bytes in the layer's budget ([`budget`]), where gRFC
 //! A6's commit rule is written ([`BudgetLease::keep`]), and check each message against
 //! `maxRequestMessageBytes` ([`check`]).
+//!
+//! Every request byte the copy holds stays counted in that budget, also after the call
+//! committed, until the committed attempt hands it to the transport (issue 30, item 9):
+//! a server that never reads cannot make the layer hold more than `maxReplayBytesTotal`
+//! plus the one message that passed it. Nothing is read ahead of the attempt after a
+//! commit: the caller's stream is polled only when the attempt's body is, with nothing
+//! else left to send, so the transport's flow control reaches the caller.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};

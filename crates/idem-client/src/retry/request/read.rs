@@ -124,7 +124,8 @@ pub(crate) struct Partial {
 enum Stop {
     End,
     Pending,
-    Overflow(Overflow),
+    /// The message of this many bytes passed a limit.
+    Overflow(Overflow, usize),
     Failed(BoxError),
 }
 
@@ -177,7 +178,7 @@ pub(crate) fn read_ready(
             more.push(chunk);
         }
         if let Err(why) = lease.keep(total, len, cap) {
-            break Stop::Overflow(why);
+            break Stop::Overflow(why, len);
         }
         total += len;
     };
@@ -189,11 +190,20 @@ pub(crate) fn read_ready(
             });
         }
         Stop::Pending => (None, None),
-        Stop::Overflow(why) => (Some(why), None),
-        Stop::Failed(e) => (Some(Overflow::Error), Some(e)),
+        Stop::Overflow(why, len) => {
+            // Committed before the first attempt: nothing is kept for replay, but every
+            // byte read is held until that attempt sends it, and stays counted
+            // (issue 30, item 9), the message that passed the limit too.
+            lease.commit(total);
+            lease.hold(len);
+            (Some(why), None)
+        }
+        Stop::Failed(e) => {
+            lease.commit(total);
+            (Some(Overflow::Error), Some(e))
+        }
     };
     if overflow.is_some() {
-        lease.release_all();
         total = 0;
     }
     Ready::Partial(Partial {
@@ -298,8 +308,10 @@ mod tests {
         assert!(p.read.is_empty());
     }
 
+    /// Issue 30, item 9: before the fix the bytes read were held uncounted until the
+    /// attempt sent them (a server that never reads: for as long as the call lived).
     #[test]
-    fn an_overflow_keeps_every_byte_read_and_frees_the_budget() {
+    fn an_overflow_keeps_every_byte_read_counted_until_the_attempt_sends_it() {
         let b = budget(1 << 20);
         let mut lease = BudgetLease::new(b.clone());
         let Ready::Partial(p) = read(chunked(&[b"ab", b"cd", b"ef", b"gh"], false), 3, &mut lease)
@@ -308,7 +320,38 @@ mod tests {
         };
         assert_eq!(p.overflow, Some(Overflow::PerCall));
         assert_eq!((concat(&p.read), p.kept), (b"abcd".to_vec(), 0));
-        assert_eq!(b.held(), 0);
+        assert_eq!(b.held(), 0, "nothing is kept for replay");
+        assert_eq!((b.total(), b.unsent()), (4, 4), "but all of it is held");
+        lease.sent(2);
+        assert_eq!(b.total(), 2);
+        drop(lease);
+        assert_eq!(b.total(), 0);
+    }
+
+    #[test]
+    fn a_failed_body_keeps_what_was_read_before_counted() {
+        /// "ab", then an error.
+        struct Fails(bool);
+        impl Body for Fails {
+            type Data = Bytes;
+            type Error = tonic::Status;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+                if std::mem::replace(&mut self.0, true) {
+                    return Poll::Ready(Some(Err(tonic::Status::internal("caller broke"))));
+                }
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"ab")))))
+            }
+        }
+        let b = budget(1 << 20);
+        let mut lease = BudgetLease::new(b.clone());
+        let Ready::Partial(p) = read(tonic::body::Body::new(Fails(false)), 10, &mut lease) else {
+            panic!("a failed body is partial");
+        };
+        assert_eq!(p.overflow, Some(Overflow::Error));
+        assert_eq!((b.held(), b.total()), (0, 2));
     }
 
     #[test]

@@ -26,11 +26,14 @@
 //! nothing was sent, but the channel is not ready, and a call without `waitForReady`
 //! fails fast then, as gRPC's do (with `waitForReady` the layer waits for the channel).
 //!
-//! A limit of h2 0.4 this cannot see past: h2 keeps opening streams on a connection
-//! after it received the final GOAWAY (it does not check the last stream id when it
-//! opens one), and h2 servers ignore such streams; they end with the connection, as an
-//! I/O error ("stream closed because of a broken pipe"), like a stream the server was
-//! running. They are retried by the policy, with the key.
+//! After the client's h2 has read a GOAWAY it opens no stream on that connection
+//! (`send_request` fails with the GOAWAY: `Streams::ensure_no_conn_error`), and hyper's
+//! connection task stops at its next `poll_ready`, so requests still queued for it end as
+//! "connection closed" ([`Unprocessed::Unsent`]). What this cannot see past: a server that
+//! closes its connection while the client's frames are still arriving gets them answered
+//! by its kernel with a TCP reset, and the client's kernel may drop the GOAWAY the client
+//! had not read yet. Its streams then fail as a reset connection, like a stream the
+//! server was running, and are retried by the policy, with the key.
 
 use std::error::Error;
 
