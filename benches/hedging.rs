@@ -55,6 +55,8 @@ const EVERY: u64 = 20;
 enum Stall {
     Instance,
     Handler,
+    /// No instance stalls: what hedging costs a call that needs no hedge.
+    Never,
 }
 
 /// Counts one request in `EVERY` of an instance.
@@ -176,6 +178,24 @@ struct Row {
     latencies: Vec<Duration>,
     runs_per_intent: f64,
     extra_per_call: f64,
+    /// Wall time of the run.
+    elapsed: Duration,
+}
+
+/// A call under this is not held up by a stall (a hedge answers 10 ms in).
+const FAST: Duration = Duration::from_millis(5);
+
+impl Row {
+    fn calls_per_s(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+    /// How many of the 16 callers were in a fast call at a time, on average (Little's
+    /// law over the calls under [`FAST`]): the load a fast call competes with for the
+    /// two cores, which is what its latency (the p50) follows.
+    fn callers_in_fast_calls(&self) -> f64 {
+        let busy: Duration = self.latencies.iter().filter(|l| **l < FAST).sum();
+        busy.as_secs_f64() / self.elapsed.as_secs_f64()
+    }
 }
 
 async fn run(stall: Stall, hedged: bool) -> Row {
@@ -195,6 +215,7 @@ async fn run(stall: Stall, hedged: bool) -> Row {
         client.clone().create_order(request()).await.unwrap();
     }
     let (runs0, stats0) = (runs.load(Ordering::Relaxed), layer.stats().snapshot());
+    let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..CONCURRENCY {
         let mut c = client.clone();
@@ -212,6 +233,7 @@ async fn run(stall: Stall, hedged: bool) -> Row {
     for t in tasks {
         latencies.extend(t.await.unwrap());
     }
+    let elapsed = started.elapsed();
     // Stalled requests that lost their race still finish on the server: let them.
     tokio::time::sleep(STALL * 2).await;
     let stats = layer.stats().snapshot();
@@ -221,6 +243,7 @@ async fn run(stall: Stall, hedged: bool) -> Row {
         latencies,
         runs_per_intent: (runs.load(Ordering::Relaxed) - runs0) as f64 / calls,
         extra_per_call: ((stats.attempts - stats0.attempts) as f64 - calls) / calls,
+        elapsed,
     }
 }
 
@@ -388,18 +411,19 @@ async fn main() {
         STALL.as_millis()
     );
     println!(
-        "| stall in | policy | p50 ms | p99 ms | p99.9 ms | handler runs / intent | extra requests / call |"
+        "| stall in | policy | p50 ms | p99 ms | p99.9 ms | handler runs / intent | extra requests / call | calls/s | callers in a fast call (mean of 16) |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for stall in [Stall::Instance, Stall::Handler] {
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for stall in [Stall::Instance, Stall::Handler, Stall::Never] {
         for hedged in [false, true] {
             let row = run(stall, hedged).await;
             let l = &row.latencies;
             println!(
-                "| {} | {} | {} | {} | {} | {:.2} | {:.3} |",
+                "| {} | {} | {} | {} | {} | {:.2} | {:.3} | {:.0} | {:.1} |",
                 match stall {
                     Stall::Instance => "instance (before the key is claimed)",
                     Stall::Handler => "handler (after the key is claimed)",
+                    Stall::Never => "nowhere (no instance stalls)",
                 },
                 if hedged { "hedging 3 × 10 ms" } else { "none" },
                 ms(pct(l, 0.50)),
@@ -407,6 +431,8 @@ async fn main() {
                 ms(pct(l, 0.999)),
                 row.runs_per_intent,
                 row.extra_per_call,
+                row.calls_per_s(),
+                row.callers_in_fast_calls(),
             );
         }
     }
