@@ -13,6 +13,9 @@
 //!   key and runs the handler; the stalled request then finds the outcome and replays it.
 //! - **handler**: inside the handler, after the key is claimed: the hedges wait for that
 //!   same execution, so hedging cannot help (and should not: it would run twice).
+//! - **nowhere**: no stall, the reference for the p50: with 16 callers that no stall holds
+//!   up, a call competes with more of them for the cores. "callers in a fast call" (the
+//!   mean number of callers in a call under 5 ms, by Little's law) shows that load.
 //!
 //! Then what losing hedges cost a server while they wait: an idem server on a runtime
 //! with **one** worker thread serves unrelated (unprotected) `GetOrder` calls, 16 at a
@@ -55,6 +58,8 @@ const EVERY: u64 = 20;
 enum Stall {
     Instance,
     Handler,
+    /// No instance stalls: what hedging costs a call that needs no hedge.
+    Never,
 }
 
 /// Counts one request in `EVERY` of an instance.
@@ -176,6 +181,26 @@ struct Row {
     latencies: Vec<Duration>,
     runs_per_intent: f64,
     extra_per_call: f64,
+    /// Wall time of the run.
+    elapsed: Duration,
+    /// Calls that failed (every call should succeed).
+    failed: usize,
+}
+
+/// A call under this is not held up by a stall (a hedge answers 10 ms in).
+const FAST: Duration = Duration::from_millis(5);
+
+impl Row {
+    fn calls_per_s(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+    /// How many of the 16 callers were in a fast call at a time, on average (Little's
+    /// law over the calls under [`FAST`]): the load a fast call competes with for the
+    /// two cores, which is what its latency (the p50) follows.
+    fn callers_in_fast_calls(&self) -> f64 {
+        let busy: Duration = self.latencies.iter().filter(|l| **l < FAST).sum();
+        busy.as_secs_f64() / self.elapsed.as_secs_f64()
+    }
 }
 
 async fn run(stall: Stall, hedged: bool) -> Row {
@@ -195,23 +220,39 @@ async fn run(stall: Stall, hedged: bool) -> Row {
         client.clone().create_order(request()).await.unwrap();
     }
     let (runs0, stats0) = (runs.load(Ordering::Relaxed), layer.stats().snapshot());
+    let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..CONCURRENCY {
         let mut c = client.clone();
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::with_capacity(CALLS / CONCURRENCY);
+            let mut failed = Vec::new();
             for _ in 0..CALLS / CONCURRENCY {
                 let start = Instant::now();
-                c.create_order(request()).await.unwrap();
+                if let Err(status) = c.create_order(request()).await {
+                    failed.push(status);
+                }
                 lat.push(start.elapsed());
             }
-            lat
+            (lat, failed)
         }));
     }
     let mut latencies = Vec::with_capacity(CALLS);
+    let mut failed = Vec::new();
     for t in tasks {
-        latencies.extend(t.await.unwrap());
+        let (lat, f) = t.await.unwrap();
+        latencies.extend(lat);
+        failed.extend(f);
     }
+    // A failed call is counted and its first status shown, not hidden (nor a panic that
+    // hides the other rows).
+    if let Some(first) = failed.first() {
+        eprintln!(
+            "{stall:?}, hedged {hedged}: {} of {CALLS} calls failed; the first: {first:?}",
+            failed.len()
+        );
+    }
+    let elapsed = started.elapsed();
     // Stalled requests that lost their race still finish on the server: let them.
     tokio::time::sleep(STALL * 2).await;
     let stats = layer.stats().snapshot();
@@ -221,6 +262,8 @@ async fn run(stall: Stall, hedged: bool) -> Row {
         latencies,
         runs_per_intent: (runs.load(Ordering::Relaxed) - runs0) as f64 / calls,
         extra_per_call: ((stats.attempts - stats0.attempts) as f64 - calls) / calls,
+        elapsed,
+        failed: failed.len(),
     }
 }
 
@@ -388,18 +431,19 @@ async fn main() {
         STALL.as_millis()
     );
     println!(
-        "| stall in | policy | p50 ms | p99 ms | p99.9 ms | handler runs / intent | extra requests / call |"
+        "| stall in | policy | p50 ms | p99 ms | p99.9 ms | handler runs / intent | extra requests / call | calls/s | callers in a fast call (mean of 16) | failed calls |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for stall in [Stall::Instance, Stall::Handler] {
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for stall in [Stall::Instance, Stall::Handler, Stall::Never] {
         for hedged in [false, true] {
             let row = run(stall, hedged).await;
             let l = &row.latencies;
             println!(
-                "| {} | {} | {} | {} | {} | {:.2} | {:.3} |",
+                "| {} | {} | {} | {} | {} | {:.2} | {:.3} | {:.0} | {:.1} | {} |",
                 match stall {
                     Stall::Instance => "instance (before the key is claimed)",
                     Stall::Handler => "handler (after the key is claimed)",
+                    Stall::Never => "nowhere (no instance stalls)",
                 },
                 if hedged { "hedging 3 × 10 ms" } else { "none" },
                 ms(pct(l, 0.50)),
@@ -407,6 +451,9 @@ async fn main() {
                 ms(pct(l, 0.999)),
                 row.runs_per_intent,
                 row.extra_per_call,
+                row.calls_per_s(),
+                row.callers_in_fast_calls(),
+                row.failed,
             );
         }
     }

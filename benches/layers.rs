@@ -7,10 +7,14 @@
 //! so drift on a shared machine hits both sides of a ratio alike.
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
-//! (`client`, `server`, `replay`, `redis`, `cluster`, `dup`, `retry`, `metrics`); none
-//! runs all.
+//! (`client`, `server`, `replay`, `redis`, `cluster`, `dup`, `retry`, `metrics`, `peer`);
+//! none runs all.
+//! `IDEM_BENCH_JSON=FILE` also writes the rows to FILE as JSON, and `table FILE...`
+//! prints the markdown table of one or more such files (the median of each number over
+//! them) instead of running anything: see `layers/report.rs`.
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
-//! `profile-client-metrics` / `profile-server-bare` / `profile-server-metrics` /
+//! `profile-client-metrics` / `profile-client-no-policy` / `profile-client-tower` /
+//! `profile-server-bare` / `profile-server-metrics` /
 //! `profile-server-fresh` / `profile-server-replay` run only one side (2,000
 //! calls from tasks, one at a time unless `IDEM_PROFILE_CONCURRENCY` says more; no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
@@ -20,6 +24,11 @@
 //! enter and exit to the `log` fallback, on both sides of every row).
 //!
 //! See BENCHMARKS.md for the numbers from the project's machine and what they mean.
+
+#[path = "layers/peer.rs"]
+mod peer;
+#[path = "layers/report.rs"]
+mod report;
 
 use idem_test_support::net;
 use idem_test_support::shop;
@@ -455,9 +464,12 @@ where
 
 // ------------------------------------------------------------------ the table
 
+#[derive(Default)]
 struct Table {
     rows: Vec<String>,
     notes: Vec<String>,
+    /// The rows for `IDEM_BENCH_JSON` (report.rs).
+    json: Vec<serde_json::Value>,
 }
 
 impl Table {
@@ -489,6 +501,22 @@ impl Table {
         );
         println!("{row}");
         self.rows.push(row);
+        let n = report::RowNumbers {
+            base_tp: p.base_tp,
+            tp: p.tp,
+            tp_ratio: p.tp_ratio,
+            tp_range: p.tp_range,
+            base_p50: p.base_p50,
+            p50: p.p50,
+            p50_ratio: p.p50_ratio,
+            base_p99: p.base_p99,
+            p99: p.p99,
+            p99_ratio: p.p99_ratio,
+            base_cpu: p.base_cpu,
+            cpu: p.cpu,
+            cpu_ratio: p.cpu_ratio,
+        };
+        self.json.push(report::row(name, concurrency, &n, target));
     }
 
     fn note(&mut self, s: String) {
@@ -525,6 +553,11 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
+    if filters.first().is_some_and(|f| f == "table") {
+        print!("{}", report::table(&filters[1..]));
+        return;
+    }
+    let json_file = std::env::var("IDEM_BENCH_JSON").ok();
     let wants = |section: &str| filters.is_empty() || filters.iter().any(|f| section.contains(f));
     let profile_only = filters
         .iter()
@@ -561,12 +594,15 @@ fn main() {
             return;
         }
         println!("{}", Table::header());
-        let mut t = Table {
-            rows: Vec::new(),
-            notes: Vec::new(),
-        };
+        let mut t = Table::default();
         if wants("client") {
             client(&mut t, rounds, n(3000), n(20000)).await;
+        }
+        if wants("client-no-policy") {
+            client_no_policy(&mut t, rounds, n(3000), n(20000)).await;
+        }
+        if wants("peer") {
+            peer(&mut t, rounds, n(3000), n(20000)).await;
         }
         if wants("server-fresh") {
             server_fresh(&mut t, rounds, n(3000), n(20000)).await;
@@ -592,6 +628,9 @@ fn main() {
         println!("\nnotes:");
         for s in &t.notes {
             println!("- {s}");
+        }
+        if let Some(path) = json_file {
+            report::write(&path, &t.json);
         }
     });
 }
@@ -748,6 +787,132 @@ async fn client(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
     }
 }
 
+/// A caller of `client` that sends the pre-made key `keys[i]` on call `i`, set by hand
+/// (marked sensitive, as the layer does): the baseline of the machinery rows.
+fn key_by_hand<S>(
+    client: OrdersClient<S>,
+    keys: Arc<Vec<String>>,
+) -> impl Fn(usize) -> CallFut + Clone
+where
+    S: tonic::client::GrpcService<tonic::body::Body> + Clone + Send + Sync + 'static,
+    S::Future: Send,
+    S::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <S::ResponseBody as http_body::Body>::Error:
+        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    move |i| {
+        let mut c = client.clone();
+        let mut req = order(None);
+        let mut v: MetadataValue<_> = keys[i].parse().expect("ascii key");
+        v.set_sensitive(true);
+        req.metadata_mut().insert(IDEMPOTENCY_KEY, v);
+        Box::pin(async move {
+            c.create_order(req)
+                .await
+                .expect("call with the key by hand");
+        })
+    }
+}
+
+type CallFut = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Issue 32's request copy: RetryLayer on a method without a `retryPolicy` (keyed, so
+/// only transparent retries can resend it, for which the layer keeps the request until
+/// response headers) vs a bare channel sending the same key by hand, one channel.
+async fn client_no_policy(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    const NO_POLICY: &str = r#"{
+      "methodConfig": [{
+        "name": [{"service": "shop.v1.Orders", "method": "CreateOrder"}],
+        "idempotency": {}
+      }]
+    }"#;
+    let cfg = ServiceConfig::from_json(NO_POLICY).expect("no-policy config parses");
+    let server = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let channel = server.channel();
+    let bare = OrdersClient::new(channel.clone());
+    let layered: OrdersClient<Retry<Channel>> = OrdersClient::new(
+        ServiceBuilder::new()
+            .layer(RetryLayer::from_config(&cfg))
+            .service(channel),
+    );
+    let r = layered
+        .clone()
+        .create_order(order(None))
+        .await
+        .expect("warm-up");
+    let report = idem_client::retry::CallReport::from_response(&r).expect("report");
+    assert_eq!(report.outcome.as_str(), "no_retry_policy", "{report:?}");
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let ks = keys(calls);
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            key_by_hand(bare.clone(), ks),
+            creates!(layered.clone(), None, "layered call"),
+        )
+        .await;
+        t.pair(
+            "client: RetryLayer, method without a retryPolicy, vs bare Channel + the same key header by hand",
+            conc,
+            &p,
+            "(issue 32's request copy)",
+        );
+    }
+}
+
+/// The peer row: idem's RetryLayer (the bench's config: a retryPolicy, a generated key)
+/// vs `tower::retry::Retry` with the same policy over a buffered request and the key
+/// set by hand (`layers/peer.rs`), one channel under both.
+async fn peer(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let server = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let channel = server.channel();
+    let tower_retry = OrdersClient::new(peer::Buffered::new(channel.clone()));
+    let layered: OrdersClient<Retry<Channel>> = OrdersClient::new(
+        ServiceBuilder::new()
+            .layer(RetryLayer::from_config(&config()))
+            .service(channel),
+    );
+    let _ = layered
+        .clone()
+        .create_order(order(None))
+        .await
+        .expect("warm-up");
+    // The policies are equivalent: a call that always fails UNAVAILABLE (without
+    // `grpc-previous-rpc-attempts`, the bench's flaky order fails every attempt) makes 3
+    // attempts through tower's, as through idem's.
+    let before = server.runs();
+    let e = tower_retry
+        .clone()
+        .create_order(order_sku(None, "flaky"))
+        .await
+        .expect_err("every attempt fails");
+    assert_eq!(e.code(), Code::Unavailable);
+    assert_eq!(server.runs() - before, 3, "tower's policy makes 3 attempts");
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let ks = keys(calls);
+        let p = ab(
+            rounds,
+            calls,
+            conc,
+            key_by_hand(tower_retry.clone(), ks),
+            creates!(layered.clone(), None, "layered call"),
+        )
+        .await;
+        let target = match conc {
+            64 => format!("CPU ≤ tower × 1.03: {}", verdict(p.cpu_ratio <= 1.03)),
+            _ => "(latency view)".into(),
+        };
+        t.pair(
+            "peer: RetryLayer vs tower::retry::Retry (buffered request, key by hand)",
+            conc,
+            &p,
+            &target,
+        );
+    }
+}
+
 /// Fresh keys through IdempotencyLayer + MemoryStore vs a bare server; both get the same
 /// request with a key header (the bare server ignores it).
 async fn server_fresh(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
@@ -853,6 +1018,7 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
         verdict(fresh_rt <= 3.0),
         verdict(replay_rt <= 1.0),
     ));
+    t.json.push(report::round_trips(fresh_rt, replay_rt));
 
     for (conc, calls) in [(1, calls1), (64, calls64)] {
         store_pair(
@@ -1120,7 +1286,8 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
 async fn profile(which: &str, calls: usize) {
     let idem_layer = || Some(IdempotencyLayer::new(memory_store(), &config()));
     let (server, layered) = match which {
-        "client-bare" | "client-bare-key" | "client-layer" | "client-metrics" | "server-bare" => {
+        "client-bare" | "client-bare-key" | "client-layer" | "client-metrics"
+        | "client-no-policy" | "client-tower" | "server-bare" => {
             (serve::<MemoryStore>(Duration::ZERO, None).await, false)
         }
         "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
@@ -1147,7 +1314,22 @@ async fn profile(which: &str, calls: usize) {
     // are tasks, as in the rows.
     let conc = env_num("IDEM_PROFILE_CONCURRENCY", 1.0).max(1.0) as usize;
     let start = Instant::now();
-    if which == "client-layer" || which == "client-metrics" {
+    if which == "client-tower" {
+        // tower::retry over the buffered request, the key by hand (the peer row's A).
+        let client = OrdersClient::new(peer::Buffered::new(server.channel()));
+        drive(calls, conc, key_by_hand(client, ks)).await;
+    } else if which == "client-no-policy" {
+        let cfg = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "idempotency": {}}]}"#,
+        )
+        .expect("config");
+        let client = OrdersClient::new(
+            ServiceBuilder::new()
+                .layer(RetryLayer::from_config(&cfg))
+                .service(server.channel()),
+        );
+        drive(calls, conc, creates!(client, None, "call")).await;
+    } else if which == "client-layer" || which == "client-metrics" {
         let mut layer = RetryLayer::builder().service_config(config());
         // Kept alive to the end: the meter records into its provider.
         let prometheus = idem_otel::prometheus::Prometheus::new();
