@@ -264,10 +264,10 @@ mod sweep;
 mod tx;
 
 pub use builder::{
-    ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_POLL_MAX,
-    DEFAULT_POLL_MIN, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL,
-    DEFAULT_TABLE_PREFIX, DEFAULT_TOMBSTONE_TTL, NOTIFY_SAFETY_POLL, PostgresStoreBuilder,
-    WaitStrategy,
+    ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_IN_FLIGHT_PER_TENANT, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN,
+    DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL, DEFAULT_TABLE_PREFIX,
+    DEFAULT_TOMBSTONE_TTL, NOTIFY_SAFETY_POLL, PostgresStoreBuilder, WaitStrategy,
 };
 pub use schema::SCHEMA_VERSION;
 /// The driver this store is built on, so a handler writes through the same `sqlx`.
@@ -275,9 +275,20 @@ pub use sqlx;
 pub use store::PostgresStore;
 pub use tx::{CONFLICT_RETRY_DELAY, RecordTx, TxError, reason};
 
-/// The schema SQL for `prefix` (the schema in the crate docs with every `idem_` replaced),
-/// for creating it by hand or in a migration. `None` when `prefix` is not a valid table
+/// The schema SQL of a new database for `prefix` (the schema in the crate docs, version
+/// 1, then every migration up to [`SCHEMA_VERSION`], with every `idem_` replaced), for
+/// creating it by hand or in a migration tool. `None` when `prefix` is not a valid table
 /// prefix (see [`PostgresStoreBuilder::table_prefix`]).
 pub fn schema_sql(prefix: &str) -> Option<String> {
-    schema::valid_prefix(prefix).then(|| schema::render(schema::SCHEMA_SQL, prefix))
+    schema::valid_prefix(prefix).then(|| schema::full_schema(prefix))
+}
+
+/// The SQL that takes a schema of version `to - 1` to version `to` for `prefix` (see
+/// "Schema versions and migration" in the crate docs), for running the migration by
+/// hand or in a migration tool before the new release starts. `None` when `prefix` is
+/// not valid or no such step exists (`to` is 2 to [`SCHEMA_VERSION`]).
+pub fn migration_sql(prefix: &str, to: i32) -> Option<String> {
+    let step = usize::try_from(to).ok()?.checked_sub(2)?;
+    let sql = schema::MIGRATIONS.get(step)?;
+    schema::valid_prefix(prefix).then(|| schema::render(sql, prefix))
 }

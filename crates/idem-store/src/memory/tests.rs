@@ -549,6 +549,15 @@ async fn conformance_tenant_in_flight_bound() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn conformance_tenant_in_flight_bound_across_instances() {
+    let st = MemoryStore::new(MemoryStoreSettings {
+        max_in_flight_per_tenant: Some(crate::testing::TENANT_IN_FLIGHT_BOUND),
+        ..MemoryStoreSettings::default()
+    });
+    crate::testing::tenant_in_flight_bound_across_instances(&[st.clone(), st]).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn waiters_are_woken_by_completion_not_by_polling() {
     let st = store(100, 1 << 20);
     let s = scope(1);
