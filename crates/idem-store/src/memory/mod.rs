@@ -496,7 +496,12 @@ impl Table {
         let Some(e) = records.get_mut(scope) else {
             unreachable!("checked by fenced")
         };
-        let EntryState::InFlight { fingerprint, .. } = e.state else {
+        let EntryState::InFlight {
+            fingerprint,
+            created,
+            ..
+        } = e.state
+        else {
             unreachable!("checked by fenced")
         };
         e.wake();
@@ -504,6 +509,7 @@ impl Table {
             fence,
             fingerprint,
             outcome,
+            created,
         };
         e.expires_at = after(now, ttl);
         sub(&e.tenant.in_flight, 1);
@@ -554,6 +560,7 @@ impl Table {
                 fence,
                 fingerprint,
                 outcome,
+                ..
             } => RecordState::Completed {
                 fence: *fence,
                 fingerprint: *fingerprint,
