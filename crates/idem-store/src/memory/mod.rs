@@ -496,12 +496,7 @@ impl Table {
         let Some(e) = records.get_mut(scope) else {
             unreachable!("checked by fenced")
         };
-        let EntryState::InFlight {
-            fingerprint,
-            created,
-            ..
-        } = e.state
-        else {
+        let EntryState::InFlight { fingerprint, .. } = e.state else {
             unreachable!("checked by fenced")
         };
         e.wake();
@@ -509,7 +504,7 @@ impl Table {
             fence,
             fingerprint,
             outcome,
-            created,
+            created: e.created(),
         };
         e.expires_at = after(now, ttl);
         sub(&e.tenant.in_flight, 1);
