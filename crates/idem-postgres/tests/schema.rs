@@ -214,6 +214,35 @@ async fn a_migration_that_cannot_run_changes_nothing_and_says_why() {
     .unwrap()
     .get(0);
     assert_eq!(columns, 0, "the migration rolled back");
+
+    // The documented way out: the owner runs the step, then the application starts.
+    let step = idem_postgres::migration_sql("idem_", 2).expect("the step to 2");
+    admin
+        .execute(step.as_str())
+        .await
+        .expect("the owner migrates");
+    assert_eq!(version(&admin).await, 2);
+    let url = format!("postgres://app@127.0.0.1:{}/postgres", server.port());
+    let s = PostgresStore::connect(url)
+        .await
+        .expect("app finds it current");
+    let sc = scope();
+    acquire(&s, &sc, LONG).await;
+    assert!(
+        s.read_record(&sc)
+            .await
+            .unwrap()
+            .unwrap()
+            .created_at
+            .is_some()
+    );
+    for (prefix, to) in [("idem_", 1), ("idem_", 3), ("Bad-", 2)] {
+        assert_eq!(
+            idem_postgres::migration_sql(prefix, to),
+            None,
+            "{prefix} {to}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
