@@ -15,6 +15,7 @@ use idem_test_support::postgres::PostgresServer;
 use idem_test_support::store::{FP, TENANT, acquire, req};
 use sqlx::postgres::PgPool;
 use sqlx::{Executor, Row};
+use tonic_types::StatusExt;
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -406,4 +407,67 @@ async fn only_live_leases_count_and_a_takeover_is_a_new_run() {
         unbounded.claim(of(tenant, b, LONG)).await,
         Ok(Claim::Acquired { takeover: true, .. })
     ));
+}
+
+/// Through a real tonic server: with a bound of 1, a second key of the tenant while the
+/// first runs is RESOURCE_EXHAUSTED (`STORE_FULL`) with a retry delay and does not run;
+/// once the first completes, the same retry runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_bound_gets_resource_exhausted_through_the_layer() {
+    use idem_server::idempotency::{IdempotencyLayer, tenant::SingleTenant};
+    use idem_test_support::shop::orders_client::OrdersClient;
+    use idem_test_support::shop::orders_server::OrdersServer;
+    use idem_test_support::shop_fake::{Shop, keyed_create};
+    let Some(server) = PostgresServer::start() else {
+        return;
+    };
+    let store = PostgresStore::builder(server.url())
+        .max_in_flight_per_tenant(Some(1))
+        .connect()
+        .await
+        .unwrap();
+    let config = idem_core::config::ServiceConfig::from_json(
+        r#"{"methodConfig": [{"name": [{"service": "shop.v1.Orders"}], "idempotency": {}}]}"#,
+    )
+    .unwrap();
+    let shop = Shop::new();
+    let (addr, incoming) = idem_test_support::net::bind().await;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(IdempotencyLayer::new(store, &config).tenant(SingleTenant::new("t")))
+            .add_service(OrdersServer::new(shop.clone()))
+            .serve_with_incoming(incoming),
+    );
+    let client = OrdersClient::new(idem_test_support::net::channel(addr));
+    let mut held = keyed_create("bound-first-0001", "", LONG);
+    held.get_mut().sku = "gate".into();
+    let mut c = client.clone();
+    let first = tokio::spawn(async move { c.create_order(held).await });
+    tokio::time::timeout(LONG, shop.started())
+        .await
+        .expect("the first call runs");
+
+    let err = client
+        .clone()
+        .create_order(keyed_create("bound-second-0001", "", LONG))
+        .await
+        .expect_err("the tenant is at its bound");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    let details = err.get_error_details();
+    assert_eq!(
+        details.error_info().map(|i| i.reason.as_str()),
+        Some(idem_core::headers::reason::STORE_FULL),
+        "{err:?}"
+    );
+    assert!(details.retry_info().is_some(), "a retry delay: {err:?}");
+    assert_eq!(shop.runs(), 1, "the refused call did not run");
+
+    shop.open_gate(1);
+    first.await.unwrap().expect("the first call completes");
+    client
+        .clone()
+        .create_order(keyed_create("bound-second-0001", "", LONG))
+        .await
+        .expect("room again: the retry runs");
+    assert_eq!(shop.runs(), 2);
 }
