@@ -115,6 +115,13 @@ async fn operate<St: Store + std::fmt::Debug>(store: St, store_args: Vec<String>
         Scope::for_call(TENANT, &format!("/{METHOD}"), &key).to_hex()
     );
     assert_eq!(v["response"]["grpc_status"], 0);
+    // When the run was claimed and completed, as the store's clock recorded them
+    // (RFC 3339 UTC, so they compare as text).
+    let (created, completed) = (v["created_at"].as_str(), v["completed_at"].as_str());
+    assert!(
+        created.zip(completed).is_some_and(|(c, d)| c <= d),
+        "times: {v}"
+    );
     let hex: String = got
         .encode_to_vec()
         .iter()
@@ -149,7 +156,10 @@ async fn operate<St: Store + std::fmt::Debug>(store: St, store_args: Vec<String>
         assert_eq!(code(&o), 0, "show --scope: {}", text(&o.stderr));
         let out = text(&o.stdout);
         assert!(
-            out.contains("state: completed") && out.contains("grpc_status: 0"),
+            out.contains("state: completed")
+                && out.contains("grpc_status: 0")
+                && out.contains(&format!("created_at: {}\n", created.unwrap_or("?")))
+                && out.contains(&format!("completed_at: {}\n", completed.unwrap_or("?"))),
             "{out}"
         );
     }
@@ -305,6 +315,10 @@ async fn memory_records_are_read_and_deleted_through_the_api() {
         panic!("completed with a response: {info:?}");
     };
     assert!(info.completed_at.is_some() && info.expires_in.is_some());
+    assert!(
+        info.created_at
+            .is_some_and(|c| Some(c) <= info.completed_at)
+    );
     let r = format::read(bytes.clone()).unwrap();
     let m = format::grpc_messages(&r.frames).unwrap();
     assert_eq!(Order::decode(m[0].bytes.clone()).unwrap(), got);

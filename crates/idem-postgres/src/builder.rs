@@ -22,6 +22,9 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 10;
 /// Default time a released record, or an in-flight record whose lease ended, is kept.
 pub const DEFAULT_TOMBSTONE_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default bound of in-flight records per tenant, across every instance (the Redis
+/// store's default too).
+pub const DEFAULT_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
 /// Default interval of the expired-record sweep.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 /// Default number of expired records one sweep deletes at most.
@@ -88,6 +91,7 @@ impl std::fmt::Debug for ConnectError {
 /// | [`sweep_interval`](Self::sweep_interval) | 60 s, at most 1000 records a sweep |
 /// | [`wait_strategy`](Self::wait_strategy) | [`WaitStrategy::Notify`] |
 /// | [`wait_poll_interval`](Self::wait_poll_interval) | 5 ms doubling to 100 ms |
+/// | [`max_in_flight_per_tenant`](Self::max_in_flight_per_tenant) | 1000 (`None`: no bound) |
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), idem_postgres::ConnectError> {
@@ -112,6 +116,7 @@ pub struct PostgresStoreBuilder {
     wait_strategy: WaitStrategy,
     poll_min: Duration,
     poll_max: Duration,
+    max_in_flight_per_tenant: Option<usize>,
 }
 
 impl PostgresStoreBuilder {
@@ -131,6 +136,7 @@ impl PostgresStoreBuilder {
             wait_strategy: WaitStrategy::default(),
             poll_min: DEFAULT_POLL_MIN,
             poll_max: DEFAULT_POLL_MAX,
+            max_in_flight_per_tenant: Some(DEFAULT_MAX_IN_FLIGHT_PER_TENANT),
         }
     }
 
@@ -205,6 +211,18 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Most in-flight records one tenant may hold across every instance that shares the
+    /// database (default 1000, as the Redis store's `maxInFlightPerTenant`; `None`: no
+    /// bound, and no lock or count in the claim). A claim that would start a run past it
+    /// is refused with `StoreError::Full` (RESOURCE_EXHAUSTED with a retry delay, never a
+    /// second run); replays, in-flight duplicates and re-claims are answered at any
+    /// count. A record counts while its lease is live. See the crate docs, "Per-tenant
+    /// in-flight bound".
+    pub fn max_in_flight_per_tenant(mut self, bound: Option<usize>) -> Self {
+        self.max_in_flight_per_tenant = bound;
+        self
+    }
+
     fn validate(&self) -> Result<(), ConnectError> {
         let bad = |m: String| Err(ConnectError::InvalidSetting(m));
         if !schema::valid_prefix(&self.table_prefix) {
@@ -231,6 +249,9 @@ impl PostgresStoreBuilder {
         }
         if self.poll_min.is_zero() || self.poll_max < self.poll_min {
             return bad("wait poll interval: must have 0 < min <= max".into());
+        }
+        if self.max_in_flight_per_tenant == Some(0) {
+            return bad("maxInFlightPerTenant: must be > 0 (None: no bound)".into());
         }
         Ok(())
     }
@@ -314,6 +335,7 @@ impl PostgresStoreBuilder {
             poll_max: self.poll_max,
             sweep_batch: self.sweep_batch,
             listener,
+            max_in_flight_per_tenant: self.max_in_flight_per_tenant,
         };
         Ok(PostgresStore::start(backend, self.sweep_interval))
     }
@@ -338,6 +360,7 @@ mod tests {
             b().sweep_interval(Duration::ZERO, 10),
             b().sweep_interval(Duration::from_secs(1), 0),
             b().wait_poll_interval(Duration::from_millis(5), Duration::from_millis(1)),
+            b().max_in_flight_per_tenant(Some(0)),
         ] {
             let err = builder.connect().await.err();
             assert!(

@@ -33,7 +33,8 @@
 //!   the first schema of the role's `search_path` (PostgreSQL 15 no longer grants that on
 //!   `public` to everyone). Or create it yourself from [`schema_sql`] (as a migration, or
 //!   once as an owner role); the store then only checks its version, and the role it
-//!   connects as needs: `SELECT` on `idem_schema_version`; `SELECT, INSERT, UPDATE,
+//!   connects as needs (and migrations need the owner, see "Schema versions and
+//!   migration"): `SELECT` on `idem_schema_version`; `SELECT, INSERT, UPDATE,
 //!   DELETE` on `idem_records`; `USAGE` on the sequence `idem_fence`; `EXECUTE` on the
 //!   functions (PostgreSQL grants that to everyone by default). `LISTEN` and `NOTIFY`
 //!   need no privilege. (Test `a_role_without_create_privilege_uses_an_existing_schema`
@@ -47,20 +48,94 @@
 //! # Schema
 //! Created by the first [`connect`](PostgresStoreBuilder::connect) in one transaction,
 //! under an advisory lock so instances starting together create it once; later starts
-//! read `idem_schema_version` and refuse a version they do not know
-//! ([`ConnectError::Schema`]). Every name carries the
+//! read `idem_schema_version`, migrate an older version (below) and refuse a newer one
+//! ([`ConnectError::Schema`]: "… is 3, newer than this idem-postgres knows (2) …
+//! upgrade idem-postgres"). Every name carries the
 //! [table prefix](PostgresStoreBuilder::table_prefix) (`idem_` below; [`schema_sql`]
 //! renders it for another prefix). Unqualified, so the names land in the first schema
 //! of the `search_path` (set one per service with `?options=-csearch_path%3Dmyschema`).
+//!
+//! The current version is [`SCHEMA_VERSION`], 2. A new database gets version 1, then
+//! each migration step, so new and migrated databases are the same. Version 1:
 //!
 //! ```sql
 #![doc = include_str!("schema.sql")]
 //! ```
 //!
+//! ## Schema versions and migration
+//! A start that finds an older version migrates it, in the same transaction and under
+//! the same advisory lock as creating it: instances starting together migrate once (the
+//! others wait for the lock, then find it current), and a step that fails changes
+//! nothing (all steps or none) and is a [`ConnectError::Schema`] saying why. Every step
+//! may run again. Rows written under version 1 are read as before; the times they lack
+//! read as unknown (`None`). Version 1's functions keep their signatures, so instances of
+//! the previous release still running go on working (without the tenant bound) until
+//! they restart; a previous release cannot *start* against a migrated database (it
+//! refuses the newer version), so roll back by restoring, not by restarting old code.
+//!
+//! - **Who may migrate**: the owner of the tables (`ALTER TABLE`, `CREATE INDEX`,
+//!   `CREATE OR REPLACE FUNCTION`). A role with only the privileges below gets
+//!   "migrating idem_records from schema version 1 to 2 failed (… it needs the tables'
+//!   owner …)"; run the step as the owner first ([`migration_sql`] gives its SQL) and
+//!   the application then finds the schema current.
+//! - **Locks**: adding the two columns is a catalogue change (no rewrite) but takes a
+//!   short exclusive lock on `idem_records`, and building the index locks out writes
+//!   while it reads the table. The step waits for its locks at most the
+//!   [connect timeout](PostgresStoreBuilder::connect_timeout) (`lock_timeout`, and the
+//!   same `statement_timeout`), so live traffic queued behind it waits no longer. For a
+//!   large table, create the index beforehand with `CREATE INDEX CONCURRENTLY
+//!   idem_records_in_flight ON idem_records (tenant, lease_until) WHERE state IN ('i',
+//!   'p')`: the step then skips it.
+//!
+//! Version 2 (`schema_v2.sql`, the step from version 1):
+//!
+//! ```sql
+#![doc = include_str!("schema_v2.sql")]
+//! ```
+//!
+//! # Record times
+//! `created_at` is set by the claim that starts a run (a new record, or a new run of an
+//! expired or released one; a takeover keeps it) and `completed_at` by the completion
+//! (`complete`, `complete_in`, or a release after the handler's writes committed), both
+//! from `clock_timestamp()` on the database server, to the microsecond.
+//! [`Store::read_record`](idem_store::Store::read_record) returns them (`idem records
+//! show --postgres` prints them); rows written under schema 1 have neither.
+//!
+//! # Per-tenant in-flight bound
+//! [`max_in_flight_per_tenant`](PostgresStoreBuilder::max_in_flight_per_tenant) (1000
+//! by default, as the Redis store's `maxInFlightPerTenant`; `None`: no bound) bounds the
+//! in-flight records one tenant holds across every instance sharing the database. A
+//! claim that would start a run (a new record, a new run of an expired or released one,
+//! or a takeover of a lease that ended) past it is refused with `StoreError::Full`,
+//! which the layer answers with RESOURCE_EXHAUSTED and a retry delay; nothing is written
+//! and nothing runs. Replays, in-flight duplicates, mismatches and the same claimant's
+//! re-claims are answered at any count. A record counts while its lease is live: an
+//! instance that crashed holds its tenant's share until its leases end, not for the
+//! tombstone TTL.
+//!
+//! - **Exact across instances**: inside `idem_claim`, such a claim takes its tenant's
+//!   advisory transaction lock (`pg_advisory_xact_lock`, keyed by the table prefix and
+//!   the tenant digest) before counting, and holds it until its statement commits, so two
+//!   claims of one tenant never both count below the bound and both insert (test
+//!   `racing_claims_on_three_instances_never_pass_the_bound`, which fails without the
+//!   lock). Under READ COMMITTED (PostgreSQL's default) each statement of the function
+//!   reads anew, so the count sees every claim committed before the lock was granted.
+//!   With `default_transaction_isolation` set to `repeatable read` the count could miss
+//!   a racing claim; at `serializable` PostgreSQL aborts one of two racing claims
+//!   (UNAVAILABLE, retried).
+//! - **Cost**: the count reads the partial index `idem_records_in_flight (tenant,
+//!   lease_until) WHERE state IN ('i', 'p')`, at most `bound` entries; the lock
+//!   serialises the fresh claims of one tenant (not its replays, and not other tenants),
+//!   for the length of one claim. Still one statement per claim. A single-tenant
+//!   service at high rates may prefer `None`.
+//! - A rare lock-order cycle (two claims of one scope, one holding the tenant lock and
+//!   the other the row, when the record expired in between) is broken by PostgreSQL's
+//!   deadlock detection: one claim fails (UNAVAILABLE, retried), never a second run.
+//!
 //! # Operations and round trips
 //! | call | statement | notes |
 //! |------|-----------|-------|
-//! | `claim` | `SELECT … FROM idem_claim(…)` | a replay gets the stored response in the same row |
+//! | `claim` | `SELECT … FROM idem_claim(…)` | a replay gets the stored response in the same row; under the tenant bound, a claim that starts a run also takes the tenant's lock and counts (see "Per-tenant in-flight bound") |
 //! | `renew` | `SELECT … FROM idem_renew(…)` | |
 //! | `complete` | `SELECT … FROM idem_complete(…)` | notifies when someone waits |
 //! | `release` | `SELECT … FROM idem_release(…)` | notifies when someone waits |
@@ -105,8 +180,9 @@
 //!   `DELETE`, skipping rows others have locked, again after 50 ms while batches come back
 //!   full. The task holds only a `Weak` reference and stops with the last clone of the
 //!   store.
-//! - **Tenants**: the tenant digest is stored with each record, but this store sets no
-//!   per-tenant bounds and never answers `StoreError::Full`; size the database instead.
+//! - **Tenants**: the tenant digest is stored with each record; each tenant's in-flight
+//!   records are bounded (see "Per-tenant in-flight bound"); completed records are not
+//!   bounded per tenant: size the database.
 //!
 //! # Waiting
 //! [`wait`](idem_store::Store::wait) registers the waiter in memory, then calls
@@ -264,10 +340,10 @@ mod sweep;
 mod tx;
 
 pub use builder::{
-    ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_POLL_MAX,
-    DEFAULT_POLL_MIN, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL,
-    DEFAULT_TABLE_PREFIX, DEFAULT_TOMBSTONE_TTL, NOTIFY_SAFETY_POLL, PostgresStoreBuilder,
-    WaitStrategy,
+    ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_IN_FLIGHT_PER_TENANT, DEFAULT_POLL_MAX, DEFAULT_POLL_MIN,
+    DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL, DEFAULT_TABLE_PREFIX,
+    DEFAULT_TOMBSTONE_TTL, NOTIFY_SAFETY_POLL, PostgresStoreBuilder, WaitStrategy,
 };
 pub use schema::SCHEMA_VERSION;
 /// The driver this store is built on, so a handler writes through the same `sqlx`.
@@ -275,9 +351,20 @@ pub use sqlx;
 pub use store::PostgresStore;
 pub use tx::{CONFLICT_RETRY_DELAY, RecordTx, TxError, reason};
 
-/// The schema SQL for `prefix` (the schema in the crate docs with every `idem_` replaced),
-/// for creating it by hand or in a migration. `None` when `prefix` is not a valid table
+/// The schema SQL of a new database for `prefix` (the schema in the crate docs, version
+/// 1, then every migration up to [`SCHEMA_VERSION`], with every `idem_` replaced), for
+/// creating it by hand or in a migration tool. `None` when `prefix` is not a valid table
 /// prefix (see [`PostgresStoreBuilder::table_prefix`]).
 pub fn schema_sql(prefix: &str) -> Option<String> {
-    schema::valid_prefix(prefix).then(|| schema::render(schema::SCHEMA_SQL, prefix))
+    schema::valid_prefix(prefix).then(|| schema::full_schema(prefix))
+}
+
+/// The SQL that takes a schema of version `to - 1` to version `to` for `prefix` (see
+/// "Schema versions and migration" in the crate docs), for running the migration by
+/// hand or in a migration tool before the new release starts. `None` when `prefix` is
+/// not valid or no such step exists (`to` is 2 to [`SCHEMA_VERSION`]).
+pub fn migration_sql(prefix: &str, to: i32) -> Option<String> {
+    let step = usize::try_from(to).ok()?.checked_sub(2)?;
+    let sql = schema::MIGRATIONS.get(step)?;
+    schema::valid_prefix(prefix).then(|| schema::render(sql, prefix))
 }

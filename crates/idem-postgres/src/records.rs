@@ -3,11 +3,14 @@
 //! [`Store::delete_record`](idem_store::Store::delete_record)), and finding the records
 //! whose scope starts with the hex prefix the logs print ([`PostgresStore::find_scopes`]).
 //!
-//! Schema 1 keeps no creation or completion time, so `RecordInfo::created_at` and
-//! `completed_at` are `None` here. A record in state `p` (the handler's writes committed
-//! in its own transaction, its response not recorded yet) reads as in flight.
+//! `RecordInfo::created_at` and `completed_at` are the database clock's `created_at`
+//! (set by the claim that started the run; a takeover keeps it) and `completed_at` (set
+//! by the completion) of schema 2; `None` for rows written before the migration from
+//! schema 1, and `completed_at` while in flight. A record in state `p` (the handler's
+//! writes committed in its own transaction, its response not recorded yet) reads as in
+//! flight.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem_store::{DeleteMode, Deletion, RecordInfo, Scope, StoreError};
 use sqlx::Row;
@@ -17,11 +20,13 @@ use crate::error::{map_error, timed_out};
 use crate::schema::render;
 use crate::store::{PostgresStore, micros, record_state};
 
-/// The columns of `Queries::get`, then the time left until the record expires (µs).
+/// The columns of `Queries::get`, then the time left until the record expires (µs),
+/// whether it is watched, and its creation and completion times (µs since the epoch).
 const RECORD_COLUMNS: &str = "state, fence, fingerprint, greatest(0, ceil(extract(epoch FROM \
     lease_until - clock_timestamp()) * 1000000))::bigint, outcome_kind, outcome, \
     greatest(0, ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000000))::bigint, \
-    watched";
+    watched, (extract(epoch FROM created_at) * 1000000)::bigint, \
+    (extract(epoch FROM completed_at) * 1000000)::bigint";
 
 impl PostgresStore {
     pub(crate) async fn read_record_at(
@@ -153,9 +158,20 @@ fn info(row: &PgRow) -> Result<RecordInfo, StoreError> {
     Ok(RecordInfo {
         state: record_state(row)?,
         expires_in: Some(micros(expires)).filter(|d| *d > Duration::ZERO),
-        created_at: None,
-        completed_at: None,
+        created_at: wall(row.try_get(8).map_err(map_error)?),
+        completed_at: wall(row.try_get(9).map_err(map_error)?),
     })
+}
+
+/// A time from microseconds since the Unix epoch (`None` stays unknown).
+fn wall(us: Option<i64>) -> Option<SystemTime> {
+    let us = us?;
+    let d = Duration::from_micros(us.unsigned_abs());
+    if us >= 0 {
+        UNIX_EPOCH.checked_add(d)
+    } else {
+        UNIX_EPOCH.checked_sub(d)
+    }
 }
 
 #[cfg(test)]
@@ -168,5 +184,18 @@ mod tests {
         assert_eq!(prefix_end(&[1, 0xff]), Some(vec![2]));
         assert_eq!(prefix_end(&[0xff, 0xff]), None);
         assert_eq!(prefix_end(&[]), None);
+    }
+
+    #[test]
+    fn times_are_microseconds_since_the_epoch() {
+        assert_eq!(wall(None), None);
+        assert_eq!(wall(Some(0)), Some(UNIX_EPOCH));
+        assert_eq!(
+            wall(Some(1_500_000)),
+            Some(UNIX_EPOCH + Duration::from_micros(1_500_000))
+        );
+        assert!(wall(Some(-1)).is_some_and(|t| t < UNIX_EPOCH));
+        let _ = wall(Some(i64::MIN));
+        let _ = wall(Some(i64::MAX));
     }
 }

@@ -1,15 +1,32 @@
 //! The schema: its SQL (rendered for a table prefix), the statements the store sends, and
-//! the check-or-create step run at connect.
+//! the check, create or migrate step run at connect.
 
 use std::time::Duration;
 
 use sqlx::{Executor, PgConnection, Row};
 
 /// The schema version this crate writes and reads.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
-/// The schema SQL with the default prefix, `idem_` (shown in the crate docs).
+/// The schema SQL of version 1, with the default prefix, `idem_` (shown in the crate
+/// docs). Never edited: a new database runs it, then every step of [`MIGRATIONS`], so
+/// new and migrated databases are the same.
 pub(crate) const SCHEMA_SQL: &str = include_str!("schema.sql");
+
+/// `MIGRATIONS[i]` takes a schema from version `i + 1` to `i + 2`; each sets the version
+/// row and may run again (it only adds, or replaces functions).
+pub(crate) const MIGRATIONS: [&str; (SCHEMA_VERSION - 1) as usize] =
+    [include_str!("schema_v2.sql")];
+
+/// The SQL of a new database for `prefix`: version 1, then every migration.
+pub(crate) fn full_schema(prefix: &str) -> String {
+    let mut sql = render(SCHEMA_SQL, prefix);
+    for step in MIGRATIONS {
+        sql.push('\n');
+        sql.push_str(&render(step, prefix));
+    }
+    sql
+}
 
 /// The prefix `SCHEMA_SQL` is written with.
 const TEMPLATE_PREFIX: &str = "idem_";
@@ -57,7 +74,7 @@ impl Queries {
             prefix: prefix.to_owned(),
             claim: r(
                 "SELECT o_tag, o_fence, o_takeover, o_lease_left_us, o_outcome_kind, \
-                      o_outcome FROM idem_claim($1, $2, $3, $4, $5, $6)",
+                      o_outcome FROM idem_claim($1, $2, $3, $4, $5, $6, $7)",
             ),
             renew: r("SELECT o_ok, o_current FROM idem_renew($1, $2, $3, $4)"),
             complete: r("SELECT o_ok, o_current FROM idem_complete($1, $2, $3, $4, $5)"),
@@ -85,11 +102,12 @@ impl Queries {
     }
 }
 
-/// Why the schema could not be checked or created.
+/// Why the schema could not be checked, created or migrated.
 #[derive(Debug)]
 pub(crate) enum SchemaError {
     Database(sqlx::Error),
-    /// The schema exists with another version, or without its version row.
+    /// The schema exists with another version, or without its version row, or a
+    /// migration step failed (the message says which and why).
     Version(String),
 }
 
@@ -99,9 +117,10 @@ impl From<sqlx::Error> for SchemaError {
     }
 }
 
-/// Creates the schema when it is missing; checks its version when it is there. Runs in
-/// one transaction under an advisory lock, so instances starting together create it once.
-/// An existing schema of the right version needs no DDL (and no CREATE privilege).
+/// Creates the schema when it is missing, migrates an older one, and checks its version.
+/// Runs in one transaction under an advisory lock, so instances starting together
+/// create or migrate it once (the others wait, then find it current). An existing
+/// schema of the right version needs no DDL (and no CREATE privilege).
 pub(crate) async fn ensure(
     conn: &mut PgConnection,
     prefix: &str,
@@ -120,11 +139,11 @@ async fn ensure_in_transaction(
     prefix: &str,
     timeout: Duration,
 ) -> Result<(), SchemaError> {
-    // The DDL may take longer than one store statement may.
-    let limit = format!(
-        "SET LOCAL statement_timeout = {}",
-        timeout.as_millis().max(1)
-    );
+    // The DDL may take longer than one store statement may; waiting for a table lock
+    // (a migration behind a long transaction) is bounded too, so live traffic queued
+    // behind the migration's lock waits no longer than that.
+    let ms = timeout.as_millis().max(1);
+    let limit = format!("SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}");
     conn.execute(limit.as_str()).await?;
     let lock_name = format!("idem-postgres schema {prefix}");
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
@@ -138,8 +157,7 @@ async fn ensure_in_transaction(
         .await?
         .try_get(0)?;
     if !exists {
-        let sql = render(SCHEMA_SQL, prefix);
-        conn.execute(sql.as_str()).await?;
+        conn.execute(full_schema(prefix).as_str()).await?;
         tracing::info!(target: "idem_postgres", prefix, version = SCHEMA_VERSION, "created the idempotency schema");
         return Ok(());
     }
@@ -150,18 +168,37 @@ async fn ensure_in_transaction(
     };
     match version {
         Some(SCHEMA_VERSION) => Ok(()),
-        // Migrations from older versions go here, one step per version.
         Some(v) if v > SCHEMA_VERSION => Err(SchemaError::Version(format!(
-            "{prefix}schema_version is {v}, newer than this idem-postgres ({SCHEMA_VERSION}): \
-             upgrade idem-postgres"
+            "{prefix}schema_version is {v}, newer than this idem-postgres knows \
+             ({SCHEMA_VERSION}): a newer release migrated this database; upgrade \
+             idem-postgres (older releases cannot use it)"
         ))),
+        Some(v) if v >= 1 => migrate(conn, prefix, v).await,
         Some(v) => Err(SchemaError::Version(format!(
-            "{prefix}schema_version is {v}, which this idem-postgres cannot migrate"
+            "{prefix}schema_version is {v}, which no idem-postgres release wrote"
         ))),
         None => Err(SchemaError::Version(format!(
             "{prefix}schema_version has no row: the schema is incomplete"
         ))),
     }
+}
+
+/// Runs the migration steps from `from` to [`SCHEMA_VERSION`], in the caller's
+/// transaction: all of them or none.
+async fn migrate(conn: &mut PgConnection, prefix: &str, from: i32) -> Result<(), SchemaError> {
+    for to in from + 1..=SCHEMA_VERSION {
+        let step = MIGRATIONS[(to - 2) as usize];
+        if let Err(e) = conn.execute(render(step, prefix).as_str()).await {
+            return Err(SchemaError::Version(format!(
+                "migrating {prefix}records from schema version {} to {to} failed (nothing \
+                 was changed; it needs the tables' owner, and takes a short exclusive lock \
+                 on {prefix}records, waited for up to the connect timeout): {e}",
+                to - 1
+            )));
+        }
+        tracing::info!(target: "idem_postgres", prefix, from = to - 1, to, "migrated the idempotency schema");
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -190,8 +227,9 @@ mod tests {
 
     #[test]
     fn rendering_replaces_every_name() {
-        let sql = render(SCHEMA_SQL, "shop_x_");
+        let sql = full_schema("shop_x_");
         assert!(!sql.contains("idem_"), "{sql}");
+        assert!(sql.contains("CREATE INDEX IF NOT EXISTS shop_x_records_in_flight"));
         assert!(sql.contains("CREATE TABLE shop_x_records"));
         assert!(sql.contains("pg_notify('shop_x_done'"));
         let q = Queries::new("shop_x_");

@@ -39,6 +39,8 @@ pub(crate) struct Backend {
     pub(crate) poll_max: Duration,
     pub(crate) sweep_batch: u32,
     pub(crate) listener: Option<Arc<Listener>>,
+    /// Most in-flight records per tenant, across every instance (`None`: no bound).
+    pub(crate) max_in_flight_per_tenant: Option<usize>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -47,6 +49,10 @@ impl fmt::Debug for PostgresStore {
             .field("table_prefix", &self.backend.sql.prefix)
             .field("statement_timeout", &self.backend.statement_timeout)
             .field("tombstone_ttl", &self.backend.tombstone_ttl)
+            .field(
+                "max_in_flight_per_tenant",
+                &self.backend.max_in_flight_per_tenant,
+            )
             .finish_non_exhaustive()
     }
 }
@@ -279,15 +285,21 @@ impl Backend {
 }
 
 impl Store for PostgresStore {
+    /// One statement, `idem_claim`. Under a per-tenant bound, a claim that would start a
+    /// run first takes its tenant's advisory lock and counts the tenant's live leases
+    /// (see the crate docs, "Per-tenant in-flight bound"); past the bound it is refused
+    /// with [`StoreError::Full`] and nothing is written.
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let claimant = req.claimant.0.to_be_bytes();
+        let bound = self.backend.max_in_flight_per_tenant;
         let q = sqlx::query(&self.backend.sql.claim)
             .bind(&req.scope.0[..])
             .bind(&req.tenant.0[..])
             .bind(&req.fingerprint.0[..])
             .bind(&claimant[..])
             .bind(us(req.lease))
-            .bind(us(self.backend.tombstone_ttl));
+            .bind(us(self.backend.tombstone_ttl))
+            .bind(bound.map(|n| i64::try_from(n).unwrap_or(i64::MAX)));
         let row = self.backend.fetch_one(q).await?;
         let get = |i| row.try_get::<Option<i64>, _>(i).map_err(map_error);
         let tag: Option<String> = row.try_get(0).map_err(map_error)?;
@@ -308,6 +320,13 @@ impl Store for PostgresStore {
                 lease_remaining: micros(get(3)?),
             }),
             Some("M") => Ok(Claim::Mismatch),
+            Some("F") => Err(StoreError::Full(
+                format!(
+                    "tenant at its in-flight record bound ({})",
+                    bound.unwrap_or_default()
+                )
+                .into(),
+            )),
             _ => Err(corrupt("unexpected claim reply")),
         }
     }

@@ -160,7 +160,9 @@ async fn fences_start_at_the_database_clock_and_survive_a_new_schema() {
     admin
         .execute(
             "DROP TABLE clock_records, clock_schema_version; DROP SEQUENCE clock_fence; \
-             DROP FUNCTION clock_claim, clock_renew, clock_complete, clock_release, clock_watch, \
+             DROP FUNCTION clock_claim(bytea, bytea, bytea, bytea, bigint, bigint), \
+             clock_claim(bytea, bytea, bytea, bytea, bigint, bigint, bigint), \
+             clock_tenant_full, clock_renew, clock_complete, clock_release, clock_watch, \
              clock_commit",
         )
         .await

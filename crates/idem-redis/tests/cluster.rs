@@ -64,6 +64,27 @@ async fn tenant_in_flight_bound() {
     idem_store::testing::tenant_in_flight_bound(&store).await;
 }
 
+/// The bound holds for claims sent at once through two stores (two instances) under
+/// one key prefix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_in_flight_bound_across_instances() {
+    let Some(cluster) = RedisCluster::shared() else {
+        return;
+    };
+    let shared = prefix("bound-across");
+    let mut stores = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::cluster_builder(cluster.urls())
+            .key_prefix(shared.clone())
+            .max_in_flight_per_tenant(Some(idem_store::testing::TENANT_IN_FLIGHT_BOUND))
+            .connect()
+            .await
+            .expect("connect");
+        stores.push(store);
+    }
+    idem_store::testing::tenant_in_flight_bound_across_instances(&stores).await;
+}
+
 fn request<'a>(
     scope: &'a Scope,
     tenant: &'a TenantId,

@@ -37,3 +37,23 @@ async fn tenant_in_flight_bound() {
         .expect("connect to the test redis");
     idem_store::testing::tenant_in_flight_bound(&store).await;
 }
+
+/// The quota holds for claims sent at once through two stores (two instances) on one
+/// Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_in_flight_bound_across_instances() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut stores = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::builder(server.url())
+            .key_prefix("conformance:")
+            .max_in_flight_per_tenant(Some(idem_store::testing::TENANT_IN_FLIGHT_BOUND))
+            .connect()
+            .await
+            .expect("connect to the test redis");
+        stores.push(store);
+    }
+    idem_store::testing::tenant_in_flight_bound_across_instances(&stores).await;
+}

@@ -38,10 +38,11 @@ pub const FORCE_DELETE_RISK: &str = "the record is in flight: a handler may be r
 
 /// One record as [`Store::read_record`](crate::Store::read_record) reports it.
 ///
-/// Times a store does not keep are `None`: the memory store keeps no wall-clock times
-/// (its records are compact, see [`memory`](crate::memory)); PostgreSQL schema 1 keeps no
-/// creation or completion time; Redis keeps both for records written by this version
-/// on (older records have none).
+/// Times a store does not keep are `None`. The memory store keeps the creation time to
+/// the second (in space its compact records had free, see [`memory`](crate::memory)) and
+/// the completion time while the completion is queued; PostgreSQL keeps both on the
+/// database clock from schema 2 on (`None` for rows written under schema 1); Redis keeps
+/// both for records written by this version on (older records have none).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordInfo {
     /// State, fence, fingerprint, lease (in flight) and stored outcome (completed).

@@ -238,6 +238,15 @@ pub(crate) fn text(v: &Value) -> String {
                         }
                     }
                 }
+                // A time the store did not record (an older record, a store that keeps
+                // none) is said to be unknown; an in-flight record has no completion.
+                (k @ ("created_at" | "completed_at"), Value::Null) => {
+                    if k == "created_at" || o.get("state") == Some(&json!("completed")) {
+                        out.push_str(&format!(
+                            "{k}: unknown (not kept by this store or record version)\n"
+                        ));
+                    }
+                }
                 (_, Value::Null) => {}
                 (k, Value::String(s)) => out.push_str(&format!("{k}: {s}\n")),
                 (k, v) => out.push_str(&format!("{k}: {v}\n")),
@@ -256,5 +265,35 @@ mod tests {
         assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
         let t = UNIX_EPOCH + Duration::from_millis(1_764_644_645_678);
         assert_eq!(rfc3339(t), "2025-12-02T03:04:05.678Z");
+    }
+
+    #[test]
+    fn times_not_recorded_print_as_unknown() {
+        let sc = Scope([1; 32]);
+        let fingerprint = idem_store::Fingerprint([2; 32]);
+        let done = RecordInfo::of(RecordState::Completed {
+            fence: 7,
+            fingerprint,
+            outcome: StoredOutcome::NotRetained,
+        });
+        let out = text(&record_json(&sc, "here", &done, None).unwrap());
+        assert!(
+            out.contains("created_at: unknown") && out.contains("completed_at: unknown"),
+            "{out}"
+        );
+        let running = RecordInfo {
+            created_at: Some(UNIX_EPOCH),
+            ..RecordInfo::of(RecordState::InFlight {
+                fence: 7,
+                fingerprint,
+                lease_until: tokio::time::Instant::now(),
+            })
+        };
+        let out = text(&record_json(&sc, "here", &running, None).unwrap());
+        assert!(
+            out.contains("created_at: 1970-01-01T00:00:00.000Z"),
+            "{out}"
+        );
+        assert!(!out.contains("completed_at"), "{out}");
     }
 }

@@ -16,9 +16,10 @@ use crate::{DeleteMode, Deletion, RecordInfo, Scope};
 
 impl MemoryStore {
     /// The record at `scope` (see [`records`](crate::records)): state, fence,
-    /// fingerprint, lease or stored outcome, time left until it expires, and when it was
-    /// completed (from the completion queue, on this process's clock). The store keeps
-    /// no creation time. `None`: no record, or it expired. Changes nothing.
+    /// fingerprint, lease or stored outcome, time left until it expires, when its run was
+    /// claimed (to the second, rounded down; a takeover keeps it) and when it was
+    /// completed (from the completion queue), on this process's clock. `None`: no
+    /// record, or it expired. Changes nothing.
     ///
     /// Records are named by the first 16 bytes of their scope (see the module docs,
     /// "Compact records"): give the full scope, as `Scope::for_call` computes it.
@@ -80,7 +81,7 @@ impl Table {
         RecordInfo {
             state,
             expires_in: Some(Duration::from_nanos(e.expires_at.saturating_sub(tick))),
-            created_at: None,
+            created_at: wall(u64::from(e.created()) * 1_000_000_000),
             completed_at: completed.and_then(wall),
         }
     }

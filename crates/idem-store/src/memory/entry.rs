@@ -100,11 +100,15 @@ pub(super) enum EntryState {
         claimant: ClaimantId,
         lease_until: Tick,
         waiters: Option<Arc<Notify>>,
+        /// When the run was claimed (a takeover keeps it).
+        created: Secs,
     },
     Completed {
         fence: Fence,
         fingerprint: Fingerprint,
         outcome: StoredOutcome,
+        /// When the run was claimed.
+        created: Secs,
     },
 }
 
@@ -129,6 +133,13 @@ impl Entry {
 
     pub(super) fn is_in_flight(&self) -> bool {
         matches!(self.state, EntryState::InFlight { .. })
+    }
+
+    /// When the record's run was claimed.
+    pub(super) fn created(&self) -> Secs {
+        match self.state {
+            EntryState::InFlight { created, .. } | EntryState::Completed { created, .. } => created,
+        }
     }
 
     pub(super) fn fence(&self) -> Fence {
@@ -178,6 +189,16 @@ pub(super) fn epoch() -> Instant {
 /// in 8 bytes each where an `Instant` takes 16; it saturates 584 years on.
 pub(super) type Tick = u64;
 
+/// A point in the store's time to the second: whole seconds since its epoch, in the 4
+/// bytes the entry has free beside its state's tag (so records stay their size); it
+/// saturates 136 years on.
+pub(super) type Secs = u32;
+
+/// Tick `t` to the second (rounded down).
+pub(super) fn secs(t: Tick) -> Secs {
+    Secs::try_from(t / 1_000_000_000).unwrap_or(Secs::MAX)
+}
+
 /// `now + d`, saturated.
 pub(super) fn after(now: Tick, d: Duration) -> Tick {
     now.saturating_add(nanos(d))
@@ -216,6 +237,7 @@ impl Table {
                 claimant: req.claimant,
                 lease_until: after(now, req.lease),
                 waiters: None,
+                created: secs(now),
             },
             expires_at: in_flight_expiry(now, req.lease),
             tenant,
@@ -268,8 +290,11 @@ impl Table {
                 // The lease ended: take over in place (same tenant, still one in-flight
                 // record).
                 e.wake();
-                let tenant = e.tenant.clone();
+                let (tenant, was) = (e.tenant.clone(), e.created());
                 *e = self.new_in_flight(req, tick, tenant);
+                if let EntryState::InFlight { created, .. } = &mut e.state {
+                    *created = was;
+                }
                 Claim::Acquired {
                     fence: e.fence(),
                     takeover: true,

@@ -504,6 +504,7 @@ impl Table {
             fence,
             fingerprint,
             outcome,
+            created: e.created(),
         };
         e.expires_at = after(now, ttl);
         sub(&e.tenant.in_flight, 1);
@@ -554,6 +555,7 @@ impl Table {
                 fence,
                 fingerprint,
                 outcome,
+                ..
             } => RecordState::Completed {
                 fence: *fence,
                 fingerprint: *fingerprint,

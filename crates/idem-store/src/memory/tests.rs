@@ -549,6 +549,15 @@ async fn conformance_tenant_in_flight_bound() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn conformance_tenant_in_flight_bound_across_instances() {
+    let st = MemoryStore::new(MemoryStoreSettings {
+        max_in_flight_per_tenant: Some(crate::testing::TENANT_IN_FLIGHT_BOUND),
+        ..MemoryStoreSettings::default()
+    });
+    crate::testing::tenant_in_flight_bound_across_instances(&[st.clone(), st]).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn waiters_are_woken_by_completion_not_by_polling() {
     let st = store(100, 1 << 20);
     let s = scope(1);
@@ -1764,4 +1773,39 @@ async fn past_80_percent_of_a_bound_the_store_warns_once_and_the_ratio_says_it()
     }
     assert_eq!(warnings.of(MemoryBound::StoreEntries), 2);
     assert_eq!(warnings.of(MemoryBound::TenantEntries), 2);
+}
+
+/// The admin read reports when the run was claimed (to the second; a takeover keeps
+/// it) and when it completed, on this process's clock; an entry stays 96 bytes.
+#[tokio::test(start_paused = true)]
+async fn the_admin_read_reports_when_the_run_was_claimed_and_completed() {
+    let st = store(100, 1 << 20);
+    let f = acquire(&st, 1).await;
+    let read = |n| st.record(&scope(n)).expect("the record");
+    assert!(read(1).created_at.is_some());
+    assert_eq!(read(1).completed_at, None);
+    tokio::time::advance(Duration::from_secs(5)).await;
+    st.complete(completion(&scope(1), f, resp(b"r"), TTL))
+        .await
+        .unwrap();
+    let info = read(1);
+    let (c, d) = (info.created_at.unwrap(), info.completed_at.unwrap());
+    let took = d.duration_since(c).expect("created before completed");
+    assert!(
+        took >= Duration::from_secs(4) && took <= Duration::from_secs(7),
+        "{took:?} for 5 s"
+    );
+    // A takeover keeps the run's creation time, 15 s back (a new one would be now).
+    // Times of one read only: the paused tokio clock moves, the system clock does not.
+    acquire(&st, 2).await;
+    tokio::time::advance(LEASE + Duration::from_secs(5)).await;
+    assert!(matches!(
+        st.claim(req(&scope(2), &fp(1), 99)).await.unwrap(),
+        Claim::Acquired { takeover: true, .. }
+    ));
+    let age = std::time::SystemTime::now()
+        .duration_since(read(2).created_at.unwrap())
+        .expect("created in the past");
+    assert!(age >= Duration::from_secs(13), "created {age:?} ago");
+    assert!(std::mem::size_of::<super::entry::Entry>() <= 96);
 }

@@ -41,6 +41,14 @@ pub async fn read_and_delete_a_completed_record<S: Store>(s: &S) {
     if let Some(left) = info.expires_in {
         assert!(left <= LONG, "TTL left {left:?} over the TTL given");
     }
+    // Times the store keeps come in order (the memory store's creation time is rounded
+    // down to the second, so never after the completion).
+    if let (Some(created), Some(completed)) = (info.created_at, info.completed_at) {
+        assert!(
+            created <= completed,
+            "created {created:?} after {completed:?}"
+        );
+    }
     // Reading changed nothing: a claim with the same fingerprint still replays.
     let again = s
         .claim(super::req(&sc, &fp(1), crate::ClaimantId::random(), LONG))

@@ -82,3 +82,41 @@ pub async fn tenant_in_flight_bound<S: Store>(s: &S) {
         .await;
     assert!(matches!(again, Ok(Claim::Acquired { .. })), "{again:?}");
 }
+
+/// Conformance across instances, for stores built as for [`tenant_in_flight_bound`]:
+/// `3 ×` [`TENANT_IN_FLIGHT_BOUND`] claims of one tenant for new records, released at
+/// once (a barrier) through `stores` in turn (instances sharing one backend, or clones
+/// of one store), acquire exactly [`TENANT_IN_FLIGHT_BOUND`] records; every other claim
+/// is refused with [`StoreError::Full`]. A bound checked before an insert without a
+/// lock lets racing claims through.
+pub async fn tenant_in_flight_bound_across_instances<S: Store>(stores: &[S]) {
+    let tenant: &'static TenantId = Box::leak(Box::new(TenantId(rand::random())));
+    let claims = 3 * TENANT_IN_FLIGHT_BOUND;
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(claims));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..claims {
+        let (s, start) = (stores[i % stores.len()].clone(), start.clone());
+        tasks.spawn(async move {
+            let sc = scope();
+            start.wait().await;
+            s.claim(ClaimRequest {
+                tenant,
+                ..req(&sc, &FP16, ClaimantId::random(), LONG)
+            })
+            .await
+        });
+    }
+    let (mut acquired, mut full) = (0, 0);
+    while let Some(r) = tasks.join_next().await {
+        match r.expect("a claim task") {
+            Ok(Claim::Acquired { .. }) => acquired += 1,
+            Err(StoreError::Full(_)) => full += 1,
+            other => panic!("expected Acquired or Full, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        (acquired, full),
+        (TENANT_IN_FLIGHT_BOUND, claims - TENANT_IN_FLIGHT_BOUND),
+        "claims acquired and refused"
+    );
+}
