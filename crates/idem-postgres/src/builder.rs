@@ -92,6 +92,7 @@ impl std::fmt::Debug for ConnectError {
 /// | [`wait_strategy`](Self::wait_strategy) | [`WaitStrategy::Notify`] |
 /// | [`wait_poll_interval`](Self::wait_poll_interval) | 5 ms doubling to 100 ms |
 /// | [`max_in_flight_per_tenant`](Self::max_in_flight_per_tenant) | 1000 (`None`: no bound) |
+/// | [`manage_schema`](Self::manage_schema) | `true`: create a missing schema, migrate an older one |
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), idem_postgres::ConnectError> {
@@ -117,6 +118,7 @@ pub struct PostgresStoreBuilder {
     poll_min: Duration,
     poll_max: Duration,
     max_in_flight_per_tenant: Option<usize>,
+    manage_schema: bool,
 }
 
 impl PostgresStoreBuilder {
@@ -137,7 +139,19 @@ impl PostgresStoreBuilder {
             poll_min: DEFAULT_POLL_MIN,
             poll_max: DEFAULT_POLL_MAX,
             max_in_flight_per_tenant: Some(DEFAULT_MAX_IN_FLIGHT_PER_TENANT),
+            manage_schema: true,
         }
+    }
+
+    /// Whether [`connect`](Self::connect) may create a missing schema or migrate an older
+    /// one (default `true`, what a server wants). With `false` it only checks: a missing
+    /// schema, or one older than this crate's, fails the connect with
+    /// [`ConnectError::Schema`] and nothing in the database changes. Tools that only read
+    /// or repair records (such as `idem records`) use `false`, so a mistyped URL or
+    /// prefix cannot create tables and an operator's read cannot run a migration.
+    pub fn manage_schema(mut self, manage: bool) -> Self {
+        self.manage_schema = manage;
+        self
     }
 
     /// Prefix of every table, sequence, function and the notification channel (default
@@ -300,12 +314,17 @@ impl PostgresStoreBuilder {
             let mut conn = PgConnection::connect_with(&options)
                 .await
                 .map_err(|e| unavailable(e.to_string()))?;
-            let r = schema::ensure(&mut conn, &self.table_prefix, self.connect_timeout)
-                .await
-                .map_err(|e| match e {
-                    SchemaError::Database(e) => unavailable(e.to_string()),
-                    SchemaError::Version(m) => ConnectError::Schema(m),
-                });
+            let r = schema::ensure(
+                &mut conn,
+                &self.table_prefix,
+                self.connect_timeout,
+                self.manage_schema,
+            )
+            .await
+            .map_err(|e| match e {
+                SchemaError::Database(e) => unavailable(e.to_string()),
+                SchemaError::Version(m) => ConnectError::Schema(m),
+            });
             let _ = conn.close().await;
             r
         };

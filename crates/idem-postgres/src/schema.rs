@@ -125,9 +125,10 @@ pub(crate) async fn ensure(
     conn: &mut PgConnection,
     prefix: &str,
     timeout: Duration,
+    manage: bool,
 ) -> Result<(), SchemaError> {
     conn.execute("BEGIN").await?;
-    let r = ensure_in_transaction(conn, prefix, timeout).await;
+    let r = ensure_in_transaction(conn, prefix, timeout, manage).await;
     // On an error the transaction is rolled back; the connection is closed anyway.
     conn.execute(if r.is_ok() { "COMMIT" } else { "ROLLBACK" })
         .await?;
@@ -138,6 +139,7 @@ async fn ensure_in_transaction(
     conn: &mut PgConnection,
     prefix: &str,
     timeout: Duration,
+    manage: bool,
 ) -> Result<(), SchemaError> {
     // The DDL may take longer than one store statement may; waiting for a table lock
     // (a migration behind a long transaction) is bounded too, so live traffic queued
@@ -156,6 +158,13 @@ async fn ensure_in_transaction(
         .fetch_one(&mut *conn)
         .await?
         .try_get(0)?;
+    if !exists && !manage {
+        return Err(SchemaError::Version(format!(
+            "no idempotency schema with the prefix {prefix:?} in this database \
+             ({prefix}schema_version does not exist); check the URL and the table prefix \
+             (this connection does not create one)"
+        )));
+    }
     if !exists {
         conn.execute(full_schema(prefix).as_str()).await?;
         tracing::info!(target: "idem_postgres", prefix, version = SCHEMA_VERSION, "created the idempotency schema");
@@ -172,6 +181,11 @@ async fn ensure_in_transaction(
             "{prefix}schema_version is {v}, newer than this idem-postgres knows \
              ({SCHEMA_VERSION}): a newer release migrated this database; upgrade \
              idem-postgres (older releases cannot use it)"
+        ))),
+        Some(v) if v >= 1 && !manage => Err(SchemaError::Version(format!(
+            "{prefix}schema_version is {v}, older than this idem-postgres's \
+             ({SCHEMA_VERSION}); this connection does not migrate: a server of this release \
+             migrates it when it starts"
         ))),
         Some(v) if v >= 1 => migrate(conn, prefix, v).await,
         Some(v) => Err(SchemaError::Version(format!(

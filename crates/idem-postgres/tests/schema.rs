@@ -480,3 +480,51 @@ async fn a_tenant_at_its_bound_gets_resource_exhausted_through_the_layer() {
         .expect("room again: the retry runs");
     assert_eq!(shop.runs(), 2);
 }
+
+/// A connection built with `manage_schema(false)` (what `idem records` uses) changes
+/// nothing: on an empty database it creates no table, on a version-1 database it runs
+/// no migration; each time the connect fails with a schema error that says why. On a
+/// current schema it connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_does_not_manage_the_schema_creates_and_migrates_nothing() {
+    let Some(server) = PostgresServer::start() else {
+        return;
+    };
+    let admin = server.pool(2).await;
+    let check_only = || PostgresStore::builder(server.url()).manage_schema(false);
+
+    let err = check_only().connect().await.expect_err("no schema yet");
+    let ConnectError::Schema(m) = &err else {
+        panic!("expected a schema error, got {err:?}")
+    };
+    assert!(
+        m.contains("no idempotency schema") && m.contains("prefix"),
+        "{m}"
+    );
+    let created: bool = sqlx::query("SELECT to_regclass('idem_schema_version') IS NOT NULL")
+        .fetch_one(&admin)
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!created, "a check-only connect created the schema");
+
+    admin
+        .execute(SCHEMA_V1)
+        .await
+        .expect("the version-1 schema");
+    let err = check_only().connect().await.expect_err("an old schema");
+    let ConnectError::Schema(m) = &err else {
+        panic!("expected a schema error, got {err:?}")
+    };
+    assert!(
+        m.contains("is 1, older") && m.contains("does not migrate"),
+        "{m}"
+    );
+    assert_eq!(version(&admin).await, 1, "a check-only connect migrated");
+
+    PostgresStore::connect(server.url()).await.expect("migrate");
+    check_only()
+        .connect()
+        .await
+        .expect("a current schema connects");
+}

@@ -114,7 +114,9 @@ impl Backend {
             Target::Postgres(url) => {
                 let mut b = idem_postgres::PostgresStore::builder(url.clone())
                     .no_sweep()
-                    .max_connections(2);
+                    .max_connections(2)
+                    // An operator's read never creates tables or migrates them.
+                    .manage_schema(false);
                 if let Some(p) = prefix {
                     b = b.table_prefix(p);
                 }
