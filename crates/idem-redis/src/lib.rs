@@ -242,6 +242,7 @@ mod replica;
 mod reply;
 mod scripts;
 mod store;
+mod tenant;
 
 pub use builder::{
     ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX,
@@ -251,3 +252,4 @@ pub use builder::{
 pub use check::ServerReport;
 pub use replica::ReplicaAcks;
 pub use store::RedisStore;
+pub use tenant::RECORD_OVERHEAD_BYTES;

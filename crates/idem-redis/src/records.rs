@@ -129,7 +129,7 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
         Ok(self
-            .eval_confirmed(script, key, args, self.command_timeout(), false)
+            .eval_confirmed(script, &[key], args, self.command_timeout(), false)
             .await?
             .0)
     }
