@@ -37,7 +37,9 @@ use crate::store::{RedisStore, ms};
 
 /// Bytes charged per record on top of its stored response, as the memory store's
 /// `RECORD_OVERHEAD_BYTES` (the same 240, so one `maxBytesPerTenant` means the same
-/// number of records on either store; a Redis hash of a record takes about that much).
+/// number of records on either store). It is a charge, not Redis's memory: Redis's
+/// `used_memory` grows by about 830 bytes per record of a 200-byte response (README,
+/// `maxmemory`), so size `maxmemory` from that, not from the quota.
 pub const RECORD_OVERHEAD_BYTES: usize = 240;
 
 /// The tenant-side Lua: functions on the three tenant keys (`kif`, `kbz`, `kbh`).
