@@ -35,8 +35,11 @@ impl RedisStore {
         confirm: bool,
     ) -> Result<(Value, Option<i64>), StoreError> {
         let acks = self.backend.replica_acks.filter(|_| confirm);
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash()).arg(keys.len());
+        let size = 56
+            + keys.iter().map(|k| k.len()).sum::<usize>()
+            + args.iter().map(|a| a.len()).sum::<usize>();
+        let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args.len(), size);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
         for k in keys {
             cmd.arg(*k);
         }
@@ -96,7 +99,7 @@ impl RedisStore {
     /// there with that fence (a failover lost it, or it was taken over).
     pub(crate) async fn confirm(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
         let key = self.key_for(scope);
-        let fence_s = fence.to_string();
+        let fence_s = crate::reply::Decimal::new(fence);
         let (v, acks) = self
             .eval_confirmed(
                 &self.backend.scripts.confirm,

@@ -17,8 +17,8 @@ use crate::notify::Notifier;
 use crate::quota::{self, Held};
 use crate::replica::ReplicaAcks;
 use crate::reply::{
-    array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, read_head,
-    read_items, tag,
+    Decimal, array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, push_hex,
+    read_head, read_items, tag,
 };
 use crate::scripts::Scripts;
 use crate::tenant::{self, TenantKeys};
@@ -126,14 +126,24 @@ impl RedisStore {
     /// The Redis key holding the record of `scope`: `<prefix>{<scope hex>}`. The braces
     /// are a Redis Cluster hash tag, so a record always lives in one slot.
     pub fn key_for(&self, scope: &Scope) -> String {
-        format!("{}{{{}}}", self.backend.prefix, scope.to_hex())
+        let mut k = String::with_capacity(self.backend.prefix.len() + 66);
+        k.push_str(&self.backend.prefix);
+        k.push('{');
+        push_hex(&mut k, &scope.0);
+        k.push('}');
+        k
     }
 
     /// The Redis key counting `tenant`'s in-flight records: `<prefix>tenant:{<tenant hex>}`,
     /// a sorted set with the tenant as its hash tag (see the crate docs, "Per-tenant
     /// quota").
     pub fn tenant_key_for(&self, tenant: &TenantId) -> String {
-        format!("{}tenant:{{{}}}", self.backend.prefix, tenant.to_hex())
+        let mut k = String::with_capacity(self.backend.prefix.len() + 48);
+        k.push_str(&self.backend.prefix);
+        k.push_str("tenant:{");
+        push_hex(&mut k, &tenant.0);
+        k.push('}');
+        k
     }
 
     /// The key prefix in use.
@@ -249,7 +259,7 @@ impl RedisStore {
         confirm: bool,
     ) -> Result<bool, StoreError> {
         let key = self.key_for(scope);
-        let fence_s = fence_presented.to_string();
+        let fence_s = Decimal::new(fence_presented);
         let mut args: Vec<&[u8]> = Vec::with_capacity(rest.len() + 1);
         args.push(fence_s.as_bytes());
         args.extend_from_slice(rest);
@@ -299,8 +309,9 @@ impl RedisStore {
         with_tenant: bool,
     ) -> Result<Claim, StoreError> {
         let key = self.key_for(req.scope);
-        let claimant = format!("{:032x}", req.claimant.0);
-        let lease = ms(req.lease).to_string();
+        let mut claimant = String::with_capacity(32);
+        push_hex(&mut claimant, &req.claimant.0.to_be_bytes());
+        let lease = Decimal::new(ms(req.lease));
         let v = if with_tenant {
             let t = self.tenant_keys(req.tenant);
             let [qin, qb, overhead] = &self.backend.quota_args;
@@ -377,7 +388,7 @@ impl RedisStore {
     /// tenant's step on its own slot, before the record's when the bytes quota must
     /// decide whether the response is kept, else beside it.
     async fn complete_with_tenant(&self, req: &CompleteRequest<'_>) -> Result<(), StoreError> {
-        let ttl = ms(req.ttl).to_string();
+        let ttl = Decimal::new(ms(req.ttl));
         let (kind, body): (&[u8], &[u8]) = match &req.outcome {
             StoredOutcome::Response(b) => (b"r", b),
             StoredOutcome::NotRetained => (b"n", b""),
@@ -570,7 +581,7 @@ impl Store for RedisStore {
 
     /// Renews the record's lease, then its entry in the tenant's count (best effort).
     async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
-        let lease_ms = ms(lease).to_string();
+        let lease_ms = Decimal::new(ms(lease));
         let res = self
             .fenced(
                 &self.backend.scripts.renew,

@@ -32,7 +32,7 @@ use idem_store::{Fence, Scope, StoreError, TenantId};
 use redis::Value;
 
 use crate::quota;
-use crate::reply::{array, corrupt, int, tag};
+use crate::reply::{Decimal, array, corrupt, int, tag};
 use crate::store::{RedisStore, ms};
 
 /// Bytes charged per record on top of its stored response, as the memory store's
@@ -177,9 +177,15 @@ impl RedisStore {
     /// The tenant's three keys (see the module docs).
     pub(crate) fn tenant_keys(&self, tenant: &TenantId) -> TenantKeys {
         let in_flight = self.tenant_key_for(tenant);
+        let with = |suffix: &str| {
+            let mut k = String::with_capacity(in_flight.len() + suffix.len());
+            k.push_str(&in_flight);
+            k.push_str(suffix);
+            k
+        };
         TenantKeys {
-            bytes: format!("{in_flight}:bytes"),
-            sizes: format!("{in_flight}:sizes"),
+            bytes: with(":bytes"),
+            sizes: with(":sizes"),
             in_flight,
         }
     }
@@ -202,7 +208,7 @@ impl RedisStore {
     ) -> Result<Option<StoreError>, StoreError> {
         let k = self.tenant_keys(tenant);
         let member = quota::member(scope, fence);
-        let lease = ms(lease).to_string();
+        let lease = Decimal::new(ms(lease));
         let [qin, qb, overhead] = &self.backend.quota_args;
         let fresh: &[u8] = if fresh { b"1" } else { b"0" };
         let v = self
@@ -235,7 +241,8 @@ impl RedisStore {
         let k = self.tenant_keys(tenant);
         let member = quota::member(scope, fence);
         let [_, qb, overhead] = &self.backend.quota_args;
-        let (n, ttl) = (body_len.to_string(), ms(ttl).to_string());
+        let n = Decimal::new(u64::try_from(body_len).unwrap_or(u64::MAX));
+        let ttl = Decimal::new(ms(ttl));
         let v = self
             .eval_keys(
                 &self.backend.scripts.t_complete,
