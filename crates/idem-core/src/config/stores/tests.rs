@@ -151,7 +151,8 @@ fn idem_redis() {
     assert_eq!(
         bytes(json!("1MiB")),
         Err(vec![
-            "idem.redis.maxBytesPerTenant: must be an integer >= 0 (0: no per-tenant bound)"
+            "idem.redis.maxBytesPerTenant: must be an integer >= 0 (0: no per-tenant bound) \
+             (a JSON number, not a string)"
                 .to_owned()
         ])
     );
