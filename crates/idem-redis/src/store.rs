@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idem_store::{
     Claim, ClaimRequest, CompleteRequest, DeleteMode, Deletion, Fence, RecordInfo, RecordState,
-    Scope, Store, StoreError, StoredOutcome, TenantId, wait,
+    Scope, Store, StoreError, TenantId, wait,
 };
 use redis::{RedisError, Script, Value};
 use tokio::time::Instant;
@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
 use crate::conn::Conn;
 use crate::notify::Notifier;
-use crate::quota::{self, Held};
+use crate::quota::Held;
 use crate::replica::ReplicaAcks;
 use crate::reply::{
     Decimal, array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, push_hex,
@@ -360,169 +360,6 @@ impl RedisStore {
             b"FULL" => Err(tenant::full_in_flight(int(it.next())?)),
             b"FULLB" => Err(tenant::full_bytes(int(it.next())?)),
             _ => Err(corrupt("unexpected claim reply tag")),
-        }
-    }
-
-    /// Takes a finished claim (fenced) out of its tenant's in-flight count. Best
-    /// effort: a failure only leaves the count until the lease ends.
-    async fn uncount(&self, scope: &Scope, fence: Fence) {
-        let Some(tenant) = self.backend.held.get(scope, fence) else {
-            return;
-        };
-        let key = self.tenant_key_for(&tenant);
-        let member = quota::member(scope, fence);
-        let mut conn = self.connection();
-        let zrem = redis::cmd("ZREM").arg(&key).arg(&member[..]).to_owned();
-        let res = self
-            .bounded(self.backend.command_timeout, async move {
-                zrem.query_async::<i64>(&mut conn).await
-            })
-            .await;
-        if let Err(e) = res {
-            tracing::debug!(error = %e, "in-flight count not taken back; it lapses with the lease");
-        }
-    }
-
-    /// Completes the record and takes the claim out of its tenant's quotas: on a single
-    /// endpoint in the completion script itself (one round trip); on a Cluster, the
-    /// tenant's step on its own slot, before the record's when the bytes quota must
-    /// decide whether the response is kept, else beside it.
-    async fn complete_with_tenant(&self, req: &CompleteRequest<'_>) -> Result<(), StoreError> {
-        let ttl = Decimal::new(ms(req.ttl));
-        let (kind, body): (&[u8], &[u8]) = match &req.outcome {
-            StoredOutcome::Response(b) => (b"r", b),
-            StoredOutcome::NotRetained => (b"n", b""),
-        };
-        let scripts = &self.backend.scripts;
-        let (scope, fence) = (req.scope, req.fence);
-        let tenant = self
-            .has_tenant_quota()
-            .then(|| self.backend.held.get(scope, fence))
-            .flatten();
-        let kept = match tenant {
-            None => {
-                self.fenced(
-                    &scripts.complete,
-                    scope,
-                    fence,
-                    &[kind, body, ttl.as_bytes()],
-                    true,
-                )
-                .await
-            }
-            Some(t) if !self.is_cluster() => {
-                let keys = self.tenant_keys(&t);
-                let member = quota::member(scope, fence);
-                let [_, qb, overhead] = &self.backend.quota_args;
-                self.fenced_with(
-                    &scripts.complete_tenant,
-                    scope,
-                    Some(&keys),
-                    fence,
-                    &[
-                        kind,
-                        body,
-                        ttl.as_bytes(),
-                        &member,
-                        qb.as_bytes(),
-                        overhead.as_bytes(),
-                    ],
-                    true,
-                )
-                .await
-            }
-            Some(t) if self.backend.max_bytes_per_tenant.is_some() => {
-                let fits = match self
-                    .tenant_complete(&t, scope, fence, body.len(), req.ttl)
-                    .await
-                {
-                    Ok(fits) => fits,
-                    Err(e) => {
-                        // The quota protects capacity, not correctness.
-                        tracing::warn!(error = %e, "completion not charged to its tenant's bytes quota");
-                        true
-                    }
-                };
-                let (kind, body): (&[u8], &[u8]) = if fits { (kind, body) } else { (b"n", b"") };
-                self.fenced(
-                    &scripts.complete,
-                    scope,
-                    fence,
-                    &[kind, body, ttl.as_bytes()],
-                    true,
-                )
-                .await
-                .map(|kept| kept && fits)
-            }
-            Some(t) => {
-                let args: [&[u8]; 3] = [kind, body, ttl.as_bytes()];
-                let (res, _) = tokio::join!(
-                    self.fenced(&scripts.complete, scope, fence, &args, true),
-                    self.tenant_complete(&t, scope, fence, 0, req.ttl)
-                );
-                res
-            }
-        };
-        self.finished(scope, fence, &kept).await;
-        if !kept? {
-            tracing::warn!(
-                bytes = body.len(),
-                "idempotency redis store: response does not fit its tenant's stored-bytes \
-                 quota (maxBytesPerTenant); recorded as not retained"
-            );
-        }
-        Ok(())
-    }
-
-    /// Releases the record and takes the claim out of its tenant's quotas (as
-    /// [`complete_with_tenant`](Self::complete_with_tenant); on a Cluster after the
-    /// release, so a charge is never taken back from a record that is not ours).
-    async fn release_with_tenant(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        let scripts = &self.backend.scripts;
-        let tenant = self
-            .has_tenant_quota()
-            .then(|| self.backend.held.get(scope, fence))
-            .flatten();
-        let res = match tenant {
-            None => {
-                self.fenced(&scripts.release, scope, fence, &[], false)
-                    .await
-            }
-            Some(t) if !self.is_cluster() => {
-                let keys = self.tenant_keys(&t);
-                let member = quota::member(scope, fence);
-                self.fenced_with(
-                    &scripts.release_tenant,
-                    scope,
-                    Some(&keys),
-                    fence,
-                    &[&member],
-                    false,
-                )
-                .await
-            }
-            Some(t) => {
-                let res = self
-                    .fenced(&scripts.release, scope, fence, &[], false)
-                    .await;
-                if res.is_ok() {
-                    self.tenant_release(&t, scope, fence).await;
-                }
-                res
-            }
-        };
-        self.finished(scope, fence, &res).await;
-        res.map(|_| ())
-    }
-
-    /// After a completion or release: a fenced one (the record is not ours) leaves the
-    /// in-flight count; the note is forgotten unless the layer will retry (Unavailable).
-    async fn finished<T>(&self, scope: &Scope, fence: Fence, res: &Result<T, StoreError>) {
-        if matches!(res, Err(StoreError::Fenced { .. })) {
-            self.uncount(scope, fence).await;
-        }
-        if !matches!(res, Err(StoreError::Unavailable(_))) {
-            self.backend.held.remove(scope, fence);
         }
     }
 }
