@@ -280,7 +280,68 @@ async fn redis_cluster_records_are_shown_and_deleted() {
         "--key-prefix".into(),
         "records:".into(),
     ];
-    operate(store, args, false).await;
+    operate(store, args, true).await;
+}
+
+/// `--scope` with the logs' 16 hex digits on a Redis Cluster: one record on each master
+/// (so whichever node a one-node `SCAN` would walk, two are elsewhere, and at least one
+/// is on neither the first seed's node nor slot 0's master), each found, shown and then
+/// deleted by its prefix; afterwards the prefix finds nothing (exit 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_scope_prefixes_find_records_on_every_master() {
+    let Some(cluster) = idem_test_support::redis::RedisCluster::shared() else {
+        return;
+    };
+    let prefix = "prefixes:";
+    let store = idem_redis::RedisStore::cluster_builder(cluster.urls())
+        .key_prefix(prefix)
+        .connect()
+        .await
+        .expect("connect");
+    let (mut client, shop) = serve(store).await;
+    let args = vec![
+        "--redis-cluster".to_owned(),
+        cluster.urls().join(","),
+        "--key-prefix".to_owned(),
+        prefix.to_owned(),
+    ];
+    let mut masters: Vec<u16> = cluster.masters().iter().map(|m| m.port).collect();
+    assert_eq!(masters.len(), 3, "the fixture has three masters");
+    let first_seed = cluster.ports()[0];
+    let slot0 = cluster.master_of_slot(0).port;
+    // A key per master, the one on neither the first seed nor slot 0's master first.
+    masters.sort_by_key(|p| *p == first_seed || *p == slot0);
+    let mut keys = Vec::new();
+    for master in &masters {
+        let key = loop {
+            let key = format!("pfx-{:016x}", rand_u64());
+            let scope = Scope::for_call(TENANT, &format!("/{METHOD}"), &key);
+            let slot = cluster.slot_of(&format!("{prefix}{{{}}}", scope.to_hex()));
+            if cluster.master_of_slot(slot).port == *master {
+                break key;
+            }
+        };
+        client
+            .create_order(keyed_create(&key, "first", PATIENCE))
+            .await
+            .expect("the call succeeds");
+        keys.push(key);
+    }
+    assert_eq!(shop.runs(), 3);
+    for key in &keys {
+        let short = Scope::for_call(TENANT, &format!("/{METHOD}"), key).short_hex();
+        let o = run(with(&args, &["show", "--scope", &short])).await;
+        assert_eq!(code(&o), 0, "show --scope {short}: {}", text(&o.stderr));
+        assert!(
+            text(&o.stdout).contains("state: completed"),
+            "{}",
+            text(&o.stdout)
+        );
+        let o = run(with(&args, &["delete", "--scope", &short])).await;
+        assert_eq!(code(&o), 0, "delete --scope {short}: {}", text(&o.stderr));
+        let o = run(with(&args, &["show", "--scope", &short])).await;
+        assert_eq!(code(&o), 1, "deleted: {}", text(&o.stderr));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

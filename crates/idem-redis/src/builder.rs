@@ -90,6 +90,7 @@ impl std::fmt::Debug for ConnectError {
 /// | [`command_timeout`](Self::command_timeout) | 500 ms | `commandTimeout` |
 /// | [`connect_timeout`](Self::connect_timeout) | 2 s | `connectTimeout` |
 /// | [`max_in_flight_per_tenant`](Self::max_in_flight_per_tenant) | 1000 | `maxInFlightPerTenant` (`0`: none) |
+/// | [`max_bytes_per_tenant`](Self::max_bytes_per_tenant) | none | `maxBytesPerTenant` (`0`: none) |
 /// | [`replica_acks`](Self::replica_acks) | off | `replicaAcks`, `replicaAckTimeout` |
 /// | [`wait_strategy`](Self::wait_strategy) | [`WaitStrategy::Notify`] | — |
 /// | [`wait_poll_interval`](Self::wait_poll_interval) | 2 ms doubling to 50 ms | — |
@@ -111,6 +112,7 @@ pub struct RedisStoreBuilder {
     command_timeout: Duration,
     connect_timeout: Duration,
     max_in_flight_per_tenant: Option<usize>,
+    max_bytes_per_tenant: Option<usize>,
     poll_min: Duration,
     poll_max: Duration,
     wait_strategy: WaitStrategy,
@@ -150,6 +152,7 @@ impl RedisStoreBuilder {
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             max_in_flight_per_tenant: Some(DEFAULT_MAX_IN_FLIGHT_PER_TENANT),
+            max_bytes_per_tenant: None,
             poll_min: DEFAULT_POLL_MIN,
             poll_max: DEFAULT_POLL_MAX,
             wait_strategy: WaitStrategy::default(),
@@ -171,7 +174,8 @@ impl RedisStoreBuilder {
             .key_prefix(settings.key_prefix.clone())
             .command_timeout(settings.command_timeout)
             .connect_timeout(settings.connect_timeout)
-            .max_in_flight_per_tenant(settings.max_in_flight_per_tenant);
+            .max_in_flight_per_tenant(settings.max_in_flight_per_tenant)
+            .max_bytes_per_tenant(settings.max_bytes_per_tenant);
         match settings.replica_acks {
             0 => builder,
             n => builder.replica_acks(n, settings.replica_ack_timeout),
@@ -234,6 +238,25 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Most bytes of stored records one tenant may hold across every instance sharing
+    /// the Redis: its responses plus [`RECORD_OVERHEAD_BYTES`](crate::RECORD_OVERHEAD_BYTES)
+    /// per record, as the memory store's `maxBytesPerTenant` (default `None`: no quota).
+    /// A new record that does not fit is refused with `StoreError::Full`
+    /// (RESOURCE_EXHAUSTED with a retry delay); a response that does not fit is recorded
+    /// as not retained (a duplicate gets a clear error, never a second run). Charges end
+    /// with their record (release, TTL). On a single endpoint it costs no round trip
+    /// (checked in the claim and completion scripts); on a Redis Cluster the completion's
+    /// tenant step runs before the record's, one round trip more. See the crate docs,
+    /// "Per-tenant quota".
+    ///
+    /// No default, unlike the memory store (a quarter of its `maxBytes`): Redis's own
+    /// bound is `maxmemory`, which idem does not know, and a guessed quota would refuse a
+    /// busy tenant's calls on a Redis with room to spare.
+    pub fn max_bytes_per_tenant(mut self, quota: Option<usize>) -> Self {
+        self.max_bytes_per_tenant = quota;
+        self
+    }
+
     /// Polling of [`wait`](idem_store::Store::wait): the first interval, doubled
     /// after each read up to `max` (defaults 2 ms and 50 ms).
     pub fn wait_poll_interval(mut self, min: Duration, max: Duration) -> Self {
@@ -270,6 +293,9 @@ impl RedisStoreBuilder {
         }
         if self.max_in_flight_per_tenant == Some(0) {
             return bad("maxInFlightPerTenant: must be > 0 (no quota: None)");
+        }
+        if self.max_bytes_per_tenant == Some(0) {
+            return bad("maxBytesPerTenant: must be > 0 (no quota: None)");
         }
         if self.poll_min.is_zero() || self.poll_max < self.poll_min {
             return bad("wait poll interval: must have 0 < min <= max");
@@ -318,6 +344,12 @@ impl RedisStoreBuilder {
             prefix: self.key_prefix,
             command_timeout: self.command_timeout,
             max_in_flight_per_tenant: self.max_in_flight_per_tenant,
+            max_bytes_per_tenant: self.max_bytes_per_tenant,
+            quota_args: [
+                quota_arg(self.max_in_flight_per_tenant),
+                quota_arg(self.max_bytes_per_tenant),
+                crate::RECORD_OVERHEAD_BYTES.to_string(),
+            ],
             held: crate::quota::Held::new(),
             poll_min: self.poll_min,
             poll_max: self.poll_max,
@@ -407,6 +439,11 @@ impl RedisStoreBuilder {
     }
 }
 
+/// A quota as a script argument: the number, or `""` (off).
+fn quota_arg(q: Option<usize>) -> String {
+    q.map(|q| q.to_string()).unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,6 +458,7 @@ mod tests {
             b().command_timeout(Duration::ZERO),
             b().connect_timeout(Duration::ZERO),
             b().max_in_flight_per_tenant(Some(0)),
+            b().max_bytes_per_tenant(Some(0)),
             b().wait_poll_interval(Duration::from_millis(5), Duration::from_millis(1)),
             b().replica_acks(0, Duration::from_millis(10)),
             b().replica_acks(1, Duration::ZERO),
@@ -510,6 +548,7 @@ mod tests {
             command_timeout: Duration::from_millis(123),
             connect_timeout: Duration::from_millis(456),
             max_in_flight_per_tenant: Some(7),
+            max_bytes_per_tenant: Some(9000),
             cluster_nodes: vec![],
             replica_acks: 0,
             replica_ack_timeout: Duration::from_millis(100),
@@ -521,6 +560,7 @@ mod tests {
         assert_eq!(b.command_timeout, Duration::from_millis(123));
         assert_eq!(b.connect_timeout, Duration::from_millis(456));
         assert_eq!(b.max_in_flight_per_tenant, Some(7));
+        assert_eq!(b.max_bytes_per_tenant, Some(9000));
         let cluster = idem_core::config::RedisSettings {
             url: String::new(),
             cluster_nodes: vec!["redis://a:7000".into(), "redis://b:7001".into()],

@@ -65,10 +65,11 @@
 //!   would reach only the node's own slots and every other record would fail.
 //! - **Same scripts, one slot each.** Everything about a record is one hash whose name
 //!   carries the record's hash tag (`{<scope hex>}`), and each script touches only its
-//!   `KEYS[1]`, so no script is ever `CROSSSLOT`. The per-tenant in-flight count is a
-//!   key of its own (tagged with the tenant), written in a step of its own (see
-//!   "Per-tenant quota"): a tenant's count and its records live in different slots by
-//!   design. Trade-off: the count of one tenant is one key on one master, which every
+//!   `KEYS[1]`, so no script is ever `CROSSSLOT`. The per-tenant quotas are keys of
+//!   their own (tagged with the tenant), written in a step of their own (see
+//!   "Per-tenant quota"): a tenant's counts and its records live in different slots by
+//!   design (on a single endpoint the same scripts take the tenant's keys too, and the
+//!   step costs no round trip). Trade-off: the count of one tenant is one key on one master, which every
 //!   fresh call of that tenant writes; a single-tenant service at high rates makes that
 //!   master the hot spot (`max_in_flight_per_tenant(None)` removes the step).
 //!   Tagging the records with the tenant instead would put a whole tenant on one master,
@@ -117,7 +118,8 @@
 //! of the length-prefixed (tenant, method, key), so raw client input never appears in
 //! a key name, and the braces are a Redis Cluster hash tag that keeps a record in one
 //! slot. The fence lives inside the record. Besides records, only one sorted set per
-//! tenant with calls in flight, `<prefix>tenant:{<tenant digest hex>}` (see
+//! tenant with calls in flight, `<prefix>tenant:{<tenant digest hex>}`, and with
+//! `maxBytesPerTenant` a sorted set `…:bytes` and a hash `…:sizes` beside it (see
 //! "Per-tenant quota"); no global counter, no index. Fields: `s` state (`i` in flight,
 //! `c` completed, `r` released tombstone, rare: see "Fences"), `f`
 //! fence, `fp` fingerprint (32 raw bytes), `c` claimant id, `l` lease deadline (ms on
@@ -139,7 +141,9 @@
 //!   the presented fence; otherwise `Fenced` with the current fence. Complete stores
 //!   the outcome and sets the record TTL; release deletes the record (see "Fences").
 //!   Both `PUBLISH` the fence on `<key>:done` for waiters (see "Waiting" below).
-//! - **account**: the per-tenant count, on the tenant's set (see "Per-tenant quota").
+//! - **tenant quotas**: on a single endpoint inside the claim, complete and release
+//!   scripts; on a Cluster the account, tenant-complete and tenant-release scripts on
+//!   the tenant's keys (see "Per-tenant quota").
 //! - **read** (`get`, and `wait`'s polling): state, fence, lease time left.
 //!
 //! Lease expiry is judged with `redis.call('TIME')`, the Redis server's clock, so
@@ -179,24 +183,40 @@
 //! - **Per-tenant quota.** At most `maxInFlightPerTenant` (default 1000) records of
 //!   one tenant are in flight at once, across every instance. Each tenant with calls in
 //!   flight has a sorted set `<prefix>tenant:{<tenant hex>}`: one member per held claim
-//!   (scope + fence), scored with its lease deadline on the server clock. A claim runs
-//!   in two single-slot steps, so it works wherever a record's key does (a Redis
-//!   Cluster proxy included): (1) the claim script on the record; (2) only if that
-//!   acquired the record, the account script on the tenant's set, which drops members
-//!   whose lease ended and adds this one unless the tenant already holds its quota.
-//!   Over the quota, the record is released again (nothing ran) and the claim fails
-//!   with `StoreError::Full` (RESOURCE_EXHAUSTED with a retry delay, never a second
-//!   run). Renewal refreshes the member's deadline; complete and release remove it, on
-//!   the same connection as their script (one round trip). Replays, in-flight
-//!   duplicates and mismatches are answered by step 1 alone and are never refused.
+//!   (scope + fence), scored with its lease deadline on the server clock. On a single
+//!   endpoint the claim script itself drops members whose lease ended and, for a claim
+//!   it acquires, adds this one unless the tenant already holds its quota, before it
+//!   writes the record; refused, nothing is written. On a Redis Cluster the tenant's
+//!   set is in another slot, so a claim runs in two single-slot steps (which work
+//!   wherever a record's key does, a Cluster proxy included): (1) the claim script on
+//!   the record; (2) only if that acquired the record, the account script on the
+//!   tenant's keys; over the quota, the record is released again (nothing ran). Either
+//!   way the claim fails with `StoreError::Full` (RESOURCE_EXHAUSTED with a retry
+//!   delay, never a second run). Renewal refreshes the member's deadline; complete and
+//!   release remove it (in their own script on a single endpoint; beside it on a
+//!   Cluster). Replays, in-flight duplicates and mismatches never reach the quota.
 //!
-//!   The count is approximate and heals itself; exactly-once never depends on it. A
-//!   claim whose instance crashed, or whose complete never came, leaves the count when
-//!   its lease ends (members are scored by lease deadline); the set itself expires a
-//!   second after its last lease. If step 2 cannot reach Redis the claim stands,
-//!   uncounted. Cost: a fresh call takes one more round trip (claim, account,
-//!   complete + count removal); `max_in_flight_per_tenant(None)` turns the quota off and
-//!   restores two.
+//!   **Stored bytes** ([`RedisStoreBuilder::max_bytes_per_tenant`],
+//!   `maxBytesPerTenant`, off by default): as in the memory store, a record is charged
+//!   its stored response plus [`RECORD_OVERHEAD_BYTES`]; a new record that does not fit
+//!   is refused (`Full`), a response that does not fit is recorded as not retained (the
+//!   handler ran: a duplicate gets a clear error, never a second run). Each charge is a
+//!   member of the tenant's sorted set `…:bytes`, scored with when it ends (the record's
+//!   TTL; an in-flight record's `2 × lease`), its size in the hash `…:sizes` with their
+//!   sum. Redis expires records on its own and tells nobody, so every script that reads
+//!   the sum first drops the charges whose time has passed (at most 256 a call, oldest
+//!   first; each is dropped once): an expired record never holds quota. A release takes
+//!   its charge back at once; an operator's delete (`idem records delete`) leaves it
+//!   until the record's TTL would have ended (the record does not name its tenant). On
+//!   a Cluster the completion's tenant step runs before the record's (it decides
+//!   whether the response is kept): one round trip more while the quota is on.
+//!
+//!   The counts are approximate and heal themselves; exactly-once never depends on
+//!   them. A claim whose instance crashed, or whose complete never came, leaves the
+//!   count when its lease ends (members are scored by lease deadline); the keys
+//!   themselves expire a second after their last lease or charge. If a Cluster's
+//!   tenant step cannot reach Redis the claim stands, uncounted (and a response stays
+//!   kept, uncharged).
 //! - **Same-claimant re-claim** extends the lease to `now + lease` (never shortens it).
 //! - **Renew after the lease ran out** still succeeds while nobody has taken over: the
 //!   fence is still current.
@@ -227,10 +247,15 @@
 //!   reply can panic. The connection reconnects on its own (exponential backoff).
 //!
 //! # Round trips
-//! A fresh protected call: claim + account + complete (with the count's `ZREM` sent
-//! alongside) = 3 round trips, 2 without a per-tenant quota. A replay: 1 (claim
-//! returns the outcome). The layer renews the lease every `leaseTtl / 3` while the handler
-//! runs; each renewal is one more `EVALSHA`, so only handlers that run that long pay it.
+//! On a single endpoint, a fresh protected call is 2 round trips: claim (with the
+//! tenant's quotas in the same script) and complete (which takes the claim out of the
+//! count in the same script). A replay: 1 (claim returns the outcome). On a Redis
+//! Cluster the tenant's keys are in another slot: claim, account, complete (the
+//! tenant's `ZREM` sent beside it) = 3 round trips (4 with `maxBytesPerTenant`, whose
+//! tenant step must run before the completion), 2 without per-tenant quotas. Counted
+//! from Redis's own `INFO commandstats` by `cargo bench --bench layers -- redis`. The
+//! layer renews the lease every `leaseTtl / 3` while the handler runs; each renewal is
+//! one more `EVALSHA` (two with a quota), so only handlers that run that long pay it.
 
 mod builder;
 mod check;
@@ -242,6 +267,7 @@ mod replica;
 mod reply;
 mod scripts;
 mod store;
+mod tenant;
 
 pub use builder::{
     ConnectError, DEFAULT_COMMAND_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX,
@@ -251,3 +277,4 @@ pub use builder::{
 pub use check::ServerReport;
 pub use replica::ReplicaAcks;
 pub use store::RedisStore;
+pub use tenant::RECORD_OVERHEAD_BYTES;

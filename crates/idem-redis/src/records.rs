@@ -1,7 +1,8 @@
 //! The operator's calls on Redis: reading and deleting one record
 //! ([`Store::read_record`](idem_store::Store::read_record),
 //! [`Store::delete_record`](idem_store::Store::delete_record)), and finding the records
-//! whose scope starts with the hex prefix the logs print ([`RedisStore::find_scopes`]).
+//! whose scope starts with the hex prefix the logs print ([`RedisStore::find_scopes`]:
+//! one node's `SCAN`, or every master's on a Redis Cluster).
 //!
 //! A forced delete of an in-flight record leaves its entry in the tenant's in-flight
 //! count (see the crate docs, "Per-tenant quota") until its lease ends: the record names
@@ -11,7 +12,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem_store::{DeleteMode, Deletion, RecordInfo, RecordState, Scope, StoreError};
 use redis::Value;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use tokio::time::Instant;
+
+use crate::conn::Conn;
 
 use crate::reply::{
     array, bytes, corrupt, fence, fingerprint, int, millis, outcome, state_byte, tag,
@@ -65,36 +69,61 @@ impl RedisStore {
 
     /// The scopes of the records whose scope begins with `prefix` (bytes, e.g. the 8 of
     /// the 16 hex digits the logs print), at most `limit` of them, found with `SCAN`
-    /// (non-blocking, 1000 keys a step; O(keys) in all).
+    /// (non-blocking, 1000 keys a step; O(keys) in all). On a Redis Cluster, `SCAN`
+    /// walks one node, so every master is walked in turn (the masters as `CLUSTER SLOTS`
+    /// reports them, each reached through one of its slots); a slot that moves during
+    /// the walk may be missed or seen twice (duplicates are dropped).
     ///
     /// # Errors
-    /// On a Redis Cluster, `StoreError::Unavailable` saying to give the full scope:
-    /// `SCAN` walks one node, so a prefix search would miss records on the others.
-    /// Otherwise, as every call: `Unavailable` when Redis does not answer in time.
+    /// `StoreError::Unavailable` when Redis (a master, on a Cluster) does not answer in
+    /// time.
     pub async fn find_scopes(&self, prefix: &[u8], limit: usize) -> Result<Vec<Scope>, StoreError> {
-        if self.is_cluster() {
-            return Err(StoreError::Unavailable(
-                "a scope prefix cannot be looked up on Redis Cluster (SCAN walks one \
-                 node): give the full 64-digit scope, or the tenant, method and key"
-                    .into(),
-            ));
-        }
         let hex: String = prefix.iter().map(|b| format!("{b:02x}")).collect();
         let pattern = format!("{}{{{hex}*}}", glob_escape(self.key_prefix()));
         let mut found = Vec::new();
+        if self.is_cluster() {
+            for slot in self.master_slots().await? {
+                if found.len() >= limit {
+                    break;
+                }
+                self.scan_node(Some(slot), &pattern, limit, &mut found)
+                    .await?;
+            }
+        } else {
+            self.scan_node(None, &pattern, limit, &mut found).await?;
+        }
+        found.truncate(limit);
+        Ok(found)
+    }
+
+    /// `SCAN`s one node (on a Cluster: the master of `slot`) for keys matching
+    /// `pattern`, adding the scopes they name to `found` until it holds `limit`.
+    async fn scan_node(
+        &self,
+        slot: Option<u16>,
+        pattern: &str,
+        limit: usize,
+        found: &mut Vec<Scope>,
+    ) -> Result<(), StoreError> {
         let mut cursor = 0u64;
         loop {
             let mut conn = self.connection();
             let scan = redis::cmd("SCAN")
                 .arg(cursor)
                 .arg("MATCH")
-                .arg(&pattern)
+                .arg(pattern)
                 .arg("COUNT")
                 .arg(SCAN_COUNT)
                 .to_owned();
             let (next, keys): (u64, Vec<String>) = self
                 .bounded(self.command_timeout(), async move {
-                    scan.query_async(&mut conn).await
+                    let v = match (&mut conn, slot) {
+                        (Conn::Cluster(c), Some(slot)) => {
+                            c.route_command(scan, on_master_of(slot)).await?
+                        }
+                        _ => scan.query_async::<Value>(&mut conn).await?,
+                    };
+                    Ok(redis::from_redis_value(v)?)
                 })
                 .await?;
             for key in keys {
@@ -106,10 +135,26 @@ impl RedisStore {
             }
             cursor = next;
             if cursor == 0 || found.len() >= limit {
-                found.truncate(limit);
-                return Ok(found);
+                return Ok(());
             }
         }
+    }
+
+    /// One slot of each master of the Cluster (its first), from `CLUSTER SLOTS`.
+    async fn master_slots(&self) -> Result<Vec<u16>, StoreError> {
+        let Conn::Cluster(mut conn) = self.connection() else {
+            return Ok(Vec::new());
+        };
+        let v = self
+            .bounded(self.command_timeout(), async move {
+                conn.route_command(
+                    redis::cmd("CLUSTER").arg("SLOTS").to_owned(),
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+                )
+                .await
+            })
+            .await?;
+        master_slots_of(v)
     }
 
     /// The scope a record key names, if it is one (`<prefix>{<64 hex digits>}`).
@@ -129,10 +174,41 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
         Ok(self
-            .eval_confirmed(script, key, args, self.command_timeout(), false)
+            .eval_confirmed(script, &[key], args, self.command_timeout(), false)
             .await?
             .0)
     }
+}
+
+/// Routing to the master of `slot`.
+fn on_master_of(slot: u16) -> RoutingInfo {
+    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+        slot,
+        SlotAddr::Master,
+    )))
+}
+
+/// The first slot of each master in a `CLUSTER SLOTS` reply: entries `[start, end,
+/// [host, port, id…], replicas…]`, one per range.
+fn master_slots_of(v: Value) -> Result<Vec<u16>, StoreError> {
+    let mut masters: Vec<(Vec<u8>, i64, u16)> = Vec::new();
+    for range in array(v)? {
+        let mut it = array(range)?.into_iter();
+        let start = u16::try_from(int(it.next())?)
+            .map_err(|_| corrupt("CLUSTER SLOTS: slot out of range"))?;
+        let _end = it.next();
+        let mut node = array(it.next().unwrap_or(Value::Nil))?.into_iter();
+        let host = bytes(node.next())?;
+        let port = int(node.next())?;
+        match masters
+            .iter_mut()
+            .find(|(h, p, _)| *h == host && *p == port)
+        {
+            Some(m) => m.2 = m.2.min(start),
+            None => masters.push((host, port, start)),
+        }
+    }
+    Ok(masters.into_iter().map(|(_, _, slot)| slot).collect())
 }
 
 /// `s` with the glob characters of `SCAN MATCH` escaped.
@@ -226,5 +302,28 @@ mod tests {
         bad[6] = s(b"soon");
         assert!(matches!(record_info(bad), Err(StoreError::Corrupt(_))));
         assert_eq!(glob_escape("a*b[1]?\\"), "a\\*b\\[1\\]\\?\\\\");
+    }
+
+    #[test]
+    fn cluster_slots_give_one_slot_per_master() {
+        let s = |b: &str| Value::BulkString(b.as_bytes().to_vec());
+        let node = |port: i64| Value::Array(vec![s("127.0.0.1"), Value::Int(port), s("id")]);
+        let range = |a: i64, b: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(a),
+                Value::Int(b),
+                node(port),
+                node(port + 10),
+            ])
+        };
+        let v = Value::Array(vec![
+            range(10923, 16383, 7002),
+            range(5461, 10922, 7001),
+            range(0, 99, 7000),
+            range(100, 5460, 7000),
+        ]);
+        assert_eq!(master_slots_of(v).unwrap(), vec![10923, 5461, 0]);
+        assert!(master_slots_of(Value::Array(vec![Value::Int(1)])).is_err());
+        assert!(master_slots_of(Value::Array(vec![Value::Array(vec![Value::Int(-1)])])).is_err());
     }
 }

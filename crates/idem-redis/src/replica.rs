@@ -21,7 +21,7 @@ pub struct ReplicaAcks {
 }
 
 impl RedisStore {
-    /// Runs `script` on `key` (`EVALSHA`, loading the script on `NOSCRIPT`, e.g. after a
+    /// Runs `script` on `keys` (`EVALSHA`, loading the script on `NOSCRIPT`, e.g. after a
     /// Redis restart or on a node that joined the cluster). With `confirm` and replica
     /// confirmation on, `WAIT` follows in the same pipeline, so it runs on the
     /// connection that wrote and waits for this write; the second value is then the
@@ -29,14 +29,20 @@ impl RedisStore {
     pub(crate) async fn eval_confirmed(
         &self,
         script: &Script,
-        key: &str,
+        keys: &[&str],
         args: &[&[u8]],
         limit: Duration,
         confirm: bool,
     ) -> Result<(Value, Option<i64>), StoreError> {
         let acks = self.backend.replica_acks.filter(|_| confirm);
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash()).arg(1).arg(key);
+        let size = 56
+            + keys.iter().map(|k| k.len()).sum::<usize>()
+            + args.iter().map(|a| a.len()).sum::<usize>();
+        let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args.len(), size);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        for k in keys {
+            cmd.arg(*k);
+        }
         for a in args {
             cmd.arg(*a);
         }
@@ -93,11 +99,11 @@ impl RedisStore {
     /// there with that fence (a failover lost it, or it was taken over).
     pub(crate) async fn confirm(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
         let key = self.key_for(scope);
-        let fence_s = fence.to_string();
+        let fence_s = crate::reply::Decimal::new(fence);
         let (v, acks) = self
             .eval_confirmed(
                 &self.backend.scripts.confirm,
-                &key,
+                &[&key],
                 &[fence_s.as_bytes()],
                 self.backend.command_timeout,
                 true,
@@ -126,9 +132,7 @@ impl RedisStore {
             Ok(()) => Ok(()),
             Err(e) => {
                 if matches!(e, StoreError::Unavailable(_))
-                    && let Err(r) = self
-                        .fenced(&self.backend.scripts.release, req.scope, fence, &[], false)
-                        .await
+                    && let Err(r) = idem_store::Store::release(self, req.scope, fence).await
                 {
                     tracing::debug!(error = %r, "unconfirmed claim not released; it lapses with its lease");
                 }

@@ -26,6 +26,42 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
     }
 }
 
+/// Lower-case hex of `b` appended to `out` (a table, not `fmt`: keys are made on every
+/// call).
+pub(crate) fn push_hex(out: &mut String, b: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for &x in b {
+        out.push(char::from(DIGITS[usize::from(x >> 4)]));
+        out.push(char::from(DIGITS[usize::from(x & 0xf)]));
+    }
+}
+
+/// A number in decimal on the stack, for script arguments (no `fmt`, no allocation).
+pub(crate) struct Decimal {
+    buf: [u8; 20],
+    start: usize,
+}
+
+impl Decimal {
+    pub(crate) fn new(mut n: u64) -> Self {
+        let mut buf = [0u8; 20];
+        let mut start = buf.len();
+        loop {
+            start -= 1;
+            buf[start] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        Decimal { buf, start }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+}
+
 pub(crate) fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("redis: {what}").into())
 }
@@ -151,6 +187,16 @@ mod tests {
         assert!(matches!(outcome(b"?", vec![]), Err(StoreError::Corrupt(_))));
         assert_eq!(fence(Some(Value::Int(7))).ok(), Some(7));
         assert_eq!(millis(Some(Value::Int(-5))).ok(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn decimals_and_hex_match_fmt() {
+        for n in [0u64, 7, 10, 999, 1_764_651_234_567_890, u64::MAX] {
+            assert_eq!(Decimal::new(n).as_bytes(), n.to_string().as_bytes());
+        }
+        let mut s = String::new();
+        push_hex(&mut s, &0x0123_4567_89ab_cdef_u64.to_be_bytes());
+        assert_eq!(s, format!("{:016x}", 0x0123_4567_89ab_cdef_u64));
     }
 
     #[test]

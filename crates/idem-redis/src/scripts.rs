@@ -1,4 +1,5 @@
-//! The Lua scripts: one per store operation, each atomic on one key.
+//! The Lua scripts: one per store operation, each atomic on one key (on a single
+//! endpoint, the record's key and its tenant's: see `tenant.rs`).
 //!
 //! Record layout (a Redis hash at `<prefix>{<scope hex>}`):
 //!
@@ -25,6 +26,8 @@
 
 use redis::Script;
 
+use crate::tenant;
+
 /// Shared helpers, prepended to every script.
 const PRELUDE: &str = r#"
 local function now_us()
@@ -42,14 +45,17 @@ local function dec(n)
 end
 "#;
 
-/// `KEYS[1]` record; `ARGV`: fingerprint, claimant, lease ms.
+/// `KEYS[1]` record; `ARGV`: fingerprint, claimant, lease ms. With the per-tenant
+/// quotas on a single endpoint, `KEYS[2..4]` the tenant's keys and `ARGV[4..7]` the
+/// scope, the quotas and the overhead: an acquired claim is admitted by the tenant's
+/// quotas in the same script before anything is written (see `tenant.rs`).
 ///
 /// An in-flight record's key expires one lease after its lease ends (`2 × lease`): a
 /// stalled holder can still record its outcome while nobody took over, and an
 /// abandoned claim costs memory for no longer than that.
 ///
 /// Replies: `{'A', fence, takeover 0|1}`, `{'C', kind, bytes}`, `{'I', lease ms left}`,
-/// `{'M'}`.
+/// `{'M'}`, and with the quotas `{'FULL', count}` / `{'FULLB', bytes}` (nothing written).
 const CLAIM: &str = r#"
 local key = KEYS[1]
 local fp, claimant = ARGV[1], ARGV[2]
@@ -60,6 +66,8 @@ local now = math.floor(us / 1000)
 local r = redis.call('HMGET', key, 's', 'f', 'fp', 'c', 'l', 'k', 'o')
 local s = r[1]
 local function take(fence, takeover)
+  local refused = admit(fence, takeover == 0, lease, now)
+  if refused then return refused end
   redis.call('HSET', key, 's', 'i', 'f', dec(fence), 'fp', fp, 'c', claimant, 'l', dec(now + lease))
   if takeover == 0 then redis.call('HSET', key, 't0', dec(now)) end
   redis.call('HDEL', key, 'k', 'o', 't1')
@@ -90,6 +98,8 @@ local l = tonumber(r[5])
 if not l then return corrupt('in-flight record without a lease') end
 if l > now then
   if r[4] == claimant then
+    local refused = admit(f, false, lease, now)
+    if refused then return refused end
     if now + lease > l then
       redis.call('HSET', key, 'l', dec(now + lease))
       if redis.call('PTTL', key) < px then redis.call('PEXPIRE', key, px) end
@@ -152,24 +162,30 @@ redis.call('PUBLISH', key .. ':done', ARGV[1])
 return {'OK'}
 "#;
 
-/// `KEYS[1]` a tenant's in-flight set (a sorted set: member scope + fence, score the
-/// lease deadline in ms on the server clock); `ARGV`: member, lease ms, quota.
-///
-/// Drops members whose lease ended, then adds or refreshes the member unless it is new
-/// and the tenant already holds `quota` live ones. Reply `{'OK'}` or `{'FULL', count}`.
-/// The key expires a second after the latest lease in it.
-const ACCOUNT: &str = r#"
-local key = KEYS[1]
-local member, lease, quota = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+/// [`COMPLETE`] with the tenant's quotas, single endpoint: `KEYS[2..4]` the tenant's
+/// keys, `ARGV[5]` the in-flight member, `ARGV[6]` the bytes quota (`''` off),
+/// `ARGV[7]` the overhead. A response that does not fit the bytes quota is recorded as
+/// not retained. Reply `{'OK', 1 kept | 0 not retained}` or `{'F', current}`.
+const COMPLETE_TENANT: &str = r#"
+local kind, body = ARGV[2], ARGV[3]
 local now = now_ms()
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-if not redis.call('ZSCORE', key, member) then
-  local n = redis.call('ZCARD', key)
-  if n >= quota then return {'FULL', n} end
+local ttl = tonumber(ARGV[4])
+local kept = 1
+if not t_complete(KEYS[2], KEYS[3], KEYS[4], ARGV[5], #body, tonumber(ARGV[6]),
+                  tonumber(ARGV[7]), now + ttl, now) then
+  kind, body, kept = 'n', '', 0
 end
-redis.call('ZADD', key, now + lease, member)
-if redis.call('PTTL', key) < lease + 1000 then redis.call('PEXPIRE', key, lease + 1000) end
-return {'OK'}
+redis.call('HSET', key, 's', 'c', 'k', kind, 'o', body, 't1', dec(now))
+redis.call('HDEL', key, 'c', 'l')
+redis.call('PEXPIRE', key, ttl)
+redis.call('PUBLISH', key .. ':done', ARGV[1])
+return {'OK', kept}
+"#;
+
+/// Begins [`RELEASE`] with the tenant's quotas, single endpoint: `KEYS[2..4]` the
+/// tenant's keys, `ARGV[2]` the in-flight member.
+const RELEASE_TENANT: &str = r#"
+t_release(KEYS[2], KEYS[3], KEYS[4], ARGV[2])
 "#;
 
 /// `ARGV[1]`: fence; runs after [`READ_FENCE`]. Reply `{'OK'}` or `{'F', current or -1}`.
@@ -256,12 +272,21 @@ return info
 #[derive(Debug)]
 pub(crate) struct Scripts {
     pub(crate) claim: Script,
+    /// The claim with the tenant's quotas in the same script (single endpoint).
+    pub(crate) claim_tenant: Script,
     pub(crate) renew: Script,
     pub(crate) complete: Script,
+    /// The completion with the tenant's quotas (single endpoint).
+    pub(crate) complete_tenant: Script,
     pub(crate) release: Script,
+    /// The release with the tenant's quotas (single endpoint).
+    pub(crate) release_tenant: Script,
     pub(crate) read: Script,
     pub(crate) delete: Script,
-    pub(crate) account: Script,
+    /// The tenant's own steps, on its slot (Redis Cluster; renewals).
+    pub(crate) t_account: Script,
+    pub(crate) t_complete: Script,
+    pub(crate) t_release: Script,
     pub(crate) confirm: Script,
 }
 
@@ -275,33 +300,45 @@ impl Scripts {
                 body.to_owned()
             }
         };
-        let fenced = |body: &str| {
+        let fenced = |lib: &str, head: &str, body: &str| {
             Script::new(&format!(
-                "{PRELUDE}{READ_FENCE}{FENCE_CHECK}{}",
+                "{PRELUDE}{lib}{READ_FENCE}{FENCE_CHECK}{head}{}",
                 publish(body)
             ))
         };
+        let lib = tenant::TENANT_LIB;
+        let tenant = |body: &str| Script::new(&format!("{PRELUDE}{lib}{body}"));
         Scripts {
-            claim: Script::new(&format!("{PRELUDE}{CLAIM}")),
-            renew: fenced(RENEW),
-            complete: fenced(COMPLETE),
-            release: fenced(RELEASE),
+            claim: Script::new(&format!("{PRELUDE}{}{CLAIM}", tenant::CLAIM_ADMIT_NONE)),
+            claim_tenant: Script::new(&format!("{PRELUDE}{lib}{}{CLAIM}", tenant::CLAIM_ADMIT)),
+            renew: fenced("", "", RENEW),
+            complete: fenced("", "", COMPLETE),
+            complete_tenant: fenced(lib, "", COMPLETE_TENANT),
+            release: fenced("", "", RELEASE),
+            release_tenant: fenced(lib, RELEASE_TENANT, RELEASE),
             read: Script::new(&format!("{PRELUDE}{READ}")),
             delete: Script::new(&format!("{PRELUDE}{}", publish(DELETE))),
-            account: Script::new(&format!("{PRELUDE}{ACCOUNT}")),
+            t_account: tenant(tenant::ACCOUNT),
+            t_complete: tenant(tenant::COMPLETE),
+            t_release: tenant(tenant::RELEASE),
             confirm: Script::new(&format!("{PRELUDE}{READ_FENCE}{CONFIRM}")),
         }
     }
 
-    pub(crate) fn all(&self) -> [&Script; 8] {
+    pub(crate) fn all(&self) -> [&Script; 13] {
         [
             &self.claim,
+            &self.claim_tenant,
             &self.renew,
             &self.complete,
+            &self.complete_tenant,
             &self.release,
+            &self.release_tenant,
             &self.read,
             &self.delete,
-            &self.account,
+            &self.t_account,
+            &self.t_complete,
+            &self.t_release,
             &self.confirm,
         ]
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idem_store::{
     Claim, ClaimRequest, CompleteRequest, DeleteMode, Deletion, Fence, RecordInfo, RecordState,
-    Scope, Store, StoreError, StoredOutcome, TenantId, wait,
+    Scope, Store, StoreError, TenantId, wait,
 };
 use redis::{RedisError, Script, Value};
 use tokio::time::Instant;
@@ -14,13 +14,14 @@ use tokio::time::Instant;
 use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
 use crate::conn::Conn;
 use crate::notify::Notifier;
-use crate::quota::{self, Held};
+use crate::quota::Held;
 use crate::replica::ReplicaAcks;
 use crate::reply::{
-    array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, read_head,
-    read_items, tag,
+    Decimal, array, bytes, corrupt, fence, fingerprint, int, map_error, millis, outcome, push_hex,
+    read_head, read_items, tag,
 };
 use crate::scripts::Scripts;
+use crate::tenant::{self, TenantKeys};
 
 /// An idempotency [`Store`] on Redis, shared by every server instance that points at the
 /// same Redis (one endpoint, or one Redis Cluster). Cheap to clone (one `Arc`); every
@@ -41,6 +42,9 @@ pub(crate) struct Backend {
     pub(crate) prefix: String,
     pub(crate) command_timeout: Duration,
     pub(crate) max_in_flight_per_tenant: Option<usize>,
+    pub(crate) max_bytes_per_tenant: Option<usize>,
+    /// The quota arguments of the tenant scripts (in-flight, bytes, overhead), made once.
+    pub(crate) quota_args: [String; 3],
     pub(crate) held: Held,
     pub(crate) poll_min: Duration,
     pub(crate) poll_max: Duration,
@@ -58,6 +62,7 @@ impl fmt::Debug for RedisStore {
                 "max_in_flight_per_tenant",
                 &self.backend.max_in_flight_per_tenant,
             )
+            .field("max_bytes_per_tenant", &self.backend.max_bytes_per_tenant)
             .field("cluster", &self.backend.conn.is_cluster())
             .field("replica_acks", &self.backend.replica_acks)
             .finish_non_exhaustive()
@@ -121,14 +126,24 @@ impl RedisStore {
     /// The Redis key holding the record of `scope`: `<prefix>{<scope hex>}`. The braces
     /// are a Redis Cluster hash tag, so a record always lives in one slot.
     pub fn key_for(&self, scope: &Scope) -> String {
-        format!("{}{{{}}}", self.backend.prefix, scope.to_hex())
+        let mut k = String::with_capacity(self.backend.prefix.len() + 66);
+        k.push_str(&self.backend.prefix);
+        k.push('{');
+        push_hex(&mut k, &scope.0);
+        k.push('}');
+        k
     }
 
     /// The Redis key counting `tenant`'s in-flight records: `<prefix>tenant:{<tenant hex>}`,
     /// a sorted set with the tenant as its hash tag (see the crate docs, "Per-tenant
     /// quota").
     pub fn tenant_key_for(&self, tenant: &TenantId) -> String {
-        format!("{}tenant:{{{}}}", self.backend.prefix, tenant.to_hex())
+        let mut k = String::with_capacity(self.backend.prefix.len() + 48);
+        k.push_str(&self.backend.prefix);
+        k.push_str("tenant:{");
+        push_hex(&mut k, &tenant.0);
+        k.push('}');
+        k
     }
 
     /// The key prefix in use.
@@ -167,7 +182,7 @@ impl RedisStore {
         limit: Duration,
     ) -> Result<Value, StoreError> {
         Ok(self
-            .eval_confirmed(script, key, args, limit, false)
+            .eval_confirmed(script, &[key], args, limit, false)
             .await?
             .0)
     }
@@ -226,19 +241,46 @@ impl RedisStore {
         fence_presented: Fence,
         rest: &[&[u8]],
         confirm: bool,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
+        self.fenced_with(script, scope, None, fence_presented, rest, confirm)
+            .await
+    }
+
+    /// [`fenced`](Self::fenced) with the tenant's keys after the record's (the
+    /// single-endpoint scripts with the quotas). `Ok(false)`: the completion script
+    /// recorded the response as not retained (over the tenant's bytes quota).
+    pub(crate) async fn fenced_with(
+        &self,
+        script: &Script,
+        scope: &Scope,
+        tenant: Option<&TenantKeys>,
+        fence_presented: Fence,
+        rest: &[&[u8]],
+        confirm: bool,
+    ) -> Result<bool, StoreError> {
         let key = self.key_for(scope);
-        let fence_s = fence_presented.to_string();
+        let fence_s = Decimal::new(fence_presented);
         let mut args: Vec<&[u8]> = Vec::with_capacity(rest.len() + 1);
         args.push(fence_s.as_bytes());
         args.extend_from_slice(rest);
+        let keys_t;
+        let keys: &[&str] = match tenant {
+            Some(t) => {
+                keys_t = [key.as_str(), &t.in_flight, &t.bytes, &t.sizes];
+                &keys_t
+            }
+            None => &[&key],
+        };
         let (v, acks) = self
-            .eval_confirmed(script, &key, &args, self.backend.command_timeout, confirm)
+            .eval_confirmed(script, keys, &args, self.backend.command_timeout, confirm)
             .await?;
         let items = array(v)?;
         let mut it = items.into_iter();
         match tag(it.next())?.as_slice() {
-            b"OK" => self.check_acks(acks),
+            b"OK" => {
+                self.check_acks(acks)?;
+                Ok(it.next().map(|v| int(Some(v))).transpose()? != Some(0))
+            }
             b"F" => {
                 let cur = int(it.next())?;
                 if confirm
@@ -259,19 +301,46 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// The claim script on the record alone.
-    async fn claim_record(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+    /// The claim script: on the record alone, or (`with_tenant`, single endpoint) with
+    /// the tenant's quotas in the same script, refused there with `StoreError::Full`.
+    async fn claim_record(
+        &self,
+        req: &ClaimRequest<'_>,
+        with_tenant: bool,
+    ) -> Result<Claim, StoreError> {
         let key = self.key_for(req.scope);
-        let claimant = format!("{:032x}", req.claimant.0);
-        let lease = ms(req.lease).to_string();
-        let v = self
-            .eval(
+        let mut claimant = String::with_capacity(32);
+        push_hex(&mut claimant, &req.claimant.0.to_be_bytes());
+        let lease = Decimal::new(ms(req.lease));
+        let v = if with_tenant {
+            let t = self.tenant_keys(req.tenant);
+            let [qin, qb, overhead] = &self.backend.quota_args;
+            self.eval_confirmed(
+                &self.backend.scripts.claim_tenant,
+                &[&key, &t.in_flight, &t.bytes, &t.sizes],
+                &[
+                    &req.fingerprint.0,
+                    claimant.as_bytes(),
+                    lease.as_bytes(),
+                    &req.scope.0,
+                    qin.as_bytes(),
+                    qb.as_bytes(),
+                    overhead.as_bytes(),
+                ],
+                self.backend.command_timeout,
+                false,
+            )
+            .await?
+            .0
+        } else {
+            self.eval(
                 &self.backend.scripts.claim,
                 &key,
                 &[&req.fingerprint.0, claimant.as_bytes(), lease.as_bytes()],
                 self.backend.command_timeout,
             )
-            .await?;
+            .await?
+        };
         let mut it = array(v)?.into_iter();
         match tag(it.next())?.as_slice() {
             b"A" => {
@@ -288,134 +357,68 @@ impl RedisStore {
                 lease_remaining: millis(it.next())?,
             }),
             b"M" => Ok(Claim::Mismatch),
+            b"FULL" => Err(tenant::full_in_flight(int(it.next())?)),
+            b"FULLB" => Err(tenant::full_bytes(int(it.next())?)),
             _ => Err(corrupt("unexpected claim reply tag")),
         }
-    }
-
-    /// Counts a claim just acquired against its tenant's quota: `Ok(true)` counted,
-    /// `Ok(false)` the tenant holds its quota already.
-    async fn account(
-        &self,
-        tenant: &TenantId,
-        scope: &Scope,
-        fence: Fence,
-        lease: Duration,
-        quota: usize,
-    ) -> Result<bool, StoreError> {
-        let key = self.tenant_key_for(tenant);
-        let member = quota::member(scope, fence);
-        let lease = ms(lease).to_string();
-        let quota = quota.to_string();
-        let v = self
-            .eval(
-                &self.backend.scripts.account,
-                &key,
-                &[&member, lease.as_bytes(), quota.as_bytes()],
-                self.backend.command_timeout,
-            )
-            .await?;
-        let mut it = array(v)?.into_iter();
-        match tag(it.next())?.as_slice() {
-            b"OK" => Ok(true),
-            b"FULL" => Ok(false),
-            _ => Err(corrupt("unexpected account reply tag")),
-        }
-    }
-
-    /// Takes a finished claim (completed, released or fenced) out of its tenant's
-    /// count. Best effort: a failure only leaves the count until the lease ends.
-    async fn uncount(&self, scope: &Scope, fence: Fence) {
-        let Some(tenant) = self.backend.held.get(scope, fence) else {
-            return;
-        };
-        let key = self.tenant_key_for(&tenant);
-        let member = quota::member(scope, fence);
-        let mut conn = self.connection();
-        let zrem = redis::cmd("ZREM").arg(&key).arg(&member[..]).to_owned();
-        let res = self
-            .bounded(self.backend.command_timeout, async move {
-                zrem.query_async::<i64>(&mut conn).await
-            })
-            .await;
-        if let Err(e) = res {
-            tracing::debug!(error = %e, "in-flight count not taken back; it lapses with the lease");
-        }
-    }
-
-    /// Runs a fenced script (complete or release) and, on the same connection at the
-    /// same time (one round trip), takes the claim out of its tenant's count.
-    async fn finish(
-        &self,
-        script: &Script,
-        scope: &Scope,
-        fence: Fence,
-        rest: &[&[u8]],
-        confirm: bool,
-    ) -> Result<(), StoreError> {
-        let (res, ()) = tokio::join!(
-            self.fenced(script, scope, fence, rest, confirm),
-            self.uncount(scope, fence)
-        );
-        // Unavailable: the layer retries with the same fence, so keep the note.
-        if !matches!(res, Err(StoreError::Unavailable(_))) {
-            self.backend.held.remove(scope, fence);
-        }
-        res
     }
 }
 
 impl Store for RedisStore {
-    /// The claim script on the record; then, for a claim acquired under a per-tenant
-    /// quota, the account script on the tenant's set (another hash slot, so a second
-    /// step). Over the quota, the record is released again (nothing ran) and the claim
-    /// refused with [`StoreError::Full`]. Replays, waits and mismatches never reach
-    /// the second step.
+    /// The claim script. With a per-tenant quota on a single endpoint, the tenant's
+    /// quotas are checked and counted in the same script (one round trip). On a Redis
+    /// Cluster the tenant's keys are in another slot: for a claim acquired there, the
+    /// account script on the tenant's keys is a second step; over a quota, the record
+    /// is released again (nothing ran). Either way a claim over a quota is refused with
+    /// [`StoreError::Full`]. Replays, waits and mismatches never reach the quotas.
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        let claim = self.claim_record(&req).await?;
-        if let (Claim::Acquired { fence, .. }, Some(_)) = (&claim, self.backend.replica_acks) {
-            self.confirm_claim(&req, *fence).await?;
-        }
-        let (Claim::Acquired { fence, .. }, Some(quota)) =
-            (&claim, self.backend.max_in_flight_per_tenant)
-        else {
+        let quota = self.has_tenant_quota();
+        let in_script = quota && !self.is_cluster();
+        let claim = self.claim_record(&req, in_script).await?;
+        let Claim::Acquired { fence, takeover } = claim else {
             return Ok(claim);
         };
-        let fence = *fence;
-        match self
-            .account(req.tenant, req.scope, fence, req.lease, quota)
-            .await
-        {
-            Ok(true) => {
-                self.backend
-                    .held
-                    .insert(req.scope, fence, *req.tenant, req.lease);
-                Ok(claim)
-            }
-            Ok(false) => {
-                if let Err(e) = self
-                    .fenced(&self.backend.scripts.release, req.scope, fence, &[], false)
-                    .await
-                {
-                    // The record stays in flight until its lease ends; then the next
-                    // claim takes it over.
-                    tracing::debug!(error = %e, "claim over the tenant quota not released");
+        if in_script {
+            self.backend
+                .held
+                .insert(req.scope, fence, *req.tenant, req.lease);
+        } else if quota {
+            match self
+                .account(req.tenant, req.scope, fence, req.lease, !takeover)
+                .await
+            {
+                Ok(None) => {
+                    self.backend
+                        .held
+                        .insert(req.scope, fence, *req.tenant, req.lease);
                 }
-                Err(StoreError::Full(
-                    format!("tenant at its in-flight record quota ({quota})").into(),
-                ))
-            }
-            Err(e) => {
-                // The quota protects capacity, not correctness: a claim Redis could
-                // not count stands, uncounted.
-                tracing::warn!(error = %e, "in-flight claim not counted against its tenant's quota");
-                Ok(claim)
+                Ok(Some(full)) => {
+                    if let Err(e) = self
+                        .fenced(&self.backend.scripts.release, req.scope, fence, &[], false)
+                        .await
+                    {
+                        // The record stays in flight until its lease ends; then the next
+                        // claim takes it over.
+                        tracing::debug!(error = %e, "claim over the tenant quota not released");
+                    }
+                    return Err(full);
+                }
+                Err(e) => {
+                    // The quota protects capacity, not correctness: a claim Redis could
+                    // not count stands, uncounted.
+                    tracing::warn!(error = %e, "in-flight claim not counted against its tenant's quota");
+                }
             }
         }
+        if self.backend.replica_acks.is_some() {
+            self.confirm_claim(&req, fence).await?;
+        }
+        Ok(claim)
     }
 
     /// Renews the record's lease, then its entry in the tenant's count (best effort).
     async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
-        let lease_ms = ms(lease).to_string();
+        let lease_ms = Decimal::new(ms(lease));
         let res = self
             .fenced(
                 &self.backend.scripts.renew,
@@ -425,14 +428,15 @@ impl Store for RedisStore {
                 // Not confirmed: see `RedisStoreBuilder::replica_acks`.
                 false,
             )
-            .await;
-        match (&res, self.backend.max_in_flight_per_tenant) {
-            (Ok(()), Some(quota)) => {
+            .await
+            .map(|_| ());
+        match &res {
+            Ok(()) if self.has_tenant_quota() => {
                 if let Some(tenant) = self.backend.held.renewed(scope, fence, lease) {
-                    let _ = self.account(&tenant, scope, fence, lease, quota).await;
+                    let _ = self.account(&tenant, scope, fence, lease, false).await;
                 }
             }
-            (Err(StoreError::Fenced { .. }), _) => {
+            Err(StoreError::Fenced { .. }) => {
                 self.uncount(scope, fence).await;
                 self.backend.held.remove(scope, fence);
             }
@@ -442,24 +446,11 @@ impl Store for RedisStore {
     }
 
     async fn complete(&self, req: CompleteRequest<'_>) -> Result<(), StoreError> {
-        let ttl = ms(req.ttl).to_string();
-        let (kind, body): (&[u8], &[u8]) = match &req.outcome {
-            StoredOutcome::Response(b) => (b"r", b),
-            StoredOutcome::NotRetained => (b"n", b""),
-        };
-        self.finish(
-            &self.backend.scripts.complete,
-            req.scope,
-            req.fence,
-            &[kind, body, ttl.as_bytes()],
-            true,
-        )
-        .await
+        self.complete_with_tenant(&req).await
     }
 
     async fn release(&self, scope: &Scope, fence: Fence) -> Result<(), StoreError> {
-        self.finish(&self.backend.scripts.release, scope, fence, &[], false)
-            .await
+        self.release_with_tenant(scope, fence).await
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<RecordState>, StoreError> {

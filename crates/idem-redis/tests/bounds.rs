@@ -282,3 +282,81 @@ async fn an_abandoned_claim_expires_one_lease_after_its_lease() {
     let pttl = redis.pttl(&store.tenant_key_for(&tenant));
     assert!((10_000..=11_000).contains(&pttl), "{pttl}");
 }
+
+/// The stored-bytes charge on one endpoint, read from Redis itself: a claim charges the
+/// record overhead, a completion its response too, a release takes its charge back,
+/// the in-flight count is back to 0; once the records' TTLs end, the tenant's keys
+/// expire on their own (nothing is left to leak).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_bytes_are_charged_taken_back_and_expire_with_their_records() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(redis.url())
+        .key_prefix("bytes:")
+        .max_bytes_per_tenant(Some(1 << 20))
+        .connect()
+        .await
+        .expect("connect");
+    let tenant = TenantId([0xc; 16]);
+    let fp = Fingerprint([6; 32]);
+    let base = store.tenant_key_for(&tenant);
+    let (sizes, charges) = (format!("{base}:sizes"), format!("{base}:bytes"));
+    let sum = || match redis.cmd(&["HGET", &sizes, "n"]).expect("HGET").bulk("n") {
+        Some(n) => n.parse::<usize>().expect("a number"),
+        None => 0,
+    };
+    let in_flight = || redis.cmd(&["ZCARD", &base]).expect("ZCARD").text();
+    let overhead = idem_redis::RECORD_OVERHEAD_BYTES;
+    // A short lease, so the in-flight charges' keys expire within seconds too.
+    let short = |scope| ClaimRequest {
+        lease: Duration::from_secs(2),
+        ..claim(scope, &tenant, &fp)
+    };
+
+    let kept = Scope(rand::random());
+    let Claim::Acquired { fence, .. } = store.claim(short(&kept)).await.unwrap() else {
+        panic!("not acquired")
+    };
+    assert_eq!(sum(), overhead);
+    assert_eq!(in_flight(), "1");
+    let body = bytes::Bytes::from(vec![1u8; 1000]);
+    store
+        .complete(completion(
+            &kept,
+            fence,
+            StoredOutcome::Response(body.clone()),
+            Duration::from_millis(300),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(sum(), overhead + 1000);
+    assert_eq!(in_flight(), "0");
+
+    let released = Scope(rand::random());
+    let Claim::Acquired { fence, .. } = store.claim(short(&released)).await.unwrap() else {
+        panic!("not acquired")
+    };
+    assert_eq!(sum(), 2 * overhead + 1000);
+    store.release(&released, fence).await.unwrap();
+    assert_eq!(sum(), overhead + 1000);
+    assert_eq!(in_flight(), "0");
+
+    // The record expires after 300 ms; the keys a second after the latest charge or
+    // lease in them (the claims' 2 × 2 s).
+    let start = std::time::Instant::now();
+    loop {
+        let left = redis
+            .cmd(&["EXISTS", &sizes, &charges, &base])
+            .expect("EXISTS")
+            .text();
+        if left == "0" {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the tenant's keys outlived their records: {left} left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -85,6 +85,21 @@ async fn tenant_in_flight_bound_across_instances() {
     idem_store::testing::tenant_in_flight_bound_across_instances(&stores).await;
 }
 
+/// The stored-bytes quota on a Cluster: the tenant's keys in another slot than its
+/// records, so each step is a script of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_bytes_bound() {
+    let Some(cluster) = RedisCluster::shared() else {
+        return;
+    };
+    let store = builder(cluster, "bytes")
+        .max_bytes_per_tenant(Some(idem_store::testing::TENANT_BYTES_BOUND))
+        .connect()
+        .await
+        .expect("connect");
+    idem_store::testing::tenant_bytes_bound(&store).await;
+}
+
 fn request<'a>(
     scope: &'a Scope,
     tenant: &'a TenantId,

@@ -57,3 +57,20 @@ async fn tenant_in_flight_bound_across_instances() {
     }
     idem_store::testing::tenant_in_flight_bound_across_instances(&stores).await;
 }
+
+/// The per-tenant stored-bytes quota (`max_bytes_per_tenant`), with the bound the
+/// suite's case expects, checked in the claim and completion scripts themselves; with
+/// the in-flight quota on as well (the default), so the two meet in one script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_bytes_bound() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(server.url())
+        .key_prefix("conformance:")
+        .max_bytes_per_tenant(Some(idem_store::testing::TENANT_BYTES_BOUND))
+        .connect()
+        .await
+        .expect("connect to the test redis");
+    idem_store::testing::tenant_bytes_bound(&store).await;
+}

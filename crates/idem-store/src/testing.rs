@@ -31,8 +31,10 @@ use crate::{
 };
 
 mod records;
+mod tenant_bytes;
 mod tenants;
 pub use records::*;
+pub use tenant_bytes::*;
 pub use tenants::*;
 
 /// The tenant every suite record is charged to.

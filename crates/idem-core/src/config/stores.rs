@@ -156,7 +156,8 @@ impl MemoryStoreSettings {
 ///
 /// # Defaults
 /// `keyPrefix` `"idem:"`, `commandTimeout` `"0.5s"`, `connectTimeout` `"2s"`,
-/// `maxInFlightPerTenant` 1000 (`0`: no per-tenant bound), `replicaAcks` 0 (off),
+/// `maxInFlightPerTenant` 1000 (`0`: no per-tenant bound), `maxBytesPerTenant` none
+/// (`0`: none), `replicaAcks` 0 (off),
 /// `replicaAckTimeout` `"0.1s"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisSettings {
@@ -181,6 +182,11 @@ pub struct RedisSettings {
     /// Most in-flight records one tenant may hold across every instance (`None`: no
     /// bound). A claim past it is refused with RESOURCE_EXHAUSTED and a retry delay.
     pub max_in_flight_per_tenant: Option<usize>,
+    /// `maxBytesPerTenant`: most bytes of stored records (responses plus a per-record
+    /// overhead, as the memory store's) one tenant may hold across every instance
+    /// (`None`, the default: no bound). A new record past it is refused with
+    /// RESOURCE_EXHAUSTED; a response past it is recorded as not retained.
+    pub max_bytes_per_tenant: Option<usize>,
 }
 
 pub(super) const MEMORY_FIELDS: &[&str] = &[
@@ -199,6 +205,7 @@ pub(super) const REDIS_FIELDS: &[&str] = &[
     "commandTimeout",
     "connectTimeout",
     "maxInFlightPerTenant",
+    "maxBytesPerTenant",
     "clusterNodes",
     "replicaAcks",
     "replicaAckTimeout",
@@ -321,6 +328,16 @@ impl Validator {
             Some(0) => None,
             Some(n) => usize::try_from(n).ok(),
         };
+        let max_bytes_per_tenant = match self.integer_field(
+            &o,
+            "maxBytesPerTenant",
+            0,
+            max,
+            "must be an integer >= 0 (0: no per-tenant bound)",
+        ) {
+            None | Some(0) => None,
+            Some(n) => usize::try_from(n).ok(),
+        };
         let replica_acks = self
             .integer_field(
                 &o,
@@ -350,6 +367,7 @@ impl Validator {
             command_timeout,
             connect_timeout,
             max_in_flight_per_tenant,
+            max_bytes_per_tenant,
             replica_acks,
             replica_ack_timeout,
         })

@@ -558,6 +558,15 @@ async fn conformance_tenant_in_flight_bound_across_instances() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn conformance_tenant_bytes_bound() {
+    let st = MemoryStore::new(MemoryStoreSettings {
+        max_bytes_per_tenant: Some(crate::testing::TENANT_BYTES_BOUND),
+        ..MemoryStoreSettings::default()
+    });
+    crate::testing::tenant_bytes_bound(&st).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn waiters_are_woken_by_completion_not_by_polling() {
     let st = store(100, 1 << 20);
     let s = scope(1);

@@ -123,6 +123,7 @@ fn idem_redis() {
             command_timeout: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(2),
             max_in_flight_per_tenant: Some(1000),
+            max_bytes_per_tenant: None,
             cluster_nodes: vec![],
             replica_acks: 0,
             replica_ack_timeout: Duration::from_millis(100),
@@ -138,6 +139,20 @@ fn idem_redis() {
         quota(json!(-1)),
         Err(vec![
             "idem.redis.maxInFlightPerTenant: must be an integer >= 0 (0: no per-tenant bound)"
+                .to_owned()
+        ])
+    );
+    let bytes = |v: serde_json::Value| {
+        settings(json!({"redis": {"url": "redis://c", "maxBytesPerTenant": v}}))
+            .map(|(s, _)| s.redis.unwrap().max_bytes_per_tenant)
+    };
+    assert_eq!(bytes(json!(1 << 20)), Ok(Some(1 << 20)));
+    assert_eq!(bytes(json!(0)), Ok(None), "0: no per-tenant bound");
+    assert_eq!(
+        bytes(json!("1MiB")),
+        Err(vec![
+            "idem.redis.maxBytesPerTenant: must be an integer >= 0 (0: no per-tenant bound) \
+             (a JSON number, not a string)"
                 .to_owned()
         ])
     );
