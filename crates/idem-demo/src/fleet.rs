@@ -212,8 +212,9 @@ async fn restart_after(
 }
 
 /// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
-/// through its own proxy (none for the other stores, and for a Redis Cluster, whose
-/// nodes tell the client their own addresses). Without the `redis` feature there is no
+/// through its own proxy (none for the other stores, and for a Redis Cluster: its nodes
+/// tell the client where they are, so a private one is reached through
+/// `o.store_proxies`, one per node, shared by every instance). Without the `redis` feature there is no
 /// Redis store to proxy.
 #[cfg(not(feature = "redis"))]
 async fn proxied_stores(
@@ -225,8 +226,9 @@ async fn proxied_stores(
 }
 
 /// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
-/// through its own proxy (none for the other stores, and for a Redis Cluster, whose
-/// nodes tell the client their own addresses).
+/// through its own proxy (none for the other stores, and for a Redis Cluster: its nodes
+/// tell the client where they are, so a private one is reached through
+/// `o.store_proxies`, one per node, shared by every instance).
 #[cfg(feature = "redis")]
 async fn proxied_stores(
     o: &Options,
@@ -289,6 +291,7 @@ pub async fn run(
     let mut rig = Rig::default();
     if o.net_faults.is_some() {
         fleet.instance_stores = proxied_stores(o, store, &mut rig).await?;
+        rig.adopt(&o.store_proxies);
     }
     let mut instances = Vec::new();
     let mut addrs = Vec::new();
