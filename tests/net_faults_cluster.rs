@@ -105,6 +105,22 @@ async fn wait_for(what: &str, limit: Duration, ready: impl Fn() -> bool) {
     }
 }
 
+/// The cluster as each node sees it, and what each proxy did: said when a run hangs.
+fn state(cluster: &ProxiedCluster) -> String {
+    let nodes = cluster.cluster();
+    let mut out = String::new();
+    for port in nodes.ports() {
+        let ask = |args: &[&str]| nodes.cmd(port, args).map_or_else(|e| e, |r| r.text());
+        out += &format!(
+            "\n--- node {port} (proxy {:?}):\n{}\n{}",
+            cluster.proxy_of(port).stats(),
+            ask(&["CLUSTER", "NODES"]),
+            ask(&["INFO", "replication"]),
+        );
+    }
+    out
+}
+
 fn is_master(cluster: &RedisCluster, node: &ClusterNode) -> bool {
     cluster
         .masters()
@@ -186,11 +202,13 @@ async fn redis_cluster_master_partitioned_during_a_failover_exactly_once() {
     // time out and be retried by their callers.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     proxy.heal();
-    let r = tokio::time::timeout(Duration::from_secs(240), workload)
-        .await
-        .expect("the run finished in time")
-        .expect("the run task")
-        .expect("the run");
+    let Ok(r) = tokio::time::timeout(Duration::from_secs(100), workload).await else {
+        panic!(
+            "the run did not finish in time; {}",
+            tokio::task::block_in_place(|| state(&cluster))
+        );
+    };
+    let r = r.expect("the run task").expect("the run");
     assert_exactly_once(&r);
     assert!(
         proxy.stats().dropped > dropped,

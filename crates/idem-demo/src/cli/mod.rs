@@ -285,7 +285,7 @@ async fn demo() {
     };
     drop(private_redis);
     drop(private_cluster);
-    o.store_proxies.clear();
+    // Its nodes stop; `o.store_proxies` keeps the idle proxies for the table's header.
     drop(proxied_cluster);
     #[cfg_attr(not(feature = "postgres"), allow(clippy::drop_non_drop))]
     drop(private_postgres);
