@@ -10,9 +10,13 @@
 //!   half-open peers and drips;
 //! - a master partitioned from everyone (through its proxy, both ways, connections kept
 //!   open) while its replica takes its slots over (`CLUSTER FAILOVER FORCE`; the bus
-//!   still connects them), with replica confirmation (`replicaAcks: 1`), healed once
-//!   the replica is master: the writes sent to the old master never run a handler twice
-//!   and no intent is lost.
+//!   still connects them), with replica confirmation (`replicaAcks: 1`), healed 1.5 s
+//!   after the replica is master (shorter than the lease): the writes sent to the old
+//!   master never run a handler twice and no intent is lost. Not tested here: the
+//!   partition held past the lease. The cluster client keeps sending the old master's
+//!   slots to it while it stops answering (a response timeout is retried on the same
+//!   node, no slot refresh), so those calls fail until the connection is reset, and a
+//!   run cut off past its lease is taken over (a second run, as after a crash).
 //!
 //! What is asserted holds whatever the timing: a loaded machine changes which calls a
 //! fault hits, not whether an intent runs twice. Every wait is bounded.
@@ -135,7 +139,7 @@ fn is_master(cluster: &RedisCluster, node: &ClusterNode) -> bool {
 /// is master the partition heals: the old master rejoins as its replica, and the
 /// connections that lost bytes to the partition are reset. With replica confirmation,
 /// what the old master acknowledged its replica had: no handler runs twice, no intent
-/// is lost.
+/// is lost. The partition lasts a few seconds, shorter than the lease (see below).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_master_partitioned_during_a_failover_exactly_once() {
     let Some(cluster) = ProxiedCluster::start().await else {
@@ -188,21 +192,15 @@ async fn redis_cluster_master_partitioned_during_a_failover_exactly_once() {
         || is_master(nodes, &replica) && !is_master(nodes, &victim),
     )
     .await;
-    // The instances found the new master (its proxy carries their calls) while the old
-    // one is still cut off (unless the run is over already).
-    let promoted = cluster.proxy_of(replica.port).clone();
-    let before = promoted.stats().upstream;
-    wait_for(
-        "calls reached the new master",
-        Duration::from_secs(60),
-        || promoted.stats().upstream > before + 2_000 || workload.is_finished(),
-    )
-    .await;
-    // And long enough (three command timeouts) for the calls stuck on the old master to
-    // time out and be retried by their callers.
+    // Held a while after the failover (three command timeouts), so calls stuck on the old
+    // master time out and are retried by their callers, but far shorter than the 10 s
+    // lease: the cluster client does not leave a master that stops answering (a
+    // response timeout is retried on the same node, no slot refresh; it follows the
+    // failover once the heal resets its connection), so a partition held longer than
+    // the lease is an instance cut off longer than the lease (a takeover, as a crash).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     proxy.heal();
-    let Ok(r) = tokio::time::timeout(Duration::from_secs(100), workload).await else {
+    let Ok(r) = tokio::time::timeout(Duration::from_secs(240), workload).await else {
         panic!(
             "the run did not finish in time; {}",
             tokio::task::block_in_place(|| state(&cluster))
