@@ -6,6 +6,25 @@
 //! proxies too (a partitioned master is cut off from its replica's data stream, as on a
 //! real network). The cluster bus is not proxied: gossip, failure detection and
 //! failover votes go on as they would while clients are cut off.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use idem_demo::netfaults::{Direction, NetFault, ProxiedCluster};
+//!
+//! let Some(cluster) = ProxiedCluster::start().await else {
+//!     return; // no redis-server or redis-cli (outside CI)
+//! };
+//! // Seed the cluster client with the proxies (`redis://127.0.0.1:P1,…`): it never
+//! // learns another address.
+//! let seeds = cluster.seeds();
+//! // Cut a master off from every client (and its replica's data stream).
+//! let master = cluster.cluster().masters().remove(0);
+//! cluster
+//!     .proxy_of(master.port)
+//!     .set(Some(NetFault::Partition(Direction::Both)));
+//! # drop(seeds);
+//! # }
+//! ```
 
 use std::net::SocketAddr;
 use std::sync::Arc;
