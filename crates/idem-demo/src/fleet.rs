@@ -242,10 +242,17 @@ async fn proxied_stores(
         .redis
         .as_deref()
         .ok_or("--net-faults on Redis needs Options::redis, the URL to proxy")?;
-    if url.contains(',') {
-        return Ok(Vec::new());
-    }
     let mut stores = Vec::new();
+    if url.contains(',') {
+        // A cluster behind proxies of its own (`o.store_proxies`): each instance its own
+        // cluster connection through them, as separate processes would have.
+        if !o.store_proxies.is_empty() {
+            for _ in 0..o.instances {
+                stores.push(DemoStore::Redis(connect_redis(url).await?));
+            }
+        }
+        return Ok(stores);
+    }
     for i in 0..o.instances {
         let via = rig.front_url(format!("instance-{i} -> redis"), url).await?;
         stores.push(DemoStore::Redis(connect_redis(&via).await?));
