@@ -214,8 +214,9 @@ async fn restart_after(
 }
 
 /// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
-/// through its own proxy (none for the other stores, and for a Redis Cluster, whose
-/// nodes tell the client their own addresses). Without the `redis` feature there is no
+/// through its own proxy (none for the other stores, and for a Redis Cluster: its nodes
+/// tell the client where they are, so a private one is reached through
+/// `o.store_proxies`, one per node, shared by every instance). Without the `redis` feature there is no
 /// Redis store to proxy.
 #[cfg(not(feature = "redis"))]
 async fn proxied_stores(
@@ -227,8 +228,9 @@ async fn proxied_stores(
 }
 
 /// With `--net-faults` on Redis: each instance's own store, connected to `o.redis`
-/// through its own proxy (none for the other stores, and for a Redis Cluster, whose
-/// nodes tell the client their own addresses).
+/// through its own proxy (none for the other stores, and for a Redis Cluster: its nodes
+/// tell the client where they are, so a private one is reached through
+/// `o.store_proxies`, one per node, shared by every instance).
 #[cfg(feature = "redis")]
 async fn proxied_stores(
     o: &Options,
@@ -242,10 +244,17 @@ async fn proxied_stores(
         .redis
         .as_deref()
         .ok_or("--net-faults on Redis needs Options::redis, the URL to proxy")?;
-    if url.contains(',') {
-        return Ok(Vec::new());
-    }
     let mut stores = Vec::new();
+    if url.contains(',') {
+        // A cluster behind proxies of its own (`o.store_proxies`): each instance its own
+        // cluster connection through them, as separate processes would have.
+        if !o.store_proxies.is_empty() {
+            for _ in 0..o.instances {
+                stores.push(DemoStore::Redis(connect_redis(url).await?));
+            }
+        }
+        return Ok(stores);
+    }
     for i in 0..o.instances {
         let via = rig.front_url(format!("instance-{i} -> redis"), url).await?;
         stores.push(DemoStore::Redis(connect_redis(&via).await?));
@@ -291,6 +300,7 @@ pub async fn run(
     let mut rig = Rig::default();
     if o.net_faults.is_some() {
         fleet.instance_stores = proxied_stores(o, store, &mut rig).await?;
+        rig.adopt(&o.store_proxies);
     }
     let mut instances = Vec::new();
     let mut addrs = Vec::new();

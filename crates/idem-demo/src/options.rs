@@ -63,6 +63,10 @@ pub struct Options {
     /// `--net-faults`: a TCP fault proxy between the client and each instance and
     /// between each instance and its store, on this seeded schedule.
     pub net_faults: Option<crate::netfaults::ScheduleSpec>,
+    /// Proxies every instance shares on its way to the store (one per Redis Cluster node,
+    /// [`crate::netfaults::ProxiedCluster::proxies`]), driven on the `net_faults`
+    /// schedule with the run's own; none by default.
+    pub store_proxies: Vec<(String, std::sync::Arc<crate::netfaults::FaultProxy>)>,
 }
 
 impl Default for Options {
@@ -84,6 +88,7 @@ impl Default for Options {
             outage_after: None,
             outage_for: Duration::from_secs(3),
             net_faults: None,
+            store_proxies: Vec::new(),
         }
     }
 }

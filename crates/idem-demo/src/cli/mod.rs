@@ -63,8 +63,10 @@
 //!
 //! With `--net-faults` (any store, also with `--crash-every`) the faults are on real
 //! sockets too: a TCP proxy sits between the client and each instance and between each
-//! instance and its store (Redis, PostgreSQL; a Redis Cluster's nodes announce their own
-//! addresses, so there only the client's side is proxied). Each proxy runs its own seeded
+//! instance and its store (Redis, PostgreSQL; for a private Redis Cluster one proxy per
+//! node, shared by the instances, whose port the node announces in `CLUSTER SLOTS` and
+//! `MOVED`; a cluster given with `--redis-cluster` is proxied on the client's side only).
+//! Each proxy runs its own seeded
 //! schedule of partitions (one way or both, bytes dropped, connections kept open),
 //! latency spikes, resets after N bytes, peers that stop reading and drips, each printed
 //! as it is applied; the table's header counts them by kind. Partitions are shorter
@@ -85,7 +87,7 @@ use args::{Args, parse_args};
 use print::{print_rolling, print_table};
 
 use crate::crash::{self, SERVE_FLAG, ServeArgs, StoreKind};
-use crate::netfaults::ScheduleSpec;
+use crate::netfaults::{ProxiedCluster, ScheduleSpec};
 #[cfg(feature = "redis")]
 use crate::store::connect_redis;
 use crate::{DEFAULT_CONFIG, DemoStore, Options, RunReport, run};
@@ -187,8 +189,25 @@ async fn demo() {
     // string (`crate::store::connect_redis`).
     let mut private_redis = None;
     let mut private_cluster = None;
+    let mut proxied_cluster = None;
     let redis_url = match (&o.redis, redis_wanted) {
         (Some(url), _) => Some(url.clone()),
+        // `--net-faults`: every node behind its own proxy, announcing the proxy's port,
+        // so the instances reach the nodes only through the proxies.
+        (None, false) if cluster_wanted && net_faults => {
+            let (cluster, nodes) = private(
+                ProxiedCluster::start().await,
+                ProxiedCluster::seeds,
+                "--store redis-cluster needs redis-server and redis-cli: install them \
+                 (Debian/Ubuntu: apt-get install redis-server)",
+            );
+            eprintln!(
+                "private Redis Cluster (3 masters, 3 replicas), each node behind a fault proxy: {nodes}"
+            );
+            o.store_proxies = cluster.proxies().to_vec();
+            proxied_cluster = Some(cluster);
+            Some(nodes)
+        }
         (None, false) if cluster_wanted => {
             let (cluster, nodes) = private(
                 RedisCluster::start(),
@@ -213,6 +232,10 @@ async fn demo() {
         }
         (None, false) => None,
     };
+    if proxied_cluster.is_some() {
+        // Its seeds are the proxies (`fleet::proxied_stores` leaves a cluster's alone).
+        o.redis.clone_from(&redis_url);
+    }
     // A private PostgreSQL server when --store postgres comes without a URL.
     #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
     let mut private_postgres: Option<PrivatePostgres> = None;
@@ -262,6 +285,8 @@ async fn demo() {
     };
     drop(private_redis);
     drop(private_cluster);
+    // Its nodes stop; `o.store_proxies` keeps the idle proxies for the table's header.
+    drop(proxied_cluster);
     #[cfg_attr(not(feature = "postgres"), allow(clippy::drop_non_drop))]
     drop(private_postgres);
     print_table(&o, store_label, crash_every, &reports);

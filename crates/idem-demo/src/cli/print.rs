@@ -29,8 +29,13 @@ pub(super) fn print_table(
         );
     }
     if let Some(spec) = &o.net_faults {
+        let store_side = if o.store_proxies.is_empty() {
+            "between each instance and its store"
+        } else {
+            "in front of each Redis Cluster node (shared by the instances, announced by the node)"
+        };
         println!(
-            "net faults: a TCP proxy between the client and each instance and between each instance and its store; \
+            "net faults: a TCP proxy between the client and each instance and {store_side}; \
              partitions and half-open peers {}-{} ms, seed {}",
             spec.partition.start.as_millis(),
             spec.partition.end.as_millis(),

@@ -58,7 +58,8 @@ impl RunFiles {
 
 /// Starts `o.instances` processes, each on a free port (and a metrics port when
 /// `metrics`); with `--net-faults`, each reaches its store through its own proxy of
-/// `rig` (a Redis Cluster excepted: its nodes tell the client their own addresses).
+/// `rig` (a Redis Cluster excepted: its nodes tell the client where they are, so a private
+/// one is reached through `o.store_proxies`, one per node, which the caller drives).
 pub(crate) async fn start_instances(
     o: &Options,
     with_idem: bool,
@@ -176,6 +177,9 @@ pub async fn run_with_crashes(
             }
             None => addr,
         });
+    }
+    if o.net_faults.is_some() {
+        rig.adopt(&o.store_proxies);
     }
     let driver = o
         .net_faults

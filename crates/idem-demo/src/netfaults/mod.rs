@@ -27,13 +27,17 @@
 //!
 //! - [`proxy`]: the proxy ([`FaultProxy`]) and its faults ([`NetFault`]);
 //! - [`rig`]: the proxies of one demo run ([`Rig`]);
+//! - [`cluster`]: a private Redis Cluster reached only through one proxy per node
+//!   ([`ProxiedCluster`]);
 //! - [`schedule`]: the seeded schedule ([`steps`], [`FaultDriver`]) and the counts by
 //!   kind ([`FaultCounts`]).
 
+pub mod cluster;
 pub mod proxy;
 pub mod rig;
 pub mod schedule;
 
+pub use cluster::ProxiedCluster;
 pub use proxy::{Direction, FaultProxy, NetFault, ProxyStats};
 pub use rig::Rig;
 pub use schedule::{FaultCounts, FaultDriver, ScheduleSpec, Step, steps};

@@ -145,7 +145,12 @@ impl std::fmt::Debug for FaultProxy {
 impl FaultProxy {
     /// A proxy on a free loopback port forwarding to `upstream`, with no fault.
     pub async fn start(upstream: SocketAddr) -> std::io::Result<FaultProxy> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::listen(TcpListener::bind("127.0.0.1:0").await?, upstream)
+    }
+
+    /// A proxy accepting on `listener` (bound beforehand, e.g. to reserve its port for a
+    /// Redis Cluster node to announce), forwarding to `upstream`, with no fault.
+    pub fn listen(listener: TcpListener, upstream: SocketAddr) -> std::io::Result<FaultProxy> {
         let addr = listener.local_addr()?;
         let (state, _) = watch::channel(State::default());
         let counters = Arc::new(Counters::default());

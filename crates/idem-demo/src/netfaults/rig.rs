@@ -43,6 +43,12 @@ impl Rig {
         Ok(format!("{head}{addr}{tail}"))
     }
 
+    /// Drives `proxies` too (started elsewhere, e.g. shared by every instance: the
+    /// proxies of a Redis Cluster's nodes), under their names.
+    pub fn adopt(&mut self, proxies: &[(String, Arc<FaultProxy>)]) {
+        self.proxies.extend(proxies.iter().cloned());
+    }
+
     /// Runs every proxy's seeded schedule until [`FaultDriver::stop`].
     pub fn drive(&self, spec: &ScheduleSpec, print: bool) -> FaultDriver {
         FaultDriver::start(spec, self.proxies.clone(), print)

@@ -235,3 +235,76 @@ async fn the_driver_counts_faults_by_kind() {
     );
     assert_eq!(proxy.fault(), None, "stop heals");
 }
+
+/// The client ports in a `CLUSTER SLOTS` reply (`[[start, end, [ip, port, id], …], …]`).
+fn slot_ports(reply: &idem_test_support::redis::RedisReply) -> Vec<u16> {
+    use idem_test_support::redis::RedisReply::{Array, Int};
+    let Array(Some(ranges)) = reply else {
+        panic!("CLUSTER SLOTS: {reply:?}")
+    };
+    let mut ports = Vec::new();
+    for range in ranges {
+        let Array(Some(items)) = range else {
+            panic!("a slot range: {range:?}")
+        };
+        for node in &items[2..] {
+            match node {
+                Array(Some(n)) => match n.get(1) {
+                    Some(Int(p)) => ports.push(u16::try_from(*p).expect("a port")),
+                    other => panic!("a node's port: {other:?}"),
+                },
+                other => panic!("a node: {other:?}"),
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
+/// A proxied cluster tells clients only its proxies' ports: `CLUSTER SLOTS` lists every
+/// master at its proxy, and a `MOVED` redirect names a proxy; the nodes still answer on
+/// their own ports (the harness's commands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxied_cluster_announces_only_its_proxies() {
+    let Some(c) = ProxiedCluster::start().await else {
+        return;
+    };
+    let mut proxies: Vec<u16> = c.proxies().iter().map(|(_, p)| p.addr().port()).collect();
+    proxies.sort_unstable();
+    let nodes = c.cluster();
+    tokio::task::block_in_place(|| {
+        for port in nodes.ports() {
+            assert!(!proxies.contains(&port), "node {port} on a proxy port");
+            // Every master at its proxy (replicas that have replicated nothing yet are
+            // left out of `CLUSTER SLOTS`), and no other port.
+            let slots = nodes.cmd(port, &["CLUSTER", "SLOTS"]).unwrap();
+            let listed = slot_ports(&slots);
+            assert!(
+                listed.iter().all(|p| proxies.contains(p)),
+                "node {port}: {listed:?}, proxies {proxies:?}"
+            );
+            for m in nodes.masters() {
+                let at = nodes.announced_port(m.port);
+                assert!(listed.contains(&at), "node {port}: {listed:?} lacks {at}");
+            }
+        }
+        let slot = nodes.slot_of("idem-test:moved");
+        let owner = nodes.master_of_slot(slot);
+        let other = nodes
+            .masters()
+            .into_iter()
+            .find(|m| m.id != owner.id)
+            .unwrap();
+        let moved = nodes
+            .cmd(other.port, &["GET", "idem-test:moved"])
+            .unwrap()
+            .text();
+        let want = format!(
+            "MOVED {slot} 127.0.0.1:{}",
+            nodes.announced_port(owner.port)
+        );
+        assert_eq!(moved, want);
+        assert_eq!(c.proxy_of(owner.port).upstream().port(), owner.port);
+    });
+}

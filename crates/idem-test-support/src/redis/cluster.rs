@@ -1,5 +1,9 @@
 //! [`RedisCluster`]: a private Redis Cluster of six `redis-server`s (three masters, one
 //! replica each) on free loopback ports, joined with `redis-cli --cluster create`.
+//!
+//! [`RedisCluster::start_announcing`] starts one whose nodes tell clients other ports
+//! (`cluster-announce-port`): a forwarder the test runs on each of those ports (a fault
+//! proxy) is then the only way clients reach the nodes.
 
 use std::io::BufReader;
 use std::net::TcpListener;
@@ -16,7 +20,7 @@ use crate::launch;
 pub struct ClusterNode {
     /// The node id.
     pub id: String,
-    /// Its port on 127.0.0.1.
+    /// Its port on 127.0.0.1 (where it listens, also when it announces another one).
     pub port: u16,
     /// Whether it is a master.
     pub master: bool,
@@ -34,6 +38,9 @@ pub struct RedisCluster {
     cli: PathBuf,
     base: PathBuf,
     watchdog: Option<Child>,
+    /// `(listening port, announced port)` of each node, when it announces another port
+    /// to clients; empty otherwise.
+    announced: Vec<(u16, u16)>,
 }
 
 /// A port whose cluster bus port (+10000) is free too.
@@ -65,6 +72,7 @@ impl RedisCluster {
             cli,
             base: base.clone(),
             watchdog: None,
+            announced: Vec::new(),
         };
         cluster.watchdog = Some(cluster.spawn_watchdog());
         let mut ports = Vec::new();
@@ -115,6 +123,108 @@ impl RedisCluster {
         Some(cluster)
     }
 
+    /// Starts a cluster (as [`start`](Self::start)) whose node `i` then announces
+    /// `127.0.0.1:announce[i]` instead of its own port: in `CLUSTER SLOTS`,
+    /// `CLUSTER SHARDS`, `CLUSTER NODES`, `MOVED` and `ASK`, and to its replicas, which
+    /// replicate from there. The cluster bus keeps the nodes' own ports
+    /// (`cluster-announce-bus-port`), so gossip, failure detection and failover votes
+    /// never go through what listens on the announced ports. `None` as for
+    /// [`start`](Self::start).
+    ///
+    /// The caller reserves the announced ports before the call (by holding listeners on
+    /// them, so no node starts on one). Once the cluster is joined and healthy, `forward`
+    /// is called with the nodes' own ports (same order as `announce`, and as
+    /// [`ports`](Self::ports)); when it returns, something must forward each announced
+    /// port to its node (a fault proxy). Then the nodes announce the new ports
+    /// (`CONFIG SET`, kept for [`restart`](Self::restart)), and this returns once every
+    /// node lists every other at its new port and the cluster is healthy again (the
+    /// replicas reconnected through the forwarders). Clients seeded with
+    /// [`urls`](Self::urls) then reach the nodes only through the forwarders.
+    ///
+    /// Everything else here speaks to the nodes' own ports and names nodes by them
+    /// ([`ClusterNode::port`], [`cmd`](Self::cmd), [`kill`](Self::kill)), except
+    /// [`reshard`](Self::reshard): redis-cli reaches the other nodes where they are
+    /// announced.
+    ///
+    /// # Panics
+    /// When `announce` does not name one port per node (`2 * MASTERS`), or the nodes do
+    /// not all see the new ports and become healthy within 30 s each.
+    pub fn start_announcing(
+        announce: &[u16],
+        forward: impl FnOnce(&[u16]),
+    ) -> Option<RedisCluster> {
+        assert_eq!(
+            announce.len(),
+            2 * Self::MASTERS,
+            "one announced port per node"
+        );
+        let mut cluster = Self::start()?;
+        forward(&cluster.ports());
+        cluster.announce(announce);
+        Some(cluster)
+    }
+
+    /// Makes node `i` announce `announce[i]`, then waits until every node sees it.
+    fn announce(&mut self, announce: &[u16]) {
+        for (node, &port) in self.nodes.iter_mut().zip(announce) {
+            let bus = (node.port + 10_000).to_string();
+            let settings = [
+                ("cluster-announce-ip", "127.0.0.1".to_owned()),
+                ("cluster-announce-bus-port", bus),
+                ("cluster-announce-port", port.to_string()),
+            ];
+            for (name, value) in settings {
+                node.config_set(name, &value);
+                // A restarted node starts announcing it again.
+                node.extra.extend([format!("--{name}"), value]);
+            }
+            self.announced.push((node.port, port));
+        }
+        let mut want: Vec<u16> = announce.to_vec();
+        want.sort_unstable();
+        let started = Instant::now();
+        loop {
+            // The ports each node lists, as it lists them (gossip spreads the change).
+            let views: Vec<Result<Vec<u16>, String>> = self
+                .nodes
+                .iter()
+                .map(|n| {
+                    let text = n.cmd(&["CLUSTER", "NODES"])?.text();
+                    let mut ports: Vec<u16> = text.lines().filter_map(listed_port).collect();
+                    ports.sort_unstable();
+                    Ok(ports)
+                })
+                .collect();
+            if views.iter().all(|v| v.as_ref().is_ok_and(|p| *p == want)) {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the nodes did not announce {want:?} within 30 s: {views:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.wait_healthy(Duration::from_secs(30));
+    }
+
+    /// The port the node listening on `port` announces to clients (`port` itself unless
+    /// the cluster was started with [`start_announcing`](Self::start_announcing)).
+    pub fn announced_port(&self, port: u16) -> u16 {
+        self.announced
+            .iter()
+            .find(|(own, _)| *own == port)
+            .map_or(port, |(_, announced)| *announced)
+    }
+
+    /// The port a node listens on, from a port `CLUSTER NODES` lists (announced or
+    /// its own).
+    fn own_port(&self, listed: u16) -> u16 {
+        self.announced
+            .iter()
+            .find(|(_, announced)| *announced == listed)
+            .map_or(listed, |(own, _)| *own)
+    }
+
     /// One cluster for the whole test process (never dropped: the watchdog stops it
     /// when the process exits). `None` as for [`start`](Self::start).
     pub fn shared() -> Option<&'static RedisCluster> {
@@ -142,11 +252,12 @@ impl RedisCluster {
             .expect("spawn the cluster watchdog")
     }
 
-    /// Seed node URLs (every node), `redis://127.0.0.1:PORT`.
+    /// Seed node URLs (every node), `redis://127.0.0.1:PORT`, at the ports the nodes
+    /// announce to clients (their own unless [`start_announcing`](Self::start_announcing)).
     pub fn urls(&self) -> Vec<String> {
         self.nodes
             .iter()
-            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .map(|n| format!("redis://127.0.0.1:{}", self.announced_port(n.port)))
             .collect()
     }
 
@@ -196,7 +307,7 @@ impl RedisCluster {
         text.lines()
             .filter_map(|line| {
                 let f: Vec<&str> = line.split_whitespace().collect();
-                let port = f.get(1)?.split(['@', ':']).nth(1)?.parse().ok()?;
+                let port = self.own_port(listed_port(line)?);
                 let flags = f.get(2)?;
                 Some(ClusterNode {
                     id: f[0].to_owned(),
@@ -443,6 +554,16 @@ impl Drop for RedisCluster {
         }
         let _ = std::fs::remove_dir_all(&self.base);
     }
+}
+
+/// The client port a `CLUSTER NODES` line lists (`id ip:port@bus …`).
+fn listed_port(line: &str) -> Option<u16> {
+    line.split_whitespace()
+        .nth(1)?
+        .split(['@', ':'])
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// Runs `redis-cli --cluster <what> …` (`cmd`) to its end, with no input; panics with
