@@ -59,8 +59,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub(crate) use runs::protect;
 pub use runs::protected_runs;
+pub(crate) use runs::{protect, protect_answering};
 
 /// The default drain timeout.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);

@@ -28,6 +28,17 @@ pub(crate) fn protect<F: Future<Output = ()> + 'static>(
     PROCESS.protect(run)
 }
 
+/// [`protect`] for a run that answers: counted from now until it ends or is dropped.
+pub(crate) fn protect_answering<F: Future + 'static>(
+    run: F,
+) -> impl Future<Output = F::Output> + use<F> {
+    let guard = RunGuard::new(&PROCESS);
+    async move {
+        let _guard = guard;
+        run.await
+    }
+}
+
 impl Runs {
     pub(crate) const fn new() -> Self {
         Runs {

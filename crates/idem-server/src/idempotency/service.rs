@@ -17,7 +17,7 @@ use tracing::{Instrument, field};
 use super::BoxError;
 use super::context::Call;
 use super::digest::scope_for;
-use super::future::ResponseFuture;
+use super::future::{Detach, ResponseFuture};
 use super::layer::{Current, IdempotencyLayer, Shared};
 use super::stats::Counter;
 use super::status;
@@ -189,8 +189,13 @@ where
                     trace: trace.map(|t| t.with_tenant(tenant)),
                 };
                 let trace = call.trace.clone();
+                let detach = Detach {
+                    admission: self.shared.admission.clone(),
+                    trace: trace.as_ref().filter(|t| t.observed()).cloned(),
+                    span: span.clone(),
+                };
                 let fut = metrics::traced(trace, call.run(inner, parts, body));
-                ResponseFuture::protected(Box::pin(fut.instrument(span)))
+                ResponseFuture::protected(Box::pin(fut.instrument(span)), detach)
             }
         }
     }
