@@ -121,6 +121,7 @@ mod entry;
 mod evict;
 mod sweep;
 
+use std::collections::hash_map::Entry::{Occupied, Vacant};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -383,23 +384,34 @@ impl Table {
         loop {
             let now = self.tick(Instant::now());
             let mut map = lock(self.shard(scope));
-            if let Some(e) = map.get_mut(scope) {
-                if !Self::is_expired(e, now) {
-                    return Ok(self.claim_existing(e, &req, now));
-                }
-                if let Some(mut old) = map.remove(scope) {
+            // One lookup: a new record goes into the slot the lookup found.
+            let slot = match map.map.entry(*scope) {
+                Occupied(mut e) => {
+                    if !Self::is_expired(e.get(), now) {
+                        return Ok(self.claim_existing(e.get_mut(), &req, now));
+                    }
+                    let mut old = e.remove();
                     old.wake();
                     self.forget(&old);
                     self.expirations.fetch_add(1, Ordering::Relaxed);
+                    None
                 }
-            }
+                Vacant(slot) => Some(slot),
+            };
             let tenant = self.usage(req.tenant);
             match self.admit(&tenant) {
                 Ok(()) => {
                     self.watch(&tenant);
                     let e = self.new_in_flight(&req, now, tenant);
                     let fence = e.fence();
-                    map.insert(*scope, e);
+                    match slot {
+                        Some(slot) => {
+                            slot.insert(e);
+                        }
+                        None => {
+                            map.insert(*scope, e);
+                        }
+                    }
                     return Ok(Claim::Acquired {
                         fence,
                         takeover: false,
@@ -408,6 +420,7 @@ impl Table {
                 Err(bound) => {
                     // Evict without holding this shard (eviction locks other shards),
                     // then look at the scope again: it may have changed meanwhile.
+                    drop(slot);
                     drop(map);
                     if evictions < MAX_EVICTIONS_PER_CALL
                         && self.make_room(&tenant, bound, RECORD_OVERHEAD_BYTES, now)
