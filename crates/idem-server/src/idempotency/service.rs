@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use idem_core::config::{IdempotencyPolicy, ServiceConfig};
 use idem_core::key::IdempotencyKey;
-use idem_store::{Scope, Store};
+use idem_store::{Scope, Store, TenantId};
 use tonic::Status;
 use tonic::body::Body;
 use tower_service::Service;
@@ -71,10 +71,13 @@ impl<S, St: Store> Idempotency<S, St> {
 enum Route {
     Passthrough,
     Reject(Status),
-    /// The record's scope (the key is read only to digest it) and the caller's tenant.
+    /// The record's scope (the key is read only to digest it), the caller's tenant as
+    /// the store names it, and its name when a resolver gave one (a single tenant's is
+    /// the layer's).
     Protect {
         scope: Scope,
-        tenant: String,
+        tenant: TenantId,
+        name: Option<String>,
     },
 }
 
@@ -102,10 +105,18 @@ fn route(
             Err(e) => return Route::Reject(status::key_invalid(e)),
         },
     };
+    if let Some((name, id)) = &current.single {
+        return Route::Protect {
+            scope: scope_for(name, parts.uri.path(), key),
+            tenant: *id,
+            name: None,
+        };
+    }
     match resolver.tenant(parts) {
         Some(tenant) => Route::Protect {
             scope: scope_for(&tenant, parts.uri.path(), key),
-            tenant,
+            tenant: shared.tenant_ids.of(&tenant),
+            name: Some(tenant),
         },
         None => Route::Reject(status::tenant_missing()),
     }
@@ -172,7 +183,11 @@ where
                     None => resp,
                 })
             }
-            Route::Protect { scope, tenant } => {
+            Route::Protect {
+                scope,
+                tenant,
+                name,
+            } => {
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let path = parts.uri.path();
@@ -184,9 +199,17 @@ where
                     shared: self.shared.clone(),
                     policy: policy.clone(),
                     scope,
-                    tenant: self.shared.tenant_ids.of(&tenant),
+                    tenant,
                     single_tenant: current.single_tenant,
-                    trace: trace.map(|t| t.with_tenant(tenant)),
+                    trace: trace.map(|t| {
+                        let name = name.unwrap_or_else(|| {
+                            current
+                                .single
+                                .as_ref()
+                                .map_or_else(String::new, |s| s.0.to_string())
+                        });
+                        t.with_tenant(name)
+                    }),
                 };
                 let trace = call.trace.clone();
                 let detach = Detach {
