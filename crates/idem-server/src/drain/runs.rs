@@ -29,13 +29,32 @@ pub(crate) fn protect<F: Future<Output = ()> + 'static>(
 }
 
 /// [`protect`] for a run that answers: counted from now until it ends or is dropped.
-pub(crate) fn protect_answering<F: Future + 'static>(
-    run: F,
-) -> impl Future<Output = F::Output> + use<F> {
-    let guard = RunGuard::new(&PROCESS);
-    async move {
-        let _guard = guard;
-        run.await
+/// A struct, not an `async` block: the block would hold `run` twice (as its capture and
+/// as the future it awaits), and a run is large.
+pub(crate) fn protect_answering<F: Future>(run: F) -> Counted<F> {
+    Counted {
+        run,
+        _guard: RunGuard::new(&PROCESS),
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A run counted in the process's runs while it is alive.
+    pub(crate) struct Counted<F> {
+        #[pin]
+        run: F,
+        _guard: RunGuard<'static>,
+    }
+}
+
+impl<F: Future> Future for Counted<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        self.project().run.poll(cx)
     }
 }
 
@@ -80,7 +99,7 @@ impl Runs {
 }
 
 /// Counts one run while it is alive.
-struct RunGuard<'a>(&'a Runs);
+pub(crate) struct RunGuard<'a>(&'a Runs);
 
 impl<'a> RunGuard<'a> {
     fn new(runs: &'a Runs) -> Self {

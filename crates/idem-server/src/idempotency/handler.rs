@@ -67,12 +67,8 @@ where
     extensions.insert(lease.record().clone());
     let claimed = Claimed { lease, permit };
     // Counted until its outcome is recorded, wherever it runs: a drain waits for it.
-    let run = crate::drain::protect_answering(async move {
-        if scheduled_renewals {
-            tokio::task::yield_now().await;
-        }
-        run(call, inner, request, claimed).await
-    });
+    let run =
+        crate::drain::protect_answering(run(call, inner, request, claimed, scheduled_renewals));
     // A panic outside the handler's own (in recording the outcome, say) ends the run
     // here: the caller gets INTERNAL and the record is left to its lease.
     let run = Running::new(AssertUnwindSafe(run).catch_unwind());
@@ -107,12 +103,16 @@ async fn run<S, St, ResBody>(
     inner: S,
     request: BufferedRequest,
     claimed: Claimed<St>,
+    scheduled_renewals: bool,
 ) -> Result<Response<Body>, S::Error>
 where
     S: HandlerService<ResBody>,
     ResBody: HandlerBody,
     St: Store,
 {
+    if scheduled_renewals {
+        tokio::task::yield_now().await;
+    }
     let Call {
         shared,
         policy,
@@ -147,8 +147,9 @@ where
         }
         Ok(Err(e)) => {
             // The service failed without a response: nothing is known to be done.
+            // Boxed, as every release here: a rare path, kept out of the call's future.
             let (attempted, _) = oneshot::channel();
-            lease.release(attempted).await;
+            Box::pin(lease.release(attempted)).await;
             return Err(e);
         }
         Err(_) => {
@@ -166,7 +167,7 @@ where
         Some(Plan::Release) => {
             // The answer waits until the release has landed.
             let (attempted, _) = oneshot::channel();
-            lease.release(attempted).await;
+            Box::pin(lease.release(attempted)).await;
         }
         Some(Plan::Complete(outcome)) => {
             // The answer leaves after the first attempt; retries go on apart, holding
