@@ -194,6 +194,12 @@ impl<St> Shared<St> {
             .clone()
     }
 
+    /// The generation a call starting now uses, read in place (hold it briefly: a
+    /// reload waits for it).
+    pub(crate) fn current_read(&self) -> std::sync::RwLockReadGuard<'_, Arc<Current>> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn set_current(&self, current: Current) {
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(current);
     }

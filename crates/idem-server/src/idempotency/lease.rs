@@ -111,7 +111,6 @@ impl<St: Store> Lease<St> {
         outcome: StoredOutcome,
         ttl: Duration,
     ) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
-        let give_up = Instant::now() + self.retry_for;
         let first = self
             .store
             .complete(self.completion(outcome.clone(), ttl))
@@ -127,6 +126,8 @@ impl<St: Store> Lease<St> {
                 None
             }
             Step::Retry(e) => Some(Box::pin(async move {
+                // Retried for `retry_for` from the first failure.
+                let give_up = Instant::now() + self.retry_for;
                 let store = &self.store;
                 let op = || store.complete(self.completion(outcome.clone(), ttl));
                 match self.retry(e, give_up, op).await {

@@ -140,8 +140,10 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        // The generation this call keeps, whatever a reload does meanwhile.
-        let current = self.shared.current();
+        // The generation this call keeps, whatever a reload does meanwhile: read under
+        // the lock (no reference count to touch), which is let go before the inner
+        // service is called.
+        let current = self.shared.current_read();
         let Some(policy) = current
             .config
             .lookup_path(req.uri().path())
@@ -155,11 +157,13 @@ where
                 && self.shared.ignored_keys.note(&current.config, path);
             let reason = ignored.then_some(metrics::KEY_IGNORED);
             let trace = CallTrace::passthrough(self.shared.observer.as_ref(), path, reason);
+            drop(current);
             return ResponseFuture::passthrough(self.inner.call(req), trace);
         };
         let (parts, body) = req.into_parts();
         match route(&self.shared, &current, policy, &parts) {
             Route::Passthrough => {
+                drop(current);
                 let trace =
                     CallTrace::passthrough(self.shared.observer.as_ref(), parts.uri.path(), None);
                 ResponseFuture::passthrough(
@@ -188,8 +192,6 @@ where
                 tenant,
                 name,
             } => {
-                let clone = self.inner.clone();
-                let inner = std::mem::replace(&mut self.inner, clone);
                 let path = parts.uri.path();
                 let span = call_span(path, Some(&scope));
                 // The path is copied only for an observer's trace.
@@ -211,6 +213,9 @@ where
                         t.with_tenant(name)
                     }),
                 };
+                drop(current);
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
                 let trace = call.trace.clone();
                 let detach = Detach {
                     admission: self.shared.admission.clone(),

@@ -141,7 +141,8 @@ pub use bounds::MemoryBound;
 
 use bounds::{Limits, Usage, sub};
 use entry::{
-    Done, Entry, EntryState, Name, Shard, Tenants, after, epoch, in_flight_expiry, lock, nanos,
+    Done, Entry, EntryState, Name, Shard, Tenants, Tick, after, epoch, in_flight_expiry, lock,
+    nanos,
 };
 use evict::MAX_EVICTIONS_PER_CALL;
 
@@ -438,7 +439,16 @@ impl Table {
     /// `fence`. A lease that ended does not matter (the fence stays current until
     /// someone takes over); an expired record counts as gone.
     fn fenced(&self, scope: &Name, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
-        let now = self.tick(Instant::now());
+        self.fenced_at(scope, fence, self.tick(Instant::now()))
+    }
+
+    /// [`fenced`](Self::fenced) at `now`.
+    fn fenced_at(
+        &self,
+        scope: &Name,
+        fence: Fence,
+        now: Tick,
+    ) -> Result<MutexGuard<'_, Shard>, StoreError> {
         let map = lock(self.shard(scope));
         match map.get(scope).filter(|e| !Self::is_expired(e, now)) {
             Some(e) if e.is_in_flight() && e.fence() == fence => Ok(map),
@@ -473,8 +483,10 @@ impl Table {
         // A response that could never fit evicts nothing.
         let may_evict = n + RECORD_OVERHEAD_BYTES <= self.limits.tenant_bytes;
         let mut evictions = 0;
+        // One clock read, unless making room took a while.
+        let mut now = self.tick(Instant::now());
         let (mut map, outcome) = loop {
-            let map = self.fenced(scope, fence)?;
+            let map = self.fenced_at(scope, fence, now)?;
             let Some(e) = map.get(scope) else {
                 unreachable!("checked by fenced")
             };
@@ -503,8 +515,8 @@ impl Table {
                 break (self.fenced(scope, fence)?, StoredOutcome::NotRetained);
             }
             evictions += 1;
+            now = self.tick(Instant::now());
         };
-        let now = self.tick(Instant::now());
         let Shard { map: records, done } = &mut *map;
         let Some(e) = records.get_mut(scope) else {
             unreachable!("checked by fenced")
