@@ -421,7 +421,6 @@ impl Table {
                 Err(bound) => {
                     // Evict without holding this shard (eviction locks other shards),
                     // then look at the scope again: it may have changed meanwhile.
-                    drop(slot);
                     drop(map);
                     if evictions < MAX_EVICTIONS_PER_CALL
                         && self.make_room(&tenant, bound, RECORD_OVERHEAD_BYTES, now)
