@@ -121,7 +121,6 @@ mod entry;
 mod evict;
 mod sweep;
 
-use std::collections::hash_map::Entry::{Occupied, Vacant};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -148,6 +147,9 @@ use evict::MAX_EVICTIONS_PER_CALL;
 
 /// Number of shards.
 pub const SHARDS: usize = 64;
+
+/// A locked shard.
+type Locked<'a> = MutexGuard<'a, Shard>;
 
 /// Number of shards of the tenant map.
 const TENANT_SHARDS: usize = 16;
@@ -385,34 +387,23 @@ impl Table {
         loop {
             let now = self.tick(Instant::now());
             let mut map = lock(self.shard(scope));
-            // One lookup: a new record goes into the slot the lookup found.
-            let slot = match map.map.entry(*scope) {
-                Occupied(mut e) => {
-                    if !Self::is_expired(e.get(), now) {
-                        return Ok(self.claim_existing(e.get_mut(), &req, now));
-                    }
-                    let mut old = e.remove();
+            if let Some(e) = map.get_mut(scope) {
+                if !Self::is_expired(e, now) {
+                    return Ok(self.claim_existing(e, &req, now));
+                }
+                if let Some(mut old) = map.remove(scope) {
                     old.wake();
                     self.forget(&old);
                     self.expirations.fetch_add(1, Ordering::Relaxed);
-                    None
                 }
-                Vacant(slot) => Some(slot),
-            };
+            }
             let tenant = self.usage(req.tenant);
             match self.admit(&tenant) {
                 Ok(()) => {
                     self.watch(&tenant);
                     let e = self.new_in_flight(&req, now, tenant);
                     let fence = e.fence();
-                    match slot {
-                        Some(slot) => {
-                            slot.insert(e);
-                        }
-                        None => {
-                            map.insert(*scope, e);
-                        }
-                    }
+                    map.insert(*scope, e);
                     return Ok(Claim::Acquired {
                         fence,
                         takeover: false,
@@ -436,18 +427,8 @@ impl Table {
 
     /// Locks the shard of `scope` and checks that it holds an in-flight record with
     /// `fence`. A lease that ended does not matter (the fence stays current until
-    /// someone takes over); an expired record counts as gone.
-    fn fenced(&self, scope: &Name, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
-        self.fenced_at(scope, fence, self.tick(Instant::now()))
-    }
-
-    /// [`fenced`](Self::fenced) at `now`.
-    fn fenced_at(
-        &self,
-        scope: &Name,
-        fence: Fence,
-        now: Tick,
-    ) -> Result<MutexGuard<'_, Shard>, StoreError> {
+    /// someone takes over); an expired record (at `now`) counts as gone.
+    fn fenced(&self, scope: &Name, fence: Fence, now: Tick) -> Result<Locked<'_>, StoreError> {
         let map = lock(self.shard(scope));
         match map.get(scope).filter(|e| !Self::is_expired(e, now)) {
             Some(e) if e.is_in_flight() && e.fence() == fence => Ok(map),
@@ -460,7 +441,7 @@ impl Table {
 
     fn renew(&self, scope: &Name, fence: Fence, lease: Duration) -> Result<(), StoreError> {
         let now = self.tick(Instant::now());
-        let mut map = self.fenced(scope, fence)?;
+        let mut map = self.fenced(scope, fence, now)?;
         if let Some(e) = map.get_mut(scope)
             && let EntryState::InFlight { lease_until, .. } = &mut e.state
         {
@@ -485,7 +466,7 @@ impl Table {
         // One clock read, unless making room took a while.
         let mut now = self.tick(Instant::now());
         let (mut map, outcome) = loop {
-            let map = self.fenced_at(scope, fence, now)?;
+            let map = self.fenced(scope, fence, now)?;
             let Some(e) = map.get(scope) else {
                 unreachable!("checked by fenced")
             };
@@ -511,7 +492,7 @@ impl Table {
                     "idempotency memory store: response does not fit its tenant's or the \
                      store's byte bound; recorded as not retained"
                 );
-                break (self.fenced(scope, fence)?, StoredOutcome::NotRetained);
+                break (self.fenced(scope, fence, now)?, StoredOutcome::NotRetained);
             }
             evictions += 1;
             now = self.tick(Instant::now());
@@ -546,7 +527,7 @@ impl Table {
 
     /// Removes the record: the global fence counter keeps the next claim's fence higher.
     fn release(&self, scope: &Name, fence: Fence) -> Result<(), StoreError> {
-        let mut map = self.fenced(scope, fence)?;
+        let mut map = self.fenced(scope, fence, self.tick(Instant::now()))?;
         if let Some(mut e) = map.remove(scope) {
             e.wake();
             self.forget(&e);
