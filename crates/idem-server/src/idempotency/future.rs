@@ -62,7 +62,7 @@ pub(crate) struct Detach {
     /// The layer's bounds: a run detached by a cancel counts against
     /// `maxDetachedHandlers` until its task ends.
     pub(crate) admission: Arc<Admission>,
-    /// The call's trace, when an observer listens: told of a run detached by a cancel.
+    /// The call's trace: told of a run detached by a cancel (the call ends CANCELLED).
     pub(crate) trace: Option<Arc<CallTrace>>,
     /// The call's span: a detached run is instrumented with it.
     pub(crate) span: tracing::Span,
@@ -107,6 +107,10 @@ pub(crate) fn spawn_detached<E: Send + 'static>(future: Protected<E>, d: Detach)
         );
         return;
     };
+    // The caller went away now: that is how its call ended, whatever the run answers.
+    if let Some(t) = &d.trace {
+        t.ended(Code::Cancelled);
+    }
     let cancelled = d.trace.and_then(CallTrace::detached);
     let gone = d.admission.detached();
     let run = async move {

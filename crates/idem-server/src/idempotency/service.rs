@@ -219,7 +219,7 @@ where
                 let trace = call.trace.clone();
                 let detach = Detach {
                     admission: self.shared.admission.clone(),
-                    trace: trace.as_ref().filter(|t| t.observed()).cloned(),
+                    trace: trace.clone(),
                     span: span.clone(),
                 };
                 let fut = metrics::traced(trace, call.run(inner, parts, body));
