@@ -195,11 +195,6 @@ impl CallTrace {
         self
     }
 
-    /// Whether an observer listens (not only the `INFO` event).
-    pub(crate) fn observed(&self) -> bool {
-        self.observer.is_some()
-    }
-
     /// The caller went away while the call's handler was running: reports the run as
     /// detached until the returned guard is dropped (when the run ends).
     pub(crate) fn detached(self: Arc<Self>) -> Option<DetachedRun> {

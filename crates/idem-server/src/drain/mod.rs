@@ -78,8 +78,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 pub use refuse::{Refuse, RefuseFuture, RefuseLayer, StreamRefused};
-pub(crate) use runs::protect;
 pub use runs::protected_runs;
+pub(crate) use runs::{protect, protect_answering};
 
 /// The default drain timeout.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);

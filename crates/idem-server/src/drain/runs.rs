@@ -28,6 +28,36 @@ pub(crate) fn protect<F: Future<Output = ()> + 'static>(
     PROCESS.protect(run)
 }
 
+/// [`protect`] for a run that answers: counted from now until it ends or is dropped.
+/// A struct, not an `async` block: the block would hold `run` twice (as its capture and
+/// as the future it awaits), and a run is large.
+pub(crate) fn protect_answering<F: Future>(run: F) -> Counted<F> {
+    Counted {
+        run,
+        _guard: RunGuard::new(&PROCESS),
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A run counted in the process's runs while it is alive.
+    pub(crate) struct Counted<F> {
+        #[pin]
+        run: F,
+        _guard: RunGuard<'static>,
+    }
+}
+
+impl<F: Future> Future for Counted<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        self.project().run.poll(cx)
+    }
+}
+
 impl Runs {
     pub(crate) const fn new() -> Self {
         Runs {
@@ -69,7 +99,7 @@ impl Runs {
 }
 
 /// Counts one run while it is alive.
-struct RunGuard<'a>(&'a Runs);
+pub(crate) struct RunGuard<'a>(&'a Runs);
 
 impl<'a> RunGuard<'a> {
     fn new(runs: &'a Runs) -> Self {

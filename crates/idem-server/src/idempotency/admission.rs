@@ -23,6 +23,7 @@
 //! same on release; a tenant's entry exists only while it holds a run or a waiter.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -30,6 +31,27 @@ use idem_core::config::IdemSettings;
 use idem_store::TenantId;
 
 const SHARDS: usize = 16;
+
+/// A tenant's holdings by its id. The id is already a uniform digest: it is hashed by
+/// taking 8 of its bytes, not SipHash's rounds (two per call).
+type Tenants = HashMap<TenantId, Held, BuildHasherDefault<IdHasher>>;
+
+/// Hashes a [`TenantId`] (16 digest bytes) by folding them into 8.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(5) ^ u64::from_le_bytes(b);
+        }
+    }
+}
 
 /// The bound that refused an admission, as the `bound` of the refusal's `ErrorInfo`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,7 +142,7 @@ pub(crate) struct Admission {
     handlers: AtomicUsize,
     detached: AtomicUsize,
     waiters: AtomicUsize,
-    tenants: Box<[Mutex<HashMap<TenantId, Held>>]>,
+    tenants: Box<[Mutex<Tenants>]>,
 }
 
 impl Admission {
@@ -134,7 +156,7 @@ impl Admission {
         })
     }
 
-    fn shard(&self, tenant: &TenantId) -> MutexGuard<'_, HashMap<TenantId, Held>> {
+    fn shard(&self, tenant: &TenantId) -> MutexGuard<'_, Tenants> {
         self.tenants[usize::from(tenant.0[0]) % SHARDS]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -232,7 +254,7 @@ fn take(count: &AtomicUsize, max: usize) -> Option<usize> {
         .ok()
 }
 
-fn forget_if_empty(shard: &mut HashMap<TenantId, Held>, tenant: TenantId, held: Held) {
+fn forget_if_empty(shard: &mut Tenants, tenant: TenantId, held: Held) {
     if held.handlers == 0 && held.waiters == 0 {
         shard.remove(&tenant);
     }

@@ -69,9 +69,11 @@ impl<St: Store> Call<St> {
                     let slot = match slot {
                         Some(Ok(slot)) => slot,
                         Some(Err(bound)) => {
-                            return Ok(self.overloaded_after_claim(fence, bound).await);
+                            // Boxed: a rare path (it gives the record back).
+                            let refused = Box::pin(self.overloaded_after_claim(fence, bound));
+                            return Ok(refused.await);
                         }
-                        None => return Ok(self.ended_while_waiting(fence).await),
+                        None => return Ok(Box::pin(self.ended_while_waiting(fence)).await),
                     };
                     self.shared.stats.inc(Counter::executed);
                     self.outcome("executed");

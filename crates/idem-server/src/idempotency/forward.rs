@@ -1,5 +1,6 @@
-//! Sending a handler's response to its caller as it is produced, holding the end back
-//! until the outcome is recorded ([`Forwarder`]).
+//! What the caller gets of a handler's response ([`Forwarder`]): the response whole,
+//! once its outcome is recorded, or (a stream) each message as it is produced, the end
+//! held back until the outcome is recorded.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Response};
 use http_body::Frame;
 use http_body_util::StreamBody;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::Duration;
 use tonic::Status;
 use tonic::body::Body;
@@ -16,77 +17,109 @@ use tonic::body::Body;
 use super::body::ReplayBody;
 use crate::metrics::{BodyEnd, CallTrace};
 
-/// Where the caller's answer goes: the response as soon as it starts, or the service's
-/// error.
-pub(crate) type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
+/// How many frames a stream holds for a caller that reads slowly.
+const STREAM_BUFFER: usize = 16;
 
-/// Sends the response to the caller as it is produced. The newest data frame is held
-/// back until the next one arrives, so the last one leaves with the trailers (and a
-/// unary response leaves whole, head included) after the outcome is recorded: a caller
-/// that saw the end of its response and retries finds the record completed, and the
-/// end goes out in one write, not a trailing small one that Nagle's algorithm would
-/// hold for the peer's delayed ACK.
-pub(crate) struct Forwarder<E> {
-    reply: Option<Reply<E>>,
-    /// The head, until the first frame is forwarded.
+type Item = Result<Frame<Bytes>, Status>;
+
+/// Holds the response back for the caller. The newest data frame is held back until the
+/// next one arrives, so the last one leaves with the trailers (and a unary response
+/// leaves whole, head included) after the outcome is recorded: a caller that saw the end
+/// of its response and retries finds the record completed, and the end goes out in one
+/// write, not a trailing small one that Nagle's algorithm would hold for the peer's
+/// delayed ACK. A second data frame makes the response a stream: the head leaves with a
+/// body fed from a channel ([`open`](Self::open)).
+pub(crate) struct Forwarder {
+    /// The head, until the response leaves.
     pub(crate) head: Option<http::response::Parts>,
-    tx: Option<mpsc::Sender<Result<Frame<Bytes>, Status>>>,
+    tx: Option<mpsc::Sender<Item>>,
+    /// The newest data frame, held back.
     pending: Option<Bytes>,
+    /// Frames to send before `pending`: earlier data frames, or the body's error.
+    queued: VecDeque<Item>,
     /// How long a frame may wait for the caller to make room (`responseStallTimeout`).
     stall: Duration,
     /// The call's trace, for a response delivered whole: its body reports its end.
     trace: Option<Arc<CallTrace>>,
 }
 
-impl<E> Forwarder<E> {
-    pub(crate) fn new(reply: Reply<E>, stall: Duration, trace: Option<Arc<CallTrace>>) -> Self {
+impl Forwarder {
+    pub(crate) fn new(stall: Duration, trace: Option<Arc<CallTrace>>) -> Self {
         Forwarder {
-            reply: Some(reply),
             head: None,
             tx: None,
             pending: None,
+            queued: VecDeque::new(),
             stall,
             trace,
         }
     }
 
-    pub(crate) async fn data(&mut self, data: Bytes) {
+    /// Holds `data` back; the frame it replaces is queued to leave.
+    pub(crate) fn data(&mut self, data: Bytes) {
         if let Some(prev) = self.pending.replace(data) {
-            self.open();
-            self.send(Ok(Frame::data(prev))).await;
+            self.queued.push_back(Ok(Frame::data(prev)));
         }
+    }
+
+    /// Whether a frame is queued: the response has more than one message.
+    pub(crate) fn is_stream(&self) -> bool {
+        !self.queued.is_empty()
     }
 
     /// The body failed mid-way: the caller gets what came before, then the error.
-    pub(crate) async fn fail(&mut self, status: Status) {
-        self.open();
+    pub(crate) fn fail(&mut self, status: Status) {
         if let Some(prev) = self.pending.take() {
-            self.send(Ok(Frame::data(prev))).await;
+            self.queued.push_back(Ok(Frame::data(prev)));
         }
-        self.send(Err(status)).await;
+        self.queued.push_back(Err(status));
     }
 
-    pub(crate) fn fail_service(mut self, e: E) {
-        if let Some(r) = self.reply.take() {
-            let _ = r.send(Err(e));
-        }
+    /// The response, with a body fed from here: the run goes on (and records the
+    /// outcome) when that body is dropped because the caller went away.
+    pub(crate) fn open(&mut self) -> Response<Body> {
+        let head = self.head.take().expect("the response head, once");
+        let (tx, mut rx) = mpsc::channel(STREAM_BUFFER);
+        self.tx = Some(tx);
+        let frames = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        Response::from_parts(head, Body::new(StreamBody::new(frames)))
     }
 
-    /// Sends the head with a body fed from here, once. The run goes on (and records
-    /// the outcome) when that body is dropped because the caller went away.
-    fn open(&mut self) {
-        if let Some(head) = self.head.take() {
-            let (tx, mut rx) = mpsc::channel(16);
-            self.tx = Some(tx);
-            let frames = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
-            let body = Body::new(StreamBody::new(frames));
-            self.respond(Response::from_parts(head, body));
+    /// The response whole, its outcome recorded: the head, the frame held back and the
+    /// trailers (or, after a body that failed, what came before and the error).
+    pub(crate) fn whole(mut self, trailers: Option<HeaderMap>) -> Response<Body> {
+        if !self.queued.is_empty() {
+            let response = self.open();
+            let tx = self.tx.take().expect("opened");
+            // The error and the frame before it: within the channel's room.
+            for item in self
+                .queued
+                .drain(..)
+                .chain(self.pending.take().map(|d| Ok(Frame::data(d))))
+            {
+                let _ = tx.try_send(item);
+            }
+            return response;
         }
+        let head = self.head.take().expect("the response head, once");
+        let body = if self.pending.is_none() && trailers.is_none() {
+            Body::empty()
+        } else {
+            let end = self.trace.take().map(BodyEnd::new);
+            Body::new(ReplayBody::new(
+                VecDeque::new(),
+                self.pending.take(),
+                trailers,
+                end,
+            ))
+        };
+        Response::from_parts(head, body)
     }
 
-    fn respond(&mut self, resp: Response<Body>) {
-        if let Some(r) = self.reply.take() {
-            let _ = r.send(Ok(resp));
+    /// Sends the queued frames to the caller of a stream.
+    pub(crate) async fn flush(&mut self) {
+        while let Some(item) = self.queued.pop_front() {
+            self.send(item).await;
         }
     }
 
@@ -94,7 +127,7 @@ impl<E> Forwarder<E> {
     /// went away, or that has read nothing for that long, is sent nothing more: its
     /// stream ends (without trailers, which its client reports as an error), and the run
     /// goes on to record its outcome.
-    async fn send(&mut self, item: Result<Frame<Bytes>, Status>) {
+    async fn send(&mut self, item: Item) {
         let Some(tx) = &self.tx else { return };
         // Room now (the usual case): no timer.
         let item = match tx.try_send(item) {
@@ -118,24 +151,10 @@ impl<E> Forwarder<E> {
         }
     }
 
-    /// Delivers what was held back, once the outcome is recorded: the head too when no
-    /// frame was forwarded (a Trailers-Only or single-message response).
+    /// Delivers the end of a stream, once the outcome is recorded: the frame held back
+    /// and the trailers.
     pub(crate) async fn finish(mut self, trailers: Option<HeaderMap>) {
-        if let Some(head) = self.head.take() {
-            let body = if self.pending.is_none() && trailers.is_none() {
-                Body::empty()
-            } else {
-                let end = self.trace.take().map(BodyEnd::new);
-                Body::new(ReplayBody::new(
-                    VecDeque::new(),
-                    self.pending.take(),
-                    trailers,
-                    end,
-                ))
-            };
-            self.respond(Response::from_parts(head, body));
-            return;
-        }
+        self.flush().await;
         if let Some(last) = self.pending.take() {
             self.send(Ok(Frame::data(last))).await;
         }

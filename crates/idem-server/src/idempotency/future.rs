@@ -1,5 +1,7 @@
-//! [`ResponseFuture`] of [`Idempotency`](super::Idempotency).
+//! [`ResponseFuture`] of [`Idempotency`](super::Idempotency), and what becomes of a
+//! protected call whose caller goes away while its handler runs ([`Running`]).
 
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -11,13 +13,112 @@ use http::Response;
 use pin_project_lite::pin_project;
 use tonic::Code;
 use tonic::body::Body;
+use tracing::Instrument;
 
 use super::BoxError;
+use super::admission::Admission;
 use crate::metrics::{self, CallTrace};
 
 /// The boxed future of a protected call (it awaits the store).
 pub(crate) type Protected<E> =
     Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send + 'static>>;
+
+thread_local! {
+    /// Set by a [`Running`] future that returns `Pending`: the protected call being
+    /// polled is suspended inside its handler's run. Read (and restored) around each
+    /// poll of a protected call, so nested protected calls do not mix their marks.
+    static SUSPENDED_IN_RUN: Cell<bool> = const { Cell::new(false) };
+}
+
+pin_project! {
+    /// A protected call's run, from its claim to its answer: while it is suspended, a
+    /// caller that goes away does not cancel it (see [`ProtectedCall`]).
+    pub(crate) struct Running<F> {
+        #[pin]
+        run: F,
+    }
+}
+
+impl<F> Running<F> {
+    pub(crate) fn new(run: F) -> Self {
+        Running { run }
+    }
+}
+
+impl<F: Future> Future for Running<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let polled = self.project().run.poll(cx);
+        if polled.is_pending() {
+            SUSPENDED_IN_RUN.set(true);
+        }
+        polled
+    }
+}
+
+/// What a protected call's future needs to hand its run to a task of its own.
+pub(crate) struct Detach {
+    /// The layer's bounds: a run detached by a cancel counts against
+    /// `maxDetachedHandlers` until its task ends.
+    pub(crate) admission: Arc<Admission>,
+    /// The call's trace: told of a run detached by a cancel (the call ends CANCELLED).
+    pub(crate) trace: Option<Arc<CallTrace>>,
+    /// The call's span: a detached run is instrumented with it.
+    pub(crate) span: tracing::Span,
+}
+
+/// A protected call's boxed future, polled by the caller. Dropped while its run is
+/// suspended (the caller went away), it moves, box and all, to a task of its own and
+/// runs to the end there: the outcome is still recorded, and nothing runs twice.
+pub(crate) struct ProtectedCall<E> {
+    future: Option<Protected<E>>,
+    detach: Detach,
+    /// The future is suspended inside its run.
+    running: bool,
+    /// Spawns the future (a plain function: the bounds it needs are known where the
+    /// call is made).
+    spawn: fn(Protected<E>, Detach),
+}
+
+impl<E> Drop for ProtectedCall<E> {
+    fn drop(&mut self) {
+        if !self.running {
+            return;
+        }
+        if let Some(future) = self.future.take() {
+            let detach = Detach {
+                admission: self.detach.admission.clone(),
+                trace: self.detach.trace.take(),
+                span: std::mem::replace(&mut self.detach.span, tracing::Span::none()),
+            };
+            (self.spawn)(future, detach);
+        }
+    }
+}
+
+/// Runs a protected call whose caller went away to its end, counted as detached.
+pub(crate) fn spawn_detached<E: Send + 'static>(future: Protected<E>, d: Detach) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // Only a future dropped outside any runtime gets here: the run cannot go on,
+        // and its record is left to its lease.
+        tracing::error!(
+            "an idempotent handler's run was dropped outside a tokio runtime; its record stays in flight until its lease ends"
+        );
+        return;
+    };
+    // The caller went away now: that is how its call ended, whatever the run answers.
+    if let Some(t) = &d.trace {
+        t.ended(Code::Cancelled);
+    }
+    let cancelled = d.trace.and_then(CallTrace::detached);
+    let gone = d.admission.detached();
+    let run = async move {
+        let _ = future.await;
+        drop((cancelled, gone));
+    };
+    drop(runtime.spawn(run.instrument(d.span)));
+}
 
 pin_project! {
     /// Response future of [`Idempotency`](super::Idempotency): the inner future as is for
@@ -34,7 +135,7 @@ pin_project! {
     enum Kind<F, E> {
         Passthrough { #[pin] future: F, trace: Option<Arc<CallTrace>> },
         Ready { response: Option<Response<Body>> },
-        Protected { future: Protected<E> },
+        Protected { call: ProtectedCall<E> },
         Done,
     }
 }
@@ -53,9 +154,18 @@ impl<F, E> ResponseFuture<F, E> {
             },
         }
     }
-    pub(crate) fn protected(future: Protected<E>) -> Self {
+    pub(crate) fn protected(future: Protected<E>, detach: Detach) -> Self
+    where
+        E: Send + 'static,
+    {
+        let call = ProtectedCall {
+            future: Some(future),
+            detach,
+            running: false,
+            spawn: spawn_detached::<E>,
+        };
         ResponseFuture {
-            kind: Kind::Protected { future },
+            kind: Kind::Protected { call },
         }
     }
 }
@@ -97,7 +207,18 @@ where
                 }
             }
             KindProj::Ready { response } => Ok(response.take().expect("a response until Done")),
-            KindProj::Protected { future } => ready!(future.as_mut().poll(cx)),
+            KindProj::Protected { call } => {
+                let Some(future) = call.future.as_mut() else {
+                    panic!("ResponseFuture polled after completion")
+                };
+                let outer = SUSPENDED_IN_RUN.replace(false);
+                let polled = future.as_mut().poll(cx);
+                call.running = SUSPENDED_IN_RUN.replace(outer);
+                let output = ready!(polled);
+                call.running = false;
+                call.future = None;
+                output
+            }
             KindProj::Done => panic!("ResponseFuture polled after completion"),
         };
         kind.set(Kind::Done);

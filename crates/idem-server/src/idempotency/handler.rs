@@ -1,33 +1,30 @@
-//! The handler's run under a claimed record: polled by the caller's future, and moved to
-//! a task of its own if that future goes away first (a caller that goes away does not
-//! cancel it), its response forwarded to the caller as it is produced and
-//! collected for the record, then its outcome recorded.
+//! The handler's run under a claimed record: polled inline by the caller's future, its
+//! response collected for the record, the outcome recorded, then the response sent
+//! whole. A streamed response (a second message) goes on in a task of its own, forwarded
+//! to the caller as it is produced; a run whose caller goes away goes on in a task of
+//! its own too (see [`ProtectedCall`](super::future::ProtectedCall)).
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::Poll;
 
 use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response};
 use http_body_util::BodyExt;
-use idem_core::deadline::scope_inbound_deadline;
+use idem_core::deadline::{InboundScope, scope_inbound_deadline};
 use idem_core::derive::KeySource;
 use idem_store::{Fence, RecordRef, Store};
 use tokio::sync::oneshot;
 use tonic::body::Body;
 use tower_service::Service;
-use tracing::Instrument;
 
-use super::admission::{Admission, HandlerSlot};
+use super::admission::HandlerSlot;
 use super::collect::{Collected, Plan, plan};
 use super::context::{BufferedRequest, Call};
-use super::forward::{Forwarder, Reply};
+use super::forward::Forwarder;
+use super::future::Running;
 use super::lease::Lease;
 use super::status;
 use super::{HandlerBody, HandlerService};
-use crate::metrics::CallTrace;
 
 /// The fence under which a protected handler runs, as a request extension. Pass it to
 /// downstream writes that can check it (a write carrying a lower fence than one already
@@ -43,19 +40,14 @@ struct Claimed<St> {
     permit: HandlerSlot,
 }
 
-/// Runs the handler for `call` under the record it claimed with `fence`, and answers
-/// with the response as soon as it starts.
+/// Runs the handler for `call` under the record it claimed with `fence`, and answers.
 ///
-/// The run is polled by the caller's own future while the caller waits: a unary call
-/// (whose response leaves whole, after the outcome is recorded) costs no task of its
-/// own. Whatever is left of the run when the response leaves (the rest of a streamed
-/// response) or when the caller's future is dropped (the caller went away) moves to a
-/// task of its own and runs to the end there; see [`Detach`]. `permit` (one of the
+/// The run is polled by the caller's own future, with no task, channel or box of its
+/// own: a unary response is collected, its outcome recorded, and it leaves whole. The
+/// run is marked [`Running`]: a caller that goes away meanwhile hands the whole call's
+/// future to a task, which runs it to the end. A response with a second message is a
+/// stream: it leaves at once, fed from a task that runs the rest. `permit` (one of the
 /// layer's handler runs) is held until the outcome is recorded.
-///
-/// The run is boxed here, in a plain function: it holds the service's own future inline
-/// and is large; made inside the returned future, that future would reserve room for
-/// the whole run and be copied with it. A detached run moves into its task by pointer.
 pub(crate) fn execute<S, St, ResBody>(
     call: Call<St>,
     inner: S,
@@ -73,122 +65,54 @@ where
     let extensions = &mut request.parts.extensions;
     extensions.insert(RecordFence(fence));
     extensions.insert(lease.record().clone());
-    let (tx, mut rx) = oneshot::channel();
-    let trace = call.trace.as_ref().filter(|t| t.observed()).cloned();
-    let admission = call.shared.admission.clone();
-    let mut run = Detach {
-        trace,
-        admission,
-        answered: false,
-        // Counted until its outcome is recorded, wherever it runs: a drain waits for it.
-        run: Some(Box::pin(crate::drain::protect(run(
-            call,
-            inner,
-            request,
-            Claimed { lease, permit },
-            tx,
-        )))),
-        span: tracing::Span::current(),
-        runtime: tokio::runtime::Handle::try_current().ok(),
-    };
-    async move {
-        if scheduled_renewals {
-            tokio::task::yield_now().await;
-        }
-        let answer = std::future::poll_fn(|cx| {
-            if let Some(r) = run.run.as_mut() {
-                // A panic outside the handler's own (in recording the outcome, say) ends
-                // the run here, as it would have ended its task: the caller gets
-                // INTERNAL and the record is left to its lease.
-                match std::panic::catch_unwind(AssertUnwindSafe(|| r.as_mut().poll(cx))) {
-                    Ok(Poll::Pending) => {}
-                    Ok(Poll::Ready(())) => run.run = None,
-                    Err(_) => {
-                        tracing::error!("an idempotent handler's run panicked outside the handler");
-                        run.run = None;
-                    }
-                }
-            }
-            if run.run.is_none() {
-                // The run is over: its answer is in the channel (or it ended without one,
-                // which it cannot, but never hang the caller). Not `poll`: a receiver
-                // polled with the task's cooperative budget spent says Pending even with
-                // the answer there.
-                return Poll::Ready(rx.try_recv().ok());
-            }
-            Pin::new(&mut rx).poll(cx).map(Result::ok)
+    let claimed = Claimed { lease, permit };
+    // Counted until its outcome is recorded, wherever it runs: a drain waits for it.
+    let run =
+        crate::drain::protect_answering(run(call, inner, request, claimed, scheduled_renewals));
+    // A panic outside the handler's own (in recording the outcome, say) ends the run
+    // here: the caller gets INTERNAL and the record is left to its lease.
+    let run = Running::new(AssertUnwindSafe(run).catch_unwind());
+    run.map(|answer| {
+        answer.unwrap_or_else(|_| {
+            tracing::error!("an idempotent handler's run panicked outside the handler");
+            Ok(status::handler_task_lost().into_http())
         })
-        .await;
-        // What is left of the run now (the rest of a streamed response) is no cancel.
-        run.answered = true;
-        drop(run);
-        answer.unwrap_or_else(|| Ok(status::handler_task_lost().into_http()))
-    }
+    })
 }
 
-/// A handler's run, polled by the caller's future until the response leaves; dropped
-/// before the run ends (the rest of a streamed response, or a caller that went away),
-/// it hands the run to a task of its own, so the outcome is still recorded.
-struct Detach {
-    run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
-    /// The call's span: the caller's future polls the run inside it; a detached run
-    /// is instrumented with it.
-    span: tracing::Span,
-    /// The runtime the call came in on, so a future dropped on another thread still
-    /// detaches its run there.
-    runtime: Option<tokio::runtime::Handle>,
-    /// The call's trace, when an observer listens: told of a run detached by a cancel.
-    trace: Option<Arc<CallTrace>>,
-    /// The layer's bounds: a run detached by a cancel counts against
-    /// `maxDetachedHandlers` until its task ends.
-    admission: Arc<Admission>,
-    /// The caller got its answer: what is left of the run is not a cancel's.
-    answered: bool,
+/// What [`produce`] left of the response when it returned.
+enum Produced {
+    /// The response ended (or failed, or panicked): it is collected whole.
+    Whole,
+    /// A second message arrived: the rest is a stream, read from `body` in the handler's
+    /// scopes.
+    Stream {
+        body: Body,
+        keys: Option<KeySource>,
+        inbound: Option<InboundScope>,
+    },
 }
 
-impl Drop for Detach {
-    fn drop(&mut self) {
-        let Some(run) = self.run.take() else { return };
-        let cancelled = match self.trace.take() {
-            Some(trace) if !self.answered => trace.detached(),
-            _ => None,
-        };
-        let gone = (!self.answered).then(|| self.admission.detached());
-        match self.runtime.take() {
-            Some(rt) => {
-                let run = async move {
-                    run.await;
-                    drop((cancelled, gone));
-                };
-                drop(rt.spawn(run.instrument(self.span.clone())));
-            }
-            // Only a future made outside any runtime gets here: the run cannot go on,
-            // and its record is left to its lease.
-            None => tracing::error!(
-                "an idempotent handler's run was dropped outside a tokio runtime; its record stays in flight until its lease ends"
-            ),
-        }
-    }
-}
-
-/// The handler's run: produce (forwarding as it goes), record, deliver the rest.
+/// The handler's run: produce, record, answer.
 ///
 /// The handler runs inside the inbound deadline scope and a [`KeySource`] seeded with
 /// the record's scope, so client calls it makes derive their keys from this call's
 /// (the same keys on every run of it: a run after a crash replays downstream).
-/// The claim's permit is held until the outcome is recorded (not until the caller has
-/// read the rest of the response).
 async fn run<S, St, ResBody>(
     call: Call<St>,
     inner: S,
     request: BufferedRequest,
     claimed: Claimed<St>,
-    reply: Reply<S::Error>,
-) where
+    scheduled_renewals: bool,
+) -> Result<Response<Body>, S::Error>
+where
     S: HandlerService<ResBody>,
     ResBody: HandlerBody,
     St: Store,
 {
+    if scheduled_renewals {
+        tokio::task::yield_now().await;
+    }
     let Call {
         shared,
         policy,
@@ -201,7 +125,7 @@ async fn run<S, St, ResBody>(
     let keys = KeySource::new(scope.0, super::derived_key);
     let max = policy.max_response_bytes;
     let mut out = Output {
-        forward: Forwarder::new(reply, policy.response_stall_timeout, trace),
+        forward: Forwarder::new(policy.response_stall_timeout, trace),
         collected: None,
     };
     // A panic anywhere (the service's `call`, its future, its response stream) ends the
@@ -209,13 +133,24 @@ async fn run<S, St, ResBody>(
     let produced = produce(inner, req, &mut out, max, lease.record());
     let produced = AssertUnwindSafe(produced).catch_unwind();
     match scope_inbound_deadline(inbound, keys.run(produced)).await {
-        Ok(Ok(())) => {}
+        Ok(Ok(Produced::Whole)) => {}
+        Ok(Ok(Produced::Stream {
+            body,
+            keys,
+            inbound,
+        })) => {
+            let response = out.forward.open();
+            let rest = stream(shared, policy, out, body, Claimed { lease, permit });
+            let rest = scoped(keys, inbound, rest);
+            drop(tokio::spawn(crate::drain::protect(rest)));
+            return Ok(response);
+        }
         Ok(Err(e)) => {
             // The service failed without a response: nothing is known to be done.
+            // Boxed, as every release here: a rare path, kept out of the call's future.
             let (attempted, _) = oneshot::channel();
-            lease.release(attempted).await;
-            out.forward.fail_service(e);
-            return;
+            Box::pin(lease.release(attempted)).await;
+            return Err(e);
         }
         Err(_) => {
             tracing::error!("idempotent handler panicked");
@@ -224,43 +159,118 @@ async fn run<S, St, ResBody>(
     }
     let Output { forward, collected } = out;
     let mut collected = collected.expect("a response head, or the panic's");
-    // What to record is settled (and the response encoded) before the trailers move to
-    // the caller's side: no copy of them is kept.
-    let plan = if lease.record().is_completed() {
-        // The handler's own transaction completed the record with its reply.
-        None
-    } else {
-        Some(plan(&shared.stats, &policy, &mut collected))
-    };
+    let plan = record_plan(&shared, &policy, &lease, &mut collected);
     let trailers = collected.trailers.take();
     drop(collected);
-    let (attempted, on_attempted) = oneshot::channel();
-    let deliver = async move {
-        // Hold the end of the response back until the store has been asked once.
-        let _ = on_attempted.await;
-        forward.finish(trailers).await;
-    };
-    let record = async {
-        let _permit = permit;
-        match plan {
-            None => lease.completed_elsewhere(attempted),
-            Some(Plan::Release) => lease.release(attempted).await,
-            Some(Plan::Complete(outcome)) => {
-                lease.complete(outcome, policy.record_ttl, attempted).await;
+    match plan {
+        None => lease.completed_elsewhere(),
+        Some(Plan::Release) => {
+            // The answer waits until the release has landed.
+            let (attempted, _) = oneshot::channel();
+            Box::pin(lease.release(attempted)).await;
+        }
+        Some(Plan::Complete(outcome)) => {
+            // The answer leaves after the first attempt; retries go on apart, holding
+            // the run's permit until they end.
+            if let Some(rest) = lease.complete(outcome, policy.record_ttl).await {
+                drop(tokio::spawn(crate::drain::protect(async move {
+                    rest.await;
+                    drop(permit);
+                })));
+                return Ok(forward.whole(trailers));
             }
         }
-    };
-    tokio::join!(record, deliver);
+    }
+    drop(permit);
+    Ok(forward.whole(trailers))
+}
+
+/// What to record: `None` when the handler's own transaction completed the record with
+/// its reply. Settled (and the response encoded) before the trailers move to the caller's
+/// side: no copy of them is kept.
+fn record_plan<St>(
+    shared: &super::layer::Shared<St>,
+    policy: &idem_core::config::IdempotencyPolicy,
+    lease: &Lease<St>,
+    collected: &mut Collected,
+) -> Option<Plan>
+where
+    St: Store,
+{
+    if lease.record().is_completed() {
+        None
+    } else {
+        Some(plan(&shared.stats, policy, collected))
+    }
+}
+
+/// `fut` inside the handler's scopes, as they were when the stream started.
+async fn scoped<F: Future<Output = ()>>(
+    keys: Option<KeySource>,
+    inbound: Option<InboundScope>,
+    fut: F,
+) {
+    match (keys, inbound) {
+        (Some(k), Some(i)) => scope_inbound_deadline(i, k.run(fut)).await,
+        (Some(k), None) => k.run(fut).await,
+        (None, Some(i)) => scope_inbound_deadline(i, fut).await,
+        (None, None) => fut.await,
+    }
+}
+
+/// The rest of a streamed response, in a task of its own: forward and collect each
+/// message, record, then deliver the end.
+async fn stream<St: Store>(
+    shared: std::sync::Arc<super::layer::Shared<St>>,
+    policy: idem_core::config::IdempotencyPolicy,
+    mut out: Output,
+    body: Body,
+    claimed: Claimed<St>,
+) {
+    let Claimed { lease, permit } = claimed;
+    let max = policy.max_response_bytes;
+    let read = AssertUnwindSafe(read_rest(body, &mut out)).catch_unwind();
+    if read.await.is_err() {
+        tracing::error!("idempotent handler panicked");
+        out.panicked(max);
+    }
+    let Output { forward, collected } = out;
+    let mut collected = collected.expect("a response head");
+    let plan = record_plan(&shared, &policy, &lease, &mut collected);
+    let trailers = collected.trailers.take();
+    drop(collected);
+    let _permit = permit;
+    match plan {
+        None => {
+            lease.completed_elsewhere();
+            forward.finish(trailers).await;
+        }
+        Some(Plan::Release) => {
+            let (attempted, _) = oneshot::channel();
+            lease.release(attempted).await;
+            forward.finish(trailers).await;
+        }
+        Some(Plan::Complete(outcome)) => {
+            // Hold the end of the response back until the store has been asked once.
+            let rest = lease.complete(outcome, policy.record_ttl).await;
+            let rest = async {
+                if let Some(rest) = rest {
+                    rest.await;
+                }
+            };
+            tokio::join!(rest, forward.finish(trailers));
+        }
+    }
 }
 
 /// What the handler's run has produced so far. It lives outside the future that
 /// polls the handler, so it survives a panic there.
-struct Output<E> {
-    forward: Forwarder<E>,
+struct Output {
+    forward: Forwarder,
     collected: Option<Collected>,
 }
 
-impl<E> Output<E> {
+impl Output {
     /// Ends the response with INTERNAL: Trailers-Only before the head, trailers after.
     fn panicked(&mut self, max: usize) {
         match &mut self.collected {
@@ -276,49 +286,95 @@ impl<E> Output<E> {
             }
         }
     }
+
+    /// One more frame of the response: collected, and held back or forwarded. `Err`:
+    /// the frame was the response's end (its trailers).
+    fn frame(&mut self, frame: http_body::Frame<bytes::Bytes>) -> Result<(), ()> {
+        let collected = self.collected.as_mut().expect("a response head");
+        match frame.into_data() {
+            Ok(data) => {
+                collected.data(&data);
+                self.forward.data(data);
+                Ok(())
+            }
+            Err(frame) => match frame.into_trailers() {
+                Ok(t) => {
+                    collected.trailers(t);
+                    Err(())
+                }
+                Err(_) => Ok(()),
+            },
+        }
+    }
+
+    /// The body failed mid-way: no complete response exists.
+    fn failed(&mut self, status: tonic::Status) {
+        tracing::warn!(error = %status, "idempotent handler's response body failed");
+        if let Some(c) = self.collected.as_mut() {
+            c.broken = true;
+        }
+        self.forward.fail(status);
+    }
 }
 
-/// Calls the handler and reads its response to the end, forwarding and collecting it
-/// (encoding it for the record unless the handler's own transaction already completed
-/// the record: a completed record stays completed, so nothing would read the bytes).
+/// Calls the handler and reads its response until it ends or a second message arrives
+/// (a stream: the rest is read by [`stream`]), collecting it (encoding it for the record
+/// unless the handler's own transaction already completed the record: a completed record
+/// stays completed, so nothing would read the bytes).
 async fn produce<S, ResBody>(
     mut inner: S,
     req: Request<Body>,
-    out: &mut Output<S::Error>,
+    out: &mut Output,
     max: usize,
     record: &RecordRef,
-) -> Result<(), S::Error>
+) -> Result<Produced, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
     ResBody: HandlerBody,
 {
     let resp = inner.call(req).await?;
     let (mut head, mut body) = resp.map(Body::new).into_parts();
-    let Output { forward, collected } = out;
-    let collected = collected.insert(Collected::new(&mut head, max, !record.is_completed()));
-    forward.head = Some(head);
+    out.collected = Some(Collected::new(&mut head, max, !record.is_completed()));
+    out.forward.head = Some(head);
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(f) => f,
             Err(status) => {
-                tracing::warn!(error = %status, "idempotent handler's response body failed");
-                collected.broken = true;
-                forward.fail(status).await;
-                return Ok(());
+                out.failed(status);
+                return Ok(Produced::Whole);
             }
         };
-        match frame.into_data() {
-            Ok(data) => {
-                collected.data(&data);
-                forward.data(data).await;
-            }
-            Err(frame) => {
-                if let Ok(t) = frame.into_trailers() {
-                    collected.trailers(t);
-                    return Ok(());
-                }
-            }
+        if out.frame(frame).is_err() {
+            return Ok(Produced::Whole);
+        }
+        if out.forward.is_stream() {
+            return Ok(Produced::Stream {
+                body,
+                keys: KeySource::current(),
+                inbound: idem_core::deadline::current_scope(),
+            });
         }
     }
-    Ok(())
+    Ok(Produced::Whole)
+}
+
+/// Reads the rest of a streamed response, forwarding and collecting it.
+async fn read_rest(mut body: Body, out: &mut Output) {
+    // The frames held back when the stream was found out.
+    out.forward.flush().await;
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(f) => f,
+            Err(status) => {
+                out.failed(status);
+                out.forward.flush().await;
+                return;
+            }
+        };
+        let end = out.frame(frame).is_err();
+        out.forward.flush().await;
+        if end {
+            return;
+        }
+    }
 }

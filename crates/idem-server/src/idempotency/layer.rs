@@ -9,11 +9,12 @@ use std::sync::{Arc, PoisonError, RwLock};
 use bytes::Bytes;
 use idem_core::config::{ConfigError, ServiceConfig, TenantSource};
 use idem_core::descriptor::Descriptors;
-use idem_store::{Store, memory::MemoryStore};
+use idem_store::{Store, TenantId, memory::MemoryStore};
 use tower_layer::Layer;
 
 use super::Idempotency;
 use super::admission::{Admission, Limits};
+use super::digest::tenant_id;
 use super::error::{CheckError, NoTenantSource};
 use super::ignored::IgnoredKeys;
 use super::stats::IdempotencyStats;
@@ -34,23 +35,33 @@ pub(crate) struct Current {
     /// The source is a single tenant (`SingleTenant`, `idem.tenant.single`): its share
     /// of the handler and waiter bounds is the whole, unless the config sets it.
     pub(crate) single_tenant: bool,
+    /// The one tenant's name and store name, for a single tenant: a call then reads
+    /// neither a resolver nor the tenant id cache.
+    pub(crate) single: Option<(Arc<str>, TenantId)>,
 }
 
 impl Current {
     /// The resolver given in code wins over the config's `idem.tenant`, at build time
     /// and on every reload.
-    fn new(config: Arc<ServiceConfig>, code: Option<&(Arc<dyn TenantResolver>, bool)>) -> Self {
-        let (tenant, single_tenant) = match code {
-            Some((r, single)) => (Some(r.clone()), *single),
+    fn new(config: Arc<ServiceConfig>, code: Option<&CodeTenant>) -> Self {
+        let (tenant, single) = match code {
+            Some((r, single)) => (Some(r.clone()), single.clone()),
             None => (
                 config_tenant(&config),
-                matches!(config.settings().tenant, TenantSource::Single(_)),
+                match &config.settings().tenant {
+                    TenantSource::Single(t) => Some(Arc::from(t.as_str())),
+                    _ => None,
+                },
             ),
         };
         Current {
             config,
             tenant,
-            single_tenant,
+            single_tenant: single.is_some(),
+            single: single.map(|name| {
+                let id = tenant_id(&name);
+                (name, id)
+            }),
         }
     }
 
@@ -65,6 +76,9 @@ impl Current {
         }
     }
 }
+
+/// A resolver set in code, with the one tenant's name when it is a [`SingleTenant`].
+type CodeTenant = (Arc<dyn TenantResolver>, Option<Arc<str>>);
 
 fn config_tenant(config: &ServiceConfig) -> Option<Arc<dyn TenantResolver>> {
     match &config.settings().tenant {
@@ -89,7 +103,7 @@ pub(crate) struct Shared<St> {
     current: RwLock<Arc<Current>>,
     /// The resolver set with [`IdempotencyLayer::tenant`] (and whether it is a
     /// [`SingleTenant`]); kept across reloads.
-    code_tenant: Option<(Arc<dyn TenantResolver>, bool)>,
+    code_tenant: Option<CodeTenant>,
     /// The store is a `MemoryStore` that [`IdempotencyLayer::from_config`] built from
     /// the config: [`IdempotencyLayer::tenant`] may rebuild it, still empty, for one
     /// tenant.
@@ -178,6 +192,12 @@ impl<St> Shared<St> {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The generation a call starting now uses, read in place (hold it briefly: a
+    /// reload waits for it).
+    pub(crate) fn current_read(&self) -> std::sync::RwLockReadGuard<'_, Arc<Current>> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn set_current(&self, current: Current) {
@@ -310,13 +330,16 @@ impl<St: Store> IdempotencyLayer<St> {
     /// sets the per-tenant shares; any other resolver gets a quarter per tenant by
     /// default.
     pub fn tenant(self, resolver: impl TenantResolver) -> Self {
-        let single = (&resolver as &dyn Any).is::<SingleTenant>();
-        let r: (Arc<dyn TenantResolver>, bool) = (Arc::new(resolver), single);
+        let single = (&resolver as &dyn Any)
+            .downcast_ref::<SingleTenant>()
+            .map(|t| Arc::<str>::from(t.0.as_str()));
+        let single_tenant = single.is_some();
+        let r: CodeTenant = (Arc::new(resolver), single);
         self.edit(|s| {
             let config = s.current().config.clone();
             s.set_current(Current::new(config, Some(&r)));
             s.code_tenant = Some(r);
-            if single {
+            if single_tenant {
                 s.give_the_tenant_the_whole_store();
             }
         })

@@ -10,11 +10,12 @@
 //! ends.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use std::sync::Arc;
 
-use idem_store::{CompleteRequest, RecordRef, Store, StoreError, StoredOutcome};
+use idem_store::{Cause, CompleteRequest, RecordRef, Store, StoreError, StoredOutcome};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -39,6 +40,13 @@ pub(crate) struct Lease<St> {
     renewal: Registration,
     /// The call's trace, told what became of the record.
     trace: Option<Arc<CallTrace>>,
+}
+
+/// What an attempt to record an outcome leaves to do.
+enum Step {
+    Done(Result<(), Unrecorded>),
+    /// The store failed transiently: try again.
+    Retry(Cause),
 }
 
 /// Why an outcome could not be recorded.
@@ -94,43 +102,73 @@ impl<St: Store> Lease<St> {
     /// for is recorded as not retained: a duplicate then learns that the call completed,
     /// rather than running it again.
     ///
-    /// `attempted` fires after the first attempt, landed or not, so the caller gets its
-    /// response then, while the retries go on.
+    /// The first attempt is made here, and the caller gets its response after it, landed
+    /// or not. What is left when it did not land (retries of a transient failure, or the
+    /// not-retained record of a response that did not fit) is returned, to run apart;
+    /// the lease is renewed meanwhile.
     pub(crate) async fn complete(
         self,
         outcome: StoredOutcome,
         ttl: Duration,
-        attempted: oneshot::Sender<()>,
-    ) {
-        let store = &self.store;
-        let request = |outcome| CompleteRequest {
+    ) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
+        let first = self
+            .store
+            .complete(self.completion(outcome.clone(), ttl))
+            .await;
+        match self.step(first) {
+            Step::Done(Err(Unrecorded::Failed(StoreError::Full(e))))
+                if matches!(outcome, StoredOutcome::Response(_)) =>
+            {
+                Some(Box::pin(self.not_retained(e, ttl)))
+            }
+            Step::Done(r) => {
+                self.report(r, "completion", Counter::stored);
+                None
+            }
+            Step::Retry(e) => Some(Box::pin(async move {
+                // Retried for `retry_for` from the first failure.
+                let give_up = Instant::now() + self.retry_for;
+                let store = &self.store;
+                let op = || store.complete(self.completion(outcome.clone(), ttl));
+                match self.retry(e, give_up, op).await {
+                    Err(Unrecorded::Failed(StoreError::Full(e)))
+                        if matches!(outcome, StoredOutcome::Response(_)) =>
+                    {
+                        self.not_retained(e, ttl).await;
+                    }
+                    r => self.report(r, "completion", Counter::stored),
+                }
+            })),
+        }
+    }
+
+    fn completion(&self, outcome: StoredOutcome, ttl: Duration) -> CompleteRequest<'_> {
+        CompleteRequest {
             scope: self.record.scope(),
             fence: self.record.fence(),
             outcome,
             ttl,
-        };
-        let mut r = self
-            .settle(attempted, || store.complete(request(outcome.clone())))
-            .await;
-        if let Err(Unrecorded::Failed(StoreError::Full(e))) = &r
-            && matches!(outcome, StoredOutcome::Response(_))
-        {
-            self.stats.inc(Counter::not_retained);
-            tracing::warn!(error = %e, scope = %self.short_scope(), "no room in the store for the response: recorded as not retained");
-            let (attempted, _) = oneshot::channel();
-            r = self
-                .settle(attempted, || {
-                    store.complete(request(StoredOutcome::NotRetained))
-                })
-                .await;
         }
+    }
+
+    /// The store has no room for the response: record that the call completed, without
+    /// it.
+    async fn not_retained(self, e: Cause, ttl: Duration) {
+        self.stats.inc(Counter::not_retained);
+        tracing::warn!(error = %e, scope = %self.short_scope(), "no room in the store for the response: recorded as not retained");
+        let (attempted, _) = oneshot::channel();
+        let store = &self.store;
+        let r = self
+            .settle(attempted, || {
+                store.complete(self.completion(StoredOutcome::NotRetained, ttl))
+            })
+            .await;
         self.report(r, "completion", Counter::stored);
     }
 
     /// The record was completed under this fence by the handler's own transaction (see
     /// `RecordRef`): nothing is left to record; renewal stops.
-    pub(crate) fn completed_elsewhere(self, attempted: oneshot::Sender<()>) {
-        let _ = attempted.send(());
+    pub(crate) fn completed_elsewhere(self) {
         self.stats.inc(Counter::stored);
     }
 
@@ -160,33 +198,55 @@ impl<St: Store> Lease<St> {
         Fut: Future<Output = Result<(), StoreError>>,
     {
         let give_up = Instant::now() + self.retry_for;
-        let mut wait = FIRST_RETRY;
-        let mut attempted = Some(attempted);
-        loop {
-            let r = op().await;
-            if let Some(tx) = attempted.take() {
-                let _ = tx.send(());
+        let r = op().await;
+        let _ = attempted.send(());
+        match self.step(r) {
+            Step::Done(r) => r,
+            Step::Retry(e) => self.retry(e, give_up, op).await,
+        }
+    }
+
+    /// What an attempt's answer leaves to do.
+    fn step(&self, r: Result<(), StoreError>) -> Step {
+        match r {
+            Ok(()) => Step::Done(Ok(())),
+            // The record holds this fence but is no longer in flight: an earlier
+            // attempt landed and only its reply was lost.
+            Err(StoreError::Fenced { presented, current }) if current == Some(presented) => {
+                Step::Done(Ok(()))
             }
-            match r {
-                Ok(()) => return Ok(()),
-                // The record holds this fence but is no longer in flight: an earlier
-                // attempt landed and only its reply was lost.
-                Err(StoreError::Fenced { presented, current }) if current == Some(presented) => {
-                    return Ok(());
-                }
-                Err(StoreError::Fenced { .. }) => return Err(Unrecorded::Fenced),
-                Err(StoreError::Unavailable(e)) => {
-                    self.stats.inc(Counter::store_errors);
-                    let jittered = jitter(wait);
-                    if Instant::now() + jittered > give_up {
-                        return Err(Unrecorded::Failed(StoreError::Unavailable(e)));
-                    }
-                    tracing::debug!(error = %e, "store refused to record the outcome; retrying");
-                    self.stats.inc(Counter::record_retries);
-                    tokio::time::sleep(jittered).await;
-                    wait = (wait * 2).min(MAX_RETRY);
-                }
-                Err(e) => return Err(Unrecorded::Failed(e)),
+            Err(StoreError::Fenced { .. }) => Step::Done(Err(Unrecorded::Fenced)),
+            Err(StoreError::Unavailable(e)) => Step::Retry(e),
+            Err(e) => Step::Done(Err(Unrecorded::Failed(e))),
+        }
+    }
+
+    /// Retries `op` after its attempt failed transiently with `e`, with backoff, until
+    /// it lands or `give_up` passes.
+    async fn retry<F, Fut>(
+        &self,
+        mut e: Cause,
+        give_up: Instant,
+        mut op: F,
+    ) -> Result<(), Unrecorded>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(), StoreError>>,
+    {
+        let mut wait = FIRST_RETRY;
+        loop {
+            self.stats.inc(Counter::store_errors);
+            let jittered = jitter(wait);
+            if Instant::now() + jittered > give_up {
+                return Err(Unrecorded::Failed(StoreError::Unavailable(e)));
+            }
+            tracing::debug!(error = %e, "store refused to record the outcome; retrying");
+            self.stats.inc(Counter::record_retries);
+            tokio::time::sleep(jittered).await;
+            wait = (wait * 2).min(MAX_RETRY);
+            match self.step(op().await) {
+                Step::Done(r) => return r,
+                Step::Retry(next) => e = next,
             }
         }
     }

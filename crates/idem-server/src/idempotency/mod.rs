@@ -146,12 +146,12 @@
 //!      database transaction (`idem-postgres`'s `RecordTx`), and the layer then does not
 //!      record the outcome again. The lease is renewed every `leaseTtl / 3` by
 //!      the layer's renewal task (one per layer, not the handler's task), so a handler
-//!      that blocks its thread keeps its lease. The response streams to the caller as
-//!      it is produced and is collected (headers, every DATA frame, trailers); the last
-//!      frame (trailers, or the whole
-//!      Trailers-Only response) is held back until the store has been asked to record
-//!      the outcome, so a caller that saw the end of its response and retries finds the
-//!      record completed. By the `grpc-status` (or an [`IdemDecision`] /
+//!      that blocks its thread keeps its lease. The response is collected (headers,
+//!      every DATA frame, trailers); a unary response (one message) leaves whole once
+//!      the store has been asked to record the outcome, with no task, channel or box of
+//!      its own, and a streamed one leaves as it is produced, from a task of its own,
+//!      its last frame (with the trailers) held back until then: a caller that saw the
+//!      end of its response and retries finds the record completed. By the `grpc-status` (or an [`IdemDecision`] /
 //!      [`DECISION_HEADER`] override) the outcome is completed (`cacheableStatusCodes`)
 //!      or released (`releaseStatusCodes`). A response over `maxResponseBytes` is
 //!      completed as "not retained".

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use idem_core::config::{IdempotencyPolicy, ServiceConfig};
 use idem_core::key::IdempotencyKey;
-use idem_store::{Scope, Store};
+use idem_store::{Scope, Store, TenantId};
 use tonic::Status;
 use tonic::body::Body;
 use tower_service::Service;
@@ -17,7 +17,7 @@ use tracing::{Instrument, field};
 use super::BoxError;
 use super::context::Call;
 use super::digest::scope_for;
-use super::future::ResponseFuture;
+use super::future::{Detach, ResponseFuture};
 use super::layer::{Current, IdempotencyLayer, Shared};
 use super::stats::Counter;
 use super::status;
@@ -71,10 +71,13 @@ impl<S, St: Store> Idempotency<S, St> {
 enum Route {
     Passthrough,
     Reject(Status),
-    /// The record's scope (the key is read only to digest it) and the caller's tenant.
+    /// The record's scope (the key is read only to digest it), the caller's tenant as
+    /// the store names it, and its name when a resolver gave one (a single tenant's is
+    /// the layer's).
     Protect {
         scope: Scope,
-        tenant: String,
+        tenant: TenantId,
+        name: Option<String>,
     },
 }
 
@@ -102,10 +105,18 @@ fn route(
             Err(e) => return Route::Reject(status::key_invalid(e)),
         },
     };
+    if let Some((name, id)) = &current.single {
+        return Route::Protect {
+            scope: scope_for(name, parts.uri.path(), key),
+            tenant: *id,
+            name: None,
+        };
+    }
     match resolver.tenant(parts) {
         Some(tenant) => Route::Protect {
             scope: scope_for(&tenant, parts.uri.path(), key),
-            tenant,
+            tenant: shared.tenant_ids.of(&tenant),
+            name: Some(tenant),
         },
         None => Route::Reject(status::tenant_missing()),
     }
@@ -129,8 +140,10 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        // The generation this call keeps, whatever a reload does meanwhile.
-        let current = self.shared.current();
+        // The generation this call keeps, whatever a reload does meanwhile: read under
+        // the lock (no reference count to touch), which is let go before the inner
+        // service is called.
+        let current = self.shared.current_read();
         let Some(policy) = current
             .config
             .lookup_path(req.uri().path())
@@ -144,11 +157,13 @@ where
                 && self.shared.ignored_keys.note(&current.config, path);
             let reason = ignored.then_some(metrics::KEY_IGNORED);
             let trace = CallTrace::passthrough(self.shared.observer.as_ref(), path, reason);
+            drop(current);
             return ResponseFuture::passthrough(self.inner.call(req), trace);
         };
         let (parts, body) = req.into_parts();
         match route(&self.shared, &current, policy, &parts) {
             Route::Passthrough => {
+                drop(current);
                 let trace =
                     CallTrace::passthrough(self.shared.observer.as_ref(), parts.uri.path(), None);
                 ResponseFuture::passthrough(
@@ -172,9 +187,11 @@ where
                     None => resp,
                 })
             }
-            Route::Protect { scope, tenant } => {
-                let clone = self.inner.clone();
-                let inner = std::mem::replace(&mut self.inner, clone);
+            Route::Protect {
+                scope,
+                tenant,
+                name,
+            } => {
                 let path = parts.uri.path();
                 let span = call_span(path, Some(&scope));
                 // The path is copied only for an observer's trace.
@@ -184,13 +201,29 @@ where
                     shared: self.shared.clone(),
                     policy: policy.clone(),
                     scope,
-                    tenant: self.shared.tenant_ids.of(&tenant),
+                    tenant,
                     single_tenant: current.single_tenant,
-                    trace: trace.map(|t| t.with_tenant(tenant)),
+                    trace: trace.map(|t| {
+                        let name = name.unwrap_or_else(|| {
+                            current
+                                .single
+                                .as_ref()
+                                .map_or_else(String::new, |s| s.0.to_string())
+                        });
+                        t.with_tenant(name)
+                    }),
                 };
+                drop(current);
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
                 let trace = call.trace.clone();
+                let detach = Detach {
+                    admission: self.shared.admission.clone(),
+                    trace: trace.clone(),
+                    span: span.clone(),
+                };
                 let fut = metrics::traced(trace, call.run(inner, parts, body));
-                ResponseFuture::protected(Box::pin(fut.instrument(span)))
+                ResponseFuture::protected(Box::pin(fut.instrument(span)), detach)
             }
         }
     }

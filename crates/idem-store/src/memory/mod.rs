@@ -140,12 +140,16 @@ pub use bounds::MemoryBound;
 
 use bounds::{Limits, Usage, sub};
 use entry::{
-    Done, Entry, EntryState, Name, Shard, Tenants, after, epoch, in_flight_expiry, lock, nanos,
+    Done, Entry, EntryState, Name, Shard, Tenants, Tick, after, epoch, in_flight_expiry, lock,
+    nanos,
 };
 use evict::MAX_EVICTIONS_PER_CALL;
 
 /// Number of shards.
 pub const SHARDS: usize = 64;
+
+/// A locked shard.
+type Locked<'a> = MutexGuard<'a, Shard>;
 
 /// Number of shards of the tenant map.
 const TENANT_SHARDS: usize = 16;
@@ -423,9 +427,8 @@ impl Table {
 
     /// Locks the shard of `scope` and checks that it holds an in-flight record with
     /// `fence`. A lease that ended does not matter (the fence stays current until
-    /// someone takes over); an expired record counts as gone.
-    fn fenced(&self, scope: &Name, fence: Fence) -> Result<MutexGuard<'_, Shard>, StoreError> {
-        let now = self.tick(Instant::now());
+    /// someone takes over); an expired record (at `now`) counts as gone.
+    fn fenced(&self, scope: &Name, fence: Fence, now: Tick) -> Result<Locked<'_>, StoreError> {
         let map = lock(self.shard(scope));
         match map.get(scope).filter(|e| !Self::is_expired(e, now)) {
             Some(e) if e.is_in_flight() && e.fence() == fence => Ok(map),
@@ -438,7 +441,7 @@ impl Table {
 
     fn renew(&self, scope: &Name, fence: Fence, lease: Duration) -> Result<(), StoreError> {
         let now = self.tick(Instant::now());
-        let mut map = self.fenced(scope, fence)?;
+        let mut map = self.fenced(scope, fence, now)?;
         if let Some(e) = map.get_mut(scope)
             && let EntryState::InFlight { lease_until, .. } = &mut e.state
         {
@@ -460,8 +463,10 @@ impl Table {
         // A response that could never fit evicts nothing.
         let may_evict = n + RECORD_OVERHEAD_BYTES <= self.limits.tenant_bytes;
         let mut evictions = 0;
+        // One clock read, unless making room took a while.
+        let mut now = self.tick(Instant::now());
         let (mut map, outcome) = loop {
-            let map = self.fenced(scope, fence)?;
+            let map = self.fenced(scope, fence, now)?;
             let Some(e) = map.get(scope) else {
                 unreachable!("checked by fenced")
             };
@@ -487,11 +492,11 @@ impl Table {
                     "idempotency memory store: response does not fit its tenant's or the \
                      store's byte bound; recorded as not retained"
                 );
-                break (self.fenced(scope, fence)?, StoredOutcome::NotRetained);
+                break (self.fenced(scope, fence, now)?, StoredOutcome::NotRetained);
             }
             evictions += 1;
+            now = self.tick(Instant::now());
         };
-        let now = self.tick(Instant::now());
         let Shard { map: records, done } = &mut *map;
         let Some(e) = records.get_mut(scope) else {
             unreachable!("checked by fenced")
@@ -523,7 +528,7 @@ impl Table {
 
     /// Removes the record: the global fence counter keeps the next claim's fence higher.
     fn release(&self, scope: &Name, fence: Fence) -> Result<(), StoreError> {
-        let mut map = self.fenced(scope, fence)?;
+        let mut map = self.fenced(scope, fence, self.tick(Instant::now()))?;
         if let Some(mut e) = map.remove(scope) {
             e.wake();
             self.forget(&e);
