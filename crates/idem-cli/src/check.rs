@@ -9,7 +9,11 @@
 use std::io::{self, Read};
 use std::process::ExitCode;
 
-use idem_core::config::{ConfigError, Diagnostic, ParseOptions, Parsed, ServiceConfig};
+use idem_core::code::code_name;
+use idem_core::config::{
+    CircuitBreakerSettings, ConfigError, Diagnostic, ParseOptions, Parsed, ServiceConfig,
+    format_duration,
+};
 use idem_core::descriptor::{Descriptors, IdempotencyLevel};
 use serde_json::{Value, json};
 
@@ -212,6 +216,7 @@ fn valid(o: &Options<'_>, name: &str, mut parsed: Parsed) -> ExitCode {
             "warnings": diagnostics(&warnings),
             "notes": notes,
             "methods": methods(&parsed.config),
+            "retryGuards": retry_guards(&parsed.config),
         }));
         return ExitCode::SUCCESS;
     }
@@ -269,6 +274,7 @@ fn invalid(
             "warnings": diagnostics(&warnings),
             "notes": [],
             "methods": [],
+            "retryGuards": null,
         }));
         return ExitCode::from(INVALID);
     }
@@ -302,6 +308,55 @@ fn diagnostics(d: &[Diagnostic]) -> Value {
 }
 
 /// `methods`: one entry per method of the descriptors, or per configured name.
+/// The client's retry budget and circuit breakers as `--json` gives them: the
+/// client-wide ones (`null` when not configured) and each method config entry's own
+/// breaker, with the entry's JSON path and names.
+fn retry_guards(config: &ServiceConfig) -> Value {
+    let c = &config.settings().client;
+    let budget = c.retry_budget.as_ref().map(|b| {
+        json!({
+            "ratio": b.ratio.get(),
+            "minRetriesPerSecond": b.min_retries_per_second,
+            "window": format_duration(b.window),
+        })
+    });
+    let breaker = |b: &CircuitBreakerSettings| {
+        json!({
+            "failureRatio": b.failure_ratio.get(),
+            "minCalls": b.min_calls,
+            "window": format_duration(b.window),
+            "openFor": format_duration(b.open_for),
+            "halfOpenProbes": b.half_open_probes,
+            "failureStatusCodes": b.failure_status_codes.iter().map(code_name).collect::<Vec<_>>(),
+        })
+    };
+    let per_method: Vec<Value> = config
+        .method_configs()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, mc)| {
+            let b = mc.circuit_breaker()?;
+            let mut own = breaker(b);
+            own["path"] = json!(
+                mc.json_path()
+                    .unwrap_or_else(|| format!("methodConfig[{i}]"))
+            );
+            own["names"] = json!(
+                mc.names()
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+            );
+            Some(own)
+        })
+        .collect();
+    json!({
+        "retryBudget": budget,
+        "circuitBreaker": c.circuit_breaker.as_ref().map(breaker),
+        "methodCircuitBreakers": per_method,
+    })
+}
+
 fn methods(config: &ServiceConfig) -> Value {
     config
         .method_policies()

@@ -40,7 +40,8 @@ Usage:
 
 check-config options:
   --strict                  every warning is an error (as \"idem\": {\"strict\": true})
-  --json                    print {\"valid\", \"errors\", \"warnings\", \"notes\", \"methods\"}
+  --json                    print {\"valid\", \"errors\", \"warnings\", \"notes\", \"methods\",
+                            \"retryGuards\"}
   --proto FILE              the services' .proto file (compiled in-process, no protoc);
                             every configured name must then match a service or method,
                             and side-effecting methods are protected by default

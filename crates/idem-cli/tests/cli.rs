@@ -534,3 +534,43 @@ fn retry_guards_are_summed_up_and_bad_ones_named_by_path() {
         "{err}"
     );
 }
+
+#[test]
+fn json_output_gives_the_retry_guards() {
+    let o = idem(
+        &["check-config", "--json", "examples/outage/breaker.json"],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json");
+    let g = &v["retryGuards"];
+    assert!(g["retryBudget"].is_null(), "{g}");
+    assert_eq!(g["circuitBreaker"]["failureRatio"], 0.5, "{g}");
+    assert_eq!(g["circuitBreaker"]["minCalls"], 20, "{g}");
+    assert_eq!(g["circuitBreaker"]["openFor"], "0.5s", "{g}");
+    assert_eq!(
+        g["circuitBreaker"]["failureStatusCodes"],
+        serde_json::json!(["DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE"]),
+        "{g}"
+    );
+    let own = br#"{"methodConfig": [{"name": [{"service": "a.B"}],
+        "circuitBreaker": {"minCalls": 5}}],
+        "idem": {"client": {"retryBudget": {"ratio": 0.2}}}}"#;
+    let o = idem(&["check-config", "--json", "-"], Some(own));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json");
+    let g = &v["retryGuards"];
+    assert_eq!(g["retryBudget"]["ratio"], 0.2, "{g}");
+    assert!(g["circuitBreaker"].is_null(), "{g}");
+    let own = &g["methodCircuitBreakers"][0];
+    assert_eq!(own["path"], "methodConfig[0]", "{g}");
+    assert_eq!(own["names"], serde_json::json!(["a.B/*"]), "{g}");
+    assert_eq!(own["minCalls"], 5, "{g}");
+    let o = idem(
+        &["check-config", "--json", "-"],
+        Some(br#"{"methodConfig": 1}"#),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json");
+    assert!(v["retryGuards"].is_null());
+}
