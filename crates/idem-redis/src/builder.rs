@@ -6,7 +6,7 @@ use idem_core::endpoint::{redacted, redacted_list};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 
-use crate::conn::Conn;
+use crate::conn::Shared;
 use crate::notify::{Notifier, Target};
 use crate::replica::ReplicaAcks;
 use crate::reply::map_error;
@@ -26,6 +26,26 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_TENANT: usize = 1000;
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(2);
 /// Default longest polling interval of [`wait`](idem_store::Store::wait).
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_millis(50);
+
+/// TCP settings of the cluster's node connections: keepalive probes and
+/// `TCP_USER_TIMEOUT` (Linux), so a node cut off by the network loses its connection
+/// (which redis-rs then repairs) within seconds, not after `tcp_retries2` (about 15 min).
+/// A second line of defence behind the rebuild on timeouts: a peer that ACKs but does
+/// not answer (a hung process, a proxy) keeps its connection alive. `TCP_NODELAY` stays
+/// as redis-rs sets it by default.
+fn cluster_tcp_settings(command_timeout: Duration) -> redis::io::tcp::TcpSettings {
+    use redis::io::tcp::socket2::TcpKeepalive;
+    let idle = (command_timeout * 2).max(Duration::from_secs(2));
+    let keepalive = TcpKeepalive::new().with_time(idle);
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let keepalive = keepalive
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    let settings = redis::io::tcp::TcpSettings::default().set_keepalive(keepalive);
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let settings = settings.set_user_timeout(idle);
+    settings
+}
 
 /// Where the store connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -372,7 +392,7 @@ impl RedisStoreBuilder {
         Ok(store)
     }
 
-    async fn connect_single(&self, url: &str) -> Result<(Conn, Target), ConnectError> {
+    async fn connect_single(&self, url: &str) -> Result<(Shared, Target), ConnectError> {
         let client = redis::Client::open(url)
             .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted(url))))?;
         let config = ConnectionManagerConfig::new()
@@ -386,10 +406,13 @@ impl RedisStoreBuilder {
             ConnectionManager::new_with_config(client.clone(), config),
         )
         .await;
-        Ok((Conn::Single(self.connected(conn)?), Target::Single(client)))
+        Ok((
+            Shared::Single(self.connected(conn)?),
+            Target::Single(client),
+        ))
     }
 
-    async fn connect_cluster(&self, nodes: &[String]) -> Result<(Conn, Target), ConnectError> {
+    async fn connect_cluster(&self, nodes: &[String]) -> Result<(Shared, Target), ConnectError> {
         for n in nodes {
             redis::Client::open(n.as_str())
                 .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted(n))))?;
@@ -403,11 +426,16 @@ impl RedisStoreBuilder {
             .retries(3)
             .min_retry_wait(10)
             .max_retry_wait(200)
+            .tcp_settings(cluster_tcp_settings(self.command_timeout))
             .build()
             .map_err(|e| ConnectError::InvalidUrl(format!("{}: {e}", redacted_list(nodes))))?;
         let conn = tokio::time::timeout(self.connect_timeout, client.get_async_connection()).await;
+        let conn = self.connected(conn)?;
+        // A rebuild connects to the seeds and then to every node of the new map, each
+        // within the connect timeout: a seed that does not answer costs one of them.
+        let attempt_limit = self.connect_timeout * 2 + self.command_timeout;
         Ok((
-            Conn::Cluster(self.connected(conn)?),
+            Shared::cluster(client, conn, self.command_timeout, attempt_limit),
             Target::Cluster(nodes.to_vec()),
         ))
     }

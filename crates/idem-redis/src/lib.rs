@@ -80,6 +80,13 @@
 //!   the target; a node lost is reconnected, and after a failover the promoted replica
 //!   is found. Every command stays under the command timeout, so while a shard has no
 //!   master the calls on its slots fail closed (UNAVAILABLE) and the client retries.
+//!   A master that stops answering with its connections open (a partition, a hung
+//!   host) is not left to the client, which would retry it until the connections die:
+//!   a command timeout rebuilds the cluster connection in the background (at most once
+//!   per command timeout; the slot map is read again from a node that answers), so the
+//!   calls follow a failover within a few seconds while the old master stays cut off.
+//!   Keepalive and `TCP_USER_TIMEOUT` on the node connections drop a peer the network
+//!   lost within seconds too.
 //!   A script missing on a node (`NOSCRIPT`: a node that joined, or a restart) is loaded
 //!   on every node and the call sent again.
 //! - **Waiting** uses sharded pub/sub: the complete and release scripts `SPUBLISH` on

@@ -12,7 +12,7 @@ use redis::{RedisError, Script, Value};
 use tokio::time::Instant;
 
 use crate::builder::{NOTIFY_POLL_MAX, NOTIFY_POLL_MIN, RedisStoreBuilder};
-use crate::conn::Conn;
+use crate::conn::{Conn, Shared};
 use crate::notify::Notifier;
 use crate::quota::Held;
 use crate::replica::ReplicaAcks;
@@ -38,7 +38,7 @@ pub struct RedisStore {
 /// What every clone of a [`RedisStore`] shares: the connection, the key prefix, the
 /// scripts, the per-tenant quota and the settings of waiting and of replica confirmation.
 pub(crate) struct Backend {
-    pub(crate) conn: Conn,
+    pub(crate) conn: Shared,
     pub(crate) prefix: String,
     pub(crate) command_timeout: Duration,
     pub(crate) max_in_flight_per_tenant: Option<usize>,
@@ -152,14 +152,17 @@ impl RedisStore {
     }
 
     pub(crate) fn connection(&self) -> Conn {
-        self.backend.conn.clone()
+        self.backend.conn.handle()
     }
 
     pub(crate) fn command_timeout(&self) -> Duration {
         self.backend.command_timeout
     }
 
-    /// Runs one command future under the command timeout.
+    /// Runs one command future under the command timeout. A timeout (the client's
+    /// response timeout or this bound) makes a cluster connection suspect: it is rebuilt
+    /// in the background (see `conn`), so a failover is followed even while the old
+    /// master keeps its connection open without answering.
     pub(crate) async fn bounded<T>(
         &self,
         limit: Duration,
@@ -167,10 +170,18 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(limit, fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(map_error(e)),
-            Err(_) => Err(StoreError::Unavailable(
-                format!("redis command timed out after {limit:?}").into(),
-            )),
+            Ok(Err(e)) => {
+                if e.is_timeout() {
+                    self.backend.conn.suspect();
+                }
+                Err(map_error(e))
+            }
+            Err(_) => {
+                self.backend.conn.suspect();
+                Err(StoreError::Unavailable(
+                    format!("redis command timed out after {limit:?}").into(),
+                ))
+            }
         }
     }
 
