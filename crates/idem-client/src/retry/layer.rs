@@ -100,9 +100,9 @@ impl RetryLayer {
     }
 
     /// Request bytes currently held by calls of this layer, all counted against
-    /// `maxReplayBytesTotal`: those kept for replay ([`replay_bytes_held`]
-    /// (Self::replay_bytes_held)), and those read from a caller that a committed attempt
-    /// has not handed to the transport yet.
+    /// `maxReplayBytesTotal`: those kept for replay
+    /// ([`replay_bytes_held`](Self::replay_bytes_held)), and those read from a caller
+    /// that a committed attempt has not handed to the transport yet.
     pub fn request_bytes_held(&self) -> usize {
         self.shared.budget.total()
     }
