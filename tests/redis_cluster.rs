@@ -368,8 +368,14 @@ struct Failover {
 async fn failover_run(cluster: &mut RedisCluster, replica_acks: bool, seed: u64) -> Failover {
     let prefix = format!("failover-{replica_acks}:");
     let inst = Instances::start(cluster, &prefix, replica_acks, Duration::ZERO).await;
-    let victim = cluster.master_of_slot(0);
-    let replica = cluster.replica_of(&victim.id);
+    let (victim, replica) = tokio::task::block_in_place(|| {
+        // A loaded host may have failed a master over since the last check: the
+        // victim and its replica are read from a settled cluster.
+        cluster.wait_healthy(Duration::from_secs(30));
+        let victim = cluster.master_of_slot(0);
+        let replica = cluster.replica_of(&victim.id);
+        (victim, replica)
+    });
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let run = load(&inst, 1500, 32, 0.25, seed, done.clone());
     let reached = |n: usize, limit: Duration| {

@@ -57,7 +57,7 @@ impl PostgresStore {
         let channel = self.sql("idem_done");
         let hex = scope.to_hex();
         let work = async {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = crate::tx::begin_within(self.pool(), self.statement_timeout()).await?;
             let Some(row) = sqlx::query(&select)
                 .bind(&scope.0[..])
                 .fetch_optional(&mut *tx)

@@ -82,11 +82,7 @@ impl PostgresStore {
             .get::<RecordRef>()
             .cloned()
             .ok_or(TxError::NoRecord)?;
-        let limit = self.statement_timeout();
-        let tx = match tokio::time::timeout(limit, pool.begin()).await {
-            Ok(tx) => tx?,
-            Err(_) => return Err(TxError::Database(sqlx::Error::PoolTimedOut)),
-        };
+        let tx = begin_within(pool, self.statement_timeout()).await?;
         Ok(RecordTx {
             tx,
             store: self.clone(),
@@ -176,6 +172,32 @@ impl RecordTx {
             }
             Err(e) => Err(TxError::Store(e)),
         }
+    }
+}
+
+/// Begins a transaction on `pool`, waiting at most `limit` for it
+/// ([`sqlx::Error::PoolTimedOut`] after that).
+///
+/// The `BEGIN` runs in a task of its own, so neither the time limit nor a caller that
+/// drops this future can cut it short. sqlx 0.8 counts a transaction only once the
+/// server has answered its `BEGIN`: a `begin()` future dropped while that answer is on
+/// its way returns the connection to the pool *inside* a transaction nobody will end.
+/// Every statement later run on that pooled connection (the store's claims included)
+/// would then be part of that transaction, uncommitted, until one fails and leaves the
+/// connection answering `25P02` ("current transaction is aborted") for good. Here a
+/// late `BEGIN` completes in its task, and the transaction it opened is dropped there
+/// and rolled back like any other.
+pub(crate) async fn begin_within(
+    pool: &PgPool,
+    limit: std::time::Duration,
+) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let pool = pool.clone();
+    let begin = tokio::spawn(async move { pool.begin().await });
+    match tokio::time::timeout(limit, begin).await {
+        Ok(Ok(tx)) => tx,
+        // The task panicked or the runtime is shutting down.
+        Ok(Err(_)) => Err(sqlx::Error::WorkerCrashed),
+        Err(_) => Err(sqlx::Error::PoolTimedOut),
     }
 }
 

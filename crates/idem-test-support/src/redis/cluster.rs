@@ -398,11 +398,26 @@ impl RedisCluster {
     }
 
     /// The replica of the master with id `master_id`.
+    ///
+    /// On a loaded host a node that missed pings for a moment is flagged `fail?` in
+    /// `CLUSTER NODES` until the next gossip clears it, so this looks again for up to
+    /// 15 s before it panics.
     pub fn replica_of(&self, master_id: &str) -> ClusterNode {
-        self.topology()
-            .into_iter()
-            .find(|n| n.master_id.as_deref() == Some(master_id) && n.connected)
-            .unwrap_or_else(|| panic!("master {master_id} has no connected replica"))
+        let started = Instant::now();
+        loop {
+            let topology = self.topology();
+            if let Some(n) = topology
+                .iter()
+                .find(|n| n.master_id.as_deref() == Some(master_id) && n.connected)
+            {
+                return n.clone();
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "master {master_id} has no connected replica within 15 s: {topology:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Starts the node on `port` again (empty, persistence is off; its `nodes.conf`
