@@ -13,10 +13,11 @@
 //!   still connects them), with replica confirmation (`replicaAcks: 1`), healed 1.5 s
 //!   after the replica is master (shorter than the lease): the writes sent to the old
 //!   master never run a handler twice and no intent is lost. Not tested here: the
-//!   partition held past the lease. The cluster client keeps sending the old master's
-//!   slots to it while it stops answering (a response timeout is retried on the same
-//!   node, no slot refresh), so those calls fail until the connection is reset, and a
-//!   run cut off past its lease is taken over (a second run, as after a crash).
+//!   partition held past the lease. redis-rs alone keeps sending the old master's slots
+//!   to it while it stops answering (a response timeout is retried on the same node, no
+//!   slot refresh); the store now rebuilds its cluster connection after a timeout and
+//!   follows the failover within seconds (`tests/cluster_follows_failover.rs`), but a
+//!   run cut off past its lease is still taken over (a second run, as after a crash).
 //!
 //! What is asserted holds whatever the timing: a loaded machine changes which calls a
 //! fault hits, not whether an intent runs twice. Every wait is bounded.
@@ -194,10 +195,10 @@ async fn redis_cluster_master_partitioned_during_a_failover_exactly_once() {
     .await;
     // Held a while after the failover (three command timeouts), so calls stuck on the old
     // master time out and are retried by their callers, but far shorter than the 10 s
-    // lease: the cluster client does not leave a master that stops answering (a
-    // response timeout is retried on the same node, no slot refresh; it follows the
-    // failover once the heal resets its connection), so a partition held longer than
-    // the lease is an instance cut off longer than the lease (a takeover, as a crash).
+    // lease: a run whose writes are cut off longer than its lease is taken over (as
+    // after a crash), whichever way the client follows the failover (the store's
+    // rebuild after a timeout, `tests/cluster_follows_failover.rs`, or the heal
+    // resetting its connection).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     proxy.heal();
     let Ok(r) = tokio::time::timeout(Duration::from_secs(240), workload).await else {
