@@ -70,6 +70,10 @@ impl PostgresStore {
     /// Opens a transaction for the protected call `request` on `pool`, which must reach
     /// the same database as the store (the records are in it).
     ///
+    /// The `BEGIN` runs in a task of its own: a call that gives up on it (its time
+    /// limit, or a caller that went away) cannot leave one of `pool`'s connections
+    /// inside a transaction, which a bare `pool.begin()` cut short in sqlx 0.8 does.
+    ///
     /// # Errors
     /// As [`begin_for`](Self::begin_for).
     pub async fn begin_on<T>(
