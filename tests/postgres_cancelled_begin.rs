@@ -6,59 +6,16 @@
 //! dropped in that window hands its connection back to the pool in a transaction
 //! nothing ends (sqlx issue #4393). The store's own statements later run on that
 //! connection inside it, uncommitted, and once one fails every statement there gets
-//! `25P02`. The database's answers pass through a proxy here that can hold them back,
-//! which opens that window on purpose.
+//! `25P02`. The store reaches the database through the demo's fault proxy, whose
+//! latency holds `BEGIN` and its answer back and so opens that window on purpose.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_postgres::{PostgresStore, TxError};
-use idem_store::{RecordRef, Scope};
+use idem::postgres::{PostgresStore, TxError};
+use idem::store::{RecordRef, Scope};
+use idem_demo::netfaults::{FaultProxy, NetFault};
 use idem_test_support::postgres::PostgresServer;
 use sqlx::postgres::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// A TCP proxy to `upstream` that holds every chunk the server sends for the delay
-/// currently set (milliseconds), and passes the client's bytes on at once.
-async fn delaying_proxy(upstream: SocketAddr) -> (SocketAddr, Arc<AtomicU64>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let delay = Arc::new(AtomicU64::new(0));
-    let shared = delay.clone();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = TcpStream::connect(upstream).await else {
-                continue;
-            };
-            let delay = shared.clone();
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-            });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 16 * 1024];
-                loop {
-                    let n = match server_read.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    let ms = delay.load(Ordering::SeqCst);
-                    if ms > 0 {
-                        tokio::time::sleep(Duration::from_millis(ms)).await;
-                    }
-                    if client_write.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (addr, delay)
-}
 
 /// Sessions of the test database left inside a transaction and idle.
 async fn idle_in_transaction(direct: &PgPool) -> i64 {
@@ -72,15 +29,16 @@ async fn idle_in_transaction(direct: &PgPool) -> i64 {
     .unwrap()
 }
 
-/// Waits (up to 10 s) until no session is idle inside a transaction; the count last seen.
-async fn settled(direct: &PgPool) -> i64 {
+/// Waits (up to 10 s) until the pool's one connection is back in the pool: the
+/// `BEGIN` held by the proxy answered and whatever followed it done.
+async fn back_in_pool(store: &PostgresStore) {
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let n = idle_in_transaction(direct).await;
-        if n == 0 || tokio::time::Instant::now() > until {
-            return n;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    while store.pool().num_idle() < 1 {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the connection stays out"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -99,17 +57,19 @@ struct Env {
     _server: PostgresServer,
     direct: PgPool,
     store: PostgresStore,
-    delay: Arc<AtomicU64>,
+    proxy: FaultProxy,
 }
 
 /// A store with one pooled connection, through the proxy, and a direct pool to watch.
 async fn start() -> Option<Env> {
     let server = PostgresServer::start()?;
     let direct = server.pool(1).await;
-    let (proxy, delay) = delaying_proxy(([127, 0, 0, 1], server.port()).into()).await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
+        .await
+        .expect("start the proxy");
     let url = server.url().replace(
         &format!(":{}/", server.port()),
-        &format!(":{}/", proxy.port()),
+        &format!(":{}/", proxy.addr().port()),
     );
     assert_ne!(url, server.url(), "the store goes through the proxy");
     let store = PostgresStore::builder(url)
@@ -120,21 +80,14 @@ async fn start() -> Option<Env> {
         .await
         .expect("connect through the proxy");
     // The pool's connection is open and back in the pool (its release ping answered)
-    // before the delay starts.
+    // before the latency starts.
     sqlx::query("SELECT 1").execute(store.pool()).await.unwrap();
-    let until = tokio::time::Instant::now() + Duration::from_secs(10);
-    while store.pool().num_idle() < 1 {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "the connection stays out"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    back_in_pool(&store).await;
     Some(Env {
         _server: server,
         direct,
         store,
-        delay,
+        proxy,
     })
 }
 
@@ -142,8 +95,9 @@ impl Env {
     /// The pool's one connection still works outside a transaction: a failed
     /// statement does not leave the next one answering `25P02`.
     async fn assert_connection_clean(&self) {
+        back_in_pool(&self.store).await;
         assert_eq!(
-            settled(&self.direct).await,
+            idle_in_transaction(&self.direct).await,
             0,
             "a session left in a transaction"
         );
@@ -168,14 +122,15 @@ async fn begin_for_past_its_time_limit_leaves_no_connection_in_a_transaction() {
     let Some(env) = start().await else {
         return;
     };
-    env.delay.store(800, Ordering::SeqCst);
+    env.proxy
+        .set(Some(NetFault::Latency(Duration::from_millis(800))));
     let request = protected_request();
     let err = env.store.begin_for(&request).await.unwrap_err();
     assert!(
         matches!(err, TxError::Database(sqlx::Error::PoolTimedOut)),
         "{err}"
     );
-    env.delay.store(0, Ordering::SeqCst);
+    env.proxy.heal();
     env.assert_connection_clean().await;
 }
 
@@ -184,7 +139,8 @@ async fn begin_for_dropped_by_its_caller_leaves_no_connection_in_a_transaction()
     let Some(env) = start().await else {
         return;
     };
-    env.delay.store(800, Ordering::SeqCst);
+    env.proxy
+        .set(Some(NetFault::Latency(Duration::from_millis(800))));
     let store = env.store.clone();
     // A handler whose caller went away: its future is dropped mid-`BEGIN`.
     let handler = tokio::spawn(async move {
@@ -195,6 +151,6 @@ async fn begin_for_dropped_by_its_caller_leaves_no_connection_in_a_transaction()
     tokio::time::sleep(Duration::from_millis(100)).await;
     handler.abort();
     assert!(handler.await.unwrap_err().is_cancelled());
-    env.delay.store(0, Ordering::SeqCst);
+    env.proxy.heal();
     env.assert_connection_clean().await;
 }
