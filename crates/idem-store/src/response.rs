@@ -185,10 +185,14 @@ impl StoredResponse {
 }
 
 /// Room kept after a response's head and after its first frame for the trailers of a
-/// successful call (the flag, then the map `grpc-status: 0`), so that a unary OK
-/// response's record is allocated once at its head and grown once, exactly, at its
-/// frame.
+/// successful call (the flag, then the map `grpc-status: 0`).
 const TRAILERS_ROOM: usize = 1 + 4 + 2 + "grpc-status".len() + 4 + 1;
+
+/// Room kept after a response's head for a first frame of up to this many bytes (its
+/// length prefix included), so that a small unary OK response's record is allocated once,
+/// at its head; [`ResponseEncoder::finish`] gives back what it did not use (a shrink in
+/// place). A larger first frame grows the record once, exactly, as it arrives.
+const FIRST_FRAME_ROOM: usize = 4 + 256;
 
 /// A [`StoredResponse`] encoded as it arrives: the head when the response starts, each
 /// DATA frame as it comes, the trailers at the end. [`finish`](Self::finish) gives the
@@ -217,7 +221,7 @@ impl ResponseEncoder {
     /// Starts a response with its status and headers.
     pub fn new(status: StatusCode, headers: &HeaderMap) -> Self {
         let head = MAGIC.len() + 2 + headers_len(headers) + 4;
-        ResponseEncoder::with_capacity(status, headers, head + TRAILERS_ROOM)
+        ResponseEncoder::with_capacity(status, headers, head + FIRST_FRAME_ROOM + TRAILERS_ROOM)
     }
 
     fn with_capacity(status: StatusCode, headers: &HeaderMap, capacity: usize) -> Self {
@@ -388,14 +392,31 @@ mod tests {
     }
 
     #[test]
-    fn a_unary_ok_record_is_allocated_at_its_head_and_grown_once_exactly() {
+    fn a_small_unary_ok_record_is_allocated_once_and_a_large_one_grown_once_exactly() {
+        // A small reply fits the room kept at the head: its frame and trailers need no
+        // second allocation, and what is left is given back at the end.
         let r = StoredResponse::unary_ok(&[7; 40]);
         let mut out = ResponseEncoder::new(r.status, &r.headers);
-        assert_eq!(out.out.capacity(), out.out.len() + TRAILERS_ROOM);
+        let at_head = out.out.capacity();
+        assert_eq!(at_head, out.out.len() + FIRST_FRAME_ROOM + TRAILERS_ROOM);
         out.frame(&r.frames[0]);
-        assert_eq!(out.out.capacity(), out.out.len() + TRAILERS_ROOM);
+        assert_eq!(
+            out.out.capacity(),
+            at_head,
+            "a 40-byte reply grew the record"
+        );
         let trailers = r.trailers.as_ref().unwrap();
         assert_eq!(1 + headers_len(trailers), TRAILERS_ROOM);
+        let before_finish = out.out.len() + TRAILERS_ROOM;
+        assert!(out.out.capacity() >= before_finish);
+        assert_eq!(out.finish(Some(trailers)), r.encode());
+
+        // A first frame over the room grows the record once, to exactly what the frame
+        // and the trailers of a successful call need.
+        let big = StoredResponse::unary_ok(&[7; 1000]);
+        let mut out = ResponseEncoder::new(big.status, &big.headers);
+        out.frame(&big.frames[0]);
+        assert_eq!(out.out.capacity(), out.out.len() + TRAILERS_ROOM);
     }
 
     proptest! {

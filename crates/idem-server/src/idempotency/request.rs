@@ -40,10 +40,15 @@ pub(crate) async fn read_request(
     let compression = compression(headers, policy)?;
     let max = policy.max_request_bytes;
     // A body that arrives in one frame (a small unary request) is kept as it came, with
-    // no copy; a second frame gathers them all into one buffer.
+    // no copy; a second frame gathers them all into one buffer. An empty frame carries
+    // nothing: a tonic (or grpc-go) client ends its request stream with one, after the
+    // frame with the message, and it must not cost the single-frame body its copy.
     let (mut len, mut first, mut buf) = (0, None::<Bytes>, BytesMut::new());
     while let Some(frame) = body.frame().await {
         if let Ok(data) = frame?.into_data() {
+            if data.is_empty() {
+                continue;
+            }
             len += data.len();
             if len > max {
                 return Err(status::request_too_large(max));
@@ -104,6 +109,18 @@ mod tests {
             .unwrap();
         assert_eq!(one.body, whole);
         assert_eq!(many.body, whole);
+        // The body a tonic client sends: its message, then an empty frame that ends the
+        // stream. The message's bytes are kept as they came (the same memory), not copied.
+        let ended = read_request(body_of(&[whole, &[]]), &headers, &policy, None)
+            .await
+            .unwrap();
+        assert_eq!(ended.body, whole);
+        assert_eq!(
+            ended.body.as_ptr(),
+            whole.as_ptr(),
+            "the one frame was copied"
+        );
+        assert_eq!(ended.fingerprint, one.fingerprint);
         assert_eq!(one.fingerprint, many.fingerprint);
 
         let small = IdempotencyPolicy {
