@@ -2,6 +2,7 @@
 //! handler, replay the stored response, refuse, or wait for the call in flight.
 
 use std::collections::VecDeque;
+use std::future::Future;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
@@ -18,6 +19,7 @@ use tower_service::Service;
 use super::admission::{Bound, HandlerSlot, WaiterSlot};
 use super::body::ReplayBody;
 use super::context::{BufferedRequest, Call};
+use super::future::Phases;
 use super::handler;
 use super::request::{ReadRequest, read_request};
 use super::stats::Counter;
@@ -25,15 +27,72 @@ use super::status;
 use super::{HandlerBody, HandlerService};
 use crate::metrics::BodyEnd;
 
+/// What [`Call::decide`] came to: the caller's answer, or a claimed record whose
+/// handler is to run.
+pub(crate) enum Decided<St, S, E> {
+    Answer(Result<Response<Body>, E>),
+    Run(Acquired<St, S>),
+}
+
+/// A call whose claim acquired its record, with all its handler's run needs.
+pub(crate) struct Acquired<St, S> {
+    call: Call<St>,
+    inner: S,
+    request: BufferedRequest,
+    fence: idem_store::Fence,
+    slot: HandlerSlot,
+}
+
+/// The handler's run of an [`Acquired`] call ([`handler::execute`]).
+fn execute<S, St, ResBody>(
+    acquired: Acquired<St, S>,
+) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
+where
+    S: HandlerService<ResBody>,
+    ResBody: HandlerBody,
+    St: Store,
+{
+    let Acquired {
+        call,
+        inner,
+        request,
+        fence,
+        slot,
+    } = acquired;
+    handler::execute(call, inner, request, fence, slot)
+}
+
 impl<St: Store> Call<St> {
     /// Reads the request, claims its record, and answers: the handler's run, a replay,
     /// a refusal, or (after waiting for the call in flight) a claim again.
-    pub(crate) async fn run<S, ResBody>(
+    ///
+    /// Two futures one after the other ([`Phases`]), not one `async fn` that awaits the
+    /// run: an `async fn` keeps room for the run's future (about 3 KB) beside the
+    /// temporary it is built in, and the call's boxed future came to 7.6 KB, copied
+    /// into its box and held for every call in flight. As two phases it is the larger
+    /// of the two.
+    pub(crate) fn run<S, ResBody>(
         self,
         inner: S,
         parts: http::request::Parts,
         body: Body,
-    ) -> Result<Response<Body>, S::Error>
+    ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
+    where
+        S: HandlerService<ResBody>,
+        ResBody: HandlerBody,
+    {
+        Phases::new(self.decide(inner, parts, body), execute::<S, St, ResBody>)
+    }
+
+    /// Reads the request and claims its record: the answer (a replay, a refusal, after
+    /// waiting for the call in flight a claim again), or the acquired record for the
+    /// handler's run.
+    async fn decide<S, ResBody>(
+        self,
+        inner: S,
+        parts: http::request::Parts,
+        body: Body,
+    ) -> Decided<St, S, S::Error>
     where
         S: HandlerService<ResBody>,
         ResBody: HandlerBody,
@@ -42,7 +101,7 @@ impl<St: Store> Call<St> {
         let request = read_request(body, &parts.headers, &self.policy, hook).await;
         let ReadRequest { body, fingerprint } = match request {
             Ok(r) => r,
-            Err(status) => return Ok(self.refuse("rejected", status)),
+            Err(status) => return Decided::Answer(Ok(self.refuse("rejected", status))),
         };
         let (mut request, deadline) = BufferedRequest::new(parts, body);
 
@@ -61,7 +120,9 @@ impl<St: Store> Call<St> {
                 Err(e) => {
                     // Boxed: a rare path whose future holds the service's own, which
                     // would otherwise enlarge every protected call's future.
-                    return Box::pin(self.store_failed(e, inner, request, slot)).await;
+                    return Decided::Answer(
+                        Box::pin(self.store_failed(e, inner, request, slot)).await,
+                    );
                 }
             };
             match claim {
@@ -71,9 +132,12 @@ impl<St: Store> Call<St> {
                         Some(Err(bound)) => {
                             // Boxed: a rare path (it gives the record back).
                             let refused = Box::pin(self.overloaded_after_claim(fence, bound));
-                            return Ok(refused.await);
+                            return Decided::Answer(Ok(refused.await));
                         }
-                        None => return Ok(Box::pin(self.ended_while_waiting(fence)).await),
+                        None => {
+                            let ended = Box::pin(self.ended_while_waiting(fence));
+                            return Decided::Answer(Ok(ended.await));
+                        }
                     };
                     self.shared.stats.inc(Counter::executed);
                     self.outcome("executed");
@@ -81,25 +145,32 @@ impl<St: Store> Call<St> {
                     if takeover {
                         tracing::warn!(fence, "took over an in-flight record whose lease ended");
                     }
-                    return handler::execute(self, inner, request, fence, slot).await;
+                    return Decided::Run(Acquired {
+                        call: self,
+                        inner,
+                        request,
+                        fence,
+                        slot,
+                    });
                 }
                 Claim::Completed(StoredOutcome::Response(bytes)) => {
-                    return Ok(self.replay(bytes, waited));
+                    return Decided::Answer(Ok(self.replay(bytes, waited)));
                 }
                 Claim::Completed(StoredOutcome::NotRetained) => {
                     self.shared.stats.inc(Counter::not_retained_hits);
-                    return Ok(self.answer("not_retained", status::response_not_retained()));
+                    let answer = self.answer("not_retained", status::response_not_retained());
+                    return Decided::Answer(Ok(answer));
                 }
                 Claim::Mismatch => {
                     self.shared.stats.inc(Counter::mismatched);
-                    return Ok(self.answer("mismatch", status::key_reused()));
+                    return Decided::Answer(Ok(self.answer("mismatch", status::key_reused())));
                 }
                 Claim::InFlight { lease_remaining } => {
                     drop(slot);
                     if !waited && self.policy.in_flight == InFlightPolicy::Wait {
                         match admission.wait(self.tenant, self.single_tenant) {
                             Ok(w) => waiter = Some(w),
-                            Err(bound) => return Ok(self.too_many_waiting(bound)),
+                            Err(bound) => return Decided::Answer(Ok(self.too_many_waiting(bound))),
                         }
                         // A waiter needs the fingerprint, not the body: it is dropped
                         // here (a 2 MiB request no longer costs 2 MiB per duplicate, nor
@@ -112,7 +183,7 @@ impl<St: Store> Call<St> {
                     // Boxed, as above: only duplicates wait.
                     let wait = Box::pin(self.in_flight(lease_remaining, deadline, first_wait));
                     if let Some(resp) = wait.await {
-                        return Ok(resp);
+                        return Decided::Answer(Ok(resp));
                     }
                 }
             }

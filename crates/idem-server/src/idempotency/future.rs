@@ -57,6 +57,71 @@ impl<F: Future> Future for Running<F> {
     }
 }
 
+pin_project! {
+    /// A protected call's two phases: `decide` (read the request, claim the record), then,
+    /// for a claim acquired, the handler's run that `run` makes of what `decide` gave.
+    /// The run's future is built in place once `decide` is over, so the call's future is
+    /// the larger of the two, not their sum (see `Call::run`).
+    pub(crate) struct Phases<D, M, R> {
+        make_run: Option<M>,
+        #[pin]
+        phase: Phase<D, R>,
+    }
+}
+
+pin_project! {
+    #[project = PhaseProj]
+    enum Phase<D, R> {
+        Deciding { #[pin] decide: D },
+        Running { #[pin] run: R },
+        Done,
+    }
+}
+
+impl<D, M, R> Phases<D, M, R> {
+    pub(crate) fn new(decide: D, make_run: M) -> Self {
+        Phases {
+            make_run: Some(make_run),
+            phase: Phase::Deciding { decide },
+        }
+    }
+}
+
+impl<D, M, R, St, S, E> Future for Phases<D, M, R>
+where
+    D: Future<Output = super::call::Decided<St, S, E>>,
+    M: FnOnce(super::call::Acquired<St, S>) -> R,
+    R: Future<Output = Result<Response<Body>, E>>,
+{
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.phase.as_mut().project() {
+                PhaseProj::Deciding { decide } => match ready!(decide.poll(cx)) {
+                    super::call::Decided::Answer(answer) => {
+                        this.phase.set(Phase::Done);
+                        return Poll::Ready(answer);
+                    }
+                    super::call::Decided::Run(acquired) => {
+                        let make_run = this.make_run.take().expect("one run per call");
+                        this.phase.set(Phase::Running {
+                            run: make_run(acquired),
+                        });
+                    }
+                },
+                PhaseProj::Running { run } => {
+                    let answer = ready!(run.poll(cx));
+                    this.phase.set(Phase::Done);
+                    return Poll::Ready(answer);
+                }
+                PhaseProj::Done => panic!("a protected call's future polled after it ended"),
+            }
+        }
+    }
+}
+
 /// What a protected call's future needs to hand its run to a task of its own.
 pub(crate) struct Detach {
     /// The layer's bounds: a run detached by a cancel counts against
