@@ -7,7 +7,8 @@
 //! so drift on a shared machine hits both sides of a ratio alike.
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
-//! (`client`, `server`, `replay`, `redis`, `cluster`, `dup`, `retry`, `metrics`, `peer`);
+//! (`client`, `server`, `replay`, `redis`, `cluster`, `postgres`, `dup`, `retry`, `metrics`,
+//! `peer`);
 //! none runs all.
 //! `IDEM_BENCH_JSON=FILE` also writes the rows to FILE as JSON, and `table FILE...`
 //! prints the markdown table of one or more such files (the median of each number over
@@ -613,6 +614,9 @@ fn main() {
         if wants("redis") {
             redis(&mut t, rounds, n(2000), n(10000)).await;
         }
+        if wants("postgres") {
+            postgres(&mut t, rounds, n(2000), n(10000)).await;
+        }
         if wants("redis-cluster") {
             redis_cluster(&mut t, rounds, n(2000), n(10000)).await;
         }
@@ -1029,6 +1033,87 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
             conc,
             &mem,
             &red,
+        )
+        .await;
+    }
+}
+
+/// PostgreSQL (a private server on this machine: `fsync = off`, `pg_stat_statements`
+/// loaded; the store with its defaults, a pool of 10, no sweep while measuring) vs the
+/// memory store: statements per fresh call and per replay, counted by PostgreSQL, then
+/// fresh keys and replays as the Redis rows. The server's own CPU is not the process's:
+/// the CPU ratio is what the layer's process spends, as for Redis.
+async fn postgres(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    use sqlx::{Executor, Row};
+    let Some(pg) = idem_test_support::postgres::PostgresServer::start_with(&[(
+        "shared_preload_libraries",
+        "pg_stat_statements",
+    )]) else {
+        t.note("postgres: SKIPPED (no PostgreSQL server binaries found)".into());
+        return;
+    };
+    let admin = pg.pool(2).await;
+    admin
+        .execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .expect("pg_stat_statements");
+    let store = idem_postgres::PostgresStore::builder(pg.url())
+        .no_sweep()
+        .connect()
+        .await
+        .expect("connect to the bench PostgreSQL");
+    let mem = serve(Duration::ZERO, layer_of(memory_store())).await;
+    let pgs = serve(
+        Duration::ZERO,
+        Some(IdempotencyLayer::new(store, &config())),
+    )
+    .await;
+
+    // Statements: sequential calls, counted by PostgreSQL (the bench's own queries to
+    // pg_stat_statements left out).
+    const ST: usize = 200;
+    let reset = || async {
+        admin
+            .execute("SELECT pg_stat_statements_reset()")
+            .await
+            .expect("reset pg_stat_statements");
+    };
+    let count = || async {
+        let rows = sqlx::query(
+            "SELECT calls FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%'",
+        )
+        .fetch_all(&admin)
+        .await
+        .expect("read pg_stat_statements");
+        rows.iter().map(|r| r.get::<i64, _>(0)).sum::<i64>() as f64 / ST as f64
+    };
+    let ks = keys(ST);
+    let mut c = pgs.client();
+    reset().await;
+    for k in ks.iter() {
+        c.create_order(order(Some(k))).await.expect("fresh");
+    }
+    let fresh = count().await;
+    reset().await;
+    for k in ks.iter() {
+        c.create_order(order(Some(k))).await.expect("replay");
+    }
+    let replay = count().await;
+    t.note(format!(
+        "postgres statements per call ({ST} sequential calls, pg_stat_statements): fresh \
+         {fresh:.2} (claim, complete), replay {replay:.2} (claim)"
+    ));
+    t.json.push(report::statements(fresh, replay));
+
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        store_pair(
+            t,
+            "PostgresStore vs MemoryStore",
+            rounds,
+            calls,
+            conc,
+            &mem,
+            &pgs,
         )
         .await;
     }

@@ -3,8 +3,9 @@
 //! - `IDEM_BENCH_JSON=FILE cargo bench --bench layers -- …` writes `{"rows": [...]}`:
 //!   one row per A/B pair, `{"id", "conc", "ratio", "cpu_us_baseline", "cpu_us_layer",
 //!   "cpu_us_delta", "cpu_ratio"}` (plus the row's name, its throughput and latency
-//!   columns and its target, for the table), and `{"id": "redis_round_trips", "fresh":
-//!   n, "replay": n}` when the Redis section ran.
+//!   columns and its target, for the table), `{"id": "redis_round_trips", "fresh": n,
+//!   "replay": n}` when the Redis section ran, and `{"id": "postgres_statements",
+//!   "fresh": n, "replay": n}` when the PostgreSQL one did.
 //! - `cargo bench --bench layers -- table FILE...` prints BENCHMARKS.md's table from one
 //!   or more such files: each number is the median over the files (three runs: the
 //!   middle one), with each run's CPU ratio beside it and the verdict of issue 34's
@@ -43,6 +44,14 @@ const STABLE: &[(&str, &str)] = &[
         "redis_fresh",
     ),
     ("server: replay, RedisStore vs MemoryStore", "redis_replay"),
+    (
+        "server: fresh keys, PostgresStore vs MemoryStore",
+        "postgres_fresh",
+    ),
+    (
+        "server: replay, PostgresStore vs MemoryStore",
+        "postgres_replay",
+    ),
 ];
 
 /// Issue 34's targets, by id: what is compared, the bound, and the text the table shows.
@@ -171,6 +180,11 @@ fn round(x: f64, digits: i32) -> f64 {
     (x * k).round() / k
 }
 
+/// The PostgreSQL statements per call, from `pg_stat_statements`.
+pub(crate) fn statements(fresh: f64, replay: f64) -> Value {
+    json!({"id": "postgres_statements", "fresh": round(fresh, 2), "replay": round(replay, 2)})
+}
+
 /// Writes `{"rows": rows}` to `path`.
 pub(crate) fn write(path: &str, rows: &[Value]) {
     let doc = json!({ "rows": rows });
@@ -225,6 +239,14 @@ pub(crate) fn table(files: &[String]) -> String {
         let id = r["id"].as_str().unwrap_or("");
         let rows = runs_of(id);
         if r.get("conc").is_none() {
+            if id == "postgres_statements" {
+                notes.push(format!(
+                    "- PostgreSQL statements per call (pg_stat_statements): fresh **{:.2}**, \
+                     replay **{:.2}**",
+                    med(&rows, "fresh"),
+                    med(&rows, "replay"),
+                ));
+            }
             if id == "redis_round_trips" {
                 notes.push(format!(
                     "- Redis round trips per call (INFO commandstats): fresh **{:.2}**, replay **{:.2}** \

@@ -29,6 +29,11 @@ use crate::metrics::BodyEnd;
 
 /// What [`Call::decide`] came to: the caller's answer, or a claimed record whose
 /// handler is to run.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "returned once per call and moved straight into the handler's run: a box \
+              would cost every call an allocation"
+)]
 pub(crate) enum Decided<St, S, E> {
     Answer(Result<Response<Body>, E>),
     Run(Acquired<St, S>),
