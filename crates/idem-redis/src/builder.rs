@@ -371,6 +371,7 @@ impl RedisStoreBuilder {
                 crate::RECORD_OVERHEAD_BYTES.to_string(),
             ],
             held: crate::quota::Held::new(),
+            last_tenant: arc_swap::ArcSwapOption::empty(),
             poll_min: self.poll_min,
             poll_max: self.poll_max,
             notifier,

@@ -46,6 +46,10 @@ pub(crate) struct Backend {
     /// The quota arguments of the tenant scripts (in-flight, bytes, overhead), made once.
     pub(crate) quota_args: [String; 3],
     pub(crate) held: Held,
+    /// The keys of the tenant named last ([`RedisStore::tenant_keys`]): a service with one
+    /// tenant, or a burst of one tenant's calls, formats them once, not three strings a
+    /// script.
+    pub(crate) last_tenant: arc_swap::ArcSwapOption<crate::tenant::TenantKeys>,
     pub(crate) poll_min: Duration,
     pub(crate) poll_max: Duration,
     pub(crate) notifier: Option<Arc<Notifier>>,

@@ -27,6 +27,7 @@
 //! (`idem records delete`) keeps its charge until its TTL would have ended: the record
 //! does not name its tenant.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_store::{CompleteRequest, Fence, Scope, StoreError, StoredOutcome, TenantId};
@@ -169,6 +170,7 @@ local function admit(fence, fresh, lease, now) return nil end
 
 /// The three keys of one tenant.
 pub(crate) struct TenantKeys {
+    id: TenantId,
     pub(crate) in_flight: String,
     pub(crate) bytes: String,
     pub(crate) sizes: String,
@@ -232,7 +234,7 @@ impl RedisStore {
                 self.fenced_with(
                     &scripts.complete_tenant,
                     scope,
-                    Some(&keys),
+                    Some(&*keys),
                     fence,
                     &[
                         kind,
@@ -313,7 +315,7 @@ impl RedisStore {
                 self.fenced_with(
                     &scripts.release_tenant,
                     scope,
-                    Some(&keys),
+                    Some(&*keys),
                     fence,
                     &[&member],
                     false,
@@ -346,7 +348,18 @@ impl RedisStore {
     }
 
     /// The tenant's three keys (see the module docs).
-    pub(crate) fn tenant_keys(&self, tenant: &TenantId) -> TenantKeys {
+    pub(crate) fn tenant_keys(&self, tenant: &TenantId) -> Arc<TenantKeys> {
+        if let Some(last) = self.backend.last_tenant.load_full()
+            && last.id == *tenant
+        {
+            return last;
+        }
+        let keys = Arc::new(self.format_tenant_keys(tenant));
+        self.backend.last_tenant.store(Some(keys.clone()));
+        keys
+    }
+
+    fn format_tenant_keys(&self, tenant: &TenantId) -> TenantKeys {
         let in_flight = self.tenant_key_for(tenant);
         let with = |suffix: &str| {
             let mut k = String::with_capacity(in_flight.len() + suffix.len());
@@ -355,6 +368,7 @@ impl RedisStore {
             k
         };
         TenantKeys {
+            id: *tenant,
             bytes: with(":bytes"),
             sizes: with(":sizes"),
             in_flight,
