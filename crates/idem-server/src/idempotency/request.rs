@@ -41,7 +41,7 @@ pub(crate) async fn read_request(
     let max = policy.max_request_bytes;
     // A body that arrives in one frame (a small unary request) is kept as it came, with
     // no copy; a second frame gathers them all into one buffer. An empty frame carries
-    // nothing: a tonic (or grpc-go) client ends its request stream with one, after the
+    // nothing: a tonic client ends its request stream with one, after the
     // frame with the message, and it must not cost the single-frame body its copy.
     let (mut len, mut first, mut buf) = (0, None::<Bytes>, BytesMut::new());
     while let Some(frame) = body.frame().await {
