@@ -1,7 +1,8 @@
 //! What cheap failing calls and one tenant's load leave behind in a real `redis-server`:
 //! released records leave (next to) nothing, so a `maxmemory` budget with
-//! `noeviction` survives a flood of rejected calls, and one tenant at its in-flight
-//! quota does not stop another.
+//! `noeviction` survives a flood of rejected calls, one tenant at its in-flight quota
+//! does not stop another, and tenants claiming in turn are each counted on their own
+//! keys.
 
 use std::time::Duration;
 
@@ -358,5 +359,54 @@ async fn stored_bytes_are_charged_taken_back_and_expire_with_their_records() {
             "the tenant's keys outlived their records: {left} left"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Three tenants claiming in turn, from 8 tasks at once, so that most claims name
+/// another tenant than the one before (the store keeps the key names of the tenant named
+/// last): every claim is counted on its own tenant's keys, none on another's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_claiming_in_turn_are_each_counted_on_their_own_keys() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = store_with_quota(&redis, 1000).await;
+    let tenants = [TenantId([1; 16]), TenantId([2; 16]), TenantId([3; 16])];
+    let claims_of = [30usize, 20, 10];
+    // Round-robin over the tenants that still have claims to make: 1 2 3 1 2 3 … 1 2 1.
+    let mut left = claims_of;
+    let mut order = Vec::new();
+    while left.iter().any(|n| *n > 0) {
+        for (t, n) in left.iter_mut().enumerate() {
+            if *n > 0 {
+                *n -= 1;
+                order.push(t);
+            }
+        }
+    }
+    let order = std::sync::Arc::new(order);
+    let tasks: Vec<_> = (0..8)
+        .map(|task| {
+            let (store, order) = (store.clone(), order.clone());
+            tokio::spawn(async move {
+                let fp = Fingerprint([5; 32]);
+                for &t in order.iter().skip(task).step_by(8) {
+                    let scope = Scope(rand::random());
+                    let got = store
+                        .claim(claim(&scope, &tenants[t], &fp))
+                        .await
+                        .expect("claim");
+                    assert!(matches!(got, Claim::Acquired { .. }), "{got:?}");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("claiming task");
+    }
+    for (i, (tenant, n)) in tenants.iter().zip(claims_of).enumerate() {
+        let key = store.tenant_key_for(tenant);
+        let counted = redis.cmd(&["ZCARD", &key]).expect("ZCARD").text();
+        assert_eq!(counted.trim(), n.to_string(), "tenant {i}: {key}");
     }
 }
