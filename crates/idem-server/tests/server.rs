@@ -1759,6 +1759,62 @@ async fn one_tenant_cannot_take_another_tenants_handler_slots() {
     assert_eq!(shop.runs(), 8, "refused calls never ran");
 }
 
+/// Where the caller going away meets a tenant's share: the runs of a tenant whose callers
+/// went away (handed, with the handler slot their claim took, to tasks of their own)
+/// keep that tenant's share until they end. Meanwhile a new call of the tenant is
+/// refused and runs nothing; once they end, their outcomes are recorded (their keys
+/// replay) and the tenant runs new calls again.
+#[tokio::test(start_paused = true)]
+async fn detached_runs_keep_their_tenants_share_until_they_end() {
+    let settings = IdemSettings {
+        max_handlers_in_flight: 16,
+        ..IdemSettings::default()
+    };
+    let l = layer(MemoryStore::default(), &config_with(settings));
+    let (shop, svc) = in_process(&l);
+    let held: Vec<_> = (0..4)
+        .map(|i| {
+            let req = of_tenant(raw_create("gate", &format!("key-held-{i}")), "greedy");
+            spawn_call(&svc, req)
+        })
+        .collect();
+    eventually("the tenant's share running", || shop.runs() == 4).await;
+    for task in &held {
+        task.abort();
+    }
+    eventually("the runs detached", || l.handlers_detached() == 4).await;
+    assert_eq!(l.handlers_in_flight(), 4);
+
+    let more = call(&svc, of_tenant(raw_create("gate", "key-more"), "greedy")).await;
+    assert_eq!(
+        refused_by(&more, Code::ResourceExhausted, reason::OVERLOADED),
+        "tenant_handlers"
+    );
+    assert_eq!(shop.runs(), 4, "the refused call ran");
+
+    shop.open_gate(4);
+    eventually("the detached runs ended", || {
+        l.handlers_detached() == 0 && l.handlers_in_flight() == 0
+    })
+    .await;
+    for i in 0..4 {
+        let again = call(
+            &svc,
+            of_tenant(raw_create("gate", &format!("key-held-{i}")), "greedy"),
+        )
+        .await;
+        assert_eq!(status_of(&again).code(), Code::Ok);
+        assert!(again.replayed(), "key-held-{i} ran again");
+    }
+    let next = spawn_call(&svc, of_tenant(raw_create("gate", "key-more"), "greedy"));
+    eventually("the tenant's next call running", || shop.runs() == 5).await;
+    shop.open_gate(1);
+    let next = next.await.unwrap();
+    assert_eq!(status_of(&next).code(), Code::Ok);
+    assert!(!next.replayed());
+    assert_eq!(shop.runs(), 5);
+}
+
 #[tokio::test(start_paused = true)]
 async fn callers_that_cancel_cannot_run_more_handlers_than_max_detached_handlers() {
     let settings = IdemSettings {

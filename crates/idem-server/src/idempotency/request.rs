@@ -121,6 +121,25 @@ mod tests {
             "the one frame was copied"
         );
         assert_eq!(ended.fingerprint, one.fingerprint);
+        // Empty frames anywhere, many of them, change nothing: the body and fingerprint
+        // are the message's, and they count nothing against `maxRequestBytes`.
+        let empties: Vec<&'static [u8]> = std::iter::repeat_n(&[][..], 1000)
+            .chain([whole])
+            .chain(std::iter::repeat_n(&[][..], 1000))
+            .collect();
+        let padded = read_request(
+            body_of(&empties),
+            &headers,
+            &IdempotencyPolicy {
+                max_request_bytes: whole.len(),
+                ..policy
+            },
+            None,
+        )
+        .await
+        .unwrap();
+        assert_eq!(padded.body.as_ptr(), whole.as_ptr());
+        assert_eq!(padded.fingerprint, one.fingerprint);
         assert_eq!(one.fingerprint, many.fingerprint);
 
         let small = IdempotencyPolicy {
