@@ -1024,18 +1024,15 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
     ));
     t.json.push(report::round_trips(fresh_rt, replay_rt));
 
-    for (conc, calls) in [(1, calls1), (64, calls64)] {
-        store_pair(
-            t,
-            "RedisStore vs MemoryStore",
-            rounds,
-            calls,
-            conc,
-            &mem,
-            &red,
-        )
-        .await;
-    }
+    store_pairs(
+        t,
+        "RedisStore vs MemoryStore",
+        rounds,
+        (calls1, calls64),
+        &mem,
+        &red,
+    )
+    .await;
 }
 
 /// PostgreSQL (a private server on this machine: `fsync = off`, `pg_stat_statements`
@@ -1105,18 +1102,15 @@ async fn postgres(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
     ));
     t.json.push(report::statements(fresh, replay));
 
-    for (conc, calls) in [(1, calls1), (64, calls64)] {
-        store_pair(
-            t,
-            "PostgresStore vs MemoryStore",
-            rounds,
-            calls,
-            conc,
-            &mem,
-            &pgs,
-        )
-        .await;
-    }
+    store_pairs(
+        t,
+        "PostgresStore vs MemoryStore",
+        rounds,
+        (calls1, calls64),
+        &mem,
+        &pgs,
+    )
+    .await;
 }
 
 /// Redis Cluster (3 masters, 3 replicas, all on this machine) vs one Redis vs memory,
@@ -1241,6 +1235,20 @@ async fn store_pair(
     run_once(b, &ks).await;
     let p = replays(rounds, calls, conc, (a, b), ks, |_| {}).await;
     t.pair(&format!("server: replay, {name}"), conc, &p, "(reported)");
+}
+
+/// [`store_pair`] at 1 caller and at 64.
+async fn store_pairs(
+    t: &mut Table,
+    name: &str,
+    rounds: usize,
+    (calls1, calls64): (usize, usize),
+    a: &Running,
+    b: &Running,
+) {
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        store_pair(t, name, rounds, calls, conc, a, b).await;
+    }
 }
 
 /// 1,000 concurrent calls with one key (MemoryStore, WAIT policy): time until all have
