@@ -1754,8 +1754,12 @@ async fn one_tenant_cannot_take_another_tenants_handler_slots() {
     for t in other {
         assert_eq!(status_of(&t.await.unwrap()).code(), Code::Ok);
     }
-    eventually("every run ended", || l.handlers_in_flight() == 0).await;
-    assert_eq!(l.handlers_detached(), 0);
+    // A detached run gives its handler slot back as its future ends and its detached
+    // count just after, when its task ends: the two gauges are read one by one.
+    eventually("every run ended", || {
+        l.handlers_in_flight() == 0 && l.handlers_detached() == 0
+    })
+    .await;
     assert_eq!(shop.runs(), 8, "refused calls never ran");
 }
 
@@ -1981,6 +1985,11 @@ async fn cancelled_calls_behind_a_connection_limit_run_at_most_256_handlers_at_o
     assert_eq!(refused, 44);
     assert_eq!(l.handlers_in_flight(), 256);
     shop.open_gate(256);
-    eventually("the detached runs ended", || l.handlers_in_flight() == 0).await;
-    assert_eq!(l.handlers_detached(), 0);
+    // The handler slot is given back as the run's future ends, the detached count
+    // when its task ends just after (CI once read 2 still detached in between).
+    eventually("the detached runs ended", || {
+        l.handlers_in_flight() == 0 && l.handlers_detached() == 0
+    })
+    .await;
+    assert_eq!(shop.runs(), 256, "no run after the gate opened");
 }

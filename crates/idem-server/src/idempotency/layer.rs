@@ -504,6 +504,10 @@ impl<St: Store> IdempotencyLayer<St> {
     /// Handler runs in progress whose caller went away before it got its answer (they
     /// run on to record their outcome); while `idem.maxDetachedHandlers` of them run,
     /// new protected calls are refused.
+    ///
+    /// A detached run leaves [`handlers_in_flight`](Self::handlers_in_flight) as its
+    /// handler's future ends and this count just after, when its task ends: the two are
+    /// separate gauges, so a reader may see this one above the other for that moment.
     pub fn handlers_detached(&self) -> usize {
         self.shared.admission.detached_in_flight()
     }
