@@ -31,16 +31,19 @@ pub enum IdemDecision {
 
 /// Removes every [`DECISION_HEADER`] from `h` and returns the last valid one.
 pub(crate) fn take_decision(h: &mut HeaderMap) -> Option<IdemDecision> {
-    // One lookup: the entry's values are taken out together.
-    let http::header::Entry::Occupied(e) = h.entry(&DECISION) else {
-        return None;
-    };
-    let (_, values) = e.remove_entry_mult();
-    values.fold(None, |d, v| match v.as_bytes() {
+    // A read-only lookup first: `entry` would reserve room for an insert (and may grow
+    // the map) on every response, which almost never carries the header.
+    let values = h.get_all(&DECISION);
+    let mut values = values.iter().peekable();
+    values.peek()?;
+    let decision = values.fold(None, |d, v| match v.as_bytes() {
         b"store" => Some(IdemDecision::Store),
         b"release" => Some(IdemDecision::Release),
         _ => d,
-    })
+    });
+    // `remove` takes every value of the header out.
+    h.remove(&DECISION);
+    decision
 }
 
 /// What the response says about who made it.
@@ -117,6 +120,20 @@ mod tests {
         h.append(DECISION_HEADER, HeaderValue::from_static("bogus"));
         assert_eq!(take_decision(&mut h), Some(IdemDecision::Store));
         assert!(h.is_empty());
+        // The last value that says something wins; every value is taken out.
+        h.append(DECISION_HEADER, HeaderValue::from_static("store"));
+        h.append(DECISION_HEADER, HeaderValue::from_static("release"));
+        h.append(DECISION_HEADER, HeaderValue::from_static("bogus"));
+        h.insert("x-other", HeaderValue::from_static("kept"));
+        assert_eq!(take_decision(&mut h), Some(IdemDecision::Release));
+        assert_eq!(h.len(), 1);
+        // Values that say nothing are taken out too.
+        h.append(DECISION_HEADER, HeaderValue::from_static("bogus"));
+        assert_eq!(take_decision(&mut h), None);
+        assert!(!h.contains_key(DECISION_HEADER));
+        // No header: nothing changes.
+        assert_eq!(take_decision(&mut h), None);
+        assert_eq!(h.len(), 1);
     }
 
     #[test]
