@@ -16,7 +16,7 @@
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
 //! `profile-client-metrics` / `profile-client-no-policy` / `profile-client-tower` /
 //! `profile-server-bare` / `profile-server-metrics` /
-//! `profile-server-fresh` / `profile-server-replay` run only one side (2,000
+//! `profile-server-fresh` / `profile-server-redis-fresh` / `profile-server-replay` run only one side (2,000
 //! calls from tasks, one at a time unless `IDEM_PROFILE_CONCURRENCY` says more; no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
 //! multiplier, default 1.0), `IDEM_BENCH_SUBSCRIBER=none` (installs a global tracing
@@ -1378,12 +1378,25 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
 /// One side of a scenario, sequentially, for instruction-counting profilers.
 async fn profile(which: &str, calls: usize) {
     let idem_layer = || Some(IdempotencyLayer::new(memory_store(), &config()));
+    let mut redis_guard = None;
     let (server, layered) = match which {
         "client-bare" | "client-bare-key" | "client-layer" | "client-metrics"
         | "client-no-policy" | "client-tower" | "server-bare" => {
             (serve::<MemoryStore>(Duration::ZERO, None).await, false)
         }
         "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
+        "server-redis-fresh" => {
+            // Stopped when the profile ends, with its guard.
+            let redis = redis_guard.insert(
+                idem_test_support::redis::RedisServer::start()
+                    .expect("server-redis-fresh needs redis-server (scripts/setup-test-deps.sh)"),
+            );
+            let store = idem_redis::RedisStore::connect(redis.url())
+                .await
+                .expect("connect to the bench redis");
+            let layer = IdempotencyLayer::new(store, &config());
+            (serve(Duration::ZERO, Some(layer)).await, true)
+        }
         "server-metrics" => {
             // The provider lives as long as the process: the meter records into it.
             let prometheus = Box::leak(Box::new(idem_otel::prometheus::Prometheus::new()));
