@@ -16,7 +16,8 @@
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
 //! `profile-client-metrics` / `profile-client-no-policy` / `profile-client-tower` /
 //! `profile-server-bare` / `profile-server-metrics` /
-//! `profile-server-fresh` / `profile-server-redis-fresh` / `profile-server-replay` run only one side (2,000
+//! `profile-server-fresh` / `profile-server-redis-fresh` / `profile-server-postgres-fresh` /
+//! `profile-server-replay` run only one side (2,000
 //! calls from tasks, one at a time unless `IDEM_PROFILE_CONCURRENCY` says more; no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
 //! multiplier, default 1.0), `IDEM_BENCH_SUBSCRIBER=none` (installs a global tracing
@@ -1379,6 +1380,7 @@ async fn retry(t: &mut Table, rounds: usize, calls: usize) {
 async fn profile(which: &str, calls: usize) {
     let idem_layer = || Some(IdempotencyLayer::new(memory_store(), &config()));
     let mut redis_guard = None;
+    let mut pg_guard = None;
     let (server, layered) = match which {
         "client-bare" | "client-bare-key" | "client-layer" | "client-metrics"
         | "client-no-policy" | "client-tower" | "server-bare" => {
@@ -1394,6 +1396,21 @@ async fn profile(which: &str, calls: usize) {
             let store = idem_redis::RedisStore::connect(redis.url())
                 .await
                 .expect("connect to the bench redis");
+            let layer = IdempotencyLayer::new(store, &config());
+            (serve(Duration::ZERO, Some(layer)).await, true)
+        }
+        "server-postgres-fresh" => {
+            // Stopped when the profile ends, with its guard; the store as the
+            // `postgres` rows build it.
+            let pg = pg_guard.insert(
+                idem_test_support::postgres::PostgresServer::start()
+                    .expect("server-postgres-fresh needs PostgreSQL (scripts/setup-test-deps.sh)"),
+            );
+            let store = idem_postgres::PostgresStore::builder(pg.url())
+                .no_sweep()
+                .connect()
+                .await
+                .expect("connect to the bench PostgreSQL");
             let layer = IdempotencyLayer::new(store, &config());
             (serve(Duration::ZERO, Some(layer)).await, true)
         }
