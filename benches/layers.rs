@@ -985,19 +985,8 @@ async fn redis(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
         t.note("redis: SKIPPED (no redis-server found)".into());
         return;
     };
-    let store = idem_redis::RedisStore::connect(redis.url())
-        .await
-        .expect("connect to the bench redis");
-    let mem = serve(
-        Duration::ZERO,
-        Some(IdempotencyLayer::new(memory_store(), &config())),
-    )
-    .await;
-    let red = serve(
-        Duration::ZERO,
-        Some(IdempotencyLayer::new(store, &config())),
-    )
-    .await;
+    let mem = serve(Duration::ZERO, layer_of(memory_store())).await;
+    let red = serve(Duration::ZERO, layer_of(redis_store(&redis.url()).await)).await;
 
     // Round trips: sequential calls, commands counted by Redis.
     const RT: usize = 200;
@@ -1055,17 +1044,8 @@ async fn postgres(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
         .execute("CREATE EXTENSION pg_stat_statements")
         .await
         .expect("pg_stat_statements");
-    let store = idem_postgres::PostgresStore::builder(pg.url())
-        .no_sweep()
-        .connect()
-        .await
-        .expect("connect to the bench PostgreSQL");
     let mem = serve(Duration::ZERO, layer_of(memory_store())).await;
-    let pgs = serve(
-        Duration::ZERO,
-        Some(IdempotencyLayer::new(store, &config())),
-    )
-    .await;
+    let pgs = serve(Duration::ZERO, layer_of(postgres_store(&pg.url()).await)).await;
 
     // Statements: sequential calls, counted by PostgreSQL (the bench's own queries to
     // pg_stat_statements left out).
@@ -1125,9 +1105,7 @@ async fn redis_cluster(t: &mut Table, rounds: usize, calls1: usize, calls64: usi
         t.note("redis-cluster: SKIPPED (no redis-server or redis-cli found)".into());
         return;
     };
-    let single_store = idem_redis::RedisStore::connect(single.url())
-        .await
-        .expect("connect to the bench redis");
+    let single_store = redis_store(&single.url()).await;
     let cluster_store = |prefix: &'static str, acks: bool| {
         let mut b = idem_redis::RedisStore::cluster_builder(cluster.urls()).key_prefix(prefix);
         if acks {
@@ -1159,8 +1137,25 @@ async fn redis_cluster(t: &mut Table, rounds: usize, calls1: usize, calls64: usi
     }
 }
 
-fn layer_of(s: MemoryStore) -> Option<IdempotencyLayer<MemoryStore>> {
+fn layer_of<St: idem_store::Store>(s: St) -> Option<IdempotencyLayer<St>> {
     Some(IdempotencyLayer::new(s, &config()))
+}
+
+/// The Redis store the bench measures, on the server at `url`.
+async fn redis_store(url: &str) -> idem_redis::RedisStore {
+    idem_redis::RedisStore::connect(url)
+        .await
+        .expect("connect to the bench redis")
+}
+
+/// The PostgreSQL store the bench measures (its defaults, a pool of 10, no sweep while
+/// measuring), on the server at `url`.
+async fn postgres_store(url: &str) -> idem_postgres::PostgresStore {
+    idem_postgres::PostgresStore::builder(url)
+        .no_sweep()
+        .connect()
+        .await
+        .expect("connect to the bench PostgreSQL")
 }
 
 /// Fresh keys on server `b` against server `a` (baseline), `rounds` alternating rounds.
@@ -1393,26 +1388,17 @@ async fn profile(which: &str, calls: usize) {
                 idem_test_support::redis::RedisServer::start()
                     .expect("server-redis-fresh needs redis-server (scripts/setup-test-deps.sh)"),
             );
-            let store = idem_redis::RedisStore::connect(redis.url())
-                .await
-                .expect("connect to the bench redis");
-            let layer = IdempotencyLayer::new(store, &config());
-            (serve(Duration::ZERO, Some(layer)).await, true)
+            let store = redis_store(&redis.url()).await;
+            (serve(Duration::ZERO, layer_of(store)).await, true)
         }
         "server-postgres-fresh" => {
-            // Stopped when the profile ends, with its guard; the store as the
-            // `postgres` rows build it.
+            // Stopped when the profile ends, with its guard.
             let pg = pg_guard.insert(
                 idem_test_support::postgres::PostgresServer::start()
                     .expect("server-postgres-fresh needs PostgreSQL (scripts/setup-test-deps.sh)"),
             );
-            let store = idem_postgres::PostgresStore::builder(pg.url())
-                .no_sweep()
-                .connect()
-                .await
-                .expect("connect to the bench PostgreSQL");
-            let layer = IdempotencyLayer::new(store, &config());
-            (serve(Duration::ZERO, Some(layer)).await, true)
+            let store = postgres_store(&pg.url()).await;
+            (serve(Duration::ZERO, layer_of(store)).await, true)
         }
         "server-metrics" => {
             // The provider lives as long as the process: the meter records into it.

@@ -33,8 +33,7 @@ pub enum IdemDecision {
 pub(crate) fn take_decision(h: &mut HeaderMap) -> Option<IdemDecision> {
     // A read-only lookup first: `entry` would reserve room for an insert (and may grow
     // the map) on every response, which almost never carries the header.
-    let values = h.get_all(&DECISION);
-    let mut values = values.iter().peekable();
+    let mut values = h.get_all(&DECISION).iter().peekable();
     values.peek()?;
     let decision = values.fold(None, |d, v| match v.as_bytes() {
         b"store" => Some(IdemDecision::Store),
