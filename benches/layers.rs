@@ -7,7 +7,7 @@
 //! so drift on a shared machine hits both sides of a ratio alike.
 //!
 //! Arguments (after `--`): words that pick scenarios by substring of their section name
-//! (`client`, `server`, `replay`, `redis`, `cluster`, `postgres`, `dup`, `retry`, `metrics`,
+//! (`client`, `server`, `floor`, `replay`, `redis`, `cluster`, `postgres`, `dup`, `retry`, `metrics`,
 //! `peer`);
 //! none runs all.
 //! `IDEM_BENCH_JSON=FILE` also writes the rows to FILE as JSON, and `table FILE...`
@@ -16,7 +16,7 @@
 //! `profile-client-bare` / `profile-client-bare-key` / `profile-client-layer` /
 //! `profile-client-metrics` / `profile-client-no-policy` / `profile-client-tower` /
 //! `profile-server-bare` / `profile-server-metrics` /
-//! `profile-server-fresh` / `profile-server-redis-fresh` / `profile-server-postgres-fresh` /
+//! `profile-server-fresh` / `profile-server-floor` / `profile-server-redis-fresh` / `profile-server-postgres-fresh` /
 //! `profile-server-replay` run only one side (2,000
 //! calls from tasks, one at a time unless `IDEM_PROFILE_CONCURRENCY` says more; no table), for `valgrind --tool=callgrind` instruction counts (BENCHMARKS.md).
 //! Environment: `IDEM_BENCH_ROUNDS` (default 7), `IDEM_BENCH_SCALE` (calls per run
@@ -27,6 +27,8 @@
 //!
 //! See BENCHMARKS.md for the numbers from the project's machine and what they mean.
 
+#[path = "layers/floor.rs"]
+mod floor;
 #[path = "layers/peer.rs"]
 mod peer;
 #[path = "layers/report.rs"]
@@ -143,20 +145,8 @@ impl Running {
 
 /// Serves `Orders` (with `spin` of work per call), behind `layer` if given.
 async fn serve<St: Store>(spin: Duration, layer: Option<IdempotencyLayer<St>>) -> Running {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let shop = Shop {
-        spin,
-        runs: runs.clone(),
-    };
-    let shop = create_only(move |req| std::future::ready(shop.create(req)));
-    // As `Server::serve(addr)` does by default: TCP_NODELAY on accepted sockets
-    // (`serve_with_incoming` ignores the builder's `tcp_nodelay`, so set it here).
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind 127.0.0.1:0");
-    let addr = listener.local_addr().expect("local addr");
-    let incoming = TcpIncoming::from(listener)
-        .with_nodelay(Some(std::env::var_os("IDEM_BENCH_NAGLE").is_none()));
+    let (shop, runs) = shop(spin);
+    let (incoming, addr) = listen().await;
     let (stop, stopped) = oneshot::channel::<()>();
     let shutdown = async {
         let _ = stopped.await;
@@ -171,12 +161,66 @@ async fn serve<St: Store>(spin: Duration, layer: Option<IdempotencyLayer<St>>) -
             tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
         }
     }
-    let running = Running {
+    warmed_up(Running {
         addr,
         runs,
         _stop: stop,
+    })
+    .await
+}
+
+/// Serves `Orders` (with `spin` of work per call) behind the [`floor::FloorLayer`].
+async fn serve_floor(spin: Duration) -> Running {
+    let (shop, runs) = shop(spin);
+    let (incoming, addr) = listen().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = async {
+        let _ = stopped.await;
     };
-    // Connect and warm up once, so no run pays the handshake.
+    let router = Server::builder()
+        .layer(floor::FloorLayer::default())
+        .add_service(shop);
+    tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+    warmed_up(Running {
+        addr,
+        runs,
+        _stop: stop,
+    })
+    .await
+}
+
+/// The `Orders` service of every server, and its count of handler runs.
+fn shop(
+    spin: Duration,
+) -> (
+    shop::orders_server::OrdersServer<impl shop::orders_server::Orders>,
+    Arc<AtomicUsize>,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let shop = Shop {
+        spin,
+        runs: runs.clone(),
+    };
+    (
+        create_only(move |req| std::future::ready(shop.create(req))),
+        runs,
+    )
+}
+
+/// A listener on 127.0.0.1, with TCP_NODELAY on accepted sockets as `Server::serve(addr)`
+/// sets by default (`serve_with_incoming` ignores the builder's `tcp_nodelay`).
+async fn listen() -> (TcpIncoming, SocketAddr) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1:0");
+    let addr = listener.local_addr().expect("local addr");
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(std::env::var_os("IDEM_BENCH_NAGLE").is_none()));
+    (incoming, addr)
+}
+
+/// Connects and warms up once, so no run pays the handshake.
+async fn warmed_up(running: Running) -> Running {
     let _ = running
         .client()
         .create_order(order(Some(&fresh_key())))
@@ -609,6 +653,9 @@ fn main() {
         if wants("server-fresh") {
             server_fresh(&mut t, rounds, n(3000), n(20000)).await;
         }
+        if wants("server-floor") {
+            server_floor(&mut t, rounds, n(3000), n(20000)).await;
+        }
         if wants("server-replay") {
             server_replay(&mut t, rounds, n(3000), n(20000)).await;
         }
@@ -951,6 +998,38 @@ async fn server_fresh(t: &mut Table, rounds: usize, calls1: usize, calls64: usiz
             };
             t.pair(name, conc, &p, &target);
         }
+    }
+}
+
+/// The [`floor::FloorLayer`] (the least work a layer with idem's promise does per fresh
+/// call, written plainly) vs bare, and idem's layer on the memory store vs that floor:
+/// how much of the server's fresh-call cost any buffering layer pays on tonic's types,
+/// and how much is idem's own.
+async fn server_floor(t: &mut Table, rounds: usize, calls1: usize, calls64: usize) {
+    let bare = serve::<MemoryStore>(Duration::ZERO, None).await;
+    let floor = serve_floor(Duration::ZERO).await;
+    let idem = serve(Duration::ZERO, layer_of(memory_store())).await;
+    for (conc, calls) in [(1, calls1), (64, calls64)] {
+        let before = (floor.runs(), idem.runs());
+        let p = fresh_keys(rounds, calls, conc, &bare, &floor).await;
+        t.pair(
+            "server: fresh keys, floor layer vs bare",
+            conc,
+            &p,
+            "(reported)",
+        );
+        let p = fresh_keys(rounds, calls, conc, &floor, &idem).await;
+        t.pair(
+            "server: fresh keys, MemoryStore vs floor layer",
+            conc,
+            &p,
+            "(reported)",
+        );
+        assert_eq!(
+            (floor.runs() - before.0, idem.runs() - before.1),
+            (2 * rounds * calls, rounds * calls),
+            "every fresh key ran once"
+        );
     }
 }
 
@@ -1382,6 +1461,7 @@ async fn profile(which: &str, calls: usize) {
             (serve::<MemoryStore>(Duration::ZERO, None).await, false)
         }
         "server-fresh" | "server-replay" => (serve(Duration::ZERO, idem_layer()).await, true),
+        "server-floor" => (serve_floor(Duration::ZERO).await, true),
         "server-redis-fresh" => {
             // Stopped when the profile ends, with its guard.
             let redis = redis_guard.insert(

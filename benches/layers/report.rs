@@ -35,6 +35,11 @@ const STABLE: &[(&str, &str)] = &[
         "server: fresh keys, MemoryStore vs bare",
         "server_fresh_memory",
     ),
+    ("server: fresh keys, floor layer vs bare", "server_floor"),
+    (
+        "server: fresh keys, MemoryStore vs floor layer",
+        "server_fresh_vs_floor",
+    ),
     (
         "server: replay (50 µs busy-spin handler) vs bare",
         "server_replay",
