@@ -37,7 +37,7 @@ use idem_test_support::shop;
 
 use std::future::Future;
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -122,7 +122,10 @@ struct Python {
 /// The venv's Python with grpcio, or `None` (after saying so) when it is missing outside
 /// CI. In CI (`CI` set) a missing venv fails the test.
 async fn python() -> Option<Python> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The directory cargo gives the test when it runs it (a test binary reused from a
+    // build in another checkout carries that checkout's path).
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
     let exe = root.join(".venv/bin/python");
     let dir = root.join("tests/interop");
     let usable = exe.is_file() && {

@@ -6,7 +6,11 @@ use std::process::{Command, Output, Stdio};
 
 /// The workspace root: the tests run `idem` from there, as the README does.
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    // The directory cargo gives the test when it runs it: a test binary reused from a
+    // build in another checkout of the same tree carries that checkout's path.
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("../..")
 }
 
 fn idem(args: &[&str], stdin: Option<&[u8]>) -> Output {
@@ -36,8 +40,8 @@ fn stderr(o: &Output) -> String {
 }
 
 fn fixture(name: &str) -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+    root()
+        .join("crates/idem-cli/tests/fixtures")
         .join(name)
         .to_string_lossy()
         .into_owned()

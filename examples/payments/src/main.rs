@@ -72,7 +72,11 @@ impl Payments for Arc<Ledger> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let config_path = concat!(env!("CARGO_MANIFEST_DIR"), "/service_config.json");
+    // Found from the example's manifest: the directory `cargo run` gives it, else the
+    // one it was built in.
+    let dir = std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
+    let config_path = format!("{dir}/service_config.json");
     let config = ServiceConfig::from_file(config_path)?;
     let descriptors = Arc::new(Descriptors::from_file_descriptor_set(DESCRIPTOR_SET)?);
 
