@@ -3,8 +3,10 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{HeaderValue, Request, Response};
 use idem_core::config::InFlightPolicy;
 use idem_core::deadline::scope_inbound_deadline;
@@ -261,9 +263,19 @@ impl<St: Store> Call<St> {
         self.outcome("fail_open");
         tracing::warn!(error = %e, scope = %self.short_scope(), "idempotency store failed; method is fail-open: running without a record");
         let (req, inbound) = request.into_request();
-        let resp = scope_inbound_deadline(inbound, inner.call(req)).await;
+        // A panic in the service (its `call` or its future) answers INTERNAL, as on a
+        // claimed run, instead of unwinding out of the layer.
+        let run =
+            AssertUnwindSafe(async move { scope_inbound_deadline(inbound, inner.call(req)).await });
+        let resp = run.catch_unwind().await;
         drop(slot);
-        resp.map(|r| r.map(Body::new))
+        match resp {
+            Ok(resp) => resp.map(|r| r.map(Body::new)),
+            Err(_) => {
+                tracing::error!("idempotent handler panicked (fail-open run, no record)");
+                Ok(status::handler_panicked().into_http())
+            }
+        }
     }
 
     /// Another claimant holds the record: abort, or wait for a change (up to the
@@ -354,8 +366,19 @@ impl<St: Store> Call<St> {
         fence: idem_store::Fence,
         bound: Bound,
     ) -> Response<Body> {
-        self.lease(fence).release(oneshot::channel().0).await;
+        self.give_back(fence).await;
         self.overloaded(bound)
+    }
+
+    /// Gives back the record this call claimed with `fence` and will not run, and waits
+    /// until the release has landed (or been given up). The release runs in a task of
+    /// its own: a caller that goes away meanwhile does not cancel it, which would leave
+    /// the key held, with no run behind it, until its lease ends.
+    async fn give_back(&self, fence: idem_store::Fence) {
+        let (landed, released) = oneshot::channel();
+        let release = self.lease(fence).release(landed);
+        drop(tokio::spawn(crate::drain::protect(release)));
+        let _ = released.await;
     }
 
     fn overloaded(&self, bound: Bound) -> Response<Body> {
@@ -381,7 +404,7 @@ impl<St: Store> Call<St> {
     /// only the fingerprint, it cannot run: give the record back and answer UNAVAILABLE
     /// with a short retry delay; the retry carries the request and runs.
     async fn ended_while_waiting(&self, fence: idem_store::Fence) -> Response<Body> {
-        self.lease(fence).release(oneshot::channel().0).await;
+        self.give_back(fence).await;
         self.shared.stats.inc(Counter::ended_while_waiting);
         self.answer("in_progress_ended", status::in_progress_ended())
     }

@@ -366,8 +366,9 @@ async fn read_rest(mut body: Body, out: &mut Output) {
         let frame = match frame {
             Ok(f) => f,
             Err(status) => {
+                // Queued, not sent: the error is the response's end, which leaves once
+                // the outcome (a release) has landed, so a retry right after it runs.
                 out.failed(status);
-                out.forward.flush().await;
                 return;
             }
         };

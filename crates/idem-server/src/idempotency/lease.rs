@@ -115,7 +115,7 @@ impl<St: Store> Lease<St> {
             .store
             .complete(self.completion(outcome.clone(), ttl))
             .await;
-        match self.step(first) {
+        match self.step(first, false) {
             Step::Done(Err(Unrecorded::Failed(StoreError::Full(e))))
                 if matches!(outcome, StoredOutcome::Response(_)) =>
             {
@@ -130,7 +130,7 @@ impl<St: Store> Lease<St> {
                 let give_up = Instant::now() + self.retry_for;
                 let store = &self.store;
                 let op = || store.complete(self.completion(outcome.clone(), ttl));
-                match self.retry(e, give_up, op).await {
+                match self.retry(e, give_up, op, false).await {
                     Err(Unrecorded::Failed(StoreError::Full(e)))
                         if matches!(outcome, StoredOutcome::Response(_)) =>
                     {
@@ -159,9 +159,11 @@ impl<St: Store> Lease<St> {
         let (attempted, _) = oneshot::channel();
         let store = &self.store;
         let r = self
-            .settle(attempted, || {
-                store.complete(self.completion(StoredOutcome::NotRetained, ttl))
-            })
+            .settle(
+                attempted,
+                || store.complete(self.completion(StoredOutcome::NotRetained, ttl)),
+                false,
+            )
             .await;
         self.report(r, "completion", Counter::stored);
     }
@@ -181,17 +183,21 @@ impl<St: Store> Lease<St> {
     pub(crate) async fn release(self, attempted: oneshot::Sender<()>) {
         let (store, scope, fence) = (&self.store, self.record.scope(), self.record.fence());
         let (first, _) = oneshot::channel();
-        let r = self.settle(first, || store.release(scope, fence)).await;
+        let r = self
+            .settle(first, || store.release(scope, fence), true)
+            .await;
         let _ = attempted.send(());
         self.report(r, "release", Counter::released);
     }
 
     /// Runs `op` until it lands, retrying transient store failures with backoff for up
-    /// to `retry_for`; the renewal task keeps the lease meanwhile.
+    /// to `retry_for`; the renewal task keeps the lease meanwhile. `gone_is_landed`: see
+    /// [`retry`](Self::retry).
     async fn settle<F, Fut>(
         &self,
         attempted: oneshot::Sender<()>,
         mut op: F,
+        gone_is_landed: bool,
     ) -> Result<(), Unrecorded>
     where
         F: FnMut() -> Fut,
@@ -200,14 +206,15 @@ impl<St: Store> Lease<St> {
         let give_up = Instant::now() + self.retry_for;
         let r = op().await;
         let _ = attempted.send(());
-        match self.step(r) {
+        match self.step(r, false) {
             Step::Done(r) => r,
-            Step::Retry(e) => self.retry(e, give_up, op).await,
+            Step::Retry(e) => self.retry(e, give_up, op, gone_is_landed).await,
         }
     }
 
-    /// What an attempt's answer leaves to do.
-    fn step(&self, r: Result<(), StoreError>) -> Step {
+    /// What an attempt's answer leaves to do. `gone_is_landed`: this is a release retried
+    /// after a transient failure, so "no record at all" means the failed attempt landed.
+    fn step(&self, r: Result<(), StoreError>, gone_is_landed: bool) -> Step {
         match r {
             Ok(()) => Step::Done(Ok(())),
             // The record holds this fence but is no longer in flight: an earlier
@@ -215,6 +222,10 @@ impl<St: Store> Lease<St> {
             Err(StoreError::Fenced { presented, current }) if current == Some(presented) => {
                 Step::Done(Ok(()))
             }
+            // A release retried after a transient failure finds no record: the failed
+            // attempt had deleted it (only its reply was lost). A takeover would have
+            // left a record under a newer fence.
+            Err(StoreError::Fenced { current: None, .. }) if gone_is_landed => Step::Done(Ok(())),
             Err(StoreError::Fenced { .. }) => Step::Done(Err(Unrecorded::Fenced)),
             Err(StoreError::Unavailable(e)) => Step::Retry(e),
             Err(e) => Step::Done(Err(Unrecorded::Failed(e))),
@@ -222,12 +233,14 @@ impl<St: Store> Lease<St> {
     }
 
     /// Retries `op` after its attempt failed transiently with `e`, with backoff, until
-    /// it lands or `give_up` passes.
+    /// it lands or `give_up` passes. `gone_is_landed` (a release): an attempt that finds
+    /// no record at all counts as landed, since the failed attempt may have deleted it.
     async fn retry<F, Fut>(
         &self,
         mut e: Cause,
         give_up: Instant,
         mut op: F,
+        gone_is_landed: bool,
     ) -> Result<(), Unrecorded>
     where
         F: FnMut() -> Fut,
@@ -244,7 +257,7 @@ impl<St: Store> Lease<St> {
             self.stats.inc(Counter::record_retries);
             tokio::time::sleep(jittered).await;
             wait = (wait * 2).min(MAX_RETRY);
-            match self.step(op().await) {
+            match self.step(op().await, gone_is_landed) {
                 Step::Done(r) => return r,
                 Step::Retry(next) => e = next,
             }

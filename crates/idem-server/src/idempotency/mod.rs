@@ -174,7 +174,9 @@
 //!    `unrecorded`, logged at WARN with the scope). A response the store has no room
 //!    for is recorded as not retained.
 //! 9. **Store errors** → UNAVAILABLE (`STORE_UNAVAILABLE`), unless the method is
-//!    `failOpen`: then the handler runs without a record (logged, counted). A call that
+//!    `failOpen`: then the handler runs without a record (logged, counted; a panic in
+//!    its `call` or future answers INTERNAL, while its response stream is passed on as
+//!    is, as without the layer, and a caller that goes away cancels it). A call that
 //!    has seen its record in flight never runs on a store error, fail-open or not: it
 //!    answers UNAVAILABLE (`STORE_UNAVAILABLE`) with `google.rpc.RetryInfo`
 //!    (`abortRetryDelay`), and its retry replays the first run's outcome. A full store
