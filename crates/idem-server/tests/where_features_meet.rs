@@ -225,18 +225,45 @@ impl Gate {
     }
 }
 
-/// A memory store whose `complete` and `release` can be held until the test lets them
-/// through (a networked store's round trip, made as long as the test needs).
+/// A memory store whose `claim` answer, `complete` and `release` can be held until the
+/// test lets them through (a networked store's round trip, made as long as the test
+/// needs). A held claim has landed; only its answer waits.
 #[derive(Clone, Default)]
 struct Gated {
     inner: MemoryStore,
+    claim: Arc<Gate>,
     complete: Arc<Gate>,
     release: Arc<Gate>,
 }
 
 impl Store for Gated {
-    async fn claim(&self, req: ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.inner.claim(req).await
+    fn claim(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        let gate = self.claim.clone();
+        let inner = self.inner.clone();
+        let ClaimRequest {
+            scope,
+            tenant,
+            fingerprint,
+            claimant,
+            lease,
+        } = req;
+        let (scope, tenant, fingerprint) = (*scope, *tenant, *fingerprint);
+        async move {
+            let claimed = inner
+                .claim(ClaimRequest {
+                    scope: &scope,
+                    tenant: &tenant,
+                    fingerprint: &fingerprint,
+                    claimant,
+                    lease,
+                })
+                .await;
+            gate.pass().await;
+            claimed
+        }
     }
     async fn renew(&self, scope: &Scope, fence: Fence, lease: Duration) -> Result<(), StoreError> {
         self.inner.renew(scope, fence, lease).await
@@ -457,4 +484,51 @@ async fn a_fail_open_run_whose_handler_panics_answers_internal() {
     assert_eq!(answer.unwrap().status().code(), Code::Internal);
     assert_eq!(shop.runs(), 1);
     assert_eq!(l.handlers_in_flight(), 0);
+}
+
+/// A caller that goes away while its claim's answer is on its way back (a networked
+/// store's round trip; the claim has landed) does not leave its key held with no run
+/// behind it until the lease ends: the claim is sent again by the same claimant and the
+/// record it holds given back, so the key's retry runs at once.
+#[tokio::test(start_paused = true)]
+async fn a_caller_gone_while_its_claim_is_answered_leaves_the_key_free() {
+    let store = Gated::default();
+    let l = IdempotencyLayer::new(
+        store.clone(),
+        &config(IdempotencyPolicy::default(), IdemSettings::default()),
+    );
+    let shop = Shop::new();
+    let svc = l.layer(OrdersServer::new(shop.clone()));
+    store.claim.hold.store(true, Ordering::SeqCst);
+    let first = {
+        let svc = svc.clone();
+        tokio::spawn(
+            async move { collect(svc.oneshot(create_req("ok", KEY)).await.unwrap()).await },
+        )
+    };
+    store.claim.entered.notified().await;
+    assert!(
+        is_in_flight(&state(&store.inner, KEY).await),
+        "the claim landed before its answer was held"
+    );
+    // Its caller goes away while the answer is held.
+    first.abort();
+    let _ = first.await;
+    store.claim.hold.store(false, Ordering::SeqCst);
+    store.claim.open.add_permits(1);
+    settle().await;
+    let s = state(&store.inner, KEY).await;
+    assert!(
+        !is_in_flight(&s),
+        "the cancelled call's claim left its key in flight with no run behind it: {s:?}"
+    );
+    assert_eq!(shop.runs(), 0, "nothing ran for the cancelled call");
+    let t = Instant::now();
+    let retry = collect(svc.clone().oneshot(create_req("ok", KEY)).await.unwrap()).await;
+    assert_eq!(retry.status().code(), Code::Ok, "{:?}", retry.status());
+    assert!(
+        Instant::now() - t < Duration::from_secs(1),
+        "the retry waited"
+    );
+    assert_eq!(shop.runs(), 1);
 }

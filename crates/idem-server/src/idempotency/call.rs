@@ -213,14 +213,17 @@ impl<St: Store> Call<St> {
             claimant,
             lease: self.policy.lease_ttl,
         };
-        match self.shared.store.claim(request).await {
+        let pending = PendingClaim::new(&self.shared.store, request);
+        let claimed = match self.shared.store.claim(request).await {
             Err(StoreError::Unavailable(e)) => {
                 self.shared.stats.inc(Counter::store_errors);
                 tracing::debug!(error = %e, "claim failed; sending it again once");
                 self.shared.store.claim(request).await
             }
             r => r,
-        }
+        };
+        pending.answered();
+        claimed
     }
 
     /// The store could not claim: refuse (full, or fail closed), or run without a
@@ -407,5 +410,60 @@ impl<St: Store> Call<St> {
         self.give_back(fence).await;
         self.shared.stats.inc(Counter::ended_while_waiting);
         self.answer("in_progress_ended", status::in_progress_ended())
+    }
+}
+
+/// A claim on its way to the store. Dropped before its answer (the caller went away
+/// meanwhile), it may have landed with nobody left to run it: the key would stay held,
+/// with no run and no renewal, until its lease ended. So a task sends the claim again
+/// with the same claimant (the store answers a claimant's own re-claim with the fence
+/// it holds) and gives back a record that it finds acquired. Borrowed until then: a
+/// claim that is answered (every call's) copies nothing.
+struct PendingClaim<'a, St: Store> {
+    store: &'a St,
+    /// `None` once the claim was answered.
+    request: Option<ClaimRequest<'a>>,
+}
+
+impl<'a, St: Store> PendingClaim<'a, St> {
+    fn new(store: &'a St, request: ClaimRequest<'a>) -> Self {
+        PendingClaim {
+            store,
+            request: Some(request),
+        }
+    }
+
+    /// The claim was answered: its caller has what it needs.
+    fn answered(mut self) {
+        self.request = None;
+    }
+}
+
+impl<St: Store> Drop for PendingClaim<'_, St> {
+    fn drop(&mut self) {
+        let Some(r) = self.request.take() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let (scope, tenant, fingerprint) = (*r.scope, *r.tenant, *r.fingerprint);
+        let (claimant, lease) = (r.claimant, r.lease);
+        let give_back = async move {
+            let request = ClaimRequest {
+                scope: &scope,
+                tenant: &tenant,
+                fingerprint: &fingerprint,
+                claimant,
+                lease,
+            };
+            // Acquired: by the claim that was cut off (same fence), or by this one if
+            // that never reached the store. Anything else is not this claimant's.
+            if let Ok(Claim::Acquired { fence, .. }) = store.claim(request).await
+                && let Err(e) = store.release(&scope, fence).await
+            {
+                tracing::debug!(error = %e, fence, "a cancelled call's claim could not be given back; its record is left to its lease");
+            }
+        };
+        drop(runtime.spawn(crate::drain::protect(give_back)));
     }
 }

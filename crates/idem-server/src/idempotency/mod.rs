@@ -134,7 +134,10 @@
 //!    come, so the work is linear in the body however it is framed; decompressed
 //!    messages over `maxRequestBytes` → RESOURCE_EXHAUSTED. Requests that may take more
 //!    than about half a millisecond are read on tokio's blocking pool.
-//! 7. **Claim** the record:
+//! 7. **Claim** the record. A caller that goes away before the claim's answer is back
+//!    leaves nothing held: the claim is sent again by the same claimant from a task of
+//!    its own, and a record it finds acquired is given back. A refusal after the claim
+//!    (step 10) gives the record back from a task too.
 //!    - *acquired*: the handler runs in the caller's future, and in a task of its own
 //!      once that future is dropped (a caller that goes away does not cancel it), inside the inbound deadline scope
 //!      ([`scope_inbound_deadline`](idem_core::deadline::scope_inbound_deadline)) and a
