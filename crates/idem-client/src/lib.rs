@@ -87,7 +87,8 @@
 //!   started: the call ends at once with the last attempt's status. When the deadline
 //!   itself passes, whatever set it (tonic's `Request::set_timeout`, the inbound call, the
 //!   config), the caller gets DEADLINE_EXCEEDED with a report: before response headers
-//!   (also when tonic's channel timeout fires first) and while the response body streams
+//!   (also when tonic's channel timeout fires first, and while a retry or hedge waits for
+//!   a busy inner service to become ready) and while the response body streams
 //!   (the body ends with DEADLINE_EXCEEDED trailers; tonic servers do not enforce
 //!   `grpc-timeout` on streaming bodies).
 //! - **Pushback**: `grpc-retry-pushback-ms` ≥ 0 replaces the backoff exactly and resets the

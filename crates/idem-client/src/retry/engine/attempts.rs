@@ -356,10 +356,21 @@ impl Run {
             if let Some(wait) = wait.take() {
                 sleep(wait).await;
             }
-            if self.state.attempts > 0
-                && let Err(e) = poll_fn(|cx| svc.poll_ready(cx)).await
-            {
-                return Ok(self.answer(Attempt::Error(e.into()), CallOutcome::ServiceError));
+            if self.state.attempts > 0 {
+                // A service that stays busy (a full channel buffer, a rate limit) is
+                // waited for only until the deadline: the call ends there.
+                match ready_until(&mut svc, self.call.cx.deadline).await {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => {
+                        let e = Attempt::Error(e.into());
+                        return Ok(self.answer(e, CallOutcome::ServiceError));
+                    }
+                    None => {
+                        let attempt = self.call.expired(&self.ready);
+                        let attempt = attempt.unwrap_or(Attempt::Deadline);
+                        return Ok(self.answer(attempt, CallOutcome::Deadline));
+                    }
+                }
             }
             let (sent, started) = match self.attempt(&mut svc) {
                 Ok(sent) => sent,
@@ -505,4 +516,20 @@ async fn sleep(wait: Duration) {
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
     }
+}
+
+/// `svc` polled ready, or `None` once `deadline` passes first.
+pub(crate) async fn ready_until<S: Service<Req>>(
+    svc: &mut S,
+    deadline: Option<Instant>,
+) -> Option<Result<(), S::Error>> {
+    let Some(deadline) = deadline else {
+        return Some(poll_fn(|cx| svc.poll_ready(cx)).await);
+    };
+    let mut cut = std::pin::pin!(tokio::time::sleep_until(deadline));
+    poll_fn(|cx| match svc.poll_ready(cx) {
+        std::task::Poll::Ready(r) => std::task::Poll::Ready(Some(r)),
+        std::task::Poll::Pending => cut.as_mut().poll(cx).map(|()| None),
+    })
+    .await
 }

@@ -95,6 +95,8 @@ struct Race<'a> {
     timer: Option<Pin<Box<Sleep>>>,
     /// The next hedge is due and waits for the inner service to be ready.
     due: bool,
+    /// The call's deadline, while a due hedge waits for the service: the wait ends there.
+    cut: Option<Pin<Box<Sleep>>>,
     /// `waitForReady`: hedges the channel could not send, to send again (their indices).
     unsent: VecDeque<u32>,
     ready: ReadyWait,
@@ -150,6 +152,7 @@ where
         running: Vec::new(),
         timer: None,
         due: false,
+        cut: None,
         unsent: VecDeque::new(),
         ready: ReadyWait::default(),
         last_sent: None,
@@ -164,6 +167,8 @@ where
             Event::Ended(pos, received) => race.ended(pos, received),
             Event::Overflowed(hedge) => race.overflowed(hedge),
             Event::Due => race.due(),
+            // The service became ready only as the deadline passed: no hedge goes out.
+            Event::Ready if race.past_deadline() => race.due(),
             Event::Ready => {
                 race.send(&mut svc);
                 None
@@ -205,13 +210,27 @@ impl<'a> Race<'a> {
             return Poll::Ready(Event::Due);
         }
         if self.due {
-            return match svc.poll_ready(cx) {
-                Poll::Ready(Ok(())) => Poll::Ready(Event::Ready),
-                Poll::Ready(Err(e)) => Poll::Ready(Event::NotReady(e.into())),
-                Poll::Pending => Poll::Pending,
-            };
+            match svc.poll_ready(cx) {
+                Poll::Ready(Ok(())) => return Poll::Ready(Event::Ready),
+                Poll::Ready(Err(e)) => return Poll::Ready(Event::NotReady(e.into())),
+                Poll::Pending => {}
+            }
+            // A service that stays busy is waited for only until the deadline.
+            if let Some(deadline) = self.call.cx.deadline {
+                let cut = self
+                    .cut
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if cut.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Event::Due);
+                }
+            }
         }
         Poll::Pending
+    }
+
+    /// The call's deadline has passed.
+    fn past_deadline(&self) -> bool {
+        self.call.cx.deadline.is_some_and(|d| d <= Instant::now())
     }
 
     /// Sends the next hedge (or one the channel could not send before) on a ready
@@ -260,6 +279,7 @@ impl<'a> Race<'a> {
         self.state.sent += 1;
         self.report.sent();
         self.call.cx.shared.stats.attempt(index == 0);
+        self.call.cx.attempt_started();
         if index > 0 {
             tracing::debug!(hedge = index, "hedging");
         }
@@ -270,17 +290,21 @@ impl<'a> Race<'a> {
     /// the deadline still allow it. A hedge the channel could not send goes first,
     /// without asking the throttle again.
     fn due(&mut self) -> Option<Resp> {
-        if self.call.cx.deadline.is_some_and(|d| d <= Instant::now()) {
+        if self.past_deadline() {
             // The hedges running end at the deadline too; with none, the call ends now.
+            // No hedge waits for the service any more; one that did was cut by the
+            // deadline, not by the last hedge's failure.
+            let busy = std::mem::take(&mut self.due);
             self.state.frozen.get_or_insert(CallOutcome::Deadline);
             let waiting = !self.unsent.is_empty();
             self.unsent.clear();
             return self.running.is_empty().then(|| {
-                let last = match waiting {
-                    true => Attempt::Local(tonic::Status::deadline_exceeded(
+                let last = match (waiting, busy) {
+                    (true, _) => Attempt::Local(tonic::Status::deadline_exceeded(
                         "deadline exceeded while waiting for the channel to become ready",
                     )),
-                    false => self.last_failure.take().unwrap_or(Attempt::Deadline),
+                    (false, true) => Attempt::Deadline,
+                    (false, false) => self.last_failure.take().unwrap_or(Attempt::Deadline),
                 };
                 self.finish(last, CallOutcome::Deadline)
             });
@@ -500,6 +524,7 @@ where
     RB::Error: Into<BoxError>,
 {
     call.cx.shared.stats.attempt(true);
+    call.cx.attempt_started();
     let started = Instant::now();
     let attempt = call
         .receive(
