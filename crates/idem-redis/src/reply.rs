@@ -137,9 +137,10 @@ pub(crate) fn int(v: Option<Value>) -> Result<i64, StoreError> {
 
 pub(crate) fn fence(v: Option<Value>) -> Result<Fence, StoreError> {
     let i = int(v)?;
+    // The scripts compute fences in Lua numbers (doubles): exact below 2^53.
     Fence::try_from(i)
         .ok()
-        .filter(|f| *f > 0)
+        .filter(|f| *f > 0 && *f < (1 << 53) - 1)
         .ok_or_else(|| corrupt("fence out of range"))
 }
 

@@ -82,6 +82,9 @@ if not s then
 end
 local f = tonumber(r[2])
 if not f then return corrupt('record without a fence') end
+-- Past 2^53 - 1 a Lua number no longer grows by one: a takeover would hand out the
+-- fence it replaces.
+if f >= 9007199254740991 then return corrupt('fence out of range') end
 if s == 'r' then
   -- A tombstone exists only while the clock is behind its fence.
   if f + 1 > us then return take(f + 1, 0) end
@@ -119,6 +122,7 @@ local r = redis.call('HMGET', key, 's', 'f')
 if not r[1] then return {'F', -1} end
 local cur = tonumber(r[2])
 if not cur then return corrupt('record without a fence') end
+if cur >= 9007199254740991 then return corrupt('fence out of range') end
 "#;
 
 /// Checks that the record is in flight with fence `ARGV[1]`; on failure returns the

@@ -86,9 +86,13 @@ end
 local function t_admit(kif, kbz, kbh, member, lease, qin, qb, overhead, fresh, now)
   local scope = string.sub(member, 1, 32)
   if qin then
-    redis.call('ZREMRANGEBYSCORE', kif, '-inf', now)
-    if not redis.call('ZSCORE', kif, member) then
-      local n = redis.call('ZCARD', kif)
+    -- Reads only, before the record's first write: under maxmemory with noeviction,
+    -- Redis refuses a script at its first write that may grow memory only when nothing
+    -- was written before it, so pruning here (a write it allows) would let the whole
+    -- claim through. Entries whose lease ended count as gone.
+    local held = tonumber(redis.call('ZSCORE', kif, member))
+    if not held or held <= now then
+      local n = redis.call('ZCOUNT', kif, '(' .. dec(now), '+inf')
       if n >= qin then return {'FULL', n} end
     end
   end
@@ -100,6 +104,7 @@ local function t_admit(kif, kbz, kbh, member, lease, qin, qb, overhead, fresh, n
   end
   if qin then
     redis.call('ZADD', kif, now + lease, member)
+    redis.call('ZREMRANGEBYSCORE', kif, '-inf', now)
     t_keep(kif, lease + 1000)
   end
   if qb then t_charge(kbz, kbh, scope, overhead, now + 2 * lease, now) end
