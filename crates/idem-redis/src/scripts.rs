@@ -101,7 +101,9 @@ local l = tonumber(r[5])
 if not l then return corrupt('in-flight record without a lease') end
 if l > now then
   if r[4] == claimant then
-    local refused = admit(f, false, lease, now)
+    -- Its own record: counted again if its entry was pruned (a late renewal), never
+    -- refused for the count, and kept as long as the record's lease.
+    local refused = admit(f, false, math.max(l - now, lease), now, true)
     if refused then return refused end
     if now + lease > l then
       redis.call('HSET', key, 'l', dec(now + lease))

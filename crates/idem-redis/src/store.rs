@@ -399,7 +399,7 @@ impl Store for RedisStore {
                 .insert(req.scope, fence, *req.tenant, req.lease);
         } else if quota {
             match self
-                .account(req.tenant, req.scope, fence, req.lease, !takeover)
+                .account(req.tenant, req.scope, fence, req.lease, !takeover, false)
                 .await
             {
                 Ok(None) => {
@@ -448,7 +448,9 @@ impl Store for RedisStore {
         match &res {
             Ok(()) if self.has_tenant_quota() => {
                 if let Some(tenant) = self.backend.held.renewed(scope, fence, lease) {
-                    let _ = self.account(&tenant, scope, fence, lease, false).await;
+                    let _ = self
+                        .account(&tenant, scope, fence, lease, false, true)
+                        .await;
                 }
             }
             Err(StoreError::Fenced { .. }) => {

@@ -81,11 +81,12 @@ local function t_uncharge(kbz, kbh, scope)
 end
 -- An acquired claim: counted in flight (refused at qin unless already counted) and,
 -- with qb, charged its overhead (a fresh record of a scope not yet charged refused
--- when it does not fit). nil
+-- when it does not fit). `held`: the claimant already holds the record (its renewal,
+-- its own re-claim): counted whatever the count, never refused for it. nil
 -- when admitted, else the refusal reply.
-local function t_admit(kif, kbz, kbh, member, lease, qin, qb, overhead, fresh, now)
+local function t_admit(kif, kbz, kbh, member, lease, qin, qb, overhead, fresh, now, held)
   local scope = string.sub(member, 1, 32)
-  if qin then
+  if qin and not held then
     -- Reads only, before the record's first write: under maxmemory with noeviction,
     -- Redis refuses a script at its first write that may grow memory only when nothing
     -- was written before it, so pruning here (a write it allows) would let the whole
@@ -135,10 +136,11 @@ end
 
 /// Cluster (and renewals): `KEYS` the tenant's three keys; `ARGV`: member, lease ms,
 /// in-flight quota (`''` off), bytes quota (`''` off), overhead, `1` for a fresh
-/// record. Reply `{'OK'}`, `{'FULL', count}` or `{'FULLB', bytes}`.
+/// record, `1` for a record its claimant already holds (a renewal). Reply `{'OK'}`, `{'FULL', count}` or `{'FULLB', bytes}`.
 pub(crate) const ACCOUNT: &str = r#"
 local r = t_admit(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
-                  tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1', now_ms())
+                  tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1', now_ms(),
+                  ARGV[7] == '1')
 if r then return r end
 return {'OK'}
 "#;
@@ -162,15 +164,15 @@ return {'OK'}
 /// Single endpoint, before the claim script: `admit` on `KEYS[2..4]` with `ARGV[4]` the
 /// scope (raw), `ARGV[5..7]` the quotas and overhead.
 pub(crate) const CLAIM_ADMIT: &str = r#"
-local function admit(fence, fresh, lease, now)
+local function admit(fence, fresh, lease, now, held)
   return t_admit(KEYS[2], KEYS[3], KEYS[4], ARGV[4] .. struct.pack('>I8', fence), lease,
-                 tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), fresh, now)
+                 tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), fresh, now, held)
 end
 "#;
 
 /// Before the claim script alone: nothing to admit.
 pub(crate) const CLAIM_ADMIT_NONE: &str = r#"
-local function admit(fence, fresh, lease, now) return nil end
+local function admit(fence, fresh, lease, now, held) return nil end
 "#;
 
 /// The three keys of one tenant.
@@ -395,12 +397,14 @@ impl RedisStore {
         fence: Fence,
         lease: Duration,
         fresh: bool,
+        held: bool,
     ) -> Result<Option<StoreError>, StoreError> {
         let k = self.tenant_keys(tenant);
         let member = quota::member(scope, fence);
         let lease = Decimal::new(ms(lease));
         let [qin, qb, overhead] = &self.backend.quota_args;
         let fresh: &[u8] = if fresh { b"1" } else { b"0" };
+        let held: &[u8] = if held { b"1" } else { b"0" };
         let v = self
             .eval_keys(
                 &self.backend.scripts.t_account,
@@ -412,6 +416,7 @@ impl RedisStore {
                     qb.as_bytes(),
                     overhead.as_bytes(),
                     fresh,
+                    held,
                 ],
             )
             .await?;

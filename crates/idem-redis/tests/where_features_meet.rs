@@ -1,14 +1,17 @@
 //! Where the Redis store's features meet: a fence near the limit of Lua numbers and a
-//! takeover, and the tenant quota's bookkeeping under `maxmemory` with `noeviction`.
+//! takeover, the tenant quota's bookkeeping under `maxmemory` with `noeviction`, and
+//! the per-tenant in-flight quota and a claimant's re-claim after a late renewal.
 
 use std::time::Duration;
 
 use idem_redis::RedisStore;
 use idem_store::testing::completion;
 use idem_store::{
-    Claim, ClaimRequest, ClaimantId, Fingerprint, Scope, Store, StoreError, StoredOutcome, TenantId,
+    Claim, ClaimRequest, ClaimantId, Fingerprint, RecordState, Scope, Store, StoreError,
+    StoredOutcome, TenantId,
 };
 use idem_test_support::redis::RedisServer;
+use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(3600);
 
@@ -143,5 +146,65 @@ async fn a_full_redis_refuses_fresh_claims_with_the_default_tenant_quota() {
         acquired, 0,
         "fresh claims acquired (records written) past maxmemory with noeviction; keys \
          {keys_before} -> {keys_after}"
+    );
+}
+
+async fn acquired(store: &RedisStore, r: ClaimRequest<'_>) -> u64 {
+    match store.claim(r).await {
+        Ok(Claim::Acquired { fence, .. }) => fence,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// Polls (bounded) until the record's lease has ended on the server.
+async fn until_lease_ended(store: &RedisStore, scope: &Scope) {
+    let start = Instant::now();
+    loop {
+        match store.read_record(scope).await.unwrap() {
+            Some(info) => match info.state {
+                RecordState::InFlight { lease_until, .. } if lease_until > Instant::now() => {}
+                _ => return,
+            },
+            None => return,
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "lease never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A claimant's own re-claim (same claimant, lease live) is never refused for being
+/// full, also when its lease was renewed after it had run out (the renewal succeeds
+/// while nobody took over) and another claim of the tenant filled the quota meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimants_re_claim_after_a_late_renewal_is_not_refused_as_full() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = store(&redis, Some(1)).await;
+    let tenant = TenantId([8; 16]);
+    let fp = Fingerprint([2; 32]);
+    let me = ClaimantId::random();
+    let s1 = Scope(rand::random());
+    let f = acquired(
+        &store,
+        req(&s1, &tenant, &fp, me, Duration::from_millis(50)),
+    )
+    .await;
+    until_lease_ended(&store, &s1).await;
+    // Another call of the tenant: admitted (the ended lease no longer counts).
+    let s2 = Scope(rand::random());
+    acquired(&store, req(&s2, &tenant, &fp, ClaimantId::random(), TTL)).await;
+    // The late renewal succeeds: nobody took s1 over.
+    store.renew(&s1, f, TTL).await.unwrap();
+    // The claimant's own re-claim (a lost reply) gets its fence back.
+    let r = store
+        .claim(req(&s1, &tenant, &fp, me, Duration::from_millis(50)))
+        .await;
+    assert!(
+        matches!(r, Ok(Claim::Acquired { fence, takeover: false }) if fence == f),
+        "the claimant's own re-claim of a live lease: {r:?}"
     );
 }
