@@ -489,6 +489,16 @@ impl RedisCluster {
         if masters.len() != Self::MASTERS {
             return Err(format!("{} masters with slots", masters.len()));
         }
+        // The view `masters` reads knows every running replica as one: right after the
+        // cluster is made, a node can still list a replica as a master without slots
+        // (the slot owners agree already), and a test that counts masters saw 5.
+        let flagged = topology
+            .iter()
+            .filter(|n| n.master && running(n.port))
+            .count();
+        if flagged != Self::MASTERS {
+            return Err(format!("{flagged} running nodes flagged master"));
+        }
         for m in masters {
             let info = self.cmd(m.port, &["INFO", "replication"])?.text();
             if !info.contains("connected_slaves:1") || !info.contains("state=online") {
