@@ -519,7 +519,7 @@ async fn sleep(wait: Duration) {
 }
 
 /// `svc` polled ready, or `None` once `deadline` passes first.
-pub(crate) async fn ready_until<S: Service<Req>>(
+async fn ready_until<S: Service<Req>>(
     svc: &mut S,
     deadline: Option<Instant>,
 ) -> Option<Result<(), S::Error>> {
